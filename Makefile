@@ -1,0 +1,32 @@
+# The two set-up commands of the README: `make demo` and `make test`.
+# Each creates .venv when absent and installs vltrain with torch pinned to 2.13.0
+# (a CPU build where that is what pip finds; on GPU machines the same version's CUDA build).
+
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+TORCH_VERSION := 2.13.0
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test test-fast install clean
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q torch==$(TORCH_VERSION)
+	$(PY) -m pip install -q -e '.[test]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/vltrain demo
+
+test: $(STAMP)
+	$(PY) -m pytest -q
+
+test-fast: $(STAMP)
+	$(PY) -m pytest -q -m 'not slow'
+
+clean:
+	rm -rf $(VENV) build src/*.egg-info .pytest_cache

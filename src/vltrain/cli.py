@@ -1,0 +1,122 @@
+"""Command-line parsing only: each command calls one function of the package.
+
+Handlers take the parsed arguments and return an exit code. A :class:`UserError` (bad config,
+bad data, missing file) is printed as one clear message, never as a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from vltrain.errors import UserError
+
+
+def _handler(target: str):
+    def run(args: argparse.Namespace) -> int:
+        module, _, func = target.partition(":")
+        return getattr(importlib.import_module(module), func)(args)
+
+    return run
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="vltrain", description="Train vision-language models.")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    # vltrain train CONFIG [key=value ...]
+    t = sub.add_parser("train", help="train a model from a YAML config (torchrun-aware)")
+    t.add_argument("config", help="YAML config file")
+    t.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.lr=3e-4 data.batch_size=64")
+    t.set_defaults(func=_handler("vltrain.train:train_cli"))
+
+    d = sub.add_parser("demo", help="synthesize shapes, train a tokenizer and a model, evaluate, plot")
+    d.add_argument("--dir", default="runs/demo", help="run folder (default runs/demo)")
+    d.add_argument("--data", default="data/shapes", help="where the synthetic data goes (default data/shapes)")
+    d.add_argument("overrides", nargs="*", help="dotted overrides of configs/demo.yaml")
+    d.set_defaults(func=_handler("vltrain.demo:demo_cli"))
+
+    e = sub.add_parser("eval", help="retrieval metrics of a run's latest checkpoint or an exported model")
+    e.add_argument("path", help="a run folder or an exported model folder")
+    e.add_argument("--data", default=None, help="val source (default: the run's data.val)")
+    e.add_argument("overrides", nargs="*", help="dotted overrides")
+    e.set_defaults(func=_handler("vltrain.evaluate:eval_cli"))
+
+    x = sub.add_parser("export", help="write model.safetensors, the tokenizer and the config")
+    x.add_argument("run_dir")
+    x.add_argument("--out", required=True)
+    x.set_defaults(func=_handler("vltrain.export:export_cli"))
+
+    m = sub.add_parser("embed", help="normalized embeddings of images and texts from an exported model")
+    m.add_argument("model_dir")
+    m.add_argument("--images", nargs="*", default=[])
+    m.add_argument("--texts", nargs="*", default=[])
+    m.add_argument("--out", required=True, help=".npy file (images first, then texts)")
+    m.set_defaults(func=_handler("vltrain.export:embed_cli"))
+
+    # vltrain data ...
+    data = sub.add_parser("data", help="make, check and convert image-text data")
+    dsub = data.add_subparsers(dest="data_command", required=True, metavar="DATA_COMMAND")
+
+    s = dsub.add_parser("synth", help="write the synthetic 'shapes' dataset (images + JSONL manifests)")
+    s.add_argument("--out", required=True)
+    s.add_argument("--num", type=int, default=10000, help="training rows")
+    s.add_argument("--val", type=int, default=1000, help="validation rows (image-text pairs)")
+    s.add_argument("--text-only-fraction", type=float, default=0.0)
+    s.add_argument("--image-size", type=int, default=64)
+    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--workers", type=int, default=0, help="processes (0: all cores)")
+    s.set_defaults(func=_handler("vltrain.data.synth:synth_cli"))
+
+    v = dsub.add_parser("validate", help="check every row; exit 0 clean, 1 problems found, 2 usage error")
+    v.add_argument("sources", nargs="+", help="manifests (.jsonl/.csv/.tsv) or shard patterns")
+    v.add_argument("--json", action="store_true", help="machine-readable report on stdout")
+    v.add_argument("--max-problems", type=int, default=20, help="problems to print (default 20)")
+    v.add_argument("--tokenizer", default=None)
+    v.set_defaults(func=_handler("vltrain.data.validate:validate_cli"))
+
+    st = dsub.add_parser("stats", help="counts by modality, caption token lengths, image sizes")
+    st.add_argument("sources", nargs="+")
+    st.add_argument("--tokenizer", default=None)
+    st.add_argument("--json", action="store_true")
+    st.add_argument("--max-images", type=int, default=2000, help="images to measure (a sample, default 2000)")
+    st.set_defaults(func=_handler("vltrain.data.validate:stats_cli"))
+
+    sh = dsub.add_parser("shard", help="write img2dataset-style tar shards from a manifest")
+    sh.add_argument("manifest")
+    sh.add_argument("--out", required=True)
+    sh.add_argument("--shard-size", type=int, default=1000)
+    sh.set_defaults(func=_handler("vltrain.data.shards:shard_cli"))
+
+    a = dsub.add_parser("audit", help="check a run's consumed-id records: no duplicates, nothing lost")
+    a.add_argument("run_dir")
+    a.set_defaults(func=_handler("vltrain.data.audit:audit_cli"))
+
+    # vltrain tokenizer ...
+    tok = sub.add_parser("tokenizer", help="train or inspect tokenizers")
+    tsub = tok.add_subparsers(dest="tokenizer_command", required=True, metavar="TOKENIZER_COMMAND")
+    tt = tsub.add_parser("train", help="train a BPE or WordPiece tokenizer on a manifest's texts")
+    tt.add_argument("sources", nargs="+")
+    tt.add_argument("--out", required=True, help="tokenizer.json to write")
+    tt.add_argument("--vocab-size", type=int, default=4096)
+    tt.add_argument("--kind", choices=["bpe", "wordpiece"], default="bpe")
+    tt.set_defaults(func=_handler("vltrain.data.text:train_tokenizer_cli"))
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except UserError as e:
+        print(f"vltrain: error: {e}", file=sys.stderr)
+        return e.exit_code
+    except KeyboardInterrupt:
+        print("vltrain: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
