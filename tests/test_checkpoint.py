@@ -128,12 +128,12 @@ def test_layout_latest_keep_and_partial(tmp_path):
     job = Job(tmp_path, CheckpointConfig(every=1, keep=2))
     for s in range(1, 5):
         job.step()
-        job.ckpt.maybe_save(s, last=s == 4)
+        job.ckpt.maybe_save(s, final=s == 4)
     folder = tmp_path / "checkpoints"
     assert sorted(p.name for p in folder.iterdir()) == ["latest", "step-3", "step-4"]
     assert (folder / "latest").read_text().strip() == "step-4"
     assert {"state.json", "rank-0.json", "config.yaml", ".metadata"} <= {p.name for p in (folder / "step-4").iterdir()}
-    assert not job.ckpt.maybe_save(4, last=True)  # the end of a run at a saved step writes nothing twice
+    assert not job.ckpt.maybe_save(4, final=True)  # the end of a run at a saved step writes nothing twice
 
     # a crash mid-save leaves a temporary folder; a hand-made step folder without state is not complete
     (folder / ".tmp-step-5").mkdir()
@@ -150,7 +150,7 @@ def test_resume_settings(tmp_path):
     assert job.ckpt.resume("auto") is None
     assert job.ckpt.resume("never") is None
     job.step()
-    job.ckpt.maybe_save(1, last=True)
+    job.ckpt.maybe_save(1, final=True)
     assert job.ckpt.resolve("never") is None
     assert job.ckpt.resolve("auto").name == "step-1"
     assert job.ckpt.resolve(str(tmp_path / "run")).name == "step-1"
@@ -165,7 +165,7 @@ def test_resume_settings(tmp_path):
 def test_shape_mismatch_names_key_and_shapes(tmp_path):
     job = Job(tmp_path / "a", CheckpointConfig())
     job.step()
-    job.ckpt.maybe_save(1, last=True)
+    job.ckpt.maybe_save(1, final=True)
     wider = Job(tmp_path / "b", CheckpointConfig(), width=16)
     before = wider.params()
     with pytest.raises(UserError) as e:
@@ -178,7 +178,7 @@ def test_shape_mismatch_names_key_and_shapes(tmp_path):
 def test_refuses_code_in_the_index(tmp_path):
     job = Job(tmp_path, CheckpointConfig())
     job.step()
-    job.ckpt.maybe_save(1, last=True)
+    job.ckpt.maybe_save(1, final=True)
     marker = tmp_path / "pwned"
 
     class Evil:
@@ -233,7 +233,7 @@ def _run_phase(rank: int, root: str, phase: str) -> None:
         start = restored.step
     for s in range(start + 1, 8):
         job.step()
-        job.ckpt.maybe_save(s, last=s == 7)
+        job.ckpt.maybe_save(s, final=s == 7)
         if phase == "cut" and s == 5:
             return
     params = [p.full_tensor() if phase == "fsdp" else p for p in job.model.parameters()]  # collective

@@ -228,23 +228,25 @@ class _TensorsOnlyLoadPlanner(DefaultLoadPlanner):
         raise UserError(f"checkpoint entry {read_item.dest_index.fqn!r} is pickled data; refusing to load it")
 
 
+def check_shapes(source: str, saved: dict[str, tuple[int, ...]], wanted: dict[str, tuple[int, ...]]) -> None:
+    """Refuse weights that do not fit, naming the first key that differs and both shapes."""
+    hint = "was it written with another model preset, embed_dim, data.image_size or tokenizer?"
+    for key, shape in wanted.items():
+        if key not in saved:
+            raise UserError(f"{source} has no tensor {key!r} that this model needs ({hint})")
+        if tuple(saved[key]) != tuple(shape):
+            raise UserError(f"{source} does not fit this model: {key!r} has shape {list(saved[key])} there "
+                            f"but {list(shape)} here ({hint})")
+    for key in saved:
+        if key not in wanted:
+            raise UserError(f"{source} holds {key!r}, which this model does not have ({hint})")
+
+
 def _check_fits(path: Path, metadata: dcp_metadata.Metadata, targets: dict[str, torch.Tensor],
                 saved_keys: list[str]) -> None:
-    """Refuse a checkpoint that does not fit, naming the first key that differs and both shapes."""
-    saved = metadata.state_dict_metadata
-    for key, t in targets.items():
-        meta = saved.get(key)
-        if meta is None or not hasattr(meta, "size"):
-            raise UserError(f"checkpoint {path} has no tensor {key!r} that this run needs "
-                            "(was it written with another model preset, optimizer or frozen towers?)")
-        if tuple(meta.size) != tuple(t.shape):
-            raise UserError(f"checkpoint {path} does not fit this model: {key!r} has shape {list(meta.size)} "
-                            f"in the checkpoint but {list(t.shape)} here (was it written with another model "
-                            "preset, embed_dim, data.image_size or tokenizer?)")
-    for key in saved_keys:
-        if key not in targets:
-            raise UserError(f"checkpoint {path} holds {key!r}, which this run does not have "
-                            "(was it written with another model preset or optimizer?)")
+    index = metadata.state_dict_metadata
+    saved = {k: tuple(index[k].size) for k in saved_keys if hasattr(index.get(k), "size")}
+    check_shapes(f"checkpoint {path}", saved, {k: tuple(t.shape) for k, t in targets.items()})
 
 
 def _read_fitting(path: Path, targets: dict[str, torch.Tensor], saved_keys: list[str], no_dist: bool,
@@ -345,15 +347,19 @@ class Checkpointer:
     (the RNG generators, a per-rank data position) and are saved by each rank to its own JSON file;
     they are restored only when the world size is unchanged. Put the RNG state last in
     ``rank_states``: it is restored last, after everything that consumes randomness.
+    ``config_yaml`` and ``files`` (name -> source, e.g. the tokenizer) are copied into every
+    checkpoint, so that one checkpoint folder is enough to rebuild the model.
     """
 
     def __init__(self, cfg: CheckpointConfig, run_dir: str | Path, states: dict[str, Stateful],
-                 rank_states: dict[str, Stateful] | None = None, config_yaml: str = ""):
+                 rank_states: dict[str, Stateful] | None = None, config_yaml: str = "",
+                 files: dict[str, str | Path] | None = None):
         self.cfg = cfg
         self.folder = Path(run_dir) / cfg.folder
         self.states = states
         self.rank_states = rank_states or {}
         self.config_yaml = config_yaml
+        self.files = {name: Path(src) for name, src in (files or {}).items()}
         self.rank = dist.get_rank() if _dist() else 0
         self.world_size = dist.get_world_size() if _dist() else 1
         self._last_saved: int | None = None
@@ -365,17 +371,17 @@ class Checkpointer:
 
     # -- saving ------------------------------------------------------------------------------
 
-    def should_save(self, step: int, last: bool = False) -> bool:
+    def should_save(self, step: int, final: bool = False) -> bool:
         if step == self._last_saved:
             return False
-        return last or (self.cfg.every > 0 and step % self.cfg.every == 0)
+        return final or (self.cfg.every > 0 and step % self.cfg.every == 0)
 
-    def maybe_save(self, step: int, *, last: bool = False) -> bool:
+    def maybe_save(self, step: int, *, final: bool = False) -> bool:
         """Save if ``step`` is a multiple of ``checkpoint.every`` or the run's last; True if it did."""
-        if not self.should_save(step, last):
+        if not self.should_save(step, final):
             return False
         self.save(step)
-        if last:
+        if final:
             self.wait()
         return True
 
@@ -419,6 +425,8 @@ class Checkpointer:
             _write_atomic(tmp / STATE_FILE, json.dumps(state))
             if self.config_yaml:
                 _write_atomic(tmp / CONFIG_FILE, self.config_yaml)
+            for name, src in self.files.items():
+                shutil.copyfile(src, tmp / name)
         self._barrier()  # every rank's data and rank file is on disk
         if self.rank == 0:
             final = self.folder / f"step-{step}"
