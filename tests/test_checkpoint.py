@@ -23,6 +23,7 @@ from vltrain.checkpoint import (
     join_tensors,
     latest_checkpoint,
     load_model_weights,
+    read_tensors,
     split_tensors,
 )
 from vltrain.config import CheckpointConfig
@@ -203,6 +204,9 @@ def test_async_save_snapshots_the_state(tmp_path):
     fresh = toy_model()
     load_model_weights(find_checkpoint(tmp_path), fresh)
     assert np.array_equal(saved, torch.cat([p.detach().reshape(-1) for p in fresh.parameters()]).numpy())
+    weights = read_tensors(find_checkpoint(tmp_path), "model.")
+    assert torch.equal(weights["model.0.weight"], fresh[0].weight)
+    assert set(weights) == {f"model.{k}" for k in fresh.state_dict()}
 
 
 # ---------------------------------------------------------------------------------------------

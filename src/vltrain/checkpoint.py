@@ -309,6 +309,20 @@ def read_config_yaml(ckpt: Path) -> str:
     return (ckpt / CONFIG_FILE).read_text()
 
 
+def read_tensors(ckpt: Path, prefix: str = "") -> dict[str, torch.Tensor]:
+    """Every saved tensor whose key starts with ``prefix``, full and on CPU, in one process.
+
+    For inspection and for comparing runs (``model.`` for the weights, ``optimizer.`` for Adam's
+    moments), without building the model.
+    """
+    reader = SafeFileSystemReader(ckpt)
+    index = reader.read_metadata().state_dict_metadata
+    out = {k: torch.empty(tuple(m.size), dtype=m.properties.dtype) for k, m in index.items()
+           if k.startswith(prefix) and hasattr(m, "size")}
+    dcp.load(out, storage_reader=reader, planner=_TensorsOnlyLoadPlanner(), no_dist=True)
+    return out
+
+
 def load_model_weights(ckpt: Path, model: torch.nn.Module) -> None:
     """Load only the model's tensors, in one process, into a plain (unwrapped) model.
 
