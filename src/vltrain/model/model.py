@@ -146,11 +146,13 @@ class VLModel(nn.Module):
         keep = self.fusion is not None
         if n == b:
             return (tokens if keep else None), embeds, anchor
-        full_embeds = embeds.new_zeros(b, embeds.shape[1])
-        full_tokens = tokens.new_zeros((b, *tokens.shape[1:])) if keep else None
-        if n > 0:
-            full_embeds = full_embeds.index_copy(0, index, embeds)
-            full_tokens = full_tokens.index_copy(0, index, tokens) if keep else None
+        if n == 0:
+            # zeros that stay in the graph: a later gather-with-grad must run its backward on every rank
+            full_embeds = (0.0 * embeds[:1]).expand(b, -1)
+            full_tokens = (0.0 * tokens[:1]).expand(b, *tokens.shape[1:]) if keep else None
+            return full_tokens, full_embeds, anchor
+        full_embeds = embeds.new_zeros(b, embeds.shape[1]).index_copy(0, index, embeds)
+        full_tokens = tokens.new_zeros((b, *tokens.shape[1:])).index_copy(0, index, tokens) if keep else None
         return full_tokens, full_embeds, anchor
 
     def encode(self, pixels, input_ids, attention_mask, has_image, has_text) -> Encoded:
