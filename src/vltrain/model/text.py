@@ -113,10 +113,13 @@ class HFTextEncoder(nn.Module):
         return list(getattr(encoder, "layer", []))
 
     def set_checkpointing(self, enabled: bool) -> None:
+        # transformers 5 renamed gradient_checkpointing_* to activation_checkpointing_*
+        prefix = "activation" if hasattr(self.model, "activation_checkpointing_enable") else "gradient"
         if enabled:
-            self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        else:
-            self.model.gradient_checkpointing_disable()
+            kwargs = {f"{prefix}_checkpointing_kwargs": {"use_reentrant": False}}
+            getattr(self.model, f"{prefix}_checkpointing_enable")(**kwargs)
+        elif self.checkpointing:
+            getattr(self.model, f"{prefix}_checkpointing_disable")()
         self.checkpointing = enabled
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
