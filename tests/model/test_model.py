@@ -173,3 +173,14 @@ def test_itm_negatives_never_share_the_id_across_ranks():
             assert (neg_image[image_used] != ids[image_used]).all()
             seen.update(neg_text[text_used].tolist())
     assert len(seen) > 2  # the negatives do come from several samples, incl. other ranks' ones
+
+
+@pytest.mark.parametrize("model_name", MODELS)
+def test_bf16_autocast(model_name):
+    preset, loss = MODELS[model_name]
+    model = small_model(preset, **loss)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = model(**make_batch(4, has_image=[1, 0, 1, 1], weights=True))
+    out.loss.backward()
+    assert out.loss.dtype == torch.float32 and torch.isfinite(out.loss)
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters())
