@@ -139,10 +139,11 @@ def test_blocks_for_sharding_and_flops():
 
 
 def test_mlm_needs_a_mask_token():
+    from vltrain.errors import UserError
     from vltrain.model import build_model
     from vltrain.model.config import LossConfig, ModelConfig
 
-    with pytest.raises(ValueError, match="mask token"):
+    with pytest.raises(UserError, match="mask token"):
         build_model(ModelConfig(preset="tiny-albef", loss=LossConfig(mlm=1.0)), vocab_size=10, pad_id=0, mask_id=None,
                     image_size=32, max_text_length=8)
 
