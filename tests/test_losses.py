@@ -145,14 +145,19 @@ def _global_batch():
     )
 
 
-LOSSES = {"itc": dict(itc=1.0, siglip=0.0), "siglip": dict(itc=0.0, siglip=1.0)}
+LOSSES = {
+    "itc": (dict(itc=1.0, siglip=0.0), 4),
+    "siglip": (dict(itc=0.0, siglip=1.0), 4),
+    "itc-unequal-local-batches": (dict(itc=1.0, siglip=0.0), 3),  # dynamic batching: 3 rows + 5 rows
+    "siglip-unequal-local-batches": (dict(itc=0.0, siglip=1.0), 3),
+}
 
 
 def _equivalence_worker(rank, world):
     results = {}
-    for name, loss in LOSSES.items():
+    for name, (loss, split) in LOSSES.items():
         model = small_model(**loss)
-        out = model(**rows(_global_batch(), slice(4 * rank, 4 * rank + 4)))
+        out = model(**rows(_global_batch(), slice(0, split) if rank == 0 else slice(split, 8)))
         out.loss.backward()
         g = grads(model)
         for v in g.values():  # what DDP does: average over ranks
@@ -174,7 +179,7 @@ def two_rank_results():
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("objective", LOSSES)
 def test_two_ranks_equal_one_process_with_the_global_batch(objective, two_rank_results):
-    model = small_model(**LOSSES[objective])
+    model = small_model(**LOSSES[objective][0])
     out = model(**_global_batch())
     out.loss.backward()
     expected = grads(model)
