@@ -1,0 +1,268 @@
+"""Training and evaluation loaders: batches over epochs, an exact data position, the audit trail.
+
+``TrainLoader`` is what the trainer iterates: an endless stream of :class:`Batch` across epochs.
+Its position is the number of batches the trainer has *taken* (each ``next()``), not what the
+DataLoader workers prefetched, so a checkpoint taken after step k resumes at batch k+1 exactly.
+
+Worker randomness never depends on which worker loads a sample: each sample is loaded under a
+seed derived from (seed, rank, epoch, step, row), so any augmentation is reproduced on resume,
+whatever ``num_workers`` and whether workers persist across epochs.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, Dataset, get_worker_info
+
+from vltrain.data.audit import AuditLog
+from vltrain.data.batch import Batch
+from vltrain.data.config import DataConfig, SourceSpec
+from vltrain.data.sampler import DistributedBatchSampler
+
+
+def _sample_seed(seed: int, rank: int, epoch: int, step: int, row: int) -> int:
+    return int(np.random.SeedSequence([seed & 0xFFFF_FFFF, rank, epoch, step, row]).generate_state(1)[0])
+
+
+def _seed_all(seed: int) -> None:
+    torch.manual_seed(seed)
+    random.seed(seed)
+    np.random.seed(seed)
+
+
+class _SeededDataset(Dataset):
+    """Loads ``dataset[i]`` under a per-sample seed; keys are ``(index, seed)`` pairs."""
+
+    def __init__(self, dataset: Dataset) -> None:
+        self.dataset = dataset
+
+    def __len__(self) -> int:
+        return len(self.dataset)  # type: ignore[arg-type]
+
+    def __getitem__(self, key: tuple[int, int]) -> Any:
+        index, seed = key
+        if get_worker_info() is not None:
+            _seed_all(seed)
+            return self.dataset[index]
+        # In the main process the global generators belong to the trainer (dropout, masking):
+        # borrow them and give them back untouched.
+        py, npy = random.getstate(), np.random.get_state()
+        with torch.random.fork_rng(devices=[]):
+            _seed_all(seed)
+            try:
+                return self.dataset[index]
+            finally:
+                random.setstate(py)
+                np.random.set_state(npy)
+
+
+class _SeededBatches:
+    """The sampler's batches of the current epoch, each index paired with its sample seed."""
+
+    def __init__(self, sampler: DistributedBatchSampler) -> None:
+        self.sampler = sampler
+
+    def __len__(self) -> int:
+        return len(self.sampler)
+
+    def __iter__(self) -> Iterator[list[tuple[int, int]]]:
+        s = self.sampler
+        for step, batch in enumerate(s, start=s.consumed):
+            yield [(i, _sample_seed(s.seed, s.rank, s.epoch, step, row)) for row, i in enumerate(batch)]
+
+
+def _worker_init(seed: int, rank: int) -> Callable[[int], None]:
+    return lambda worker_id: _seed_all(_sample_seed(seed, rank, -1, -1, worker_id))
+
+
+class TrainLoader:
+    """Endless iterator of batches across epochs; ``state_dict`` is the trainer's data position."""
+
+    def __init__(
+        self,
+        dataset: Dataset,
+        sampler: DistributedBatchSampler,
+        *,
+        collate: Callable[[list], Batch],
+        num_workers: int = 0,
+        pin_memory: bool = False,
+        prefetch_factor: int = 2,
+        persistent_workers: bool = False,
+        bad_log: Any = None,
+        audit: AuditLog | None = None,
+    ) -> None:
+        self.sampler = sampler
+        self.bad_log, self.audit = bad_log, audit
+        self.samples_seen = 0
+        extra = {}
+        if num_workers > 0:
+            extra = dict(prefetch_factor=prefetch_factor, persistent_workers=persistent_workers,
+                         worker_init_fn=_worker_init(sampler.seed, sampler.rank))
+        self._loader = DataLoader(
+            _SeededDataset(dataset), batch_sampler=_SeededBatches(sampler), num_workers=num_workers,
+            pin_memory=pin_memory and torch.cuda.is_available(), collate_fn=collate, **extra,
+        )
+        self._it: Iterator[Batch] | None = None
+
+    @property
+    def epoch(self) -> int:
+        return self.sampler.epoch
+
+    @property
+    def step_in_epoch(self) -> int:
+        """Batches of the current epoch the trainer has taken."""
+        return self.sampler.consumed
+
+    def __len__(self) -> int:
+        """Batches in the current epoch."""
+        return len(self.sampler)
+
+    def __iter__(self) -> "TrainLoader":
+        return self
+
+    def __next__(self) -> Batch:
+        while True:
+            if self._it is None:
+                if self.sampler.consumed >= len(self.sampler):
+                    self.sampler.set_epoch(self.sampler.epoch + 1)
+                if self.audit is not None and self.sampler.consumed == 0:
+                    self.audit.epoch_header(self.sampler.epoch, self.sampler.plan())
+                self._it = iter(self._loader)
+            try:
+                batch = next(self._it)
+                break
+            except StopIteration:
+                self._it = None
+        epoch, step = self.sampler.epoch, self.sampler.consumed
+        self.sampler.mark_consumed()
+        self.samples_seen += len(batch)
+        if self.audit is not None:
+            self.audit.record(epoch, step, batch, self.sampler.plan().repeats[step])
+        if self.bad_log is not None:
+            self.bad_log.record(batch)
+        return batch
+
+    def state_dict(self) -> dict:
+        return {"sampler": self.sampler.state_dict(), "samples_seen": self.samples_seen}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Position the loader; the next ``next()`` returns the first batch the saved run never took."""
+        self.sampler.load_state_dict(state["sampler"])
+        self.samples_seen = int(state["samples_seen"])
+        self._it = None
+
+
+def source_weights(sources: str | list[SourceSpec]) -> list[float] | None:
+    """Per-source weights of a mixture (None for a single source: every row once per epoch)."""
+    if isinstance(sources, str) or len(sources) < 2:
+        return None
+    return [float(s.weight) for s in sources]
+
+
+def build_train_loader(
+    data_cfg: DataConfig,
+    dataset: Any,
+    *,
+    rank: int,
+    world_size: int,
+    seed: int,
+    run_dir: str | None,
+    collate: Callable[[list], Batch],
+) -> TrainLoader:
+    """The trainer's loader: ``dataset`` must offer ``table() -> SampleTable`` and ``ds[i]``."""
+    sampler = DistributedBatchSampler(
+        dataset.table(),
+        batch_size=data_cfg.batch_size,
+        rank=rank,
+        world_size=world_size,
+        seed=seed,
+        shuffle=data_cfg.shuffle,
+        remainder=data_cfg.remainder,
+        batching=data_cfg.batching,
+        token_budget=data_cfg.token_budget or data_cfg.batch_size * data_cfg.max_text_length // 2,
+        image_budget=data_cfg.image_budget or data_cfg.batch_size,
+        source_weights=source_weights(data_cfg.train),
+        epoch_size=getattr(data_cfg, "epoch_size", 0) or None,
+    )
+    bad_log = audit = None
+    if run_dir is not None:
+        from vltrain.data.badlog import BadSampleLog
+
+        bad_log = BadSampleLog(run_dir, data_cfg.max_bad_fraction)
+        if data_cfg.audit:
+            audit = AuditLog(run_dir, rank, world_size)
+    return TrainLoader(
+        dataset, sampler, collate=collate, num_workers=data_cfg.num_workers, pin_memory=data_cfg.pin_memory,
+        prefetch_factor=data_cfg.prefetch_factor, persistent_workers=data_cfg.persistent_workers,
+        bad_log=bad_log, audit=audit,
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# Evaluation
+
+
+class _Slice:
+    """Sequential batches over ``[start, start + count)``, stretched to ``steps`` batches.
+
+    Batches past the slice's end hold one padding row, a repeat of the slice's last row (row 0
+    of the dataset for an empty slice), so padding rows always come last.
+    """
+
+    def __init__(self, start: int, count: int, batch_size: int, steps: int) -> None:
+        self.start, self.count, self.batch_size, self.steps = start, count, batch_size, steps
+
+    def __len__(self) -> int:
+        return self.steps
+
+    def __iter__(self) -> Iterator[list[int]]:
+        pad = self.start + self.count - 1 if self.count else 0
+        for s in range(self.steps):
+            lo, hi = s * self.batch_size, min((s + 1) * self.batch_size, self.count)
+            yield list(range(self.start + lo, self.start + hi)) if hi > lo else [pad]
+
+
+@dataclass
+class EvalLoader:
+    """Sequential evaluation batches of one rank.
+
+    Each rank reads a contiguous slice of the dataset, ``[offset, offset + num_samples)``, and
+    every rank runs the same number of batches, so an evaluator that gathers embeddings never
+    waits on a rank that finished early. To get there, the last batches of short slices are
+    padded with one repeated row each: **keep only the first ``num_samples`` rows** of what this
+    rank produces (padding rows are always at the end).
+    """
+
+    loader: DataLoader
+    offset: int
+    num_samples: int
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+    def __iter__(self) -> Iterator[Batch]:
+        return iter(self.loader)
+
+
+def build_eval_loader(
+    data_cfg: DataConfig,
+    dataset: Any,
+    *,
+    rank: int,
+    world_size: int,
+    batch_size: int,
+    collate: Callable[[list], Batch],
+) -> EvalLoader:
+    n = len(dataset)
+    start, stop = rank * n // world_size, (rank + 1) * n // world_size
+    longest = -(-n // world_size)
+    steps = max(1, -(-longest // batch_size))
+    batches = _Slice(start, stop - start, batch_size, steps)
+    loader = DataLoader(dataset, batch_sampler=batches, num_workers=data_cfg.num_workers,
+                        pin_memory=data_cfg.pin_memory and torch.cuda.is_available(), collate_fn=collate)
+    return EvalLoader(loader, start, stop - start)
