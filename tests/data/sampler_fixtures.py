@@ -87,3 +87,46 @@ def collate(samples: list[dict], image_size: int = 4) -> Batch:
         attention_mask=mask,
         source=torch.tensor([s["source"] for s in samples], dtype=torch.long),
     )
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_ranks(fn, world_size: int, *args, timeout: float = 120.0) -> None:
+    """Run ``fn(rank, world_size, port, *args)`` in real processes joined by gloo; kill them past ``timeout``."""
+    import time
+
+    import torch.multiprocessing as mp
+
+    ctx = mp.start_processes(_rank_main, args=(fn, world_size, free_port(), args), nprocs=world_size,
+                             join=False, start_method="spawn")
+    deadline = time.monotonic() + timeout
+    try:
+        while not ctx.join(timeout=max(0.1, min(1.0, deadline - time.monotonic()))):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"ranks still running after {timeout}s (a hang)")
+    finally:
+        for p in ctx.processes:
+            if p.is_alive():
+                p.kill()
+
+
+def _rank_main(rank: int, fn, world_size: int, port: int, args) -> None:
+    import multiprocessing
+
+    import torch.distributed as dist
+
+    # Ranks started by torchrun fork their DataLoader workers; do the same here.
+    multiprocessing.set_start_method("fork", force=True)
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+    try:
+        fn(rank, world_size, *args)
+    finally:
+        dist.destroy_process_group()

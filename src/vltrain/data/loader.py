@@ -11,6 +11,7 @@ whatever ``num_workers`` and whether workers persist across epochs.
 
 from __future__ import annotations
 
+import functools
 import random
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
@@ -76,8 +77,9 @@ class _SeededBatches:
             yield [(i, _sample_seed(s.seed, s.rank, s.epoch, step, row)) for row, i in enumerate(batch)]
 
 
-def _worker_init(seed: int, rank: int) -> Callable[[int], None]:
-    return lambda worker_id: _seed_all(_sample_seed(seed, rank, -1, -1, worker_id))
+def _worker_init(seed: int, rank: int, worker_id: int) -> None:
+    """Seeds a worker's generators at start (loading reseeds per sample; this covers the rest)."""
+    _seed_all(int(np.random.SeedSequence([seed & 0xFFFF_FFFF, rank, worker_id], spawn_key=(1,)).generate_state(1)[0]))
 
 
 class TrainLoader:
@@ -102,10 +104,14 @@ class TrainLoader:
         extra = {}
         if num_workers > 0:
             extra = dict(prefetch_factor=prefetch_factor, persistent_workers=persistent_workers,
-                         worker_init_fn=_worker_init(sampler.seed, sampler.rank))
+                         worker_init_fn=functools.partial(_worker_init, sampler.seed, sampler.rank))
+        # DataLoader draws its workers' base seed from this generator; left to the global one,
+        # every new epoch would shift the trainer's random stream.
+        generator = torch.Generator().manual_seed(_sample_seed(sampler.seed, sampler.rank, 0, 0, 0))
         self._loader = DataLoader(
             _SeededDataset(dataset), batch_sampler=_SeededBatches(sampler), num_workers=num_workers,
-            pin_memory=pin_memory and torch.cuda.is_available(), collate_fn=collate, **extra,
+            pin_memory=pin_memory and torch.cuda.is_available(), collate_fn=collate, generator=generator,
+            **extra,
         )
         self._it: Iterator[Batch] | None = None
 
@@ -131,7 +137,7 @@ class TrainLoader:
                 if self.sampler.consumed >= len(self.sampler):
                     self.sampler.set_epoch(self.sampler.epoch + 1)
                 if self.audit is not None and self.sampler.consumed == 0:
-                    self.audit.epoch_header(self.sampler.epoch, self.sampler.plan())
+                    self.audit.epoch_header(self.sampler.epoch, self.sampler)
                 self._it = iter(self._loader)
             try:
                 batch = next(self._it)
