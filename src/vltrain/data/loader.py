@@ -26,8 +26,9 @@ from vltrain.data.config import DataConfig, SourceSpec
 from vltrain.data.sampler import DistributedBatchSampler
 
 
-def _sample_seed(seed: int, rank: int, epoch: int, step: int, row: int) -> int:
-    return int(np.random.SeedSequence([seed & 0xFFFF_FFFF, rank, epoch, step, row]).generate_state(1)[0])
+def _batch_seeds(seed: int, rank: int, epoch: int, step: int, rows: int) -> list[int]:
+    """One seed per row of a batch, from (seed, rank, epoch, step): independent of the workers."""
+    return np.random.SeedSequence([seed & 0xFFFF_FFFF, rank, epoch, step]).generate_state(rows).tolist()
 
 
 def _seed_all(seed: int) -> None:
@@ -74,7 +75,7 @@ class _SeededBatches:
     def __iter__(self) -> Iterator[list[tuple[int, int]]]:
         s = self.sampler
         for step, batch in enumerate(s, start=s.consumed):
-            yield [(i, _sample_seed(s.seed, s.rank, s.epoch, step, row)) for row, i in enumerate(batch)]
+            yield list(zip(batch, _batch_seeds(s.seed, s.rank, s.epoch, step, len(batch))))
 
 
 def _worker_init(seed: int, rank: int, worker_id: int) -> None:
@@ -107,7 +108,7 @@ class TrainLoader:
                          worker_init_fn=functools.partial(_worker_init, sampler.seed, sampler.rank))
         # DataLoader draws its workers' base seed from this generator; left to the global one,
         # every new epoch would shift the trainer's random stream.
-        generator = torch.Generator().manual_seed(_sample_seed(sampler.seed, sampler.rank, 0, 0, 0))
+        generator = torch.Generator().manual_seed(_batch_seeds(sampler.seed, sampler.rank, 0, 0, 1)[0])
         self._loader = DataLoader(
             _SeededDataset(dataset), batch_sampler=_SeededBatches(sampler), num_workers=num_workers,
             pin_memory=pin_memory and torch.cuda.is_available(), collate_fn=collate, generator=generator,
