@@ -12,8 +12,8 @@ import torch.distributed as dist
 from sampler_fixtures import TableDataset, collate, run_ranks, shapes_lengths, table, uid
 from vltrain.data.audit import AuditLog, audit_run
 from vltrain.data.budget import batch_tokens, padded_width
-from vltrain.data.config import DataConfig
-from vltrain.data.loader import TrainLoader, build_eval_loader
+from vltrain.data.config import DataConfig, SourceSpec
+from vltrain.data.loader import TrainLoader, build_eval_loader, build_train_loader
 from vltrain.data.sampler import DistributedBatchSampler
 
 
@@ -215,3 +215,16 @@ def test_eval_loader_contiguous_disjoint_slices_equal_batch_counts(n, world):
         kept += rows[: x.num_samples]
         assert rows[: x.num_samples] == [uid(i) for i in range(x.offset, x.offset + x.num_samples)]
     assert kept == [uid(i) for i in range(n)]
+
+
+def test_build_train_loader_reads_batching_and_source_weights_from_config():
+    n0, n1 = 30, 10
+    t = table(shapes_lengths(n0 + n1), has_image=[True] * n0 + [False] * n1, source=[0] * n0 + [1] * n1)
+    cfg = DataConfig(train=[SourceSpec("a.jsonl", 1.0), SourceSpec("b.jsonl", 3.0)], batching="budget",
+                     batch_size=8, num_workers=0, pin_memory=False)
+    loader = build_train_loader(cfg, TableDataset(t), rank=0, world_size=1, seed=0, run_dir=None, collate=collate)
+    s = loader.sampler
+    assert s.source_weights == [1.0, 3.0] and s.batching == "budget"
+    assert s.token_budget == 8 * 77 // 2 and s.image_budget == 8
+    sources = torch.cat([next(loader).source for _ in range(len(loader))])
+    assert len(sources) == n0 + n1 and int((sources == 1).sum()) == 30  # 3/4 of the epoch

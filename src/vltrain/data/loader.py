@@ -22,6 +22,7 @@ from torch.utils.data import DataLoader, Dataset, get_worker_info
 
 from vltrain.data.audit import AuditLog
 from vltrain.data.batch import Batch
+from vltrain.data.budget import padded_width
 from vltrain.data.config import DataConfig, SourceSpec
 from vltrain.data.sampler import DistributedBatchSampler
 
@@ -191,7 +192,8 @@ def build_train_loader(
         shuffle=data_cfg.shuffle,
         remainder=data_cfg.remainder,
         batching=data_cfg.batching,
-        token_budget=data_cfg.token_budget or data_cfg.batch_size * data_cfg.max_text_length // 2,
+        token_budget=data_cfg.token_budget or max(data_cfg.batch_size * data_cfg.max_text_length // 2,
+                                                  padded_width(data_cfg.max_text_length)),
         image_budget=data_cfg.image_budget or data_cfg.batch_size,
         source_weights=source_weights(data_cfg.train),
         epoch_size=getattr(data_cfg, "epoch_size", 0) or None,

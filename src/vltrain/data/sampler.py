@@ -96,7 +96,8 @@ class DistributedBatchSampler:
         self.rank, self.world_size, self.seed = rank, world_size, seed
         self.shuffle, self.remainder, self.batching = shuffle, remainder, batching
         # 0 means the config's defaults: half the positions of a full batch, one image per row.
-        self.token_budget = token_budget or batch_size * budget.padded_width(int(table.text_len.max())) // 2
+        widest = budget.padded_width(int(table.text_len.max()))
+        self.token_budget = token_budget or max(batch_size * widest // 2, widest)
         self.image_budget = image_budget or batch_size
         self.source_weights, self.epoch_size = source_weights, epoch_size
         self.epoch = 0
