@@ -224,7 +224,16 @@ def test_build_train_loader_reads_batching_and_source_weights_from_config():
                      batch_size=8, num_workers=0, pin_memory=False)
     loader = build_train_loader(cfg, TableDataset(t), rank=0, world_size=1, seed=0, run_dir=None, collate=collate)
     s = loader.sampler
-    assert s.source_weights == [1.0, 3.0] and s.batching == "budget"
-    assert s.token_budget == 8 * 77 // 2 and s.image_budget == 8
+    assert s.batching == "budget" and s.token_budget == 8 * 77 // 2 and s.image_budget == 8
+    # weights are per-row rates: the 10 text-only rows are read 3x as often as the 30 others
+    assert s.source_weights == [30.0, 30.0]
     sources = torch.cat([next(loader).source for _ in range(len(loader))])
-    assert len(sources) == n0 + n1 and int((sources == 1).sum()) == 30  # 3/4 of the epoch
+    assert len(sources) == n0 + n1 and int((sources == 1).sum()) == 20
+
+
+def test_equal_source_weights_read_every_row_once():
+    t = table(shapes_lengths(25), source=[0] * 15 + [1] * 10)
+    cfg = DataConfig(train=[SourceSpec("a.jsonl"), SourceSpec("b.jsonl")], batch_size=5, num_workers=0)
+    loader = build_train_loader(cfg, TableDataset(t), rank=0, world_size=1, seed=0, run_dir=None, collate=collate)
+    ids = [i for _ in range(len(loader)) for i in next(loader).ids.tolist()]
+    assert sorted(ids) == sorted(uid(i) for i in range(25))

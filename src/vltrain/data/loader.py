@@ -25,6 +25,7 @@ from vltrain.data.batch import Batch
 from vltrain.data.budget import padded_width
 from vltrain.data.config import DataConfig, SourceSpec
 from vltrain.data.sampler import DistributedBatchSampler
+from vltrain.data.table import SampleTable
 
 
 def _batch_seeds(seed: int, rank: int, epoch: int, step: int, rows: int) -> list[int]:
@@ -165,11 +166,18 @@ class TrainLoader:
         self._it = None
 
 
-def source_weights(sources: str | list[SourceSpec]) -> list[float] | None:
-    """Per-source weights of a mixture (None for a single source: every row once per epoch)."""
+def source_shares(sources: str | list[SourceSpec], table: SampleTable) -> list[float] | None:
+    """Each source's share of an epoch, from the config's per-source weights.
+
+    A config weight is a sampling rate per row, relative to the other sources (OpenCLIP's
+    upsampling factor): a source's share is ``weight x rows``. Equal weights therefore read every
+    row once per epoch, and ``weight: 3`` reads a source's rows three times as often. A single
+    source needs no draw (None: every row once per epoch).
+    """
     if isinstance(sources, str) or len(sources) < 2:
         return None
-    return [float(s.weight) for s in sources]
+    rows = np.bincount(table.source, minlength=len(sources))
+    return [float(s.weight) * int(n) for s, n in zip(sources, rows)]
 
 
 def build_train_loader(
@@ -183,8 +191,9 @@ def build_train_loader(
     collate: Callable[[list], Batch],
 ) -> TrainLoader:
     """The trainer's loader: ``dataset`` must offer ``table() -> SampleTable`` and ``ds[i]``."""
+    table = dataset.table()
     sampler = DistributedBatchSampler(
-        dataset.table(),
+        table,
         batch_size=data_cfg.batch_size,
         rank=rank,
         world_size=world_size,
@@ -195,7 +204,7 @@ def build_train_loader(
         token_budget=data_cfg.token_budget or max(data_cfg.batch_size * data_cfg.max_text_length // 2,
                                                   padded_width(data_cfg.max_text_length)),
         image_budget=data_cfg.image_budget or data_cfg.batch_size,
-        source_weights=source_weights(data_cfg.train),
+        source_weights=source_shares(data_cfg.train, table),
         epoch_size=getattr(data_cfg, "epoch_size", 0) or None,
     )
     bad_log = audit = None
