@@ -127,9 +127,9 @@ class DistributedBatchSampler:
         else:
             batches = [order[i : i + self.batch_size] for i in range(0, len(order), self.batch_size)]
         steps, dropped, padded = self._equalize(batches, order)
-        if epoch == 0 and self.rank == 0 and (dropped or padded):
-            log.info("epoch schedule: remainder=%s, %d samples dropped, %d rows padded by repetition",
-                     self.remainder, dropped, padded)
+        if self.rank == 0 and (dropped or padded):
+            log.info("epoch %d: %d steps; remainder=%s: %d samples dropped, %d rows padded by repetition",
+                     epoch, len(steps) // self.world_size, self.remainder, dropped, padded)
         repeats = _first_occurrence(steps)
         distinct = len(np.unique(np.concatenate(steps))) if steps else 0
         mine = slice(self.rank, None, self.world_size)
