@@ -1,7 +1,9 @@
 """Image decoding: encoded bytes -> uint8 [3, S, S], the only per-sample image work.
 
 Normalization is not done here: it is one float op per batch where the batch lands
-(``Batch.pixels``), so workers move 4x fewer bytes and do no float math.
+(``Batch.pixels``), so workers move 4x fewer bytes and do no float math. The output is a
+numpy array (the dataset wraps it without a copy) so that ``vltrain data validate`` and
+``stats`` do not pay for importing torch.
 """
 
 from __future__ import annotations
@@ -12,7 +14,6 @@ import struct
 import zlib
 
 import numpy as np
-import torch
 from PIL import ExifTags, Image, ImageOps, UnidentifiedImageError
 
 WHITE = (255, 255, 255, 255)
@@ -32,7 +33,7 @@ class ImageError(ValueError):
 
 def decode_image(
     data: bytes, size: int, resize: str = "crop", max_pixels: int = 89_478_485
-) -> torch.Tensor:
+) -> np.ndarray:
     """Decode, orient, convert to RGB, resize to ``size`` x ``size``; uint8 CHW."""
     try:
         im = open_image(data, max_pixels)
@@ -42,14 +43,14 @@ def decode_image(
         im = _oriented(im)
         im = to_rgb(im)
         im = resize_image(im, size, resize)
-        arr = np.array(im)  # a writable copy: torch refuses to wrap read-only memory quietly
+        arr = np.asarray(im)
     except Image.DecompressionBombError as e:
         raise ImageError(f"decompression bomb refused by Pillow: {e}") from e
     except ImageError:
         raise
     except DECODE_ERRORS as e:
         raise ImageError(f"cannot decode image: {e}") from e
-    return torch.from_numpy(arr).permute(2, 0, 1).contiguous()
+    return arr.transpose(2, 0, 1).copy()
 
 
 def open_image(data: bytes, max_pixels: int) -> Image.Image:
