@@ -64,7 +64,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--num", type=int, default=10000, help="training rows")
     s.add_argument("--val", type=int, default=1000, help="validation rows (image-text pairs)")
     s.add_argument("--text-only-fraction", type=float, default=0.0)
-    s.add_argument("--image-size", type=int, default=64)
+    s.add_argument("--image-size", type=int, default=48)
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--workers", type=int, default=0, help="processes (0: all cores)")
     s.set_defaults(func=_handler("vltrain.data.synth:synth_cli"))
