@@ -51,6 +51,8 @@ class DataConfig:
     """A tokenizer.json file, or a folder holding one (e.g. a local Hugging Face model folder)."""
     max_text_length: int = 77
     csv: CsvConfig = field(default_factory=CsvConfig)
+    cache_dir: str = ""
+    """Where shard indexes go when a shard's folder is read-only (empty: RUN_DIR/cache)."""
     num_workers: int = 2
     prefetch_factor: int = 2
     persistent_workers: bool = True
