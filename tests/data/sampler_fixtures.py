@@ -1,16 +1,25 @@
-"""Sample tables and a tiny map-style dataset for sampler and loader tests (no files, no decoding)."""
+"""Sample tables, a table-shaped dataset (no files) and real synthetic datasets for sampler tests."""
 
 from __future__ import annotations
 
+import json
 import random
+from dataclasses import replace
+from pathlib import Path
 
 import numpy as np
 import torch
 
 from vltrain.data.batch import Batch
+from vltrain.data.collate import Collator
+from vltrain.data.config import DataConfig
+from vltrain.data.dataset import ImageTextDataset, build_dataset
 from vltrain.data.ids import stable_uid
-from vltrain.data.synth import describe, sample_scene
+from vltrain.data.shards import write_shards
+from vltrain.data.sources import open_source
+from vltrain.data.synth import describe, sample_scene, synthesize
 from vltrain.data.table import SampleTable
+from vltrain.data.text import load_tokenizer, source_texts, train_tokenizer
 
 
 def table(text_len, has_image=None, has_text=None, source=None) -> SampleTable:
@@ -130,3 +139,31 @@ def _rank_main(rank: int, fn, world_size: int, port: int, args) -> None:
         fn(rank, world_size, *args)
     finally:
         dist.destroy_process_group()
+
+
+def synth_files(folder: Path, num: int, *, text_only_fraction: float = 0.0, shards: bool = False,
+                **cfg) -> tuple[DataConfig, set[int]]:
+    """A synthetic shapes set as a manifest or as tar shards, with a tokenizer: its config and uids."""
+    manifest = str(synthesize(folder, num, 2, text_only_fraction=text_only_fraction, seed=0, image_size=16,
+                              workers=1)["train"])
+    tok = folder / "tok.json"
+    train_tokenizer(source_texts([manifest]), tok, vocab_size=200, kind="wordpiece", min_frequency=1)
+    train = manifest
+    if shards:
+        write_shards(open_source(manifest), folder / "shards", shard_size=max(1, num // 3))
+        train = _pattern(folder / "shards")
+    data_cfg = replace(DataConfig(train=train, tokenizer=str(tok), image_size=16, max_text_length=64,
+                                  pin_memory=False), **cfg)
+    uids = {stable_uid(str(json.loads(line)["id"])) for line in open(manifest)}
+    return data_cfg, uids
+
+
+def open_data(data_cfg: DataConfig) -> tuple[ImageTextDataset, Collator]:
+    tok = load_tokenizer(data_cfg.tokenizer)
+    ds = build_dataset(data_cfg, "train", tok)
+    return ds, Collator(tok.pad_id, data_cfg.max_text_length, data_cfg.image_size)
+
+
+def _pattern(folder: Path) -> str:
+    tars = sorted(p.stem for p in folder.glob("*.tar"))
+    return str(folder / f"{{{tars[0]}..{tars[-1]}}}.tar")

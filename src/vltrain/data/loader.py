@@ -21,6 +21,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, get_worker_info
 
 from vltrain.data.audit import AuditLog
+from vltrain.data.badlog import BadSampleLog
 from vltrain.data.batch import Batch
 from vltrain.data.budget import padded_width
 from vltrain.data.config import DataConfig, SourceSpec
@@ -98,7 +99,7 @@ class TrainLoader:
         pin_memory: bool = False,
         prefetch_factor: int = 2,
         persistent_workers: bool = False,
-        bad_log: Any = None,
+        bad_log: BadSampleLog | None = None,
         audit: AuditLog | None = None,
     ) -> None:
         self.sampler = sampler
@@ -157,12 +158,17 @@ class TrainLoader:
         return batch
 
     def state_dict(self) -> dict:
-        return {"sampler": self.sampler.state_dict(), "samples_seen": self.samples_seen}
+        state = {"sampler": self.sampler.state_dict(), "samples_seen": self.samples_seen}
+        if self.bad_log is not None:
+            state["bad_samples"] = self.bad_log.state_dict()
+        return state
 
     def load_state_dict(self, state: dict) -> None:
         """Position the loader; the next ``next()`` returns the first batch the saved run never took."""
         self.sampler.load_state_dict(state["sampler"])
         self.samples_seen = int(state["samples_seen"])
+        if self.bad_log is not None and "bad_samples" in state:
+            self.bad_log.load_state_dict(state["bad_samples"])
         self._it = None
 
 
@@ -205,15 +211,11 @@ def build_train_loader(
                                                   padded_width(data_cfg.max_text_length)),
         image_budget=data_cfg.image_budget or data_cfg.batch_size,
         source_weights=source_shares(data_cfg.train, table),
-        epoch_size=getattr(data_cfg, "epoch_size", 0) or None,
+        epoch_size=data_cfg.epoch_size or None,
     )
-    bad_log = audit = None
-    if run_dir is not None:
-        from vltrain.data.badlog import BadSampleLog
-
-        bad_log = BadSampleLog(run_dir, data_cfg.max_bad_fraction)
-        if data_cfg.audit:
-            audit = AuditLog(run_dir, rank, world_size)
+    # Without a run folder bad samples are still counted and capped, just not written down.
+    bad_log = BadSampleLog(run_dir, data_cfg.max_bad_fraction)
+    audit = AuditLog(run_dir, rank, world_size) if run_dir is not None and data_cfg.audit else None
     return TrainLoader(
         dataset, sampler, collate=collate, num_workers=data_cfg.num_workers, pin_memory=data_cfg.pin_memory,
         prefetch_factor=data_cfg.prefetch_factor, persistent_workers=data_cfg.persistent_workers,
