@@ -12,8 +12,10 @@ gradient while keeping only one micro-batch's activations:
    contrastive loss is rebuilt from the cache with the live slice in place instead, so that
    the temperature gets its gradient exactly once, through the ordinary backward.
 
-Each micro-batch's RNG state is recorded before step 1 and restored before step 3, so dropout
-draws the same masks in both passes; afterwards the RNG continues from where step 1 left it.
+Each micro-batch's RNG state is recorded before its encoding in step 1 and restored before
+its encoding in step 3, so dropout draws the same masks in both passes. The non-contrastive
+objectives (ITM negatives, MLM masks) run only in step 3 and draw from one running stream
+that continues from where step 1 left it, so they never repeat a draw.
 """
 
 from __future__ import annotations
@@ -94,13 +96,15 @@ def gradcache_backward(
         bounds.append(bounds[-1] + m.ids.shape[0])
     losses: dict[str, torch.Tensor] = {"contrastive": closs.detach().float()}
     total = closs.detach().float() * loss_scale
+    running = [after]  # the RNG stream the objectives draw from (ITM negatives, MLM masks)
     for i, m in enumerate(micro):
         last = i == n - 1
         lo, hi = bounds[i], bounds[i + 1]
-        _set_rng_state(states[i], device)
 
-        def run(model: nn.Module, m: ModelInputs = m) -> tuple[torch.Tensor, object]:
+        def run(model: nn.Module, m: ModelInputs = m, state: tuple = states[i]) -> tuple[torch.Tensor, object]:
+            _set_rng_state(state, device)  # the encoders draw what they drew in the first pass
             enc = model.encode(*m.encoder_args())
+            _set_rng_state(running[0], device)
             img, txt = enc.image_embeds.float(), enc.text_embeds.float()
             if last:
                 full_img = torch.cat([img_all.detach()[:lo], img, img_all.detach()[hi:]])
@@ -108,7 +112,9 @@ def gradcache_backward(
                 contrastive = _contrastive(model, full_img, full_txt, micro).float() * loss_scale
             else:
                 contrastive = (img * g_img[lo:hi]).sum() + (txt * g_txt[lo:hi]).sum()
-            return contrastive, _objectives(model, enc, m)
+            other = _objectives(model, enc, m)
+            running[0] = _rng_state(device)
+            return contrastive, other
 
         with gradient_sync(wrapped, last):
             with autocast():
@@ -117,5 +123,4 @@ def gradcache_backward(
             backward(contrastive + other_loss)
         total += other_loss.detach()
         _add(losses, other.losses, 1.0 / n)
-    _set_rng_state(after, device)
     return StepLosses(total, losses)

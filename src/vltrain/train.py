@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from vltrain.config import JobConfig, load_config
 from vltrain.data.batch import Batch
-from vltrain.distributed import World, init_distributed
+from vltrain.distributed import World, setup_world
 from vltrain.evaluate import append_eval, evaluate, format_metrics
 from vltrain.gradcache import gradcache_backward
 from vltrain.guards import NonFiniteGuard
@@ -84,7 +84,7 @@ class Trainer:
         self.run_dir = Path(cfg.run.dir)
 
         # distributed: process group, device, threads
-        self.world = init_distributed(timeout_s=tc.timeout_s, device=tc.device, threads=tc.threads)
+        self.world = setup_world(timeout_s=tc.timeout_s, device=tc.device, threads=tc.threads)
         self.device = self.world.device
         if self.world.is_main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -267,11 +267,11 @@ class Trainer:
         return losses, grad_norm, finite, int(packet[1].item())
 
     def _flops(self, micro: list[Batch]) -> float:
-        """Model FLOPs of this rank's forward + backward (3x forward)."""
+        """Model FLOPs of this rank's forward + backward (``flops_per_sample`` counts both)."""
         per_sample = getattr(self.model, "flops_per_sample", None)
         if not callable(per_sample):
             return 0.0
-        return float(sum(3 * len(b) * per_sample(b.input_ids.shape[1]) for b in micro))
+        return float(sum(len(b) * per_sample(b.input_ids.shape[1]) for b in micro))
 
     def _log(self, result: StepLosses, grad_norm: torch.Tensor, finite: bool) -> None:
         values: dict[str, Any] = {
@@ -382,7 +382,7 @@ def evaluate_run(run_dir: Path, data: str | None = None, overrides: list[str] | 
     cfg = load_config(config_path, list(overrides or []) + ([f"data.val={data}"] if data else []))
     if not cfg.data.val:
         raise UserError(f"{config_path} names no data.val; pass --data VAL_MANIFEST")
-    world = init_distributed(timeout_s=cfg.train.timeout_s, device=cfg.train.device, threads=cfg.train.threads)
+    world = setup_world(timeout_s=cfg.train.timeout_s, device=cfg.train.device, threads=cfg.train.threads)
     try:
         tokenizer, model = build_model_for(cfg, world.device)
         model.load_state_dict(load_file(str(weights), device=str(world.device)))
