@@ -58,9 +58,13 @@ def parallelize(model: nn.Module, cfg: TrainConfig, device: torch.device) -> nn.
         if dist.is_available() and dist.is_initialized():
             from torch.distributed.fsdp import fully_shard
 
+            # FSDP2 cannot shard 0-dim parameters (the temperature): they stay replicated,
+            # and reduce_replicated_grads averages their gradients
+            scalars = {p for p in model.parameters() if p.ndim == 0}
             for block in _blocks(model):
                 fully_shard(block)
-            fully_shard(wrapped)
+            fully_shard(wrapped, ignored_params=scalars)
+            wrapped.replicated_params = [p for p in scalars if p.requires_grad]
         return wrapped
     if distributed:
         ids = [device.index] if device.type == "cuda" else None
@@ -90,6 +94,18 @@ def gradient_sync(wrapped: nn.Module, enabled: bool):
     if set_sync is not None:  # an FSDP2 module
         set_sync(enabled)
     yield
+
+
+def reduce_replicated_grads(wrapped: nn.Module) -> None:
+    """Average over ranks the gradients of parameters FSDP2 left unsharded (after the backward)."""
+    params = [p for p in getattr(wrapped, "replicated_params", []) if p.grad is not None]
+    if not params or not dist.is_initialized():
+        return
+    flat = torch.stack([p.grad.reshape(()) for p in params])
+    dist.all_reduce(flat)
+    flat /= dist.get_world_size()
+    for p, g in zip(params, flat):
+        p.grad.copy_(g.reshape(p.grad.shape))
 
 
 def clip_grad_norm(params: list[torch.Tensor], max_norm: float) -> torch.Tensor:

@@ -26,7 +26,7 @@ from vltrain.gradcache import gradcache_backward
 from vltrain.guards import NonFiniteGuard
 from vltrain.metrics import GpuUtilization, MetricsLogger, Throughput, peak_flops, peak_memory_bytes, plot_curves
 from vltrain.optim import build_optimizer, build_scheduler, freeze_towers
-from vltrain.parallelize import Dispatch, clip_grad_norm, parallelize
+from vltrain.parallelize import Dispatch, clip_grad_norm, parallelize, reduce_replicated_grads
 from vltrain.precision import Precision
 from vltrain.step import ModelInputs, StepLosses, plain_backward
 
@@ -238,6 +238,7 @@ class Trainer:
             backward=lambda loss: self.scaler.scale(loss).backward(),
             loss_scale=math.nan if poison else 1.0,
         )
+        reduce_replicated_grads(self.wrapped)
         self.scaler.unscale_(self.optimizer)
         grad_norm = clip_grad_norm(self.params, tc.grad_clip)
 
