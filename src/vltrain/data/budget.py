@@ -107,8 +107,9 @@ def split_to_multiple(batches: list[np.ndarray], world_size: int) -> list[np.nda
     """Split the largest batches in two until the count is a multiple of ``world_size``.
 
     Halving a batch keeps both halves within every budget, so this equalizes step counts across
-    ranks without repeating or dropping a sample. Returns fewer than a multiple only when no batch
-    has two rows left to split (an epoch smaller than the world); the caller pads or drops then.
+    ranks without repeating or dropping a sample. Falls short of a multiple only when every batch
+    is down to one row (the epoch has fewer rows than the next multiple of the world size's batch
+    count, e.g. a handful of rows packed one per batch); the caller pads or drops then.
     """
     batches = list(batches)
     while len(batches) % world_size:
