@@ -1,0 +1,60 @@
+"""The batch every loader yields and every model takes."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+
+import torch
+
+
+@dataclass
+class Batch:
+    """One micro-batch. Images stay uint8 until :meth:`pixels`, which runs where the batch lands.
+
+    Rows without an image hold zeros in ``pixel_values``; rows without text hold only padding.
+    ``errors`` lists ``(key, reason)`` for samples that were replaced because they could not be
+    read; the main process writes them to ``bad_samples.jsonl`` and counts them.
+    """
+
+    ids: torch.Tensor  # int64 [B], stable_uid of each sample's key
+    pixel_values: torch.Tensor  # uint8 [B, 3, H, W]
+    has_image: torch.Tensor  # bool [B]
+    has_text: torch.Tensor  # bool [B]
+    input_ids: torch.Tensor  # int64 [B, L]
+    attention_mask: torch.Tensor  # int64 [B, L]
+    source: torch.Tensor | None = None  # int64 [B], index of the source in a mixture
+    num_truncated: int = 0
+    errors: list[tuple[str, str]] = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return int(self.ids.shape[0])
+
+    def _map(self, fn) -> "Batch":
+        kw = {}
+        for f in fields(self):
+            v = getattr(self, f.name)
+            kw[f.name] = fn(v) if isinstance(v, torch.Tensor) else v
+        return Batch(**kw)
+
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> "Batch":
+        return self._map(lambda t: t.to(device, non_blocking=non_blocking))
+
+    def pin_memory(self) -> "Batch":
+        """Called by DataLoader(pin_memory=True) in its pinning thread."""
+        return self._map(lambda t: t.pin_memory())
+
+    def pixels(self, mean: list[float], std: list[float], dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """Normalized float images, computed once per batch on the batch's device."""
+        return normalize_pixels(self.pixel_values, mean, std, dtype)
+
+
+def normalize_pixels(
+    pixel_values: torch.Tensor, mean: list[float], std: list[float], dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
+    """uint8 [B,3,H,W] -> (x/255 - mean) / std, as one fused scale-and-shift."""
+    dev = pixel_values.device
+    m = torch.tensor(mean, dtype=torch.float32, device=dev).view(1, -1, 1, 1)
+    s = torch.tensor(std, dtype=torch.float32, device=dev).view(1, -1, 1, 1)
+    scale = 1.0 / (255.0 * s)
+    shift = -m / s
+    return torch.addcmul(shift, pixel_values.float(), scale).to(dtype)

@@ -1,0 +1,98 @@
+"""Config of the data layer: where samples come from, how they are decoded, batched and checked."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal, Union
+
+
+@dataclass
+class SourceSpec:
+    """One source of a mixture: a manifest (.jsonl/.csv/.tsv) or a shard pattern, with a weight."""
+
+    path: str = ""
+    weight: float = 1.0
+
+
+@dataclass
+class CsvConfig:
+    """Column names and separator for CSV/TSV manifests (OpenCLIP writes filepath/title, tab-separated)."""
+
+    image_key: str = "filepath"
+    text_key: str = "title"
+    id_key: str = "id"
+    separator: str = ""
+    """Empty: a tab for .tsv files, a comma otherwise."""
+
+
+@dataclass
+class ModalityWeights:
+    """Loss weights of rows by modality, for objectives that accept single-modality rows."""
+
+    image_text: float = 1.0
+    text_only: float = 1.0
+    image_only: float = 1.0
+
+
+@dataclass
+class DataConfig:
+    train: Union[str, list[SourceSpec]] = ""
+    """A manifest path, a shard pattern ('shards/{00000..00009}.tar'), or a list of {path, weight}."""
+    val: Union[str, list[SourceSpec]] = ""
+    batch_size: int = 64
+    """Per-rank micro-batch (with budget batching: the largest a batch may be)."""
+    image_size: int = 224
+    resize: Literal["crop", "squash"] = "crop"
+    mean: list[float] = field(default_factory=lambda: [0.485, 0.456, 0.406])
+    std: list[float] = field(default_factory=lambda: [0.229, 0.224, 0.225])
+    max_image_pixels: int = 89_478_485
+    """Decompression-bomb guard: images with more pixels are rejected as bad samples."""
+    tokenizer: str = ""
+    """A tokenizer.json file, or a folder holding one (e.g. a local Hugging Face model folder)."""
+    max_text_length: int = 77
+    csv: CsvConfig = field(default_factory=CsvConfig)
+    cache_dir: str = ""
+    """Where shard indexes go when a shard's folder is read-only (empty: RUN_DIR/cache)."""
+    num_workers: int = 2
+    prefetch_factor: int = 2
+    persistent_workers: bool = True
+    pin_memory: bool = True
+    on_error: Literal["skip", "fail"] = "skip"
+    max_bad_fraction: float = 0.01
+    # sampling and batching
+    shuffle: bool = True
+    remainder: Literal["pad", "drop"] = "pad"
+    """Equal batch counts on every rank: pad the epoch by repeating samples, or drop the tail."""
+    batching: Literal["fixed", "budget"] = "fixed"
+    token_budget: int = 0
+    """Budget batching: the most padded text positions per batch (0: batch_size x max_text_length / 2)."""
+    image_budget: int = 0
+    """Budget batching: the most images per batch (0: batch_size)."""
+    epoch_size: int = 0
+    """Samples per epoch when data.train lists several sources, drawn by weight (0: all their rows)."""
+    modality_weights: ModalityWeights = field(default_factory=ModalityWeights)
+    audit: bool = False
+    """Record the ids every rank consumed to RUN_DIR/audit/rank{R}.jsonl."""
+
+    def validate(self) -> None:
+        from vltrain.config import ConfigError
+
+        if self.batch_size < 1:
+            raise ConfigError(f"data.batch_size must be >= 1, got {self.batch_size}")
+        if self.image_size < 8:
+            raise ConfigError(f"data.image_size must be >= 8, got {self.image_size}")
+        if len(self.mean) != 3 or len(self.std) != 3:
+            raise ConfigError("data.mean and data.std must each hold 3 numbers (R, G, B)")
+        if any(s <= 0 for s in self.std):
+            raise ConfigError(f"data.std must be positive, got {self.std}")
+        if not 0 <= self.max_bad_fraction <= 1:
+            raise ConfigError(f"data.max_bad_fraction must be in [0, 1], got {self.max_bad_fraction}")
+        if self.num_workers < 0:
+            raise ConfigError(f"data.num_workers must be >= 0, got {self.num_workers}")
+        if self.max_text_length < 2:
+            raise ConfigError(f"data.max_text_length must be >= 2, got {self.max_text_length}")
+        for key in ("token_budget", "image_budget", "epoch_size"):
+            if getattr(self, key) < 0:
+                raise ConfigError(f"data.{key} must be >= 0 (0: the default), got {getattr(self, key)}")
+        if not isinstance(self.train, str) and any(s.weight < 0 for s in self.train):
+            raise ConfigError("data.train: source weights must be >= 0")

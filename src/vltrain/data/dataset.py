@@ -1,0 +1,181 @@
+"""The map-style dataset over a list of sources: index -> one decoded, tokenized sample.
+
+A sample that cannot be read or decoded is replaced by another one chosen by a hash of its
+index, so every rank and every worker makes the same choice and batch sizes never change. The
+failure travels with the replacement into ``Batch.errors``. A source where every sample fails
+raises after a bounded number of tries: it never loops.
+"""
+
+from __future__ import annotations
+
+import logging
+from bisect import bisect_right
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from vltrain.data.config import DataConfig, SourceSpec
+from vltrain.data.ids import stable_uid
+from vltrain.data.images import ImageError, decode_image
+from vltrain.data.sources import Row, Source, open_source, refuse_malformed
+from vltrain.data.table import SampleTable
+from vltrain.data.text import Tokenizer
+from vltrain.errors import DataError
+
+log = logging.getLogger(__name__)
+
+MAX_TRIES = 32
+"""Failed samples in a row (the sample, then its replacements) before the source is declared
+unusable. A source with 50% bad samples gets there with probability 2^-32 per bad sample."""
+
+
+@dataclass
+class Sample:
+    """One decoded sample. ``errors`` lists ``(key, reason)`` of samples it replaces."""
+
+    uid: int
+    key: str
+    image: torch.Tensor | None  # uint8 [3, S, S]
+    input_ids: list[int]  # with special tokens; empty when the sample has no text
+    truncated: bool
+    source: int
+    errors: list[tuple[str, str]] = field(default_factory=list)
+
+
+class ImageTextDataset(torch.utils.data.Dataset):
+    """The concatenation of ``sources``; ``ds[i]`` is a :class:`Sample`."""
+
+    def __init__(
+        self,
+        sources: list[Source],
+        tokenizer: Tokenizer,
+        cfg: DataConfig,
+        weights: list[float] | None = None,
+    ):
+        if not sources:
+            raise DataError("no data sources given")
+        self.sources = sources
+        self.tokenizer = tokenizer
+        self.image_size = cfg.image_size
+        self.resize = cfg.resize
+        self.max_image_pixels = cfg.max_image_pixels
+        self.max_text_length = cfg.max_text_length
+        self.on_error = cfg.on_error
+        self.source_names = [s.name for s in sources]
+        self.source_weights = list(weights) if weights else [1.0] * len(sources)
+        self._starts = np.cumsum([0] + [len(s) for s in sources]).tolist()
+        for s in sources:
+            if len(s) == 0:
+                raise DataError(f"{s.name}: no usable samples" + _problems_hint(s))
+        self._table: SampleTable | None = None
+
+    def __len__(self) -> int:
+        return self._starts[-1]
+
+    def locate(self, index: int) -> tuple[int, int]:
+        """(source index, row within that source) of dataset index ``index``."""
+        if not 0 <= index < len(self):
+            raise IndexError(f"index {index} out of range for a dataset of {len(self)} samples")
+        s = bisect_right(self._starts, index) - 1
+        return s, index - self._starts[s]
+
+    def __getitem__(self, index: int) -> Sample:
+        s, j = self.locate(int(index))
+        source = self.sources[s]
+        errors: list[tuple[str, str]] = []
+        for attempt in range(MAX_TRIES):
+            row = source.row(j)
+            try:
+                return self._load(source, s, j, row, errors)
+            except (ImageError, OSError) as e:
+                reason = _reason(e, row.image)
+                if self.on_error == "fail":
+                    raise DataError(
+                        f"bad sample {row.key!r} ({row.where}): {reason}\n"
+                        "Set data.on_error: skip to replace bad samples and log them to bad_samples.jsonl."
+                    ) from e
+                errors.append((row.key, reason))
+            # Same source, a position spread far from this one: bad samples come in runs.
+            j = stable_uid(f"{index}:{attempt}") % len(source)
+        shown = "; ".join(f"{k}: {r}" for k, r in errors[:3])
+        raise DataError(
+            f"{source.name}: {MAX_TRIES} samples in a row failed to load ({shown}; ...). The source "
+            f"looks unusable: check it with `vltrain data validate {source.name}`."
+        )
+
+    def _load(self, source: Source, s: int, j: int, row: Row, errors: list) -> Sample:
+        image = None
+        if row.image is not None:
+            data = source.read_image(j)
+            image = torch.from_numpy(decode_image(data, self.image_size, self.resize, self.max_image_pixels))
+        ids, truncated = [], False
+        if row.text is not None:
+            ids, truncated = self.tokenizer.encode(row.text, self.max_text_length)
+        return Sample(stable_uid(row.key), row.key, image, ids, truncated, s, errors)
+
+    def table(self) -> SampleTable:
+        """Modalities and capped token counts of every sample, for samplers (computed once)."""
+        if self._table is None:
+            texts = [t for s in self.sources for t in s.texts()]
+            lengths = self.tokenizer.token_lengths(texts, self.max_text_length)
+            self._table = SampleTable(
+                has_image=np.concatenate([s.has_image() for s in self.sources]),
+                has_text=np.fromiter((t is not None for t in texts), dtype=bool, count=len(texts)),
+                text_len=np.asarray(lengths, dtype=np.int32),
+                source=np.concatenate(
+                    [np.full(len(src), k, dtype=np.int16) for k, src in enumerate(self.sources)]
+                ),
+            )
+        return self._table
+
+
+def _reason(e: Exception, image: str | None) -> str:
+    if isinstance(e, FileNotFoundError):
+        return f"image file not found: {image}"
+    if isinstance(e, ImageError):
+        return str(e)
+    return f"cannot read image {image}: {e.strerror or e}" if isinstance(e, OSError) else str(e)
+
+
+def _problems_hint(source: Source) -> str:
+    errors = source.errors()
+    if not errors:
+        return ""
+    return f" ({len(errors)} malformed row(s) dropped, first: {errors[0]})"
+
+
+def source_specs(spec: str | list, split: str) -> list[SourceSpec]:
+    """``data.train`` / ``data.val`` as a list of :class:`SourceSpec`."""
+    if isinstance(spec, str):
+        return [SourceSpec(path=spec)] if spec else []
+    return [s if isinstance(s, SourceSpec) else SourceSpec(**s) for s in spec]
+
+
+def build_dataset(
+    data_cfg: DataConfig, split: str, tokenizer: Tokenizer, run_dir: str | Path | None = None
+) -> ImageTextDataset:
+    """The dataset of ``data.train`` or ``data.val``.
+
+    With ``on_error: fail`` a malformed manifest row stops here; with ``skip`` it is dropped
+    and logged. Shard indexes that cannot sit next to read-only shards go to
+    ``data.cache_dir``, else ``RUN_DIR/cache``, else the user cache.
+    """
+    if split not in ("train", "val"):
+        raise ValueError(f"split must be 'train' or 'val', got {split!r}")
+    specs = source_specs(getattr(data_cfg, split), split)
+    if not specs:
+        raise DataError(f"data.{split} is empty: give a manifest, a shard pattern, or a list of {{path, weight}}")
+    cache_dir = data_cfg.cache_dir or (Path(run_dir) / "cache" if run_dir else None)
+    sources = []
+    for spec in specs:
+        source = open_source(spec.path, data_cfg.csv, cache_dir)
+        if data_cfg.on_error == "fail":
+            refuse_malformed(source)
+        for p in source.errors()[:5]:
+            log.warning("skipping malformed row %s", p)
+        if len(source.errors()) > 5:
+            log.warning("%s: %d malformed rows skipped in all", source.name, len(source.errors()))
+        sources.append(source)
+    return ImageTextDataset(sources, tokenizer, data_cfg, [s.weight for s in specs])

@@ -1,0 +1,259 @@
+"""img2dataset-style tar shards with random access: ``KEY.jpg|jpeg|png|webp``, ``KEY.txt``, ``KEY.json``.
+
+Streaming a tar is the usual way to read WebDataset shards, but then the sampler cannot choose
+the order, so there is no exact resume and no shared shuffle with manifests. Instead each shard
+is scanned once into an index (member offsets, plus the captions and ids, which are small) that
+is cached next to the shard, or in a cache folder when the shard's folder is read-only. Reading
+sample ``i`` is then one seek and one read.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import io
+import json
+import os
+import sys
+import tarfile
+from bisect import bisect_right
+from pathlib import Path
+
+import numpy as np
+
+from vltrain.data.sources import Problem, Row, Source, _is_unicode, expand_braces
+from vltrain.errors import DataError, UserError
+
+IMAGE_EXTS = ("jpg", "jpeg", "png", "webp")
+INDEX_VERSION = 1
+
+
+def default_cache_dir() -> Path:
+    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "vltrain" / "shard-index"
+
+
+class ShardSource(Source):
+    """All samples of the shards a pattern names, in shard order then member order."""
+
+    def __init__(self, pattern: str, cache_dir: str | os.PathLike | None = None):
+        self.name = pattern
+        self.paths = [Path(p) for p in expand_braces(pattern)]
+        missing = [str(p) for p in self.paths if not p.is_file()]
+        if missing:
+            shown = ", ".join(missing[:3]) + (f" and {len(missing) - 3} more" if len(missing) > 3 else "")
+            raise DataError(f"{pattern}: {len(missing)} of {len(self.paths)} shard(s) not found: {shown}")
+        self.problems = []
+        self._keys: list[str] = []
+        self._texts: list[str | None] = []
+        self._images: list[tuple[int, int, str] | None] = []  # (offset, size, member name)
+        self._where: list[str] = []
+        self._starts: list[int] = []
+        for path in self.paths:
+            self._starts.append(len(self._keys))
+            index = load_index(path, cache_dir)
+            for p in index["problems"]:
+                self.problems.append(Problem(f"{path.name}:{p[0]}", p[1], p[2]))
+            for key, sid, image, text in index["samples"]:
+                self._keys.append(sid if sid is not None else key)
+                self._texts.append(text)
+                self._images.append(tuple(image) if image is not None else None)
+                self._where.append(f"{path.name}:{key}")
+
+    def __len__(self) -> int:
+        return len(self._keys)
+
+    def _shard(self, i: int) -> Path:
+        return self.paths[bisect_right(self._starts, i) - 1]
+
+    def row(self, i: int) -> Row:
+        image = self._images[i]
+        ref = None if image is None else f"{self._shard(i)}:{image[2]}"
+        return Row(self._keys[i], ref, self._texts[i], self._where[i])
+
+    def read_image(self, i: int) -> bytes:
+        image = self._images[i]
+        if image is None:
+            raise ValueError(f"row {i} of {self.name} has no image")
+        offset, size, _ = image
+        with open(self._shard(i), "rb") as f:
+            f.seek(offset)
+            data = f.read(size)
+        if len(data) != size:
+            raise OSError(f"shard ends early: wanted {size} bytes at offset {offset}, got {len(data)}")
+        return data
+
+    def texts(self) -> list[str | None]:
+        return self._texts
+
+    def has_image(self) -> np.ndarray:
+        return np.fromiter((im is not None for im in self._images), dtype=bool, count=len(self))
+
+
+# -- the per-shard index --------------------------------------------------------------------------
+
+
+def index_path(shard: Path, cache_dir: str | os.PathLike | None) -> Path:
+    """Next to the shard when that folder is writable, else in ``cache_dir``."""
+    beside = shard.with_name(shard.name + ".idx.json")
+    if beside.exists() or os.access(shard.parent, os.W_OK):
+        return beside
+    digest = hashlib.blake2b(str(shard.resolve()).encode(), digest_size=8).hexdigest()
+    return Path(cache_dir or default_cache_dir()) / f"{digest}-{shard.name}.idx.json"
+
+
+def load_index(shard: Path, cache_dir: str | os.PathLike | None = None) -> dict:
+    """The cached index of ``shard``, rebuilt when missing or when the shard changed."""
+    path = index_path(shard, cache_dir)
+    st = shard.stat()
+    try:
+        with open(path, encoding="utf-8") as f:
+            index = json.load(f)
+        if (index.get("version"), index.get("size"), index.get("mtime_ns")) == (
+            INDEX_VERSION, st.st_size, st.st_mtime_ns
+        ):
+            return index
+    except (OSError, ValueError):
+        pass
+    index = build_index(shard)
+    index.update(version=INDEX_VERSION, size=st.st_size, mtime_ns=st.st_mtime_ns)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")  # ranks may build it at the same time
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(index, f, ensure_ascii=False, separators=(",", ":"))
+    os.replace(tmp, path)
+    return index
+
+
+def build_index(shard: Path) -> dict:
+    """Scan a tar once: ``samples`` [key, id, [offset, size, member] | None, text | None]."""
+    groups: dict[str, dict[str, tarfile.TarInfo]] = {}
+    problems: list[list[str]] = []
+    try:
+        with tarfile.open(shard, "r:") as tar:
+            for info in tar:
+                if not info.isfile():
+                    continue
+                base = info.name.rsplit("/", 1)[-1]
+                if "." not in base or base.startswith("."):
+                    continue
+                stem, ext = base.split(".", 1)
+                key = info.name[: len(info.name) - len(base)] + stem
+                groups.setdefault(key, {})[ext.lower()] = info
+            samples = [_sample(tar, key, members, problems) for key, members in groups.items()]
+    except (tarfile.TarError, OSError) as e:
+        raise DataError(f"{shard}: not a readable tar file ({e})") from e
+    return {"samples": [s for s in samples if s is not None], "problems": problems}
+
+
+def _sample(tar: tarfile.TarFile, key: str, members: dict, problems: list) -> list | None:
+    image = next((members[e] for e in IMAGE_EXTS if e in members), None)
+    text = sid = None
+    if "txt" in members:
+        raw = tar.extractfile(members["txt"]).read()
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            problems.append([key, f"text is not valid UTF-8 (byte {e.start})", "error"])
+            return None
+        if not text.strip():
+            if image is not None:
+                problems.append([key, "empty text (sample used as image-only)", "warning"])
+            text = None
+    if "json" in members:
+        try:
+            meta = json.loads(tar.extractfile(members["json"]).read().decode("utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            problems.append([key, f"{key}.json is not valid JSON ({e})", "error"])
+            return None
+        given = meta.get("id") if isinstance(meta, dict) else None
+        if given is not None and not isinstance(given, bool) and isinstance(given, (str, int)):
+            sid = str(given)
+            if not _is_unicode(sid):
+                problems.append([key, "id is not valid UTF-8", "error"])
+                return None
+    if image is None and text is None:
+        problems.append([key, f"no image ({'|'.join(IMAGE_EXTS)}) and no text (txt) member", "error"])
+        return None
+    ref = None if image is None else [image.offset_data, image.size, image.name]
+    return [key, sid, ref, text]
+
+
+# -- writing shards -------------------------------------------------------------------------------
+
+
+def write_shards(source: Source, out: str | os.PathLike, shard_size: int) -> tuple[list[Path], list[Problem]]:
+    """Copy every readable row of ``source`` into ``out/00000.tar, ...``; unreadable rows are skipped.
+
+    Image bytes are copied as they are (JPEG, PNG and WebP; other formats are re-encoded as PNG),
+    so sharding never changes a pixel. Each sample's key travels in ``KEY.json`` as ``id``.
+    """
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    width = max(4, len(str(shard_size - 1)))
+    written: list[Path] = []
+    skipped: list[Problem] = []
+    tar = None
+    count = 0
+    for i in range(len(source)):
+        row = source.row(i)
+        members = {}
+        if row.image is not None:
+            try:
+                members.update(_image_member(source.read_image(i), row.image))
+            except (OSError, ValueError) as e:
+                skipped.append(Problem(row.where, f"image {row.image} not copied: {e}"))
+                continue
+        if row.text is not None:
+            members["txt"] = row.text.encode("utf-8")
+        members["json"] = json.dumps({"id": row.key}, ensure_ascii=False).encode("utf-8")
+        if count % shard_size == 0:
+            if tar is not None:
+                _close(tar, written[-1])
+            written.append(out / f"{len(written):05d}.tar")
+            tar = tarfile.open(written[-1].with_name(written[-1].name + ".tmp"), "w", format=tarfile.GNU_FORMAT)
+        key = f"{len(written) - 1:05d}{count % shard_size:0{width}d}"
+        for ext, data in members.items():
+            info = tarfile.TarInfo(f"{key}.{ext}")
+            info.size, info.mode = len(data), 0o644
+            tar.addfile(info, io.BytesIO(data))
+        count += 1
+    if tar is not None:
+        _close(tar, written[-1])
+    return written, skipped
+
+
+def _image_member(data: bytes, name: str) -> dict[str, bytes]:
+    ext = name.rsplit(".", 1)[-1].lower() if "." in name else ""
+    ext = "jpg" if ext == "jpeg" else ext
+    if ext in IMAGE_EXTS:
+        return {ext: data}
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.open(io.BytesIO(data)).save(buf, "PNG")
+    return {"png": buf.getvalue()}
+
+
+def _close(tar: tarfile.TarFile, path: Path) -> None:
+    tar.close()
+    os.replace(path.with_name(path.name + ".tmp"), path)
+    load_index(path)  # index it now, while the shard is hot in the page cache
+
+
+def shard_cli(args: argparse.Namespace) -> int:
+    """``vltrain data shard MANIFEST --out DIR --shard-size N``; exit 1 if rows had to be skipped."""
+    from vltrain.data.sources import open_source
+
+    if args.shard_size < 1:
+        raise UserError(f"--shard-size must be >= 1, got {args.shard_size}")
+    source = open_source(args.manifest)
+    written, not_copied = write_shards(source, args.out, args.shard_size)
+    n = len(source) - len(not_copied)
+    skipped = source.errors() + not_copied
+    pattern = f"{args.out}/{{00000..{len(written) - 1:05d}}}.tar" if written else "(none)"
+    print(f"wrote {n} samples in {len(written)} shard(s): {pattern}")
+    for p in skipped[:20]:
+        print(f"  skipped {p}", file=sys.stderr)
+    if skipped:
+        print(f"{len(skipped)} row(s) skipped", file=sys.stderr)
+    return 1 if skipped else 0

@@ -1,0 +1,308 @@
+"""Where samples come from: JSONL and CSV/TSV manifests, and tar shards (see ``shards.py``).
+
+A source is opened once: every row is parsed up front, so that its length, keys, texts and
+modalities are known without touching an image, and row ``i`` is the same row on every rank
+and in every worker. Malformed rows are dropped from the index space and kept in
+``source.problems`` with file and line, for ``vltrain data validate`` and for a strict
+(``on_error: fail``) run to refuse them.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import re
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+
+from vltrain.data.config import CsvConfig
+from vltrain.data.ids import derived_key
+from vltrain.errors import DataError
+
+IMAGE_KEYS = ("image", "image_path", "filepath")
+TEXT_KEYS = ("text", "caption", "title")
+MANIFEST_SUFFIXES = (".jsonl", ".csv", ".tsv")
+
+
+@dataclass(frozen=True)
+class Row:
+    """One sample as its source describes it, before anything is read or decoded."""
+
+    key: str  # the given id, or one derived from source, position and content
+    image: str | None  # where the image is: a file path, or "SHARD.tar:MEMBER"
+    text: str | None
+    where: str  # "train.jsonl:12" or "00003.tar:000000012", for messages
+
+
+@dataclass(frozen=True)
+class Problem:
+    """A row that is malformed ("error": dropped) or suspicious ("warning": kept)."""
+
+    where: str
+    reason: str
+    level: str = "error"
+
+    def __str__(self) -> str:
+        return f"{self.where}: {self.reason}"
+
+
+class Source(ABC):
+    """A sized, randomly addressable list of rows whose images can be read as bytes."""
+
+    name: str
+    problems: list[Problem]
+
+    @abstractmethod
+    def __len__(self) -> int: ...
+
+    @abstractmethod
+    def row(self, i: int) -> Row: ...
+
+    @abstractmethod
+    def read_image(self, i: int) -> bytes:
+        """The encoded image of row ``i``; raises ``OSError`` when it cannot be read."""
+
+    @abstractmethod
+    def texts(self) -> list[str | None]:
+        """Every row's text, in order (for bulk tokenization)."""
+
+    @abstractmethod
+    def has_image(self) -> np.ndarray:
+        """bool [len(self)]."""
+
+    def rows(self) -> Iterator[Row]:
+        return (self.row(i) for i in range(len(self)))
+
+    def errors(self) -> list[Problem]:
+        return [p for p in self.problems if p.level == "error"]
+
+
+class ManifestSource(Source):
+    """A JSONL or CSV/TSV manifest; relative image paths resolve against the manifest's folder."""
+
+    def __init__(self, path: str | os.PathLike, csv_cfg: CsvConfig | None = None):
+        self.path = Path(path)
+        self.name = str(path)
+        self.base = self.path.parent
+        self.problems = []
+        self._keys: list[str] = []
+        self._images: list[str | None] = []
+        self._texts: list[str | None] = []
+        self._lines: list[int] = []
+        if not self.path.is_file():
+            raise DataError(f"manifest not found: {self.path}")
+        if self.path.suffix.lower() == ".jsonl":
+            self._read_jsonl()
+        else:
+            self._read_csv(csv_cfg or CsvConfig())
+
+    def __len__(self) -> int:
+        return len(self._keys)
+
+    def row(self, i: int) -> Row:
+        return Row(self._keys[i], self._images[i], self._texts[i], f"{self.path.name}:{self._lines[i]}")
+
+    def read_image(self, i: int) -> bytes:
+        image = self._images[i]
+        if image is None:
+            raise ValueError(f"row {i} of {self.name} has no image")
+        with open(self.base / image, "rb") as f:
+            return f.read()
+
+    def image_path(self, i: int) -> Path | None:
+        image = self._images[i]
+        return None if image is None else self.base / image
+
+    def texts(self) -> list[str | None]:
+        return self._texts
+
+    def has_image(self) -> np.ndarray:
+        return np.fromiter((im is not None for im in self._images), dtype=bool, count=len(self))
+
+    # -- parsing -------------------------------------------------------------------------------
+
+    def _add(self, line: int, fields: dict, id_key: str, image_keys, text_keys) -> None:
+        """Check one row's fields and append it, or record why it is malformed."""
+        where = f"{self.path.name}:{line}"
+        image, why = _pick_string(fields, image_keys, "image")
+        if why:
+            return self._problem(where, why)
+        text, why = _pick_string(fields, text_keys, "text")
+        if why:
+            return self._problem(where, why)
+        blank_image = image is not None and not image.strip()
+        blank_text = text is not None and not text.strip()
+        image = None if blank_image else image
+        text = None if blank_text else text
+        if image is None and text is None:
+            return self._problem(
+                where, f"no image ({'|'.join(image_keys)}) and no text ({'|'.join(text_keys)})"
+            )
+        if blank_image:
+            self.problems.append(Problem(where, "empty image path (row used as text-only)", "warning"))
+        if blank_text:
+            self.problems.append(Problem(where, "empty text (row used as image-only)", "warning"))
+        given = fields.get(id_key)
+        if given is None or given == "":
+            key = derived_key(self.path.name, line, image, text)
+        elif isinstance(given, (str, int)) and not isinstance(given, bool):
+            key = str(given)
+            if not _is_unicode(key):
+                return self._problem(where, "id is not valid UTF-8")
+        else:
+            return self._problem(where, f"'{id_key}' must be a string or an integer, got {type(given).__name__}")
+        self._keys.append(key)
+        self._images.append(image)
+        self._texts.append(text)
+        self._lines.append(line)
+
+    def _problem(self, where: str, reason: str) -> None:
+        self.problems.append(Problem(where, reason))
+
+    def _read_jsonl(self) -> None:
+        with open(self.path, "rb") as f:
+            for line, raw in enumerate(f, start=1):
+                if not raw.strip():
+                    continue
+                where = f"{self.path.name}:{line}"
+                try:
+                    obj = json.loads(raw.decode("utf-8"))
+                except UnicodeDecodeError as e:
+                    self._problem(where, f"not valid UTF-8 (byte {e.start} of the line)")
+                    continue
+                except json.JSONDecodeError as e:
+                    self._problem(where, f"not JSON ({e.msg}, column {e.colno})")
+                    continue
+                if not isinstance(obj, dict):
+                    self._problem(where, f"not a JSON object (got {type(obj).__name__})")
+                    continue
+                self._add(line, obj, "id", IMAGE_KEYS, TEXT_KEYS)
+
+    def _read_csv(self, cfg: CsvConfig) -> None:
+        sep = cfg.separator or ("\t" if self.path.suffix.lower() == ".tsv" else ",")
+        # surrogateescape keeps undecodable bytes visible, so a bad line is reported, not fatal.
+        with open(self.path, newline="", encoding="utf-8", errors="surrogateescape") as f:
+            reader = csv.reader(f, delimiter=sep)
+            header = next(reader, None)
+            if header is None:
+                raise DataError(f"{self.path}: empty file (a header row is needed)")
+            image_col = _column(header, cfg.image_key, IMAGE_KEYS)
+            text_col = _column(header, cfg.text_key, TEXT_KEYS)
+            if image_col is None and text_col is None:
+                raise DataError(
+                    f"{self.path}: header {header} has no image column ({cfg.image_key!r} or one of "
+                    f"{IMAGE_KEYS}) and no text column ({cfg.text_key!r} or one of {TEXT_KEYS}); "
+                    "set data.csv.image_key / data.csv.text_key / data.csv.separator"
+                )
+            id_col = cfg.id_key if cfg.id_key in header else None
+            start = reader.line_num + 1
+            for values in reader:
+                line, start = start, reader.line_num + 1
+                if not values:
+                    continue
+                where = f"{self.path.name}:{line}"
+                if len(values) != len(header):
+                    self._problem(where, f"{len(values)} fields, the header has {len(header)}")
+                    continue
+                if not all(_is_unicode(v) for v in values):
+                    self._problem(where, "not valid UTF-8")
+                    continue
+                fields = {k: (v if v != "" else None) for k, v in zip(header, values)}
+                self._add(
+                    line,
+                    fields,
+                    id_col or "",
+                    (image_col,) if image_col else (),
+                    (text_col,) if text_col else (),
+                )
+
+
+def _pick_string(fields: dict, keys, what: str) -> tuple[str | None, str | None]:
+    """The first present alias of ``keys``, and why it is unusable (or None)."""
+    for k in keys:
+        v = fields.get(k)
+        if v is None:
+            continue
+        if not isinstance(v, str):
+            return None, f"'{k}' must be a string, got {type(v).__name__}"
+        if not _is_unicode(v):
+            return None, f"{what} is not valid UTF-8 / Unicode"
+        return v, None
+    return None, None
+
+
+def _column(header: list[str], configured: str, aliases: tuple[str, ...]) -> str | None:
+    if configured in header:
+        return configured
+    return next((a for a in aliases if a in header), None)
+
+
+def _is_unicode(s: str) -> bool:
+    """False for strings holding lone surrogates (undecodable bytes, or bad JSON escapes)."""
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+_RANGE = re.compile(r"\{(\d+)\.\.(\d+)\}")
+_LIST = re.compile(r"\{([^{}]*,[^{}]*)\}")
+
+
+def expand_braces(pattern: str) -> list[str]:
+    """``a/{00000..00002}.tar`` -> three paths; ``{x,y}`` lists too; expanded left to right."""
+    m = _RANGE.search(pattern)
+    n = _LIST.search(pattern)
+    if m and (not n or m.start() < n.start()):
+        lo, hi = m.group(1), m.group(2)
+        width = len(lo) if lo.startswith("0") or len(lo) == len(hi) else 0
+        step = 1 if int(hi) >= int(lo) else -1
+        parts = [str(v).zfill(width) for v in range(int(lo), int(hi) + step, step)]
+        span = m.span()
+    elif n:
+        parts = n.group(1).split(",")
+        span = n.span()
+    else:
+        return [pattern]
+    out: list[str] = []
+    for p in parts:
+        out.extend(expand_braces(pattern[: span[0]] + p + pattern[span[1] :]))
+    return out
+
+
+def is_shard_pattern(path: str) -> bool:
+    return path.endswith(".tar") or ("{" in path and ".tar" in path)
+
+
+def open_source(
+    path: str, csv_cfg: CsvConfig | None = None, cache_dir: str | os.PathLike | None = None
+) -> Source:
+    """A manifest (.jsonl/.csv/.tsv) or a shard pattern ('shards/{00000..00009}.tar')."""
+    if is_shard_pattern(path):
+        from vltrain.data.shards import ShardSource
+
+        return ShardSource(path, cache_dir=cache_dir)
+    if Path(path).suffix.lower() in MANIFEST_SUFFIXES:
+        return ManifestSource(path, csv_cfg)
+    raise DataError(
+        f"{path}: not a manifest (.jsonl, .csv, .tsv) or a tar shard pattern ('dir/{{00000..00009}}.tar')"
+    )
+
+
+def refuse_malformed(source: Source, limit: int = 5) -> None:
+    """Raise if ``source`` dropped malformed rows: a strict run trains on every row or none."""
+    errors = source.errors()
+    if errors:
+        shown = "\n  ".join(str(p) for p in errors[:limit])
+        more = f"\n  ... and {len(errors) - limit} more" if len(errors) > limit else ""
+        raise DataError(
+            f"{source.name}: {len(errors)} malformed row(s):\n  {shown}{more}\n"
+            f"Fix them (see `vltrain data validate {source.name}`), or set data.on_error: skip "
+            "to train without them."
+        )

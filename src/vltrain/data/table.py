@@ -1,0 +1,25 @@
+"""Per-sample metadata the sampler needs without decoding anything."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass
+class SampleTable:
+    """Columns over a dataset's index space ``0..n-1``.
+
+    Built once from the manifest or shard index (captions are tokenized once, in bulk, for
+    ``text_len``). Every rank builds the same table from the same files, so a schedule
+    computed from it is identical on every rank without any communication.
+    """
+
+    has_image: np.ndarray  # bool [n]
+    has_text: np.ndarray  # bool [n]
+    text_len: np.ndarray  # int32 [n], tokens incl. special tokens, capped at max_text_length; 0 if no text
+    source: np.ndarray  # int16 [n], index of the source in a mixture (0 for a single source)
+
+    def __len__(self) -> int:
+        return int(self.has_image.shape[0])

@@ -1,0 +1,219 @@
+"""``vltrain data validate`` and ``vltrain data stats``: look at every row before a run does.
+
+validate exits 0 when every row is usable, 1 when problems were found, 2 on a usage error (a
+path that does not exist, a format it does not know).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from vltrain.data.images import DECODE_ERRORS, ImageError, decode_image, open_image
+from vltrain.data.sources import Problem, Source, expand_braces, is_shard_pattern, open_source
+from vltrain.errors import DataError, UserError
+
+CHECK_SIZE = 32
+"""Images are fully decoded to this size: it catches truncation without the cost of a full resize."""
+MAX_PIXELS = 89_478_485
+
+
+class UsageError(UserError):
+    """A source that does not exist or is not a known format: the command was misused."""
+
+    exit_code = 2
+
+
+@dataclass
+class SourceSummary:
+    name: str
+    rows: int = 0
+    image_text: int = 0
+    text_only: int = 0
+    image_only: int = 0
+    errors: int = 0
+    warnings: int = 0
+    problems: list[Problem] = field(default_factory=list)
+
+
+def _open(path: str) -> Source:
+    """Open a source; a path that is not there or not a known format is a usage error."""
+    names = expand_braces(path) if is_shard_pattern(path) else [path]
+    missing = [n for n in names if not Path(n).exists()]
+    if missing:
+        raise UsageError(f"{path}: not found" + (f" ({len(missing)} of {len(names)} shards)" if len(names) > 1 else ""))
+    try:
+        return open_source(path)
+    except DataError as e:
+        if "not a manifest" in str(e):
+            raise UsageError(str(e)) from e
+        raise
+
+
+def modality_counts(source: Source) -> tuple[int, int, int]:
+    """(image-text, text-only, image-only) rows."""
+    has_image = source.has_image()
+    has_text = np.fromiter((t is not None for t in source.texts()), dtype=bool, count=len(source))
+    return int((has_image & has_text).sum()), int((~has_image).sum()), int((~has_text).sum())
+
+
+def check_rows(source: Source, start: int, stop: int, max_pixels: int = MAX_PIXELS) -> list[Problem]:
+    """Read and decode every image of rows ``start:stop``; the rows that fail, with why."""
+    problems = []
+    for i in range(start, stop):
+        row = source.row(i)
+        if row.image is None:
+            continue
+        try:
+            decode_image(source.read_image(i), CHECK_SIZE, "squash", max_pixels)
+        except FileNotFoundError:
+            problems.append(Problem(row.where, f"image file not found: {row.image} (id {row.key})"))
+        except (ImageError, OSError) as e:
+            problems.append(Problem(row.where, f"{e} (id {row.key})"))
+    return problems
+
+
+def _check_source(source: Source, workers: int) -> list[Problem]:
+    n = len(source)
+    if workers <= 1 or n < 256:
+        return check_rows(source, 0, n)
+    chunk = -(-n // (workers * 4))
+    with ProcessPoolExecutor(workers) as pool:
+        parts = pool.map(check_rows, [source] * len(range(0, n, chunk)), range(0, n, chunk),
+                         [min(s + chunk, n) for s in range(0, n, chunk)])
+        return [p for part in parts for p in part]
+
+
+def _duplicates(source: Source, seen: dict[str, str]) -> list[Problem]:
+    problems = []
+    for row in source.rows():
+        first = seen.setdefault(row.key, row.where)
+        if first != row.where:
+            problems.append(Problem(row.where, f"duplicate id {row.key!r} (first at {first})"))
+    return problems
+
+
+def _position(p: Problem) -> tuple:
+    """Problems in file order: "m.jsonl:12" sorts by line number, "00001.tar:KEY" by key."""
+    name, _, pos = p.where.rpartition(":")
+    return (name, int(pos) if pos.isdigit() else 0, pos)
+
+
+def validate(paths: list[str], workers: int = 1) -> list[SourceSummary]:
+    summaries, seen = [], {}
+    for path in paths:
+        s = SourceSummary(path)
+        try:
+            source = _open(path)
+        except DataError as e:
+            s.problems.append(Problem(path, str(e)))
+            s.errors = 1
+            summaries.append(s)
+            continue
+        s.rows = len(source)
+        s.image_text, s.text_only, s.image_only = modality_counts(source)
+        s.problems = source.problems + _duplicates(source, seen) + _check_source(source, workers)
+        s.problems.sort(key=_position)
+        s.errors = sum(p.level == "error" for p in s.problems)
+        s.warnings = len(s.problems) - s.errors
+        summaries.append(s)
+    return summaries
+
+
+def validate_cli(args: argparse.Namespace) -> int:
+    summaries = validate(args.sources, args.workers)
+    errors = sum(s.errors for s in summaries)
+    if args.json:
+        out = []
+        for s in summaries:
+            d = asdict(s)
+            d["problems"] = [asdict(p) for p in s.problems[: args.max_problems]]
+            out.append(d)
+        print(json.dumps({"ok": errors == 0, "sources": out}, indent=1, ensure_ascii=False))
+        return 1 if errors else 0
+    for s in summaries:
+        print(
+            f"{s.name}: {s.rows} rows ({s.image_text} image-text, {s.text_only} text-only, "
+            f"{s.image_only} image-only); {s.errors} error(s), {s.warnings} warning(s)"
+        )
+        ordered = [p for p in s.problems if p.level == "error"] + [p for p in s.problems if p.level != "error"]
+        for p in ordered[: args.max_problems]:
+            print(f"  {p.level}: {p}")
+        if len(ordered) > args.max_problems:
+            print(f"  ... and {len(ordered) - args.max_problems} more (--max-problems, --json)")
+    print("ok" if errors == 0 else f"{errors} problem(s) found")
+    return 1 if errors else 0
+
+
+# -- stats ----------------------------------------------------------------------------------------
+
+PERCENTILES = (5, 50, 95, 99)
+
+
+def _percentiles(values: list[int]) -> dict[str, float]:
+    if not values:
+        return {}
+    a = np.asarray(values)
+    out = {f"p{q}": float(np.percentile(a, q)) for q in PERCENTILES}
+    out.update(mean=float(a.mean()), max=float(a.max()))
+    return out
+
+
+def stats(paths: list[str], tokenizer_path: str | None, max_images: int) -> dict:
+    sources = [_open(p) for p in paths]
+    counts = np.array([modality_counts(s) for s in sources]).sum(0).tolist()
+    texts = [t for s in sources for t in s.texts() if t is not None]
+    if tokenizer_path:
+        from vltrain.data.text import load_tokenizer
+
+        lengths, unit = load_tokenizer(tokenizer_path).token_lengths(texts, 1 << 30), "tokens"
+    else:
+        lengths, unit = [len(t.split()) for t in texts], "words"
+    widths, heights, unreadable = [], [], 0
+    refs = [(s, i) for s in sources for i in np.flatnonzero(s.has_image()).tolist()]
+    step = max(1, len(refs) // max_images) if max_images > 0 else len(refs) + 1
+    for s, i in refs[::step][:max_images]:
+        try:
+            w, h = open_image(s.read_image(i), MAX_PIXELS).size
+        except (ImageError, *DECODE_ERRORS):
+            unreadable += 1
+            continue
+        widths.append(w)
+        heights.append(h)
+    return {
+        "sources": paths,
+        "rows": sum(counts),
+        "image_text": counts[0],
+        "text_only": counts[1],
+        "image_only": counts[2],
+        "caption_length": {"unit": unit, **_percentiles(lengths)},
+        "images_measured": len(widths),
+        "images_unreadable": unreadable,
+        "image_width": _percentiles(widths),
+        "image_height": _percentiles(heights),
+    }
+
+
+def stats_cli(args: argparse.Namespace) -> int:
+    report = stats(args.sources, args.tokenizer, args.max_images)
+    if args.json:
+        print(json.dumps(report, indent=1))
+        return 0
+    n = max(report["rows"], 1)
+    print(f"rows: {report['rows']}")
+    for k in ("image_text", "text_only", "image_only"):
+        print(f"  {k.replace('_', '-'):<11} {report[k]:>10}  {100 * report[k] / n:5.1f}%")
+    cap = report["caption_length"]
+    header = "".join(f"{k:>8}" for k in [*(f"p{q}" for q in PERCENTILES), "mean", "max"])
+    print(f"{'':<24}{header}")
+    rows = [(f"caption ({cap['unit']})", cap), ("image width", report["image_width"]),
+            ("image height", report["image_height"])]
+    for name, d in rows:
+        print(f"{name:<24}" + "".join(f"{d.get(k, float('nan')):>8.1f}" for k in [*(f"p{q}" for q in PERCENTILES), "mean", "max"]))
+    print(f"images measured: {report['images_measured']} (unreadable: {report['images_unreadable']})")
+    return 0

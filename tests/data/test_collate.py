@@ -1,0 +1,38 @@
+import pytest
+import torch
+
+from vltrain.data.collate import Collator
+from vltrain.data.dataset import Sample
+
+
+def sample(uid, n_tokens, image=True, truncated=False, errors=()):
+    img = torch.full((3, 4, 4), uid, dtype=torch.uint8) if image else None
+    return Sample(uid, f"k{uid}", img, list(range(1, n_tokens + 1)), truncated, uid % 2, list(errors))
+
+
+@pytest.mark.parametrize("lengths, expected", [([3, 5], 8), ([9, 2], 16), ([0, 1], 8), ([30, 40], 20)])
+def test_text_is_padded_to_the_longest_row_rounded_to_8_and_capped(lengths, expected):
+    b = Collator(pad_id=0, max_text_length=20, image_size=4)([sample(i + 1, n) for i, n in enumerate(lengths)])
+    assert b.input_ids.shape == (2, expected)
+    assert b.attention_mask.sum(1).tolist() == [min(n, 20) for n in lengths]
+
+
+def test_batch_fields():
+    samples = [
+        sample(1, 3),
+        sample(2, 0),  # image-only
+        sample(3, 2, image=False, truncated=True, errors=[("bad", "image file not found: x.png")]),
+    ]
+    b = Collator(pad_id=7, max_text_length=16, image_size=4)(samples)
+    assert b.ids.tolist() == [1, 2, 3] and b.ids.dtype == torch.int64
+    assert b.pixel_values.dtype == torch.uint8 and b.pixel_values.shape == (3, 3, 4, 4)
+    assert b.pixel_values[0].unique().tolist() == [1]
+    assert b.pixel_values[2].unique().tolist() == [0]  # no image: zeros
+    assert b.has_image.tolist() == [True, True, False]
+    assert b.has_text.tolist() == [True, False, True]
+    assert b.input_ids[0].tolist() == [1, 2, 3, 7, 7, 7, 7, 7]
+    assert b.input_ids[1].tolist() == [7] * 8 and b.attention_mask[1].sum() == 0
+    assert b.attention_mask.dtype == torch.int64
+    assert b.source.tolist() == [1, 0, 1]
+    assert b.num_truncated == 1
+    assert b.errors == [("bad", "image file not found: x.png")]

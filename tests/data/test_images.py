@@ -1,0 +1,145 @@
+import io
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from vltrain.data.images import ImageError, decode_image, resize_image
+
+
+def encode(im: Image.Image, fmt: str = "PNG", **kw) -> bytes:
+    buf = io.BytesIO()
+    im.save(buf, fmt, **kw)
+    return buf.getvalue()
+
+
+def test_output_is_uint8_chw_of_the_configured_size():
+    out = decode_image(encode(Image.new("RGB", (40, 30), (10, 20, 30))), 16)
+    assert out.dtype == np.uint8 and out.shape == (3, 16, 16) and out.flags.writeable
+    assert out[:, 8, 8].tolist() == [10, 20, 30]
+
+
+@pytest.mark.parametrize(
+    "make, expected",
+    [
+        (lambda: Image.new("L", (8, 8), 77), [77, 77, 77]),
+        (lambda: Image.new("LA", (8, 8), (0, 0)), [255, 255, 255]),  # transparent -> white
+        (lambda: Image.new("LA", (8, 8), (40, 255)), [40, 40, 40]),
+        (lambda: Image.new("RGBA", (8, 8), (200, 10, 10, 0)), [255, 255, 255]),
+        (lambda: Image.new("RGBA", (8, 8), (200, 10, 10, 255)), [200, 10, 10]),
+        (lambda: Image.new("CMYK", (8, 8), (0, 255, 255, 0)), [255, 0, 0]),
+        (lambda: Image.fromarray(np.full((8, 8), 0x8000, dtype=np.uint16)), [128, 128, 128]),
+    ],
+    ids=["L", "LA-transparent", "LA-opaque", "RGBA-transparent", "RGBA-opaque", "CMYK", "I;16"],
+)
+def test_every_mode_becomes_rgb(make, expected):
+    im = make()
+    fmt = "TIFF" if im.mode == "CMYK" else "PNG"
+    out = decode_image(encode(im, fmt), 8)
+    assert out.shape == (3, 8, 8)
+    assert out[:, 4, 4].tolist() == expected
+
+
+def test_sixteen_bit_grey_keeps_its_range():
+    a = np.tile(np.array([0, 0x4000, 0xFFFF], dtype=np.uint16), (3, 1))
+    im = Image.fromarray(a)
+    assert im.mode == "I;16"
+    out = decode_image(encode(im), 3, resize="squash")
+    assert out[0, 0].tolist() == [0, 64, 255]
+
+
+def test_palette_with_transparency_composites_on_white():
+    im = Image.new("P", (8, 8), 1)
+    im.putpalette([0, 0, 0, 10, 200, 30] + [0] * 762)
+    im.info["transparency"] = 1
+    data = encode(im, transparency=1)
+    assert decode_image(data, 8)[:, 0, 0].tolist() == [255, 255, 255]
+    im2 = Image.new("P", (8, 8), 1)
+    im2.putpalette([0, 0, 0, 10, 200, 30] + [0] * 762)
+    assert decode_image(encode(im2), 8)[:, 0, 0].tolist() == [10, 200, 30]
+
+
+def test_exif_orientation_is_applied():
+    # A 20x10 image, left half red, right half blue, tagged "rotate 90 CW" (orientation 6):
+    # displayed it is 10x20, red on top.
+    im = Image.new("RGB", (20, 10), (0, 0, 255))
+    im.paste((255, 0, 0), (0, 0, 10, 10))
+    exif = Image.Exif()
+    exif[0x0112] = 6
+    data = encode(im, "JPEG", quality=95, exif=exif.tobytes())
+    out = decode_image(data, 10, resize="squash")
+    top, bottom = out[:, 1, 5].tolist(), out[:, 8, 5].tolist()
+    assert top[0] > 200 and top[2] < 60
+    assert bottom[2] > 200 and bottom[0] < 60
+
+
+def test_crop_keeps_the_center_and_squash_keeps_everything():
+    # 30x10: red | green | blue thirds.
+    im = Image.new("RGB", (30, 10), (255, 0, 0))
+    im.paste((0, 255, 0), (10, 0, 20, 10))
+    im.paste((0, 0, 255), (20, 0, 30, 10))
+    data = encode(im)
+    crop = decode_image(data, 10, resize="crop")
+    assert crop[:, 5, 1].tolist() == [0, 255, 0] and crop[:, 5, 8].tolist() == [0, 255, 0]
+    squash = decode_image(data, 9, resize="squash")
+    assert squash[:, 4, 0].tolist() == [255, 0, 0]
+    assert squash[:, 4, 4].tolist() == [0, 255, 0]
+    assert squash[:, 4, 8].tolist() == [0, 0, 255]
+
+
+def test_big_jpeg_is_decoded_at_reduced_scale(monkeypatch):
+    im = Image.new("RGB", (2000, 1600), (90, 140, 200))
+    data = encode(im, "JPEG", quality=90)
+    sizes = []
+    real_resize = Image.Image.resize
+
+    def spy(self, size, *a, **kw):
+        sizes.append(self.size)
+        return real_resize(self, size, *a, **kw)
+
+    monkeypatch.setattr(Image.Image, "resize", spy)
+    out = decode_image(data, 64)
+    assert out.shape == (3, 64, 64)
+    assert sizes == [(250, 200)]  # libjpeg's 1/8 scale, not 2000x1600
+    assert abs(out[0, 32, 32].item() - 90) <= 3
+
+
+def test_small_images_are_upscaled():
+    assert decode_image(encode(Image.new("RGB", (4, 6), (1, 2, 3))), 32).shape == (3, 32, 32)
+
+
+def test_resize_is_a_no_op_at_the_right_size():
+    im = Image.new("RGB", (16, 16))
+    assert resize_image(im, 16) is im
+
+
+@pytest.mark.parametrize(
+    "data, reason",
+    [
+        (b"", "empty file"),
+        (b"this is a text file, not a png" * 10, "not an image"),
+        (b"\x89PNG\r\n\x1a\n" + b"\0" * 40, "not an image"),
+    ],
+    ids=["zero-byte", "text-with-image-extension", "corrupt-header"],
+)
+def test_unreadable_bytes_raise_image_error_with_reason(data, reason):
+    with pytest.raises(ImageError, match=reason):
+        decode_image(data, 16)
+
+
+@pytest.mark.parametrize("fmt", ["JPEG", "PNG"])
+def test_truncated_file_raises_image_error(fmt):
+    rng = np.random.default_rng(0)
+    im = Image.fromarray(rng.integers(0, 255, (64, 64, 3), dtype=np.uint8))
+    data = encode(im, fmt)
+    with pytest.raises(ImageError, match="cannot decode"):
+        decode_image(data[: len(data) // 2], 16)
+
+
+def test_decompression_bomb_is_refused_from_the_header():
+    # A 4000x4000 PNG of one colour is a few KB on disk: the pixel count is what matters.
+    data = encode(Image.new("L", (4000, 4000), 0))
+    assert len(data) < 100_000
+    with pytest.raises(ImageError, match="decompression bomb"):
+        decode_image(data, 16, max_pixels=1_000_000)
+    assert decode_image(data, 16, max_pixels=16_000_000).shape == (3, 16, 16)

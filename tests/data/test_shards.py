@@ -1,0 +1,139 @@
+import io
+import json
+import os
+import tarfile
+
+import pytest
+from datafiles import distinct_image, save, write_jsonl
+
+from vltrain.data.shards import ShardSource, build_index, index_path, load_index, write_shards
+from vltrain.data.sources import ManifestSource
+from vltrain.errors import DataError
+
+
+def make_manifest(tmp_path, n=7):
+    rows = []
+    for i in range(n):
+        row = {"id": f"s{i}", "text": f"caption {i}"}
+        if i % 3 != 2:
+            row["image"] = str(save(distinct_image(i), tmp_path / "img" / f"{i}.{'png' if i % 2 else 'jpg'}"))
+        rows.append(row)
+    return write_jsonl(tmp_path / "m.jsonl", rows)
+
+
+def add(tar: tarfile.TarFile, name: str, data: bytes) -> None:
+    info = tarfile.TarInfo(name)
+    info.size = len(data)
+    tar.addfile(info, io.BytesIO(data))
+
+
+def test_written_shards_read_back_row_for_row(tmp_path):
+    manifest = ManifestSource(make_manifest(tmp_path))
+    written, skipped = write_shards(manifest, tmp_path / "shards", shard_size=3)
+    assert [p.name for p in written] == ["00000.tar", "00001.tar", "00002.tar"] and not skipped
+    shards = ShardSource(str(tmp_path / "shards" / "{00000..00002}.tar"))
+    assert len(shards) == len(manifest)
+    for i in range(len(manifest)):
+        a, b = manifest.row(i), shards.row(i)
+        assert (a.key, a.text) == (b.key, b.text)
+        assert (a.image is None) == (b.image is None)
+        if a.image is not None:
+            assert shards.read_image(i) == manifest.read_image(i)
+    assert shards.has_image().tolist() == manifest.has_image().tolist()
+    with tarfile.open(written[0]) as tar:
+        assert sorted(tar.getnames())[:3] == ["000000000.jpg", "000000000.json", "000000000.txt"]
+
+
+def test_index_is_cached_next_to_the_shard_and_rebuilt_when_it_changes(tmp_path):
+    shard = tmp_path / "00000.tar"
+    with tarfile.open(shard, "w") as tar:
+        add(tar, "k1.txt", b"first")
+    load_index(shard)
+    idx = tmp_path / "00000.tar.idx.json"
+    assert idx.is_file()
+    assert json.loads(idx.read_text())["samples"][0][3] == "first"
+    # A cached index is used as is...
+    spec = json.loads(idx.read_text())
+    spec["samples"][0][3] = "from the cache"
+    idx.write_text(json.dumps(spec))
+    assert ShardSource(str(shard)).row(0).text == "from the cache"
+    # ...until the shard changes.
+    with tarfile.open(shard, "w") as tar:
+        add(tar, "k1.txt", b"second")
+        add(tar, "k2.txt", b"third")
+    os.utime(shard, ns=(1, 1))
+    assert [r.text for r in ShardSource(str(shard)).rows()] == ["second", "third"]
+
+
+def test_read_only_shard_folder_puts_the_index_in_the_cache_dir(tmp_path, monkeypatch):
+    folder = tmp_path / "ro"
+    folder.mkdir()
+    with tarfile.open(folder / "00000.tar", "w") as tar:
+        add(tar, "a.txt", b"hello")
+    folder.chmod(0o555)
+    real_access = os.access
+    # root may write anywhere; make the folder read-only for it too
+    monkeypatch.setattr(os, "access", lambda p, mode: False if str(p) == str(folder) else real_access(p, mode))
+    try:
+        src = ShardSource(str(folder / "00000.tar"), cache_dir=tmp_path / "cache")
+        assert src.row(0).text == "hello"
+        assert index_path(folder / "00000.tar", tmp_path / "cache").parent == tmp_path / "cache"
+        assert len(list((tmp_path / "cache").glob("*-00000.tar.idx.json"))) == 1
+        assert not list(folder.glob("*.idx.json"))
+    finally:
+        folder.chmod(0o755)
+
+
+def test_index_keeps_problems_and_drops_bad_members(tmp_path):
+    shard = tmp_path / "00000.tar"
+    png = io.BytesIO()
+    distinct_image(3).save(png, "PNG")
+    with tarfile.open(shard, "w") as tar:
+        add(tar, "good.png", png.getvalue())
+        add(tar, "good.txt", "café".encode())
+        add(tar, "good.json", b'{"id": 42, "url": "http://x"}')
+        add(tar, "latin.txt", "café".encode("latin-1"))
+        add(tar, "badjson.txt", b"ok")
+        add(tar, "badjson.json", b"{nope")
+        add(tar, "onlyjson.json", b'{"id": "z"}')
+        add(tar, "imgonly.webp", b"RIFF....")
+        add(tar, "blank.png", png.getvalue())
+        add(tar, "blank.txt", b"   ")
+    index = build_index(shard)
+    assert [s[0] for s in index["samples"]] == ["good", "imgonly", "blank"]
+    assert index["samples"][0][1:4:2] == ["42", "café"]
+    problems = {p[0]: (p[1], p[2]) for p in index["problems"]}
+    assert "UTF-8" in problems["latin"][0] and problems["latin"][1] == "error"
+    assert "not valid JSON" in problems["badjson"][0]
+    assert "no image" in problems["onlyjson"][0]
+    assert problems["blank"] == ("empty text (sample used as image-only)", "warning")
+    src = ShardSource(str(shard))
+    assert src.row(0).key == "42" and src.row(1).key == "imgonly"
+    assert src.read_image(0) == png.getvalue()
+    assert src.row(0).where == "00000.tar:good"
+
+
+def test_missing_and_broken_shards_are_clear_errors(tmp_path):
+    with pytest.raises(DataError, match=r"2 of 2 shard\(s\) not found"):
+        ShardSource(str(tmp_path / "{00000..00001}.tar"))
+    (tmp_path / "00000.tar").write_bytes(b"not a tar at all" * 100)
+    with pytest.raises(DataError, match="not a readable tar"):
+        ShardSource(str(tmp_path / "00000.tar"))
+
+
+def test_shard_cli_and_validate_on_the_pattern(tmp_path, cli):
+    make_manifest(tmp_path, n=5)
+    r = cli("data", "shard", "m.jsonl", "--out", "shards", "--shard-size", "2")
+    assert r.returncode == 0, r.stderr
+    assert "shards/{00000..00002}.tar" in r.stdout
+    r = cli("data", "validate", "shards/{00000..00002}.tar")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "5 rows" in r.stdout
+
+
+def test_shard_cli_skips_unreadable_rows_and_says_so(tmp_path, cli):
+    write_jsonl(tmp_path / "m.jsonl", [{"image": "gone.png", "text": "x"}, {"text": "kept"}, "{bad"])
+    r = cli("data", "shard", "m.jsonl", "--out", "shards")
+    assert r.returncode == 1
+    assert "wrote 1 samples" in r.stdout
+    assert "m.jsonl:1" in r.stderr and "m.jsonl:3" in r.stderr

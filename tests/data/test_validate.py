@@ -1,0 +1,97 @@
+import json
+
+import pytest
+from datafiles import distinct_image, save, tiny_tokenizer, write_jsonl
+
+from vltrain.data.validate import validate
+
+
+def clean_manifest(tmp_path, n=6):
+    rows = []
+    for i in range(n):
+        row = {"id": f"r{i}", "text": f"red circle {i}"}
+        if i % 3:
+            row["image"] = f"img/{i}.png"
+            save(distinct_image(i, (12 + i, 10)), tmp_path / "img" / f"{i}.png")
+        rows.append(row)
+    return write_jsonl(tmp_path / "clean.jsonl", rows)
+
+
+def broken_manifest(tmp_path):
+    (tmp_path / "img").mkdir(exist_ok=True)
+    (tmp_path / "img" / "zero.png").write_bytes(b"")
+    (tmp_path / "img" / "notimg.jpg").write_text("hello")
+    save(distinct_image(1), tmp_path / "img" / "ok.png")
+    return write_jsonl(
+        tmp_path / "broken.jsonl",
+        [
+            {"id": "a", "image": "img/ok.png", "text": "fine"},
+            {"id": "b", "image": "img/zero.png", "text": "x"},
+            "{not json",
+            {"id": "c", "image": "img/gone.png"},
+            {"id": "a", "text": "duplicate id"},
+            {"id": "d", "image": "img/notimg.jpg", "text": ""},
+        ],
+    )
+
+
+def test_clean_manifest_exits_zero(tmp_path, cli):
+    clean_manifest(tmp_path)
+    r = cli("data", "validate", "clean.jsonl")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "clean.jsonl: 6 rows (4 image-text, 2 text-only, 0 image-only); 0 error(s)" in r.stdout
+
+
+def test_problems_are_listed_with_file_line_and_reason(tmp_path):
+    broken_manifest(tmp_path)
+    [s] = validate([str(tmp_path / "broken.jsonl")])
+    got = {(p.where, p.level): p.reason for p in s.problems}
+    assert "empty file" in got[("broken.jsonl:2", "error")]
+    assert "not JSON" in got[("broken.jsonl:3", "error")]
+    assert "image file not found: img/gone.png" in got[("broken.jsonl:4", "error")]
+    assert "duplicate id 'a' (first at broken.jsonl:1)" in got[("broken.jsonl:5", "error")]
+    assert "not an image" in got[("broken.jsonl:6", "error")]
+    assert "empty text" in got[("broken.jsonl:6", "warning")]
+    assert (s.rows, s.errors, s.warnings) == (5, 5, 1)
+
+
+def test_problems_exit_one_and_json_report(tmp_path, cli):
+    broken_manifest(tmp_path)
+    r = cli("data", "validate", "broken.jsonl", "--max-problems", "2")
+    assert r.returncode == 1
+    assert "broken.jsonl:2" in r.stdout and "and 4 more" in r.stdout and "5 problem(s) found" in r.stdout
+    r = cli("data", "validate", "broken.jsonl", "--json")
+    assert r.returncode == 1
+    report = json.loads(r.stdout)
+    assert report["ok"] is False and report["sources"][0]["errors"] == 5
+    assert {"where", "reason", "level"} <= set(report["sources"][0]["problems"][0])
+
+
+@pytest.mark.parametrize("arg", ["missing.jsonl", "table.parquet", "shards/{00000..00003}.tar"])
+def test_usage_errors_exit_two(tmp_path, cli, arg):
+    (tmp_path / "table.parquet").write_bytes(b"x")
+    r = cli("data", "validate", arg)
+    assert r.returncode == 2 and "vltrain: error:" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_workers_find_the_same_problems(tmp_path):
+    rows = [{"id": f"r{i}", "image": f"img/{i % 7}.png" if i % 50 else "img/gone.png", "text": "t"} for i in range(300)]
+    for i in range(7):
+        save(distinct_image(i), tmp_path / "img" / f"{i}.png")
+    m = str(write_jsonl(tmp_path / "m.jsonl", rows))
+    one, two = validate([m], 1)[0], validate([m], 2)[0]
+    assert [str(p) for p in one.problems] == [str(p) for p in two.problems]
+    assert one.errors == 6
+
+
+def test_stats(tmp_path, cli):
+    clean_manifest(tmp_path)
+    tiny_tokenizer(tmp_path).save(tmp_path / "tok.json")
+    r = cli("data", "stats", "clean.jsonl", "--json", "--tokenizer", "tok.json")
+    assert r.returncode == 0, r.stderr
+    s = json.loads(r.stdout)
+    assert (s["rows"], s["image_text"], s["text_only"], s["image_only"]) == (6, 4, 2, 0)
+    assert s["caption_length"]["unit"] == "tokens" and s["caption_length"]["max"] >= 4
+    assert s["images_measured"] == 4 and s["image_width"]["max"] == 17 and s["image_height"]["p50"] == 10
+    r = cli("data", "stats", "clean.jsonl")
+    assert r.returncode == 0 and "caption (words)" in r.stdout and "image-text" in r.stdout
