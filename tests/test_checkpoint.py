@@ -226,7 +226,7 @@ def _run_phase(rank: int, root: str, phase: str) -> None:
         from torch.distributed.fsdp import fully_shard as wrap
     else:
         wrap = DDP
-    cfg = CheckpointConfig(every=2, keep=3)
+    cfg = CheckpointConfig(every=2, keep=3, async_save=phase == "async")
     job = Job(f"{root}/{'cut' if phase == 'resume' else phase}", cfg, wrap=wrap, init_seed=0)
     seed_all(10 + rank)  # each rank its own stream (dropout, inputs)
     start = 0
@@ -250,7 +250,7 @@ def _two_rank_worker(rank: int, world: int, port: int, root: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
-        for phase in ("full", "cut", "resume", "fsdp"):
+        for phase in ("full", "cut", "resume", "fsdp", "async"):
             _run_phase(rank, root, phase)
     finally:
         dist.destroy_process_group()
@@ -271,6 +271,14 @@ def test_two_ranks_ddp_resume_reshard_and_fsdp(tmp_path):
     assert restored.step == 7 and restored.world_size == 2 and not restored.exact
     assert np.array_equal(job.params(), np.load(tmp_path / "full.npy"))
     assert job.opt.state[job.opt.param_groups[0]["params"][0]]["step"].item() == 7
+
+    # the background writer (its own gloo group) wrote the same as the blocking one
+    assert np.array_equal(np.load(tmp_path / "async.npy"), np.load(tmp_path / "full.npy"))
+    saved = read_tensors(find_checkpoint(tmp_path / "async"), "model.")
+    flat = torch.cat([saved[f"model.{name}"].reshape(-1) for name, _ in toy_model().named_parameters()])
+    assert np.array_equal(flat.numpy(), np.load(tmp_path / "async.npy"))
+    assert sorted(p.name for p in (tmp_path / "async" / "checkpoints").iterdir()) == [
+        "latest", "step-4", "step-6", "step-7"]
 
     # FSDP2 shards are consolidated into a plain model
     model = toy_model()
