@@ -111,7 +111,8 @@ def embed(model, tokenizer, cfg: JobConfig, images: list[str | Path], texts: lis
     samples = []
     for i, path in enumerate(images):
         try:
-            pixels = decode_image(Path(path).read_bytes(), dc.image_size, dc.resize, dc.max_image_pixels)
+            pixels = torch.as_tensor(decode_image(Path(path).read_bytes(), dc.image_size, dc.resize,
+                                                  dc.max_image_pixels))
         except (OSError, ImageError) as e:
             raise UserError(f"cannot read image {path}: {e}") from None
         samples.append(Sample(uid=i, key=str(path), image=pixels, input_ids=[], truncated=False, source=0))
