@@ -9,10 +9,11 @@ the model and the optimizer's moments, must equal the uninterrupted run's to the
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 
-from runkit import EVERY, assert_identical, final_state, make_shapes, ok, reference, train
+from runkit import EVERY, STEPS, assert_identical, final_state, make_shapes, ok, reference, train
 
 
 @pytest.mark.slow
@@ -32,3 +33,21 @@ def test_stop_mid_epoch_and_resume_is_bit_identical(tmp_path_factory, tmp_path, 
     states = [json.loads((r / "checkpoints" / "step-10" / "state.json").read_text())["states"] for r in (ref, run)]
     for name in ("scheduler", "loader", "trainer"):
         assert states[0][name] == states[1][name], name
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_resume_on_another_world_size_continues_by_samples_seen(tmp_path_factory, tmp_path):
+    ref = reference(tmp_path_factory, "tiny-clip")
+    shapes = make_shapes(tmp_path_factory.getbasetemp() / "shapes")
+    run = tmp_path / "run"
+    shutil.copytree(ref / "checkpoints", run / "checkpoints")
+    saved = json.loads((run / "checkpoints" / f"step-{STEPS}" / "state.json").read_text())["states"]["loader"]
+
+    proc = ok(train(shapes, run, nproc=1, train__max_steps=STEPS + 2))
+    assert f"at step {STEPS} (from world size 2: model and optimizer resharded" in proc.stderr
+    loader = json.loads((run / "checkpoints" / f"step-{STEPS + 2}" / "state.json").read_text())["states"]["loader"]
+    # one rank takes half the samples per step of two: the same samples seen is twice the steps
+    assert loader["sampler"]["world_size"] == 1
+    assert loader["sampler"]["epoch"] == saved["sampler"]["epoch"]
+    assert loader["sampler"]["consumed"] == 2 * saved["sampler"]["consumed"] + 2

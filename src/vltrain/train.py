@@ -38,6 +38,31 @@ WEIGHTS_FILE = "weights.safetensors"
 """The final weights (full, unsharded), written at the end of a run for ``vltrain eval``."""
 
 
+class LoaderPosition:
+    """The train loader's position as a Stateful that also takes a checkpoint of another world size.
+
+    Same world size: the exact position. Another: the same epoch with the same number of the
+    epoch's samples consumed, rounded down to a whole step. An epoch's sample order does not depend
+    on the world size, so the run continues where it was by samples seen; batches are composed
+    differently, so this is not bit-exact.
+    """
+
+    def __init__(self, loader, world_size: int):
+        self.loader = loader
+        self.world_size = world_size
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.loader.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        sampler = state["sampler"]
+        saved_world = sampler["world_size"]
+        if saved_world != self.world_size:
+            consumed = sampler["consumed"] * saved_world // self.world_size
+            state = {**state, "sampler": {**sampler, "world_size": self.world_size, "consumed": consumed}}
+        self.loader.load_state_dict(state)
+
+
 def build_model_for(cfg: JobConfig, device: torch.device):
     """The tokenizer and the (unwrapped) model a config describes, on ``device``."""
     from vltrain.data.text import load_tokenizer
@@ -157,7 +182,7 @@ class Trainer:
             "optimizer": OptimizerState(self.model, self.optimizer),
             "scheduler": self.scheduler,
             "scaler": self.scaler,
-            "loader": self.loader,
+            "loader": LoaderPosition(self.loader, self.world.world_size),
             "trainer": self,
         }
 
