@@ -97,11 +97,14 @@ def ok(proc: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
     return proc
 
 
+def session_shapes(tmp_path_factory) -> Path:
+    return make_shapes(tmp_path_factory.getbasetemp() / "shapes")
+
+
 def reference(tmp_path_factory, preset: str) -> Path:
     """The uninterrupted 2-rank run of ``preset``, made once per session."""
-    root = tmp_path_factory.getbasetemp()
-    shapes = make_shapes(root / "shapes")
-    run = root / f"reference-{preset}"
+    shapes = session_shapes(tmp_path_factory)
+    run = tmp_path_factory.getbasetemp() / f"reference-{preset}"
     if not (run / "checkpoints" / "latest").exists():
         ok(train(shapes, run, model__preset=preset))
     return run
@@ -116,3 +119,7 @@ def assert_identical(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> 
     assert a.keys() == b.keys()
     different = [k for k in a if not torch.equal(a[k], b[k])]
     assert not different, f"{len(different)} of {len(a)} tensors differ, e.g. {different[:3]}"
+
+
+def assert_resumed_exactly(proc: subprocess.CompletedProcess, run: Path, step: int) -> None:
+    assert f"resumed from {run / 'checkpoints' / f'step-{step}'} at step {step} (exactly)" in proc.stderr, proc.stderr

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from runkit import make_shapes, overrides
+from runkit import overrides, session_shapes
 from vltrain.config import load_config
 from vltrain.errors import UserError
 from vltrain.export import load_exported
@@ -19,7 +19,7 @@ def trained(tmp_path_factory):
     """A few steps of the fusion model in this process; returns (trainer, shapes)."""
     from vltrain.train import Trainer
 
-    shapes = make_shapes(tmp_path_factory.getbasetemp() / "shapes")
+    shapes = session_shapes(tmp_path_factory)
     run = tmp_path_factory.mktemp("export") / "run"
     cfg = load_config(None, overrides(shapes, run, model__preset="tiny-albef", train__max_steps=3,
                                       data__num_workers=0, checkpoint__every=0))

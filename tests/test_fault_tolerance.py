@@ -10,44 +10,41 @@ import time
 
 import pytest
 
-from runkit import EVERY, assert_identical, final_state, make_shapes, ok, reference, train
+from runkit import EVERY, assert_identical, assert_resumed_exactly, final_state, ok, reference, session_shapes, train
+
+
+def killed_once_under_torchrun(tmp_path_factory, tmp_path, preset: str, fault: str):
+    """A 2-rank run under ``torchrun --max-restarts 3`` whose ``fault`` fires once; it must complete,
+    resumed from step 4, and end identical to the uninterrupted run. Returns the run folder."""
+    run = tmp_path / "run"
+    proc = ok(train(session_shapes(tmp_path_factory), run, max_restarts=3, model__preset=preset,
+                    fault=f"{fault}:once={tmp_path / 'fired'}"))
+    assert (tmp_path / "fired").exists()
+    assert_resumed_exactly(proc, run, EVERY)
+    assert_identical(final_state(reference(tmp_path_factory, preset)), final_state(run))
+    return run
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_sigkill_of_rank1_restarts_the_group_and_ends_identical(tmp_path_factory, tmp_path):
-    ref = reference(tmp_path_factory, "tiny-clip")
-    shapes = make_shapes(tmp_path_factory.getbasetemp() / "shapes")
-    run = tmp_path / "run"
-    proc = ok(train(shapes, run, max_restarts=3, fault=f"kill:at=step:step=6:rank=1:once={tmp_path / 'fired'}"))
-    assert (tmp_path / "fired").exists()
-    assert f"resumed from {run / 'checkpoints' / f'step-{EVERY}'} at step {EVERY} (exactly)" in proc.stderr
-    assert_identical(final_state(ref), final_state(run))
+    killed_once_under_torchrun(tmp_path_factory, tmp_path, "tiny-clip", "kill:at=step:step=6:rank=1")
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_kill_during_a_checkpoint_write_resumes_from_the_previous_one(tmp_path_factory, tmp_path):
-    ref = reference(tmp_path_factory, "tiny-albef")
-    shapes = make_shapes(tmp_path_factory.getbasetemp() / "shapes")
-    run = tmp_path / "run"
     # rank 1 dies while step 8's checkpoint is half written: its tensors are on disk, nothing committed
-    fault = f"kill:at=save:step={2 * EVERY}:rank=1:once={tmp_path / 'fired'}"
-    proc = ok(train(shapes, run, max_restarts=3, model__preset="tiny-albef", fault=fault))
-    assert (tmp_path / "fired").exists()
-    assert f"resumed from {run / 'checkpoints' / f'step-{EVERY}'} at step {EVERY} (exactly)" in proc.stderr
+    run = killed_once_under_torchrun(tmp_path_factory, tmp_path, "tiny-albef", f"kill:at=save:step={2 * EVERY}:rank=1")
     folder = run / "checkpoints"
-    assert not [p.name for p in folder.iterdir() if p.name.startswith(".")]  # the partial one was removed
-    assert sorted(p.name for p in folder.iterdir()) == ["latest", "step-10", "step-4", "step-8"]
-    assert_identical(final_state(ref), final_state(run))
+    assert sorted(p.name for p in folder.iterdir()) == ["latest", "step-10", "step-4", "step-8"]  # partial removed
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_a_rank_raising_stops_every_rank_and_is_named(tmp_path_factory, tmp_path):
-    shapes = make_shapes(tmp_path_factory.getbasetemp() / "shapes")
     start = time.monotonic()
-    proc = train(shapes, tmp_path / "run", fault="raise:at=step:step=2:rank=1", train__timeout_s=30, timeout=90)
+    proc = train(session_shapes(tmp_path_factory), tmp_path / "run", fault="raise:at=step:step=2:rank=1", train__timeout_s=30, timeout=90)
     elapsed = time.monotonic() - start
     assert proc.returncode != 0
     assert elapsed < 90

@@ -13,7 +13,9 @@ import shutil
 
 import pytest
 
-from runkit import EVERY, STEPS, assert_identical, final_state, make_shapes, ok, reference, train
+from runkit import (
+    EVERY, STEPS, assert_identical, assert_resumed_exactly, final_state, ok, reference, session_shapes, train,
+)
 
 
 @pytest.mark.slow
@@ -21,14 +23,14 @@ from runkit import EVERY, STEPS, assert_identical, final_state, make_shapes, ok,
 @pytest.mark.parametrize("preset", ["tiny-clip", "tiny-albef"])
 def test_stop_mid_epoch_and_resume_is_bit_identical(tmp_path_factory, tmp_path, preset):
     ref = reference(tmp_path_factory, preset)
-    shapes = make_shapes(tmp_path_factory.getbasetemp() / "shapes")
+    shapes = session_shapes(tmp_path_factory)
     run = tmp_path / "run"
     stopped = train(shapes, run, model__preset=preset, fault="kill:at=step:step=6")
     assert stopped.returncode != 0
     assert (run / "checkpoints" / "latest").read_text().strip() == f"step-{EVERY}"
 
     resumed = ok(train(shapes, run, model__preset=preset))
-    assert f"step-{EVERY} at step {EVERY} (exactly)" in resumed.stdout + resumed.stderr
+    assert_resumed_exactly(resumed, run, EVERY)
     assert_identical(final_state(ref), final_state(run))
     states = [json.loads((r / "checkpoints" / "step-10" / "state.json").read_text())["states"] for r in (ref, run)]
     for name in ("scheduler", "loader", "trainer"):
@@ -39,7 +41,7 @@ def test_stop_mid_epoch_and_resume_is_bit_identical(tmp_path_factory, tmp_path, 
 @pytest.mark.timeout(180)
 def test_resume_on_another_world_size_continues_by_samples_seen(tmp_path_factory, tmp_path):
     ref = reference(tmp_path_factory, "tiny-clip")
-    shapes = make_shapes(tmp_path_factory.getbasetemp() / "shapes")
+    shapes = session_shapes(tmp_path_factory)
     run = tmp_path / "run"
     shutil.copytree(ref / "checkpoints", run / "checkpoints")
     saved = json.loads((run / "checkpoints" / f"step-{STEPS}" / "state.json").read_text())["states"]["loader"]
