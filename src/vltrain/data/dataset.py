@@ -109,7 +109,7 @@ class ImageTextDataset(torch.utils.data.Dataset):
         image = None
         if row.image is not None:
             data = source.read_image(j)
-            image = torch.from_numpy(decode_image(data, self.image_size, self.resize, self.max_image_pixels))
+            image = decode_image(data, self.image_size, self.resize, self.max_image_pixels)
         ids, truncated = [], False
         if row.text is not None:
             ids, truncated = self.tokenizer.encode(row.text, self.max_text_length)
