@@ -94,6 +94,7 @@ def test_big_jpeg_is_decoded_at_reduced_scale():
     assert load_rgb(data, 64, "squash").size == (250, 200)
     assert load_rgb(data, 300).size == (500, 400)  # 1/4: the shorter side stays >= 300
     assert load_rgb(data, 900).size == (2000, 1600)
+    assert load_rgb(data, 900, draft_ratio=0.8).size == (1000, 800)  # 800 >= 0.8 * 900: upsampled
     out = decode_image(data, 64)
     assert out.shape == (3, 64, 64)
     assert abs(out[0, 32, 32].item() - 90) <= 3

@@ -31,11 +31,11 @@ class ImageError(ValueError):
 
 
 def decode_image(
-    data: bytes, size: int, resize: str = "crop", max_pixels: int = 89_478_485
+    data: bytes, size: int, resize: str = "crop", max_pixels: int = 89_478_485, draft_ratio: float = 1.0
 ) -> torch.Tensor:
     """Decode, orient, convert to RGB, resize to ``size`` x ``size``; uint8 CHW."""
     try:
-        hwc = np.array(load_rgb(data, size, resize, max_pixels))  # writable: torch wraps it as is
+        hwc = np.array(load_rgb(data, size, resize, max_pixels, draft_ratio))  # writable: torch wraps it
     except Image.DecompressionBombError as e:
         raise ImageError(f"decompression bomb refused by Pillow: {e}") from e
     except ImageError:
@@ -45,12 +45,18 @@ def decode_image(
     return resize_pixels(torch.from_numpy(hwc), size, resize)
 
 
-def load_rgb(data: bytes, size: int, resize: str = "crop", max_pixels: int = 89_478_485) -> Image.Image:
-    """The decoded, upright RGB image, at reduced scale when a JPEG is much larger than needed."""
+def load_rgb(
+    data: bytes, size: int, resize: str = "crop", max_pixels: int = 89_478_485, draft_ratio: float = 1.0
+) -> Image.Image:
+    """The decoded, upright RGB image, at reduced scale when a JPEG is much larger than needed.
+
+    libjpeg decodes at 1/2, 1/4 or 1/8 scale for about the price of the smaller image. With
+    ``draft_ratio`` 1.0 the decoded image still covers ``size`` (no upsampling, exact); below 1
+    it may be as small as ``draft_ratio * size`` and is then upsampled (faster, a little softer).
+    """
     im = open_image(data, max_pixels)
     if im.format == "JPEG":
-        # libjpeg decodes at 1/2, 1/4 or 1/8 scale for nearly the price of the smaller image.
-        im.draft(None, _draft_size(im.size, size, resize))
+        im.draft(None, _draft_size(im.size, size * draft_ratio, resize))
     return to_rgb(_oriented(im))
 
 
@@ -73,11 +79,11 @@ def open_image(data: bytes, max_pixels: int) -> Image.Image:
     return im
 
 
-def _draft_size(wh: tuple[int, int], size: int, resize: str) -> tuple[int, int]:
-    """The smallest decode size that still covers the output without upsampling."""
+def _draft_size(wh: tuple[int, int], size: float, resize: str) -> tuple[int, int]:
+    """The smallest decode size whose kept region is still at least ``size`` on each side."""
     w, h = wh
     if resize == "squash":
-        return (min(w, size), min(h, size))
+        return (min(w, math.ceil(size)), min(h, math.ceil(size)))
     s = size / min(w, h)
     return (min(w, math.ceil(w * s)), min(h, math.ceil(h * s)))
 
