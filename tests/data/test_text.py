@@ -68,6 +68,13 @@ def test_foreign_tokenizer_special_ids_are_found_by_name(tmp_path):
     (tmp_path / "foreign.json").write_text(json.dumps(spec))
     other = load_tokenizer(str(tmp_path / "foreign.json"))
     assert (other.pad_id, other.cls_id, other.eos_id, other.mask_id) == (0, 2, 3, 4)
+    spec["padding"] = {"strategy": "BatchLongest", "direction": "Right", "pad_to_multiple_of": None,
+                       "pad_id": 1, "pad_type_id": 0, "pad_token": "[UNK]"}
+    (tmp_path / "padded.json").write_text(json.dumps(spec))
+    padded = load_tokenizer(str(tmp_path / "padded.json"))
+    assert padded.pad_id == 1
+    short, long = padded.encode_batch(["red", "red circle left"], 64)
+    assert len(short) < len(long)  # the file's padding is not applied: the collator pads
 
 
 def test_tokenizer_train_cli(tmp_path, capsys, monkeypatch):
