@@ -36,8 +36,6 @@ def decode_image(
     """Decode, orient, convert to RGB, resize to ``size`` x ``size``; uint8 CHW."""
     try:
         hwc = np.array(load_rgb(data, size, resize, max_pixels, draft_ratio))  # writable: torch wraps it
-    except Image.DecompressionBombError as e:
-        raise ImageError(f"decompression bomb refused by Pillow: {e}") from e
     except ImageError:
         raise
     except DECODE_ERRORS as e:
@@ -68,6 +66,8 @@ def open_image(data: bytes, max_pixels: int) -> Image.Image:
         im = Image.open(io.BytesIO(data))
     except UnidentifiedImageError as e:
         raise ImageError("not an image Pillow can read (wrong extension or corrupt header)") from e
+    except Image.DecompressionBombError as e:
+        raise ImageError(f"decompression bomb refused by Pillow: {e}") from e
     w, h = im.size
     if w * h > max_pixels:
         raise ImageError(
