@@ -66,6 +66,25 @@ class TrainConfig:
     threads: int = 0
     """Intra-op threads per process (0: the machine's cores divided by the local world size)."""
     progress: bool = True
+    """A tqdm bar on rank 0 (only when stderr is a terminal)."""
+    device: str = "auto"
+    """auto (CUDA when present, else CPU) | cpu | cuda."""
+    debug_nan_step: int = -1
+    """Fault injection: multiply the loss by NaN at this step (-1: never), to see the guard work."""
+    debug_nan_rank: int = -1
+    """The rank whose loss debug_nan_step poisons (-1: every rank)."""
+
+    def validate(self) -> None:
+        if self.max_steps < 1:
+            raise ConfigError(f"train.max_steps must be >= 1, got {self.max_steps}")
+        if self.accumulation < 1:
+            raise ConfigError(f"train.accumulation must be >= 1, got {self.accumulation}")
+        if self.warmup_steps < 0 or self.lr <= 0:
+            raise ConfigError("train.lr must be > 0 and train.warmup_steps >= 0")
+        if len(self.betas) != 2:
+            raise ConfigError(f"train.betas must hold two numbers, got {self.betas}")
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise ConfigError(f"train.device must be auto, cpu or cuda, got {self.device!r}")
 
 
 @dataclass
@@ -77,6 +96,8 @@ class EvalConfig:
     early_stop_metric: str = ""
     early_stop_patience: int = 0
     early_stop_mode: Literal["max", "min"] = "max"
+    """Early stopping: stop when eval metric early_stop_metric (e.g. t2i_r1) has not improved
+    for early_stop_patience evaluations (0: never stop early)."""
 
 
 @dataclass

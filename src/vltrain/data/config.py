@@ -72,6 +72,8 @@ class DataConfig:
     """Budget batching: the most padded text positions per batch (0: batch_size x max_text_length / 2)."""
     image_budget: int = 0
     """Budget batching: the most images per batch (0: batch_size)."""
+    epoch_size: int = 0
+    """Samples per epoch when data.train lists several sources, drawn by weight (0: all their rows)."""
     modality_weights: ModalityWeights = field(default_factory=ModalityWeights)
     audit: bool = False
     """Record the ids every rank consumed to RUN_DIR/audit/rank{R}.jsonl."""
@@ -95,3 +97,8 @@ class DataConfig:
             raise ConfigError(f"data.jpeg_draft_ratio must be in [0.1, 1], got {self.jpeg_draft_ratio}")
         if self.max_text_length < 2:
             raise ConfigError(f"data.max_text_length must be >= 2, got {self.max_text_length}")
+        for key in ("token_budget", "image_budget", "epoch_size"):
+            if getattr(self, key) < 0:
+                raise ConfigError(f"data.{key} must be >= 0 (0: the default), got {getattr(self, key)}")
+        if not isinstance(self.train, str) and any(s.weight < 0 for s in self.train):
+            raise ConfigError("data.train: source weights must be >= 0")

@@ -1,0 +1,16 @@
+"""Vision-language models: towers, fusion, heads, presets and the composed ``VLModel``."""
+
+from vltrain.model.model import Encoded, ITMPairs, ModelOutput, VLModel
+from vltrain.model.presets import PRESETS, Architecture, build_model, count_parameters, list_presets
+
+__all__ = [
+    "Architecture",
+    "Encoded",
+    "ITMPairs",
+    "ModelOutput",
+    "PRESETS",
+    "VLModel",
+    "build_model",
+    "count_parameters",
+    "list_presets",
+]

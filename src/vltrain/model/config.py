@@ -15,16 +15,45 @@ class TextConfig:
 
 @dataclass
 class LossConfig:
+    """Per-objective weights. An objective the model has no head for (ITM or MLM on a dual encoder)
+    is ignored, so one loss section serves every preset."""
+
     itc: float = 1.0
     siglip: float = 0.0
     itm: float = 1.0
     mlm: float = 0.0
+    mlm_probability: float = 0.15
+    siglip_bias: bool = True
+    """Learnable logit bias for SigLIP (initialized at -10, with logit_scale at ln 10)."""
+
+    def validate(self) -> None:
+        from vltrain.config import ConfigError
+
+        for name in ("itc", "siglip", "itm", "mlm"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"model.loss.{name} must be >= 0, got {getattr(self, name)}")
+        if self.itc == 0 and self.siglip == 0:
+            raise ConfigError("model.loss: set itc or siglip > 0 (a model needs a contrastive objective)")
+        if not 0 < self.mlm_probability < 1:
+            raise ConfigError(f"model.loss.mlm_probability must be in (0, 1), got {self.mlm_probability}")
 
 
 @dataclass
 class ModelConfig:
     preset: str = "tiny-clip"
+    """A name from ``vltrain.model.list_presets()`` (tiny-clip, tiny-albef, clip-vit-b32, ...)."""
     text: TextConfig = field(default_factory=TextConfig)
     loss: LossConfig = field(default_factory=LossConfig)
     embed_dim: int = 0
     """0: the preset's."""
+
+    def validate(self) -> None:
+        from vltrain.config import ConfigError
+        from vltrain.model.presets import list_presets
+
+        if self.preset not in list_presets():
+            raise ConfigError(f"model.preset {self.preset!r} is unknown; choose one of {', '.join(list_presets())}")
+        if self.text.pooling not in ("", "first", "eos", "mean"):
+            raise ConfigError(f"model.text.pooling must be first, eos or mean, got {self.text.pooling!r}")
+        if self.embed_dim < 0:
+            raise ConfigError(f"model.embed_dim must be >= 0, got {self.embed_dim}")

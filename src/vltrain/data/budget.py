@@ -1,0 +1,122 @@
+"""Budget batching: batches packed under a token budget and an image budget.
+
+A batch costs ``rows x padded width`` text positions, where the width is the longest row rounded
+up to a multiple of 8 (the collator pads that way), and one image slot per row with an image.
+Rows are grouped by modality (image-text, text-only, image-only) so a batch never mixes them,
+and sorted by padded width inside large shuffled windows ("megabatches", as in LLaVA's
+modality-length grouping) so a batch holds similar lengths while batch composition still
+changes from epoch to epoch. Packing is pure numpy on the sample table: every rank runs it on
+the same inputs and gets the same schedule, so step counts agree without communication.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from vltrain.data.table import SampleTable
+from vltrain.errors import UserError
+
+PAD_MULTIPLE = 8
+MEGABATCH = 32
+"""A length-sorting window holds this many batch_size-sized batches."""
+
+
+def padded_width(max_len: int, multiple: int = PAD_MULTIPLE) -> int:
+    """Text positions per row of a batch whose longest row has ``max_len`` tokens."""
+    return max(multiple, -(-int(max_len) // multiple) * multiple)
+
+
+def _widths(text_len: np.ndarray, multiple: int = PAD_MULTIPLE) -> np.ndarray:
+    return np.maximum(multiple, -(-text_len // multiple) * multiple)
+
+
+def batch_tokens(text_len: np.ndarray) -> int:
+    """Text positions a batch with these row lengths computes (the token budget's unit)."""
+    return len(text_len) * padded_width(int(text_len.max())) if len(text_len) else 0
+
+
+def modality(table: SampleTable, rows: np.ndarray) -> np.ndarray:
+    """0 image-text, 1 text-only, 2 image-only (rows with neither are grouped with image-only)."""
+    img, txt = table.has_image[rows], table.has_text[rows]
+    return np.where(img & txt, 0, np.where(txt, 1, 2))
+
+
+def _pack_sorted(rows: np.ndarray, lens: np.ndarray, imgs: np.ndarray, batch_size: int,
+                 token_budget: int, image_budget: int) -> list[np.ndarray]:
+    """Greedy packing of rows already sorted by length; closes a batch when one more row would not fit."""
+    batches, start, longest, images = [], 0, 0, 0
+    for i in range(len(rows)):
+        cand_longest = max(longest, int(lens[i]))
+        count = i - start + 1
+        fits = (
+            count <= batch_size
+            and images + int(imgs[i]) <= image_budget
+            and count * padded_width(cand_longest) <= token_budget
+        )
+        if not fits and i > start:
+            batches.append(rows[start:i])
+            start, cand_longest, images = i, int(lens[i]), 0
+        longest = cand_longest
+        images += int(imgs[i])
+    if start < len(rows):
+        batches.append(rows[start:])
+    return batches
+
+
+def pack(
+    order: np.ndarray,
+    table: SampleTable,
+    *,
+    batch_size: int,
+    token_budget: int,
+    image_budget: int,
+    rng: np.random.Generator | None,
+) -> list[np.ndarray]:
+    """Batches of dataset indices covering ``order`` exactly once, each within every budget.
+
+    ``rng`` shuffles the batch order (None keeps modality-then-length order, for shuffle=False).
+    """
+    if len(order) == 0:
+        return []
+    widest = padded_width(int(table.text_len[order].max()))
+    if widest > token_budget:
+        raise UserError(
+            f"data.token_budget={token_budget} is smaller than one padded caption ({widest} positions); "
+            f"raise it to at least {widest}"
+        )
+    if image_budget < 1 and np.any(table.has_image[order]):
+        raise UserError(f"data.image_budget={image_budget} leaves no room for an image; set it >= 1")
+    mods = modality(table, order)
+    window = batch_size * MEGABATCH
+    batches: list[np.ndarray] = []
+    for m in range(3):
+        rows = order[mods == m]  # keeps the epoch's (shuffled) order inside the modality
+        for w in range(0, len(rows), window):
+            chunk = rows[w : w + window]
+            # Sort by padded width, not length: rows of one width cost the same, so their
+            # (shuffled) order is kept and batch composition changes from epoch to epoch.
+            chunk = chunk[np.argsort(_widths(table.text_len[chunk]), kind="stable")]
+            batches += _pack_sorted(chunk, table.text_len[chunk], table.has_image[chunk], batch_size,
+                                    token_budget, image_budget)
+    if rng is not None:
+        batches = [batches[i] for i in rng.permutation(len(batches))]
+    return batches
+
+
+def split_to_multiple(batches: list[np.ndarray], world_size: int) -> list[np.ndarray]:
+    """Split the largest batches in two until the count is a multiple of ``world_size``.
+
+    Halving a batch keeps both halves within every budget, so this equalizes step counts across
+    ranks without repeating or dropping a sample. Falls short of a multiple only when every batch
+    is down to one row (the epoch has fewer rows than the next multiple of the world size's batch
+    count, e.g. a handful of rows packed one per batch); the caller pads or drops then.
+    """
+    batches = list(batches)
+    while len(batches) % world_size:
+        sizes = np.fromiter((len(b) for b in batches), dtype=np.int64, count=len(batches))
+        i = int(np.argmax(sizes))
+        if sizes[i] < 2:
+            break
+        half = sizes[i] // 2
+        batches[i : i + 1] = [batches[i][:half], batches[i][half:]]
+    return batches

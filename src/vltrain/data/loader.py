@@ -1,0 +1,288 @@
+"""Training and evaluation loaders: batches over epochs, an exact data position, the audit trail.
+
+``TrainLoader`` is what the trainer iterates: an endless stream of :class:`Batch` across epochs.
+Its position is the number of batches the trainer has *taken* (each ``next()``), not what the
+DataLoader workers prefetched, so a checkpoint taken after step k resumes at batch k+1 exactly.
+
+Worker randomness never depends on which worker loads a sample: each sample is loaded under a
+seed derived from (seed, rank, epoch, step, row), so any augmentation is reproduced on resume,
+whatever ``num_workers`` and whether workers persist across epochs.
+"""
+
+from __future__ import annotations
+
+import functools
+import random
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, Dataset, get_worker_info
+
+from vltrain.data.audit import AuditLog
+from vltrain.data.badlog import BadSampleLog
+from vltrain.data.batch import Batch
+from vltrain.data.budget import padded_width
+from vltrain.data.config import DataConfig, SourceSpec
+from vltrain.data.sampler import DistributedBatchSampler
+from vltrain.data.table import SampleTable
+
+
+def _batch_seeds(seed: int, rank: int, epoch: int, step: int, rows: int) -> list[int]:
+    """One seed per row of a batch, from (seed, rank, epoch, step): independent of the workers."""
+    return np.random.SeedSequence([seed & 0xFFFF_FFFF, rank, epoch, step]).generate_state(rows).tolist()
+
+
+def _seed_all(seed: int) -> None:
+    torch.manual_seed(seed)
+    random.seed(seed)
+    np.random.seed(seed)
+
+
+class _SeededDataset(Dataset):
+    """Loads ``dataset[i]`` under a per-sample seed; keys are ``(index, seed)`` pairs."""
+
+    def __init__(self, dataset: Dataset) -> None:
+        self.dataset = dataset
+
+    def __len__(self) -> int:
+        return len(self.dataset)  # type: ignore[arg-type]
+
+    def __getitem__(self, key: tuple[int, int]) -> Any:
+        index, seed = key
+        if get_worker_info() is not None:
+            _seed_all(seed)
+            return self.dataset[index]
+        # In the main process the global generators belong to the trainer (dropout, masking):
+        # borrow them and give them back untouched.
+        py, npy = random.getstate(), np.random.get_state()
+        with torch.random.fork_rng(devices=[]):
+            _seed_all(seed)
+            try:
+                return self.dataset[index]
+            finally:
+                random.setstate(py)
+                np.random.set_state(npy)
+
+
+class _SeededBatches:
+    """The sampler's batches of the current epoch, each index paired with its sample seed."""
+
+    def __init__(self, sampler: DistributedBatchSampler) -> None:
+        self.sampler = sampler
+
+    def __len__(self) -> int:
+        return len(self.sampler)
+
+    def __iter__(self) -> Iterator[list[tuple[int, int]]]:
+        s = self.sampler
+        for step, batch in enumerate(s, start=s.consumed):
+            yield list(zip(batch, _batch_seeds(s.seed, s.rank, s.epoch, step, len(batch))))
+
+
+def _worker_init(seed: int, rank: int, worker_id: int) -> None:
+    """Seeds a worker's generators at start (loading reseeds per sample; this covers the rest)."""
+    _seed_all(int(np.random.SeedSequence([seed & 0xFFFF_FFFF, rank, worker_id], spawn_key=(1,)).generate_state(1)[0]))
+
+
+class TrainLoader:
+    """Endless iterator of batches across epochs; ``state_dict`` is the trainer's data position."""
+
+    def __init__(
+        self,
+        dataset: Dataset,
+        sampler: DistributedBatchSampler,
+        *,
+        collate: Callable[[list], Batch],
+        num_workers: int = 0,
+        pin_memory: bool = False,
+        prefetch_factor: int = 2,
+        persistent_workers: bool = False,
+        bad_log: BadSampleLog | None = None,
+        audit: AuditLog | None = None,
+    ) -> None:
+        self.sampler = sampler
+        self.bad_log, self.audit = bad_log, audit
+        self.samples_seen = 0
+        extra = {}
+        if num_workers > 0:
+            extra = dict(prefetch_factor=prefetch_factor, persistent_workers=persistent_workers,
+                         worker_init_fn=functools.partial(_worker_init, sampler.seed, sampler.rank))
+        # DataLoader draws its workers' base seed from this generator; left to the global one,
+        # every new epoch would shift the trainer's random stream.
+        generator = torch.Generator().manual_seed(_batch_seeds(sampler.seed, sampler.rank, 0, 0, 1)[0])
+        self._loader = DataLoader(
+            _SeededDataset(dataset), batch_sampler=_SeededBatches(sampler), num_workers=num_workers,
+            pin_memory=pin_memory and torch.cuda.is_available(), collate_fn=collate, generator=generator,
+            **extra,
+        )
+        self._it: Iterator[Batch] | None = None
+
+    @property
+    def epoch(self) -> int:
+        return self.sampler.epoch
+
+    @property
+    def step_in_epoch(self) -> int:
+        """Batches of the current epoch the trainer has taken."""
+        return self.sampler.consumed
+
+    def __len__(self) -> int:
+        """Batches in the current epoch."""
+        return len(self.sampler)
+
+    def __iter__(self) -> "TrainLoader":
+        return self
+
+    def __next__(self) -> Batch:
+        while True:
+            if self._it is None:
+                if self.sampler.consumed >= len(self.sampler):
+                    self.sampler.set_epoch(self.sampler.epoch + 1)
+                if self.audit is not None and self.sampler.consumed == 0:
+                    self.audit.epoch_header(self.sampler.epoch, self.sampler)
+                self._it = iter(self._loader)
+            try:
+                batch = next(self._it)
+                break
+            except StopIteration:
+                self._it = None
+        epoch, step = self.sampler.epoch, self.sampler.consumed
+        self.sampler.mark_consumed()
+        self.samples_seen += len(batch)
+        if self.audit is not None:
+            self.audit.record(epoch, step, batch, self.sampler.plan().repeats[step])
+        if self.bad_log is not None:
+            self.bad_log.record(batch)
+        return batch
+
+    def state_dict(self) -> dict:
+        state = {"sampler": self.sampler.state_dict(), "samples_seen": self.samples_seen}
+        if self.bad_log is not None:
+            state["bad_samples"] = self.bad_log.state_dict()
+        return state
+
+    def load_state_dict(self, state: dict) -> None:
+        """Position the loader; the next ``next()`` returns the first batch the saved run never took."""
+        self.sampler.load_state_dict(state["sampler"])
+        self.samples_seen = int(state["samples_seen"])
+        if self.bad_log is not None and "bad_samples" in state:
+            self.bad_log.load_state_dict(state["bad_samples"])
+        self._it = None
+
+
+def source_shares(sources: str | list[SourceSpec], table: SampleTable) -> list[float] | None:
+    """Each source's share of an epoch, from the config's per-source weights.
+
+    A config weight is a sampling rate per row, relative to the other sources (OpenCLIP's
+    upsampling factor): a source's share is ``weight x rows``. Equal weights therefore read every
+    row once per epoch, and ``weight: 3`` reads a source's rows three times as often. A single
+    source needs no draw (None: every row once per epoch).
+    """
+    if isinstance(sources, str) or len(sources) < 2:
+        return None
+    rows = np.bincount(table.source, minlength=len(sources))
+    return [float(s.weight) * int(n) for s, n in zip(sources, rows)]
+
+
+def build_train_loader(
+    data_cfg: DataConfig,
+    dataset: Any,
+    *,
+    rank: int,
+    world_size: int,
+    seed: int,
+    run_dir: str | None,
+    collate: Callable[[list], Batch],
+) -> TrainLoader:
+    """The trainer's loader: ``dataset`` must offer ``table() -> SampleTable`` and ``ds[i]``."""
+    table = dataset.table()
+    sampler = DistributedBatchSampler(
+        table,
+        batch_size=data_cfg.batch_size,
+        rank=rank,
+        world_size=world_size,
+        seed=seed,
+        shuffle=data_cfg.shuffle,
+        remainder=data_cfg.remainder,
+        batching=data_cfg.batching,
+        token_budget=data_cfg.token_budget or max(data_cfg.batch_size * data_cfg.max_text_length // 2,
+                                                  padded_width(data_cfg.max_text_length)),
+        image_budget=data_cfg.image_budget or data_cfg.batch_size,
+        source_weights=source_shares(data_cfg.train, table),
+        epoch_size=data_cfg.epoch_size or None,
+    )
+    # Without a run folder bad samples are still counted and capped, just not written down.
+    bad_log = BadSampleLog(run_dir, data_cfg.max_bad_fraction)
+    audit = AuditLog(run_dir, rank, world_size) if run_dir is not None and data_cfg.audit else None
+    return TrainLoader(
+        dataset, sampler, collate=collate, num_workers=data_cfg.num_workers, pin_memory=data_cfg.pin_memory,
+        prefetch_factor=data_cfg.prefetch_factor, persistent_workers=data_cfg.persistent_workers,
+        bad_log=bad_log, audit=audit,
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# Evaluation
+
+
+class _Slice:
+    """Sequential batches over ``[start, start + count)``, stretched to ``steps`` batches.
+
+    Batches past the slice's end hold one padding row, a repeat of the slice's last row (row 0
+    of the dataset for an empty slice), so padding rows always come last.
+    """
+
+    def __init__(self, start: int, count: int, batch_size: int, steps: int) -> None:
+        self.start, self.count, self.batch_size, self.steps = start, count, batch_size, steps
+
+    def __len__(self) -> int:
+        return self.steps
+
+    def __iter__(self) -> Iterator[list[int]]:
+        pad = self.start + self.count - 1 if self.count else 0
+        for s in range(self.steps):
+            lo, hi = s * self.batch_size, min((s + 1) * self.batch_size, self.count)
+            yield list(range(self.start + lo, self.start + hi)) if hi > lo else [pad]
+
+
+@dataclass
+class EvalLoader:
+    """Sequential evaluation batches of one rank.
+
+    Each rank reads a contiguous slice of the dataset, ``[offset, offset + num_samples)``, and
+    every rank runs the same number of batches, so an evaluator that gathers embeddings never
+    waits on a rank that finished early. To get there, the last batches of short slices are
+    padded with one repeated row each: **keep only the first ``num_samples`` rows** of what this
+    rank produces (padding rows are always at the end).
+    """
+
+    loader: DataLoader
+    offset: int
+    num_samples: int
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+    def __iter__(self) -> Iterator[Batch]:
+        return iter(self.loader)
+
+
+def build_eval_loader(
+    data_cfg: DataConfig,
+    dataset: Any,
+    *,
+    rank: int,
+    world_size: int,
+    batch_size: int,
+    collate: Callable[[list], Batch],
+) -> EvalLoader:
+    n = len(dataset)
+    start, stop = rank * n // world_size, (rank + 1) * n // world_size
+    longest = -(-n // world_size)
+    steps = max(1, -(-longest // batch_size))
+    batches = _Slice(start, stop - start, batch_size, steps)
+    loader = DataLoader(dataset, batch_sampler=batches, num_workers=data_cfg.num_workers,
+                        pin_memory=data_cfg.pin_memory and torch.cuda.is_available(), collate_fn=collate)
+    return EvalLoader(loader, start, stop - start)

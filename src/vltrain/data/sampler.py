@@ -1,0 +1,194 @@
+"""The distributed batch sampler: the same schedule on every rank, a disjoint slice for each.
+
+Every rank computes the *whole* epoch schedule (all ranks' batches, step by step) from the
+sample table, the seed and the epoch, with no communication, and keeps its own column of it.
+So step counts match by construction, which is what keeps collectives from hanging, and a rank
+can never draw a sample that another rank draws in the same epoch (except documented repeats).
+
+Fixed batching: the epoch order is cut into ``world_size x batch_size`` steps. ``remainder``
+says what happens to a last incomplete step: ``pad`` fills it by repeating the epoch's first
+samples, ``drop`` leaves those samples out of this epoch (they come back in the next shuffle).
+
+Budget batching: batches are packed under the token and image budgets (see
+:mod:`vltrain.data.budget`), so batch sizes vary and, within one step, ranks usually get batches
+of different sizes. That is deliberate: the contrastive losses gather variable-size batches
+exactly, and forcing equal sizes would waste the budget. Step counts are equalized by splitting
+the largest batches until the count divides by the world size; ``remainder`` only applies when
+too few rows are left to split (tiny epochs).
+
+The sampler never counts what it yields: a DataLoader iterates it ahead of the trainer. The
+loader reports consumed batches with :meth:`mark_consumed`, and :meth:`state_dict` holds that
+count, so a restore resumes at the first batch the trainer never saw.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Iterator, Literal
+
+import numpy as np
+
+from vltrain.data import budget, mixing
+from vltrain.data.table import SampleTable
+from vltrain.errors import UserError
+
+log = logging.getLogger(__name__)
+
+_TAG_BATCHES = 2
+
+
+@dataclass
+class EpochPlan:
+    """One rank's batches for one epoch, and what the epoch left out or repeated (for the audit)."""
+
+    batches: list[np.ndarray]
+    """This rank's batches of dataset indices, in step order."""
+    repeats: list[np.ndarray]
+    """Per batch, bool per row: the sample already occurs earlier in the epoch (on any rank)."""
+    distinct: int
+    """Distinct samples the epoch's schedule holds over all ranks."""
+    dropped: int
+    """Samples drawn for the epoch that were left out to equalize step counts."""
+    padded: int
+    """Rows added by repetition to equalize step counts."""
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+
+def _first_occurrence(steps: list[np.ndarray]) -> list[np.ndarray]:
+    """Per batch, a mask of rows whose sample appears in an earlier row of the epoch."""
+    flat = np.concatenate(steps) if steps else np.empty(0, dtype=np.int64)
+    _, first = np.unique(flat, return_index=True)
+    repeat = np.ones(len(flat), dtype=bool)
+    repeat[first] = False
+    return np.split(repeat, np.cumsum([len(b) for b in steps])[:-1]) if steps else []
+
+
+class DistributedBatchSampler:
+    """Yields this rank's batches (lists of dataset indices) of the current epoch."""
+
+    def __init__(
+        self,
+        table: SampleTable,
+        *,
+        batch_size: int,
+        rank: int,
+        world_size: int,
+        seed: int,
+        shuffle: bool = True,
+        remainder: Literal["pad", "drop"] = "pad",
+        batching: Literal["fixed", "budget"] = "fixed",
+        token_budget: int = 0,
+        image_budget: int = 0,
+        source_weights: list[float] | None = None,
+        epoch_size: int | None = None,
+    ) -> None:
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} outside world of {world_size}")
+        if len(table) == 0:
+            raise UserError("the training data holds no samples")
+        if source_weights is not None:
+            mixing.check_weights(table.source, source_weights)
+        self.table = table
+        self.batch_size = batch_size
+        self.rank, self.world_size, self.seed = rank, world_size, seed
+        self.shuffle, self.remainder, self.batching = shuffle, remainder, batching
+        # 0 means the config's defaults: half the positions of a full batch, one image per row.
+        widest = budget.padded_width(int(table.text_len.max()))
+        self.token_budget = token_budget or max(batch_size * widest // 2, widest)
+        self.image_budget = image_budget or batch_size
+        self.source_weights, self.epoch_size = source_weights, epoch_size
+        self.epoch = 0
+        self.consumed = 0
+        """Batches of the current epoch the trainer has consumed; iteration resumes after them."""
+        self._plan: tuple[int, EpochPlan] | None = None
+
+    # -- the schedule ----------------------------------------------------------------------
+
+    def plan(self, epoch: int | None = None) -> EpochPlan:
+        """This rank's schedule for ``epoch`` (default: the current one); cached for the last epoch."""
+        e = self.epoch if epoch is None else epoch
+        if self._plan is None or self._plan[0] != e:
+            self._plan = (e, self._compute(e))
+        return self._plan[1]
+
+    def _compute(self, epoch: int) -> EpochPlan:
+        order = mixing.epoch_order(
+            self.table.source, seed=self.seed, epoch=epoch, shuffle=self.shuffle,
+            weights=self.source_weights, epoch_size=self.epoch_size,
+        )
+        if self.batching == "budget":
+            rng = mixing.rng_for(self.seed, _TAG_BATCHES, epoch) if self.shuffle else None
+            batches = budget.pack(order, self.table, batch_size=self.batch_size,
+                                  token_budget=self.token_budget, image_budget=self.image_budget, rng=rng)
+            batches = budget.split_to_multiple(batches, self.world_size)
+        else:
+            batches = [order[i : i + self.batch_size] for i in range(0, len(order), self.batch_size)]
+        steps, dropped, padded = self._equalize(batches, order)
+        if self.rank == 0 and (dropped or padded):
+            log.info("epoch %d: %d steps; remainder=%s: %d samples dropped, %d rows padded by repetition",
+                     epoch, len(steps) // self.world_size, self.remainder, dropped, padded)
+        repeats = _first_occurrence(steps)
+        distinct = len(np.unique(np.concatenate(steps))) if steps else 0
+        mine = slice(self.rank, None, self.world_size)
+        return EpochPlan(steps[mine], repeats[mine], distinct, dropped, padded)
+
+    def _equalize(self, batches: list[np.ndarray], order: np.ndarray) -> tuple[list[np.ndarray], int, int]:
+        """Make the batch count a multiple of the world (and fixed batches full): pad or drop."""
+        w, b = self.world_size, self.batch_size
+        full = self.batching == "fixed" and len(order) % (w * b) == 0
+        if len(batches) % w == 0 and (self.batching == "budget" or full):
+            return batches, 0, 0
+        if self.remainder == "drop":
+            keep = (len(order) // (w * b)) * w if self.batching == "fixed" else (len(batches) // w) * w
+            if keep == 0:
+                raise UserError(
+                    f"data.remainder=drop leaves no batch: {len(order)} samples per epoch for {w} ranks "
+                    f"x batch_size {b}; use data.remainder=pad or a smaller batch"
+                )
+            dropped = sum(len(x) for x in batches[keep:])
+            return batches[:keep], dropped, 0
+        if self.batching == "fixed":
+            steps = -(-len(order) // (w * b))
+            need = steps * w * b - len(order)
+            filled = np.concatenate([order, np.resize(order, need)])
+            return [filled[i : i + b] for i in range(0, len(filled), b)], 0, need
+        extra = -len(batches) % w
+        pads = [batches[i % len(batches)] for i in range(extra)]
+        return batches + pads, 0, sum(len(x) for x in pads)
+
+    # -- the sampler protocol ----------------------------------------------------------------
+
+    def __len__(self) -> int:
+        return len(self.plan())
+
+    def __iter__(self) -> Iterator[list[int]]:
+        plan, start = self.plan(), self.consumed
+        for batch in plan.batches[start:]:
+            yield batch.tolist()
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch, self.consumed = int(epoch), 0
+
+    def mark_consumed(self, batches: int = 1) -> None:
+        self.consumed += batches
+
+    def _identity(self) -> dict:
+        """What the schedule depends on besides the position: a resume must match all of it."""
+        return {"seed": self.seed, "world_size": self.world_size, "batching": self.batching,
+                "batch_size": self.batch_size, "num_samples": len(self.table)}
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "consumed": self.consumed, **self._identity()}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Resume at the saved position; refuses a schedule that would differ from the saved one."""
+        for key, mine in self._identity().items():
+            if key in state and state[key] != mine:
+                raise UserError(
+                    f"cannot resume the data position exactly: the checkpoint's sampler has {key}={state[key]}, "
+                    f"this run has {key}={mine}; resume with the same data, batch size, seed and world size"
+                )
+        self.epoch, self.consumed = int(state["epoch"]), int(state["consumed"])

@@ -1,0 +1,229 @@
+"""The built-in "shapes" dataset: real image files plus JSONL manifests, deterministic from a seed.
+
+Each image holds 1 to 3 coloured shapes on a 3x3 grid; its caption names every shape's size,
+colour, kind and grid cell in varied wording. The caption is a function of the image, so a model
+can learn to retrieve one from the other, and the held-out split measures whether it did. The
+grid is aligned to the image (each cell is a third of the side), which lets a ViT whose patch is
+a third of the image see one cell per patch.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+from PIL import Image, ImageDraw
+
+from vltrain.errors import UserError
+
+COLORS: dict[str, tuple[int, int, int]] = {
+    "red": (220, 40, 40),
+    "green": (40, 170, 60),
+    "blue": (50, 90, 230),
+    "yellow": (240, 215, 40),
+    "purple": (150, 60, 200),
+    "orange": (250, 140, 20),
+    "white": (245, 245, 245),
+}
+KINDS = ("circle", "square", "triangle", "diamond", "star", "cross")
+SIZES = {"large": 0.82, "small": 0.46}  # fraction of the cell side
+SIZE_WORDS = {"large": ("large", "big"), "small": ("small", "little")}
+KIND_WORDS = {
+    "circle": ("circle", "disc"),
+    "square": ("square",),
+    "triangle": ("triangle",),
+    "diamond": ("diamond", "rhombus"),
+    "star": ("star",),
+    "cross": ("cross", "plus sign"),
+}
+CELL_WORDS = {
+    (0, 0): ("top left", "upper left"),
+    (0, 1): ("top center", "top middle"),
+    (0, 2): ("top right", "upper right"),
+    (1, 0): ("middle left", "center left"),
+    (1, 1): ("center", "middle"),
+    (1, 2): ("middle right", "center right"),
+    (2, 0): ("bottom left", "lower left"),
+    (2, 1): ("bottom center", "bottom middle"),
+    (2, 2): ("bottom right", "lower right"),
+}
+NUM_SHAPES_WEIGHTS = (0.2, 0.4, 0.4)  # 1, 2 or 3 shapes: multi-shape images make captions near-unique
+SUPERSAMPLE = 4
+
+
+@dataclass(frozen=True)
+class Shape:
+    kind: str
+    color: str
+    size: str
+    cell: tuple[int, int]  # (row, col)
+    jitter: tuple[float, float]  # offset of the centre within the cell, in cell fractions
+
+
+def _rng(seed: int, split: str, index: int) -> random.Random:
+    return random.Random(f"shapes/{seed}/{split}/{index}")
+
+
+def sample_scene(rng: random.Random) -> list[Shape]:
+    n = rng.choices((1, 2, 3), weights=NUM_SHAPES_WEIGHTS)[0]
+    cells = rng.sample(sorted(CELL_WORDS), n)
+    shapes = []
+    for cell in cells:
+        size = rng.choice(sorted(SIZES))
+        slack = (1 - SIZES[size]) / 2 * 0.8
+        shapes.append(
+            Shape(
+                kind=rng.choice(KINDS),
+                color=rng.choice(sorted(COLORS)),
+                size=size,
+                cell=cell,
+                jitter=(rng.uniform(-slack, slack), rng.uniform(-slack, slack)),
+            )
+        )
+    return shapes
+
+
+def describe(shapes: list[Shape], rng: random.Random) -> str:
+    """A caption naming every shape, in an order and wording drawn from ``rng``."""
+    parts = []
+    for s in rng.sample(shapes, len(shapes)):
+        size = rng.choice(SIZE_WORDS[s.size])
+        kind = rng.choice(KIND_WORDS[s.kind])
+        where = rng.choice(CELL_WORDS[s.cell])
+        form = rng.randrange(3)
+        if form == 0:
+            parts.append(f"{_article(size)} {size} {s.color} {kind} in the {where}")
+        elif form == 1:
+            parts.append(f"{_article(s.color)} {s.color} {kind}, {size}, at the {where}")
+        else:
+            parts.append(f"in the {where} {_article(size)} {size} {s.color} {kind}")
+    if len(parts) == 1:
+        body = parts[0]
+    else:
+        joiner = rng.choice((" and ", ", ", "; "))
+        body = joiner.join(parts[:-1]) + rng.choice((" and ", ", and ", " as well as ")) + parts[-1]
+    prefix = rng.choice(("", "", "a picture of ", "an image with ", "there is "))
+    return body if body.startswith("in the") else prefix + body
+
+
+def _article(word: str) -> str:
+    return "an" if word[0] in "aeiou" else "a"
+
+
+def render(shapes: list[Shape], image_size: int, rng: random.Random) -> Image.Image:
+    big = image_size * SUPERSAMPLE
+    shade = rng.randint(20, 60)
+    img = Image.new("RGB", (big, big), (shade, shade, shade + rng.randint(0, 15)))
+    draw = ImageDraw.Draw(img)
+    cell = big / 3
+    for s in shapes:
+        cx = (s.cell[1] + 0.5 + s.jitter[0]) * cell
+        cy = (s.cell[0] + 0.5 + s.jitter[1]) * cell
+        r = SIZES[s.size] * cell / 2
+        _draw_shape(draw, s.kind, cx, cy, r, COLORS[s.color])
+    return img.resize((image_size, image_size), Image.Resampling.BOX)
+
+
+def _draw_shape(draw: ImageDraw.ImageDraw, kind: str, cx: float, cy: float, r: float, fill) -> None:
+    if kind == "circle":
+        draw.ellipse((cx - r, cy - r, cx + r, cy + r), fill=fill)
+    elif kind == "square":
+        q = r * 0.85
+        draw.rectangle((cx - q, cy - q, cx + q, cy + q), fill=fill)
+    elif kind == "triangle":
+        draw.polygon([(cx, cy - r), (cx + r, cy + r * 0.8), (cx - r, cy + r * 0.8)], fill=fill)
+    elif kind == "diamond":
+        draw.polygon([(cx, cy - r), (cx + r, cy), (cx, cy + r), (cx - r, cy)], fill=fill)
+    elif kind == "star":
+        pts = []
+        for i in range(10):
+            rad = r if i % 2 == 0 else r * 0.45
+            a = -math.pi / 2 + i * math.pi / 5
+            pts.append((cx + rad * math.cos(a), cy + rad * math.sin(a)))
+        draw.polygon(pts, fill=fill)
+    elif kind == "cross":
+        w = r * 0.36
+        draw.rectangle((cx - r, cy - w, cx + r, cy + w), fill=fill)
+        draw.rectangle((cx - w, cy - r, cx + w, cy + r), fill=fill)
+    else:  # pragma: no cover - KINDS is closed
+        raise ValueError(kind)
+
+
+def _make_rows(job: tuple[str, int, int, int, float, int, str]) -> list[dict]:
+    split, start, stop, seed, text_only_fraction, image_size, out = job
+    rows = []
+    for i in range(start, stop):
+        rng = _rng(seed, split, i)
+        shapes = sample_scene(rng)
+        text = describe(shapes, rng)
+        key = f"shapes-{split}-{i:06d}"
+        row: dict = {"id": key}
+        if rng.random() >= text_only_fraction:
+            rel = f"images/{split}/{i:06d}.png"
+            render(shapes, image_size, rng).save(os.path.join(out, rel), optimize=False, compress_level=1)
+            row["image"] = rel
+        row["text"] = text
+        rows.append(row)
+    return rows
+
+
+def _write_split(out: Path, split: str, num: int, seed: int, frac: float, image_size: int, workers: int) -> Path:
+    (out / "images" / split).mkdir(parents=True, exist_ok=True)
+    chunk = 500
+    jobs = [(split, s, min(s + chunk, num), seed, frac, image_size, str(out)) for s in range(0, num, chunk)]
+    if workers > 1 and len(jobs) > 1:
+        with ProcessPoolExecutor(workers) as ex:
+            parts = list(ex.map(_make_rows, jobs))
+    else:
+        parts = [_make_rows(j) for j in jobs]
+    path = out / f"{split}.jsonl"
+    tmp = path.with_suffix(".jsonl.tmp")
+    with open(tmp, "w") as f:
+        for rows in parts:
+            for row in rows:
+                f.write(json.dumps(row) + "\n")
+    os.replace(tmp, path)
+    return path
+
+
+def synthesize(
+    out: str | Path,
+    num: int,
+    val: int,
+    text_only_fraction: float = 0.0,
+    seed: int = 0,
+    image_size: int = 48,
+    workers: int = 0,
+) -> dict[str, Path]:
+    """Write ``out/train.jsonl`` (num rows), ``out/val.jsonl`` (val image-text rows) and their images.
+
+    The same arguments always write the same files. Validation rows are all image-text pairs,
+    drawn from their own random stream, so the training fraction of text-only rows does not
+    change them.
+    """
+    if num < 0 or val < 0:
+        raise UserError(f"--num and --val must be >= 0, got {num} and {val}")
+    if not 0.0 <= text_only_fraction < 1.0:
+        raise UserError(f"--text-only-fraction must be in [0, 1), got {text_only_fraction}")
+    if image_size < 12:
+        raise UserError(f"--image-size must be >= 12, got {image_size}")
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    workers = workers or min(os.cpu_count() or 1, 8)
+    paths = {"train": _write_split(out, "train", num, seed, text_only_fraction, image_size, workers)}
+    paths["val"] = _write_split(out, "val", val, seed, 0.0, image_size, workers)
+    return paths
+
+
+def synth_cli(args) -> int:
+    paths = synthesize(
+        args.out, args.num, args.val, args.text_only_fraction, args.seed, args.image_size, args.workers
+    )
+    for split, p in paths.items():
+        print(f"{split}: {p}")
+    return 0

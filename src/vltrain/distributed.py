@@ -1,0 +1,113 @@
+"""Process-group set-up and the collectives the losses need.
+
+Everything here falls back to a single process when torch.distributed is not initialized, so the
+same loss code runs on a laptop and on many nodes. The gathers accept a different first-dimension
+size on every rank (dynamic batching makes local batches unequal): sizes are exchanged first, the
+tensors padded to the largest, gathered, and the padding dropped.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+
+import torch
+import torch.distributed as dist
+
+
+def is_initialized() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def world_info() -> tuple[int, int]:
+    """(rank, world_size); (0, 1) when torch.distributed is not initialized."""
+    if not is_initialized():
+        return 0, 1
+    return dist.get_rank(), dist.get_world_size()
+
+
+def init_distributed(backend: str | None = None, timeout_s: float = 600.0) -> tuple[int, int]:
+    """Join the process group described by torchrun's environment; a no-op without it.
+
+    The backend defaults to NCCL when CUDA is available and gloo otherwise. ``timeout_s`` bounds how
+    long a collective waits for a rank that died, so a failure ends the job instead of hanging it.
+    """
+    if is_initialized() or "WORLD_SIZE" not in os.environ or int(os.environ["WORLD_SIZE"]) <= 1:
+        return world_info()
+    if backend is None:
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if backend == "nccl":
+        torch.cuda.set_device(local_rank)
+    dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=timeout_s))
+    return world_info()
+
+
+def gather_sizes(n: int, device: torch.device | str = "cpu") -> list[int]:
+    """Every rank's first-dimension size, in rank order (one tiny all_gather)."""
+    rank, world = world_info()
+    if world == 1:
+        return [n]
+    local = torch.tensor([n], dtype=torch.int64, device=device)
+    out = [torch.zeros_like(local) for _ in range(world)]
+    dist.all_gather(out, local)
+    return [int(t.item()) for t in out]
+
+
+def _gather_padded(x: torch.Tensor, sizes: list[int]) -> torch.Tensor:
+    """Concatenate every rank's ``x`` along dim 0, padding to the largest size for the collective."""
+    longest = max(sizes)
+    if x.shape[0] < longest:
+        pad = x.new_zeros((longest - x.shape[0], *x.shape[1:]))
+        x = torch.cat([x, pad], dim=0)
+    parts = [torch.empty_like(x) for _ in sizes]
+    dist.all_gather(parts, x.contiguous())
+    return torch.cat([p[:n] for p, n in zip(parts, sizes)], dim=0)
+
+
+def all_gather_no_grad(x: torch.Tensor, sizes: list[int] | None = None) -> torch.Tensor:
+    """Every rank's rows concatenated in rank order, without a gradient path."""
+    rank, world = world_info()
+    if world == 1:
+        return x.detach()
+    sizes = sizes if sizes is not None else gather_sizes(x.shape[0], x.device)
+    with torch.no_grad():
+        return _gather_padded(x.detach(), sizes)
+
+
+class _AllGatherWithGrad(torch.autograd.Function):
+    """Forward: concatenation of all ranks' rows. Backward: this rank's slice of the summed gradient.
+
+    Each rank's loss touches every rank's rows, so the gradient of the sum of all ranks' losses with
+    respect to this rank's rows is the all-reduced (summed) gradient of the gathered tensor, sliced.
+    """
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, sizes: list[int], rank: int) -> torch.Tensor:  # type: ignore[override]
+        ctx.sizes, ctx.rank = sizes, rank
+        return _gather_padded(x, sizes)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+        grad = grad.contiguous()
+        dist.all_reduce(grad, op=dist.ReduceOp.SUM)
+        start = sum(ctx.sizes[: ctx.rank])
+        return grad[start : start + ctx.sizes[ctx.rank]], None, None
+
+
+def all_gather_with_grad(x: torch.Tensor, sizes: list[int] | None = None) -> torch.Tensor:
+    """Every rank's rows concatenated in rank order; gradients flow back to the rank that owns them."""
+    rank, world = world_info()
+    if world == 1:
+        return x
+    sizes = sizes if sizes is not None else gather_sizes(x.shape[0], x.device)
+    return _AllGatherWithGrad.apply(x, sizes, rank)
+
+
+def all_reduce_sum(x: torch.Tensor) -> torch.Tensor:
+    """Sum over ranks without a gradient path (counts and normalizers)."""
+    if world_info()[1] == 1:
+        return x.detach()
+    out = x.detach().clone()
+    dist.all_reduce(out, op=dist.ReduceOp.SUM)
+    return out

@@ -1,0 +1,132 @@
+"""Zero-shot retrieval: image->text and text->image recall@1/5/10 on held-out pairs.
+
+Every rank embeds its shard of the val set, the embeddings are gathered, and every rank
+computes the same metrics. Nobody waits at a barrier while rank 0 works alone (the way
+evaluation times out the other ranks' collectives in some trainers).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+KS = (1, 5, 10)
+
+
+def recall_at_k(query: torch.Tensor, keys: torch.Tensor, ks: tuple[int, ...] = KS, chunk: int = 4096) -> dict[int, float]:
+    """Query i's correct key is key i. A query counts at k when fewer than k other keys score
+    at least as high as the correct one: ties count against, so a collapsed model scores 0."""
+    n = query.shape[0]
+    hits = {k: 0 for k in ks}
+    for lo in range(0, n, chunk):
+        q = query[lo : lo + chunk].float()
+        sims = q @ keys.float().T
+        idx = torch.arange(lo, lo + q.shape[0], device=sims.device)
+        correct = sims[torch.arange(q.shape[0], device=sims.device), idx].unsqueeze(1)
+        rank = (sims >= correct).sum(dim=1) - 1
+        for k in ks:
+            hits[k] += int((rank < k).sum())
+    return {k: hits[k] / max(n, 1) for k in ks}
+
+
+def retrieval_metrics(image_embeds: torch.Tensor, text_embeds: torch.Tensor) -> dict[str, float]:
+    """Row i of each is one pair. Keys: ``i2t_r1 .. t2i_r10``, ``mean_recall``, ``num_pairs``."""
+    i2t = recall_at_k(image_embeds, text_embeds)
+    t2i = recall_at_k(text_embeds, image_embeds)
+    out: dict[str, float] = {}
+    for k in KS:
+        out[f"i2t_r{k}"] = i2t[k]
+    for k in KS:
+        out[f"t2i_r{k}"] = t2i[k]
+    out["mean_recall"] = (sum(i2t.values()) + sum(t2i.values())) / (2 * len(KS))
+    out["num_pairs"] = int(image_embeds.shape[0])
+    return out
+
+
+def gather_rows(x: torch.Tensor) -> torch.Tensor:
+    """Concatenate every rank's rows (shards may differ in length)."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return x
+    world = dist.get_world_size()
+    n = torch.tensor([x.shape[0]], device=x.device)
+    sizes = [torch.zeros_like(n) for _ in range(world)]
+    dist.all_gather(sizes, n)
+    most = int(max(s.item() for s in sizes))
+    padded = torch.zeros((most, *x.shape[1:]), dtype=x.dtype, device=x.device)
+    padded[: x.shape[0]] = x
+    parts = [torch.empty_like(padded) for _ in range(world)]
+    dist.all_gather(parts, padded)
+    return torch.cat([p[: int(s.item())] for p, s in zip(parts, sizes)])
+
+
+def _encode(model: nn.Module, pixels, input_ids, attention_mask, has_image, has_text):
+    return model.encode(pixels, input_ids, attention_mask, has_image, has_text)
+
+
+@torch.no_grad()
+def embed_pairs(wrapped: nn.Module, loader, data_cfg, device: torch.device, autocast, max_samples: int = 0):
+    """Embeddings and ids of this rank's image-text pairs (rows missing either side are skipped)."""
+    imgs, txts, ids = [], [], []
+    seen = 0
+    for batch in loader:
+        batch = batch.to(device)
+        keep = batch.has_image & batch.has_text
+        with autocast():
+            enc = wrapped(
+                batch.pixels(data_cfg.mean, data_cfg.std), batch.input_ids, batch.attention_mask,
+                batch.has_image, batch.has_text, run=_encode,
+            )
+        imgs.append(enc.image_embeds[keep].float())
+        txts.append(enc.text_embeds[keep].float())
+        ids.append(batch.ids[keep])
+        seen += int(keep.sum())
+        if max_samples and seen >= max_samples:
+            break
+    return torch.cat(imgs), torch.cat(txts), torch.cat(ids)
+
+
+def evaluate(wrapped: nn.Module, loader, data_cfg, device: torch.device, autocast, max_samples: int = 0) -> dict[str, float]:
+    """Retrieval metrics over the val set; the same dict on every rank."""
+    was_training = wrapped.training
+    wrapped.eval()
+    try:
+        img, txt, ids = embed_pairs(wrapped, loader, data_cfg, device, autocast, max_samples)
+    finally:
+        wrapped.train(was_training)
+    img, txt, ids = gather_rows(img), gather_rows(txt), gather_rows(ids)
+    # an evenly split val set repeats a few samples on some ranks; count each pair once
+    order = torch.argsort(ids, stable=True)
+    ids = ids[order]
+    first = torch.ones_like(ids, dtype=torch.bool)
+    first[1:] = ids[1:] != ids[:-1]
+    keep = order[first]
+    if max_samples:
+        keep = keep[:max_samples]
+    return retrieval_metrics(img[keep], txt[keep])
+
+
+def append_eval(run_dir: str | Path, step: int, metrics: dict[str, float]) -> None:
+    """RUN_DIR/eval.json: a list of {"step": N, metrics...}, newest last."""
+    path = Path(run_dir) / "eval.json"
+    history = json.loads(path.read_text()) if path.exists() else []
+    history = [h for h in history if h.get("step") != step] + [{"step": step, **metrics}]
+    path.write_text(json.dumps(history, indent=1) + "\n")
+
+
+def format_metrics(m: dict[str, float]) -> str:
+    keys = [f"i2t_r{k}" for k in KS] + [f"t2i_r{k}" for k in KS]
+    return "  ".join(f"{k}={m[k]:.3f}" for k in keys if k in m)
+
+
+def eval_cli(args: argparse.Namespace) -> int:
+    """``vltrain eval RUN_DIR``: retrieval metrics of the run's weights on its (or another) val set."""
+    from vltrain.train import evaluate_run
+
+    metrics = evaluate_run(Path(args.path), data=args.data, overrides=list(args.overrides or []))
+    print(json.dumps(metrics, indent=1))
+    return 0

@@ -1,0 +1,221 @@
+"""Objectives: contrastive (ITC, SigLIP), image-text matching (ITM) and masked language modelling.
+
+The contrastive losses are exact across ranks without materializing the global N x N matrix: each
+rank scores only its own rows against every rank's columns (gathered with a gradient path), and the
+loss is scaled so that, after DDP averages the gradients over ranks, every parameter holds exactly the
+gradient of the global-batch loss. The value a rank returns is therefore ``world`` times its share
+of the global loss; the mean of the ranks' values is the global loss (what a trainer should log).
+
+Rows that lack the image or the text are masked out of the numerator and of the denominator, so
+adding text-only or image-only rows to a batch changes neither the loss nor its gradient. Columns
+whose sample id equals the row's (the same sample seen twice) are never treated as negatives.
+All similarity arithmetic runs in fp32, whatever the autocast dtype of the encoders.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from vltrain.distributed import all_gather_no_grad, all_gather_with_grad, all_reduce_sum, gather_sizes, world_info
+
+MAX_LOGIT_SCALE = math.log(100.0)
+_MASKED = -1e9  # finite, so rows with nothing valid stay NaN-free in forward and backward
+
+
+@dataclass
+class GlobalBatch:
+    """This rank's view of the global batch: where its rows sit, and every rank's ids and validity."""
+
+    sizes: list[int]
+    offset: int
+    world: int
+    ids: torch.Tensor
+    """[N] sample ids of all ranks, rank order."""
+    valid: torch.Tensor
+    """[N] bool: the row has both an image and a text."""
+    weight_total: torch.Tensor
+    """Sum over all ranks of the weights of valid rows (fp32 scalar, no gradient)."""
+
+    @staticmethod
+    def build(ids: torch.Tensor, valid: torch.Tensor, weights: torch.Tensor) -> "GlobalBatch":
+        rank, world = world_info()
+        sizes = gather_sizes(ids.shape[0], ids.device)
+        both = all_gather_no_grad(torch.stack([ids, valid.long()], dim=1), sizes)
+        total = all_reduce_sum((weights * valid).sum())
+        return GlobalBatch(sizes, sum(sizes[:rank]), world, both[:, 0], both[:, 1].bool(), total)
+
+    def normalize(self, summed: torch.Tensor) -> torch.Tensor:
+        """Local sum of weighted per-row losses -> this rank's term (see the module docstring)."""
+        total = torch.where(self.weight_total > 0, self.weight_total, torch.ones_like(self.weight_total))
+        return summed * self.world / total
+
+
+def _row_weights(valid: torch.Tensor, weights: torch.Tensor | None) -> torch.Tensor:
+    w = valid.float()
+    return w if weights is None else w * weights.float()
+
+
+def scale_of(logit_scale: torch.Tensor) -> torch.Tensor:
+    """exp(logit_scale), the inverse temperature, clamped at 100 as in CLIP."""
+    return logit_scale.float().clamp(max=MAX_LOGIT_SCALE).exp()
+
+
+def itc_loss(
+    image_embeds: torch.Tensor,
+    text_embeds: torch.Tensor,
+    logit_scale: torch.Tensor,
+    has_image: torch.Tensor,
+    has_text: torch.Tensor,
+    ids: torch.Tensor,
+    weights: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """CLIP InfoNCE in both directions over the global batch; embeddings are L2-normalized [B, D]."""
+    valid = has_image & has_text
+    w = _row_weights(valid, weights)
+    g = GlobalBatch.build(ids, valid, w)
+    all_images = all_gather_with_grad(image_embeds.float(), g.sizes)
+    all_texts = all_gather_with_grad(text_embeds.float(), g.sizes)
+    scale = scale_of(logit_scale)
+    b = ids.shape[0]
+    target = torch.arange(b, device=ids.device) + g.offset
+    # negatives: valid columns whose id differs from the row's; the positive column stays.
+    excluded = (ids[:, None] == g.ids[None, :]) | ~g.valid[None, :]
+    excluded[torch.arange(b, device=ids.device), target] = False
+    i2t = (scale * image_embeds.float() @ all_texts.t()).masked_fill(excluded, _MASKED)
+    t2i = (scale * text_embeds.float() @ all_images.t()).masked_fill(excluded, _MASKED)
+    per_row = F.cross_entropy(i2t, target, reduction="none") + F.cross_entropy(t2i, target, reduction="none")
+    return g.normalize((w * per_row).sum() / 2)
+
+
+def siglip_loss(
+    image_embeds: torch.Tensor,
+    text_embeds: torch.Tensor,
+    logit_scale: torch.Tensor,
+    logit_bias: torch.Tensor | None,
+    has_image: torch.Tensor,
+    has_text: torch.Tensor,
+    ids: torch.Tensor,
+    weights: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Sigmoid loss: every (image, text) pair is a binary match / no-match decision.
+
+    Each rank scores its images against all texts, so every global pair is counted once; a pair with
+    the same sample id is a match. Normalized by the (weighted) number of valid images, as in SigLIP.
+    """
+    valid = has_image & has_text
+    w = _row_weights(valid, weights)
+    g = GlobalBatch.build(ids, valid, w)
+    all_texts = all_gather_with_grad(text_embeds.float(), g.sizes)
+    logits = scale_of(logit_scale) * image_embeds.float() @ all_texts.t()
+    if logit_bias is not None:
+        logits = logits + logit_bias.float()
+    labels = (ids[:, None] == g.ids[None, :]).float() * 2 - 1
+    pairs = g.valid[None, :].float()
+    per_row = -(F.logsigmoid(labels * logits) * pairs).sum(dim=1)
+    return g.normalize((w * per_row).sum())
+
+
+# ---------------------------------------------------------------------------------------------
+# Image-text matching
+
+
+def sample_negatives(
+    sim: torch.Tensor,
+    row_ids: torch.Tensor,
+    col_ids: torch.Tensor,
+    col_ok: torch.Tensor,
+    generator: torch.Generator | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One hard negative column per row, drawn with probability softmax(sim) among the allowed columns.
+
+    Allowed: ``col_ok`` and a sample id different from the row's (never a positive, even when the
+    same sample sits on another rank). Returns (column index [b], found [b] bool); a row with no
+    allowed column gets an arbitrary index and found=False, so its pair must get zero weight. Sampling
+    stays on the device (torch.multinomial): no per-row host synchronization.
+    """
+    with torch.no_grad():
+        allowed = col_ok[None, :] & (row_ids[:, None] != col_ids[None, :])
+        found = allowed.any(dim=1)
+        s = sim.float().masked_fill(~allowed, float("-inf"))
+        top = s.amax(dim=1, keepdim=True)
+        top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
+        p = (s - top).exp()
+        p = torch.where(found[:, None], p, torch.ones_like(p))
+        index = torch.multinomial(p, 1, generator=generator).squeeze(1)
+    return index, found
+
+
+def itm_loss(logits: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """Weighted mean cross-entropy of matched (1) / not matched (0) over the pairs with weight > 0."""
+    ce = F.cross_entropy(logits.float(), labels, reduction="none")
+    total = weights.sum()
+    return (weights * ce).sum() / torch.where(total > 0, total, torch.ones_like(total))
+
+
+# ---------------------------------------------------------------------------------------------
+# Masked language modelling
+
+
+def mask_tokens(
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    *,
+    mask_id: int,
+    vocab_size: int,
+    pad_id: int,
+    probability: float = 0.15,
+    generator: torch.Generator | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """BERT masking: pick ``probability`` of the real tokens; of those 80% -> [MASK], 10% -> a random
+    token, 10% unchanged. Returns (masked ids, labels with -100 where not picked). Deterministic
+    given the generator's state (the default generator of the ids' device when None)."""
+    dev = input_ids.device
+    real = attention_mask.bool() & (input_ids != pad_id) & (input_ids != mask_id)
+    draw = torch.rand(input_ids.shape, generator=generator, device=dev)
+    how = torch.rand(input_ids.shape, generator=generator, device=dev)
+    random_tokens = torch.randint(vocab_size, input_ids.shape, generator=generator, device=dev)
+    picked = real & (draw < probability)
+    labels = torch.where(picked, input_ids, torch.full_like(input_ids, -100))
+    masked = torch.where(picked & (how < 0.8), torch.full_like(input_ids, mask_id), input_ids)
+    masked = torch.where(picked & (how >= 0.8) & (how < 0.9), random_tokens, masked)
+    return masked, labels
+
+
+def mlm_loss(logits: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tensor:
+    """Cross-entropy over picked tokens, each weighted by its row's weight; zero when none is picked."""
+    ce = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=-100, reduction="none")
+    w = (labels != -100).float()
+    if weights is not None:
+        w = w * weights.float()[:, None]
+    w = w.flatten()
+    total = w.sum()
+    return (w * ce).sum() / torch.where(total > 0, total, torch.ones_like(total))
+
+
+# ---------------------------------------------------------------------------------------------
+# Thin modules
+
+
+class ITCLoss(nn.Module):
+    def forward(self, image_embeds, text_embeds, logit_scale, has_image, has_text, ids, weights=None):
+        return itc_loss(image_embeds, text_embeds, logit_scale, has_image, has_text, ids, weights)
+
+
+class SigLIPLoss(nn.Module):
+    def forward(self, image_embeds, text_embeds, logit_scale, logit_bias, has_image, has_text, ids, weights=None):
+        return siglip_loss(image_embeds, text_embeds, logit_scale, logit_bias, has_image, has_text, ids, weights)
+
+
+class ITMLoss(nn.Module):
+    def forward(self, logits, labels, weights):
+        return itm_loss(logits, labels, weights)
+
+
+class MLMLoss(nn.Module):
+    def forward(self, logits, labels, weights=None):
+        return mlm_loss(logits, labels, weights)

@@ -1,0 +1,233 @@
+"""What a run reports while it trains: progress bar, metrics.jsonl, TensorBoard, curves.png.
+
+Only rank 0 writes. Throughput and data-wait are measured between log steps from wall time
+around the loader and the step; MFU is model FLOPs per second over the device's peak, taken
+from a table for known GPUs or measured once on CPU with a large matmul in the run's dtype.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+# dense bf16/fp16 tensor-core peaks, FLOP/s (vendor data sheets, without sparsity)
+GPU_PEAK_FLOPS = {
+    "H200": 989e12,
+    "H100": 989e12,
+    "A100": 312e12,
+    "L40S": 362e12,
+    "L4": 121e12,
+    "A10": 125e12,
+    "V100": 125e12,
+    "4090": 165e12,
+    "3090": 71e12,
+}
+
+_CPU_PEAK: dict[torch.dtype, float] = {}
+
+
+def measure_cpu_peak(dtype: torch.dtype = torch.bfloat16, n: int = 1024, seconds: float = 0.5) -> float:
+    """FLOP/s of an n x n matmul in ``dtype`` on this process's threads (measured once, cached)."""
+    if dtype in _CPU_PEAK:
+        return _CPU_PEAK[dtype]
+    a = torch.randn(n, n).to(dtype)
+    b = torch.randn(n, n).to(dtype)
+    a @ b  # warm-up (oneDNN picks its kernel on first use)
+    reps, start = 0, time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        a @ b
+        reps += 1
+    _CPU_PEAK[dtype] = 2 * n**3 * reps / (time.perf_counter() - start)
+    return _CPU_PEAK[dtype]
+
+
+def peak_flops(device: torch.device, dtype: torch.dtype) -> float:
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        for key, flops in GPU_PEAK_FLOPS.items():
+            if key in name:
+                return flops if dtype != torch.float32 else flops / 2  # tf32 peaks are half
+        return float("nan")
+    return measure_cpu_peak(dtype)
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    """CUDA max allocated since the last reset, or this process's resident set size."""
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    import psutil
+
+    return int(psutil.Process().memory_info().rss)
+
+
+class GpuUtilization:
+    """GPU busy percentage through NVML (the optional ``nvidia-ml-py``); None when unavailable."""
+
+    def __init__(self, device: torch.device):
+        self.handle = None
+        if device.type != "cuda":
+            return
+        try:
+            import pynvml
+
+            pynvml.nvmlInit()
+            index = device.index if device.index is not None else torch.cuda.current_device()
+            self.handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+            self._nvml = pynvml
+        except Exception:  # package missing or no driver access: the metric is simply absent
+            self.handle = None
+
+    def read(self) -> float | None:
+        if self.handle is None:
+            return None
+        return float(self._nvml.nvmlDeviceGetUtilizationRates(self.handle).gpu)
+
+
+class Throughput:
+    """Samples/s, data-wait fraction and MFU over the window since the last log step."""
+
+    def __init__(self, peak: float):
+        self.peak = peak
+        self.reset()
+
+    def reset(self) -> None:
+        self.start = time.perf_counter()
+        self.wait = 0.0
+        self.samples = 0
+        self.flops = 0.0
+
+    def add(self, samples: int, data_wait_s: float, flops: float = 0.0) -> None:
+        """``samples`` of the whole step (all ranks); ``flops`` of this rank's share of it."""
+        self.samples += samples
+        self.wait += data_wait_s
+        self.flops += flops
+
+    def read(self) -> dict[str, float]:
+        elapsed = max(time.perf_counter() - self.start, 1e-9)
+        out = {"samples_per_s": self.samples / elapsed, "data_wait": self.wait / elapsed}
+        if self.flops and self.peak and not math.isnan(self.peak):
+            out["mfu"] = self.flops / elapsed / self.peak
+        return out
+
+
+class MetricsLogger:
+    """Rank 0's sinks. Other ranks get one with ``enabled=False`` that does nothing."""
+
+    def __init__(self, run_dir: str | Path, *, enabled: bool, total_steps: int, progress: bool = True, start_step: int = 0):
+        self.enabled = enabled
+        self.run_dir = Path(run_dir)
+        self.bar = self.tb = self.jsonl = None
+        if not enabled:
+            return
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.jsonl = open(self.run_dir / "metrics.jsonl", "a")
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.tb = SummaryWriter(str(self.run_dir / "tb"))
+        except ImportError:
+            self.tb = None
+        if progress and sys.stderr.isatty():
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total_steps, initial=start_step, dynamic_ncols=True, unit="step")
+
+    def log(self, step: int, values: dict[str, Any]) -> None:
+        if not self.enabled:
+            return
+        row = {"step": step, "time": time.time(), **values}
+        self.jsonl.write(json.dumps(row) + "\n")
+        self.jsonl.flush()
+        if self.tb is not None:
+            for k, v in values.items():
+                if isinstance(v, (int, float)) and not isinstance(v, bool):
+                    self.tb.add_scalar(k, v, step)
+        if self.bar is not None:
+            self.bar.set_postfix(
+                loss=f"{values.get('loss', float('nan')):.4f}",
+                sps=f"{values.get('samples_per_s', 0):.0f}",
+                refresh=False,
+            )
+
+    def advance(self, steps: int = 1) -> None:
+        if self.bar is not None:
+            self.bar.update(steps)
+
+    def write(self, text: str) -> None:
+        """A line of text that does not break the progress bar."""
+        if not self.enabled:
+            return
+        if self.bar is not None:
+            self.bar.write(text)
+        else:
+            print(text, file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        for sink in (self.bar, self.tb, self.jsonl):
+            if sink is not None:
+                sink.close()
+        self.bar = self.tb = self.jsonl = None
+
+
+def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
+    p = Path(path)
+    return [json.loads(line) for line in p.read_text().splitlines() if line.strip()] if p.exists() else []
+
+
+def plot_curves(run_dir: str | Path) -> Path | None:
+    """RUN_DIR/curves.png: loss, lr, throughput and eval metrics against the step."""
+    run_dir = Path(run_dir)
+    rows = read_jsonl(run_dir / "metrics.jsonl")
+    if not rows:
+        return None
+    evals_path = run_dir / "eval.json"
+    evals = json.loads(evals_path.read_text()) if evals_path.exists() else []
+    os.environ.setdefault("MPLBACKEND", "Agg")
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(2, 2, figsize=(11, 7))
+    steps = [r["step"] for r in rows]
+
+    ax = axes[0][0]
+    ax.plot(steps, [r.get("loss") for r in rows], label="loss")
+    loss_keys = sorted({k for r in rows for k in r if k.startswith("loss/")})
+    for k in loss_keys:
+        ax.plot(steps, [r.get(k) for r in rows], label=k.split("/", 1)[1], alpha=0.7)
+    ax.set_title("loss")
+    ax.legend(fontsize=8)
+
+    ax = axes[0][1]
+    ax.plot(steps, [r.get("lr") for r in rows])
+    ax.set_title("learning rate")
+
+    ax = axes[1][0]
+    ax.plot(steps, [r.get("samples_per_s") for r in rows])
+    ax.set_title("samples/s")
+
+    ax = axes[1][1]
+    if evals:
+        es = [e["step"] for e in evals]
+        for k in ("i2t_r1", "t2i_r1", "i2t_r5", "t2i_r5"):
+            ax.plot(es, [e.get(k) for e in evals], marker="o", label=k)
+        ax.legend(fontsize=8)
+        ax.set_ylim(0, 1)
+    ax.set_title("retrieval recall (val)")
+    for row in axes:
+        for a in row:
+            a.set_xlabel("step")
+            a.grid(alpha=0.3)
+    fig.tight_layout()
+    out = run_dir / "curves.png"
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+    return out

@@ -1,0 +1,129 @@
+"""Pre-norm transformer pieces shared by the towers and the fusion encoder.
+
+Attention goes through ``F.scaled_dot_product_attention`` so that PyTorch picks the fastest kernel
+for the device (flash / memory-efficient on GPUs, a fused kernel on CPU). Nothing here casts dtypes:
+under bf16 autocast the matmuls run in bf16 and the layer norms in fp32, as autocast decides.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+
+class SelfAttention(nn.Module):
+    def __init__(self, width: int, heads: int):
+        super().__init__()
+        if width % heads:
+            raise ValueError(f"width {width} is not divisible by {heads} heads")
+        self.heads = heads
+        self.qkv = nn.Linear(width, 3 * width)
+        self.out = nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        b, n, w = x.shape
+        q, k, v = self.qkv(x).view(b, n, 3, self.heads, w // self.heads).permute(2, 0, 3, 1, 4)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        return self.out(y.transpose(1, 2).reshape(b, n, w))
+
+
+class CrossAttention(nn.Module):
+    """Queries from one sequence (text), keys and values from another (image tokens)."""
+
+    def __init__(self, width: int, heads: int, kv_width: int):
+        super().__init__()
+        self.heads = heads
+        self.q = nn.Linear(width, width)
+        self.kv = nn.Linear(kv_width, 2 * width)
+        self.out = nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor, context: torch.Tensor) -> torch.Tensor:
+        b, n, w = x.shape
+        h, d = self.heads, w // self.heads
+        q = self.q(x).view(b, n, h, d).transpose(1, 2)
+        k, v = self.kv(context).view(b, context.shape[1], 2, h, d).permute(2, 0, 3, 1, 4)
+        y = F.scaled_dot_product_attention(q, k, v)
+        return self.out(y.transpose(1, 2).reshape(b, n, w))
+
+
+class MLP(nn.Module):
+    def __init__(self, width: int, hidden: int):
+        super().__init__()
+        self.fc = nn.Linear(width, hidden)
+        self.proj = nn.Linear(hidden, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(F.gelu(self.fc(x)))
+
+
+class Block(nn.Module):
+    """x + attn(norm(x)), then x + mlp(norm(x))."""
+
+    def __init__(self, width: int, heads: int, mlp_ratio: float = 4.0):
+        super().__init__()
+        self.norm1 = nn.LayerNorm(width)
+        self.attn = SelfAttention(width, heads)
+        self.norm2 = nn.LayerNorm(width)
+        self.mlp = MLP(width, int(width * mlp_ratio))
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        x = x + self.attn(self.norm1(x), mask)
+        return x + self.mlp(self.norm2(x))
+
+
+class CrossBlock(nn.Module):
+    """Self-attention over text, cross-attention from text to image tokens, feed-forward; all pre-norm
+    residuals (the hierarchical fusion block: image features enter text features through attention,
+    a residual and a layer norm)."""
+
+    def __init__(self, width: int, heads: int, image_width: int, mlp_ratio: float = 4.0):
+        super().__init__()
+        self.norm1 = nn.LayerNorm(width)
+        self.attn = SelfAttention(width, heads)
+        self.norm2 = nn.LayerNorm(width)
+        self.cross = CrossAttention(width, heads, image_width)
+        self.norm3 = nn.LayerNorm(width)
+        self.mlp = MLP(width, int(width * mlp_ratio))
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None, image: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.norm1(x), mask)
+        x = x + self.cross(self.norm2(x), image)
+        return x + self.mlp(self.norm3(x))
+
+
+def run_blocks(blocks: nn.ModuleList, x: torch.Tensor, *args, checkpointing: bool = False) -> torch.Tensor:
+    """Apply blocks in order; with ``checkpointing`` each block's activations are recomputed in backward."""
+    for blk in blocks:
+        if checkpointing and torch.is_grad_enabled():
+            x = checkpoint(blk, x, *args, use_reentrant=False)
+        else:
+            x = blk(x, *args)
+    return x
+
+
+def key_padding_mask(attention_mask: torch.Tensor, causal: bool = False) -> torch.Tensor:
+    """Boolean SDPA mask [B, 1, L, L] (True = may attend) from a [B, L] padding mask.
+
+    The first key is always attendable, so a row with no text (all padding) yields finite zeros-in,
+    finite-out attention instead of NaN; such rows are masked out of every loss anyway.
+    """
+    keys = attention_mask.bool().clone()
+    keys[:, 0] = True
+    mask = keys[:, None, None, :]
+    if causal:
+        n = attention_mask.shape[1]
+        mask = mask & torch.ones(n, n, dtype=torch.bool, device=keys.device).tril()
+    return mask
+
+
+def block_flops(tokens: int, width: int, mlp_ratio: float = 4.0, context: int = 0, context_width: int = 0) -> float:
+    """Forward matmul FLOPs of one (cross) block over ``tokens`` queries (2 FLOPs per multiply-add)."""
+    hidden = int(width * mlp_ratio)
+    f = 2 * tokens * (4 * width * width + 2 * width * hidden)  # qkv, out, mlp
+    f += 2 * 2 * tokens * tokens * width  # scores and weighted sum
+    if context:
+        f += 2 * (tokens * 2 * width * width + context * context_width * 2 * width)  # q, out, kv
+        f += 2 * 2 * tokens * context * width
+    return float(f)

@@ -1,0 +1,45 @@
+"""Heads on top of the towers: projections to the shared embedding space, ITM and MLM."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class Projection(nn.Module):
+    """Linear map to the shared embedding size, then L2 normalization (cosine similarities)."""
+
+    def __init__(self, width: int, embed_dim: int):
+        super().__init__()
+        self.proj = nn.Linear(width, embed_dim, bias=False)
+        nn.init.normal_(self.proj.weight, std=width**-0.5)
+
+    def forward(self, pooled: torch.Tensor) -> torch.Tensor:
+        return F.normalize(self.proj(pooled), dim=-1)
+
+
+class ITMHead(nn.Module):
+    """Matched / not matched, from the fused first token."""
+
+    def __init__(self, width: int):
+        super().__init__()
+        self.fc = nn.Linear(width, 2)
+
+    def forward(self, fused: torch.Tensor) -> torch.Tensor:
+        return self.fc(fused[:, 0])
+
+
+class MLMHead(nn.Module):
+    """Transform + decoder whose weight is the text token embedding (tied), plus a per-token bias."""
+
+    def __init__(self, width: int, embedding: nn.Embedding):
+        super().__init__()
+        self.dense = nn.Linear(width, width)
+        self.norm = nn.LayerNorm(width)
+        self.embedding = [embedding]  # a list, so the tied weight is registered once (in the text tower)
+        self.bias = nn.Parameter(torch.zeros(embedding.num_embeddings))
+
+    def forward(self, fused: torch.Tensor) -> torch.Tensor:
+        h = self.norm(F.gelu(self.dense(fused)))
+        return F.linear(h, self.embedding[0].weight, self.bias)

@@ -1,0 +1,161 @@
+"""Named architectures, and ``build_model`` which turns a ``ModelConfig`` into a ``VLModel``.
+
+Parameter counts (``count_parameters``), at the reference vocabulary / text length / image size
+given in each row (the text tower's embedding and positions follow the tokenizer and data config,
+so counts elsewhere differ by (vocab - ref_vocab + length - ref_length) x text width):
+
+================  =====================================  ==========  ======  =====  ===========
+preset            towers                                 ref vocab   length  image  parameters
+================  =====================================  ==========  ======  =====  ===========
+tiny-clip         ViT 128w/3d/4h p8, text 128w/2d/4h     1,000       32      64     1,190,017
+tiny-albef        tiny-clip + 2 fusion layers, ITM       1,000       32      64     1,719,683
+clip-vit-b32      ViT-B/32, text 512w/12d/8h, embed 512  49,408      77      224    151,277,313
+clip-vit-b16      ViT-B/16, text 512w/12d/8h, embed 512  49,408      77      224    149,620,737
+clip-vit-l14      ViT-L/14, text 768w/12d/12h, embed 768 49,408      77      224    427,616,513
+albef-base        ViT-B/16 + text 768w/6d + 6 fusion     30,522      30      256    208,945,155
+================  =====================================  ==========  ======  =====  ===========
+
+The CLIP rows have exactly OpenCLIP's layer layout (pre-norm ViT with a norm before the blocks,
+causal text tower with end-of-text pooling, bias-free projections, one temperature), hence exactly
+its parameter counts, so results compare like with like. ``albef-base`` follows ALBEF's shape (a
+12-layer ViT-B/16, a BERT-base-sized text encoder split into 6 text and 6 fusion layers, 256-d
+embeddings) with pre-norm blocks throughout; its count includes the ITM head (MLM, when enabled,
+adds a transform and a per-token bias: 30522 + 768 x 770 at the reference vocabulary).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Callable
+
+import torch
+from torch import nn
+
+from vltrain.model.config import ModelConfig
+from vltrain.model.fusion import FusionConfig, FusionEncoder
+from vltrain.model.model import Objectives, VLModel
+from vltrain.model.text import HFTextEncoder, TextTowerConfig, TextTransformer
+from vltrain.model.vision import VisionConfig, VisionTransformer
+
+
+@dataclass
+class Architecture:
+    vision: VisionConfig
+    text: TextTowerConfig
+    embed_dim: int
+    fusion: FusionConfig | None = None
+
+
+def tiny_clip() -> Architecture:
+    """Learns the synthetic shapes (64 x 64 images) on a laptop CPU in minutes."""
+    return Architecture(
+        VisionConfig(image_size=64, patch_size=8, width=128, depth=3, heads=4),
+        TextTowerConfig(width=128, depth=2, heads=4, pooling="mean"),
+        embed_dim=128,
+    )
+
+
+def tiny_albef() -> Architecture:
+    arch = tiny_clip()
+    arch.fusion = FusionConfig(depth=2, heads=4)
+    return arch
+
+
+def _openclip_text(width: int, heads: int) -> TextTowerConfig:
+    return TextTowerConfig(width=width, depth=12, heads=heads, pooling="eos", causal=True)
+
+
+def clip_vit_b32() -> Architecture:
+    return Architecture(VisionConfig(patch_size=32, width=768, depth=12, heads=12), _openclip_text(512, 8), 512)
+
+
+def clip_vit_b16() -> Architecture:
+    return Architecture(VisionConfig(patch_size=16, width=768, depth=12, heads=12), _openclip_text(512, 8), 512)
+
+
+def clip_vit_l14() -> Architecture:
+    return Architecture(VisionConfig(patch_size=14, width=1024, depth=24, heads=16), _openclip_text(768, 12), 768)
+
+
+def albef_base() -> Architecture:
+    return Architecture(
+        VisionConfig(image_size=256, patch_size=16, width=768, depth=12, heads=12),
+        TextTowerConfig(width=768, depth=6, heads=12, pooling="first"),
+        embed_dim=256,
+        fusion=FusionConfig(depth=6, heads=12),
+    )
+
+
+PRESETS: dict[str, Callable[[], Architecture]] = {
+    "tiny-clip": tiny_clip,
+    "tiny-albef": tiny_albef,
+    "clip-vit-b32": clip_vit_b32,
+    "clip-vit-b16": clip_vit_b16,
+    "clip-vit-l14": clip_vit_l14,
+    "albef-base": albef_base,
+}
+
+
+def list_presets() -> list[str]:
+    return list(PRESETS)
+
+
+def build_model(
+    model_cfg: ModelConfig,
+    *,
+    vocab_size: int,
+    pad_id: int,
+    mask_id: int | None,
+    image_size: int,
+    max_text_length: int,
+) -> VLModel:
+    """The preset's architecture at the data's image size and the tokenizer's vocabulary.
+
+    ``model.text.hf_path`` swaps the text tower for a local Hugging Face encoder; ``model.text.pooling``
+    and ``model.embed_dim`` override the preset's; objectives the architecture has no head for
+    (ITM, MLM on a dual encoder) are ignored.
+    """
+    if model_cfg.preset not in PRESETS:
+        raise ValueError(f"unknown model preset {model_cfg.preset!r}; choose one of {', '.join(PRESETS)}")
+    arch = PRESETS[model_cfg.preset]()
+    if image_size % arch.vision.patch_size:
+        raise ValueError(
+            f"image size {image_size} is not a multiple of {model_cfg.preset}'s patch size {arch.vision.patch_size}"
+        )
+    vision = VisionTransformer(replace(arch.vision, image_size=image_size))
+    pooling = model_cfg.text.pooling
+    if model_cfg.text.hf_path:
+        text: nn.Module = HFTextEncoder(model_cfg.text.hf_path, pooling or "first", max_text_length)
+        if vocab_size > text.token_embedding.num_embeddings:
+            raise ValueError(
+                f"tokenizer vocabulary {vocab_size} exceeds {model_cfg.text.hf_path}'s embeddings "
+                f"{text.token_embedding.num_embeddings}; use the folder's own tokenizer.json"
+            )
+    else:
+        text_cfg = replace(arch.text, vocab_size=vocab_size, max_length=max_text_length, pooling=pooling or arch.text.pooling)
+        text = TextTransformer(text_cfg)
+    objectives = Objectives.from_config(model_cfg.loss, has_fusion=arch.fusion is not None)
+    fusion = None
+    if arch.fusion is not None and ("itm" in objectives.weights or "mlm" in objectives.weights):
+        fusion = FusionEncoder(arch.fusion, text.width, vision.width)
+    return VLModel(
+        vision,
+        text,
+        model_cfg.embed_dim or arch.embed_dim,
+        objectives,
+        fusion=fusion,
+        vocab_size=vocab_size,
+        pad_id=pad_id,
+        mask_id=mask_id,
+        max_text_length=max_text_length,
+        siglip_bias=model_cfg.loss.siglip_bias,
+    )
+
+
+def count_parameters(model_cfg: ModelConfig, *, vocab_size: int, image_size: int, max_text_length: int) -> int:
+    """Parameters of a preset, built on the meta device (instant, no memory, even for ViT-L)."""
+    with torch.device("meta"):
+        model = build_model(
+            model_cfg, vocab_size=vocab_size, pad_id=0, mask_id=1, image_size=image_size, max_text_length=max_text_length
+        )
+    return sum(p.numel() for p in model.parameters())

@@ -1,0 +1,135 @@
+"""Text towers: our own pre-norm transformer encoder, or a Hugging Face encoder from a local folder.
+
+Both return every token (for fusion and MLM) and a pooled vector (for the contrastive embedding),
+and expose ``token_embedding`` (the input embedding matrix, tied to the MLM decoder) and ``blocks``
+(for activation checkpointing and per-block sharding).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from vltrain.errors import UserError
+from vltrain.model.blocks import Block, block_flops, key_padding_mask, run_blocks
+
+POOLINGS = ("first", "eos", "mean")
+
+
+@dataclass
+class TextTowerConfig:
+    vocab_size: int = 49408
+    max_length: int = 77
+    width: int = 512
+    depth: int = 12
+    heads: int = 8
+    mlp_ratio: float = 4.0
+    pooling: str = "eos"
+    """first (token 0, e.g. [CLS]) | eos (the last non-padding token) | mean (of non-padding tokens)."""
+    causal: bool = False
+    """Causal self-attention, as in CLIP's text tower (pair it with eos pooling)."""
+
+
+def pool(tokens: torch.Tensor, attention_mask: torch.Tensor, pooling: str) -> torch.Tensor:
+    if pooling == "first":
+        return tokens[:, 0]
+    if pooling == "eos":
+        last = (attention_mask.sum(dim=1) - 1).clamp(min=0)
+        return tokens[torch.arange(tokens.shape[0], device=tokens.device), last]
+    if pooling == "mean":
+        m = attention_mask.to(tokens.dtype).unsqueeze(-1)
+        return (tokens * m).sum(dim=1) / m.sum(dim=1).clamp(min=1)
+    raise ValueError(f"text pooling must be one of {POOLINGS}, got {pooling!r}")
+
+
+class TextTransformer(nn.Module):
+    def __init__(self, cfg: TextTowerConfig):
+        super().__init__()
+        if cfg.pooling not in POOLINGS:
+            raise ValueError(f"text pooling must be one of {POOLINGS}, got {cfg.pooling!r}")
+        self.cfg = cfg
+        self.width = cfg.width
+        self.token_embedding = nn.Embedding(cfg.vocab_size, cfg.width)
+        self.pos_embed = nn.Parameter(torch.randn(cfg.max_length, cfg.width) * 0.01)
+        self.blocks = nn.ModuleList(Block(cfg.width, cfg.heads, cfg.mlp_ratio) for _ in range(cfg.depth))
+        self.norm = nn.LayerNorm(cfg.width)
+        nn.init.normal_(self.token_embedding.weight, std=0.02)
+        self.checkpointing = False
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        n = input_ids.shape[1]
+        x = self.token_embedding(input_ids) + self.pos_embed[:n]
+        mask = key_padding_mask(attention_mask, self.cfg.causal)
+        x = self.norm(run_blocks(self.blocks, x, mask, checkpointing=self.checkpointing))
+        return x, pool(x, attention_mask, self.cfg.pooling)
+
+    def flops(self, length: int) -> float:
+        c = self.cfg
+        return c.depth * block_flops(length, c.width, c.mlp_ratio)
+
+
+class HFTextEncoder(nn.Module):
+    """Any Hugging Face encoder (BERT, MiniLM, ...) loaded from a local folder with ``transformers``.
+
+    Dropout is switched off, as in our own towers, so that re-running the encoder (gradient-cached
+    accumulation) reproduces the first pass exactly. A pooler head, if the model has one, is dropped:
+    it would be a parameter without a gradient, which distributed data parallel cannot accept.
+    """
+
+    def __init__(self, path: str | Path, pooling: str = "first", max_length: int | None = None):
+        super().__init__()
+        try:
+            from transformers import AutoModel
+        except ImportError:
+            raise UserError("model.text.hf_path needs the transformers package: pip install 'vltrain[hf]'") from None
+        if not Path(path, "config.json").is_file():
+            raise UserError(f"model.text.hf_path {path}: no config.json there; give a saved Hugging Face model folder")
+        if pooling not in POOLINGS:
+            raise ValueError(f"text pooling must be one of {POOLINGS}, got {pooling!r}")
+        self.model = AutoModel.from_pretrained(str(path))
+        if getattr(self.model, "pooler", None) is not None:
+            self.model.pooler = None
+        for m in self.model.modules():
+            if isinstance(m, nn.Dropout):
+                m.p = 0.0
+        config = self.model.config
+        limit = getattr(config, "max_position_embeddings", None)
+        if max_length is not None and limit is not None and max_length > limit:
+            raise UserError(f"data text length {max_length} exceeds {path}'s max_position_embeddings {limit}")
+        self.pooling = pooling
+        self.width = config.hidden_size
+        self.checkpointing = False
+
+    @property
+    def token_embedding(self) -> nn.Embedding:
+        return self.model.get_input_embeddings()
+
+    @property
+    def blocks(self) -> list[nn.Module]:
+        encoder = getattr(self.model, "encoder", None)
+        return list(getattr(encoder, "layer", []))
+
+    def set_checkpointing(self, enabled: bool) -> None:
+        # transformers 5 renamed gradient_checkpointing_* to activation_checkpointing_*
+        prefix = "activation" if hasattr(self.model, "activation_checkpointing_enable") else "gradient"
+        if enabled:
+            kwargs = {f"{prefix}_checkpointing_kwargs": {"use_reentrant": False}}
+            getattr(self.model, f"{prefix}_checkpointing_enable")(**kwargs)
+        elif self.checkpointing:
+            getattr(self.model, f"{prefix}_checkpointing_disable")()
+        self.checkpointing = enabled
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        mask = attention_mask.clone()
+        mask[:, 0] = 1  # rows without text stay finite (they are masked out of every loss)
+        x = self.model(input_ids=input_ids, attention_mask=mask).last_hidden_state
+        return x, pool(x, attention_mask, self.pooling)
+
+    def flops(self, length: int) -> float:
+        """Dense approximation: 2 FLOPs per non-embedding weight per token, plus attention."""
+        dense = sum(p.numel() for n, p in self.model.named_parameters() if p.ndim == 2 and "embeddings" not in n)
+        layers = len(self.blocks)
+        return float(2 * dense * length + layers * 4 * length * length * self.width)

@@ -1,0 +1,120 @@
+"""Data parallelism (DDP or FSDP2), activation checkpointing and compilation of a model.
+
+The model is first put inside :class:`Dispatch`, a module whose ``forward`` calls any of the
+model's methods. DDP and FSDP2 only see ``forward``: DDP prepares its gradient reduction
+there and FSDP2 gathers the root's parameters there. Gradient caching calls ``encode`` and
+``contrastive_loss`` separately, and those calls must pass the same gate.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from vltrain.config import TrainConfig
+
+
+class Dispatch(nn.Module):
+    """``wrapped(*args)`` is ``model(*args)``; ``wrapped(*args, run=fn)`` is ``fn(model, *args)``.
+
+    ``run`` lets one step combine several of the model's methods in a single forward, so that
+    DDP prepares one reduction and FSDP2 gathers the root's parameters once.
+    """
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, *args: Any, run: Callable[..., Any] | None = None, **kwargs: Any) -> Any:
+        if run is None:
+            return self.model(*args, **kwargs)
+        return run(self.model, *args, **kwargs)
+
+
+def _blocks(model: nn.Module) -> list[nn.Module]:
+    get = getattr(model, "blocks_for_sharding", None)
+    return list(get()) if callable(get) else []
+
+
+def parallelize(model: nn.Module, cfg: TrainConfig, device: torch.device) -> nn.Module:
+    """Return the module the trainer calls: Dispatch(model), wrapped for the process group.
+
+    Order matters: activation checkpointing and compilation act on blocks before sharding,
+    so that FSDP2's per-block all-gathers wrap the compiled, checkpointed blocks.
+    """
+    if cfg.activation_checkpointing:
+        model.set_activation_checkpointing(True)
+    if cfg.compile:
+        for block in _blocks(model):
+            block.compile()
+    wrapped = Dispatch(model)
+    distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+    if cfg.parallelism == "fsdp":
+        if dist.is_available() and dist.is_initialized():
+            from torch.distributed.fsdp import fully_shard
+
+            # FSDP2 cannot shard 0-dim parameters (the temperature): they stay replicated,
+            # and reduce_replicated_grads averages their gradients
+            scalars = {p for p in model.parameters() if p.ndim == 0}
+            for block in _blocks(model):
+                fully_shard(block)
+            fully_shard(wrapped, ignored_params=scalars)
+            wrapped.replicated_params = [p for p in scalars if p.requires_grad]
+        return wrapped
+    if distributed:
+        ids = [device.index] if device.type == "cuda" else None
+        # every rank runs every parameter on every step (the model's contract), so the
+        # expensive unused-parameter search stays off
+        return DistributedDataParallel(wrapped, device_ids=ids, find_unused_parameters=False)
+    return wrapped
+
+
+def unwrap(wrapped: nn.Module) -> nn.Module:
+    """The model inside (for FSDP2 its parameters are the sharded DTensors)."""
+    inner = wrapped.module if isinstance(wrapped, DistributedDataParallel) else wrapped
+    return inner.model if isinstance(inner, Dispatch) else inner
+
+
+@contextlib.contextmanager
+def gradient_sync(wrapped: nn.Module, enabled: bool):
+    """Inside, a backward all-reduces (reduce-scatters) gradients only if ``enabled``.
+
+    Accumulation turns it off for every micro-batch but the last: one reduction per step.
+    """
+    if isinstance(wrapped, DistributedDataParallel) and not enabled:
+        with wrapped.no_sync():
+            yield
+        return
+    set_sync = getattr(wrapped, "set_requires_gradient_sync", None)
+    if set_sync is not None:  # an FSDP2 module
+        set_sync(enabled)
+    yield
+
+
+def reduce_replicated_grads(wrapped: nn.Module) -> None:
+    """Average over ranks the gradients of parameters FSDP2 left unsharded (after the backward)."""
+    params = [p for p in getattr(wrapped, "replicated_params", []) if p.grad is not None]
+    if not params or not dist.is_initialized():
+        return
+    flat = torch.stack([p.grad.reshape(()) for p in params])
+    dist.all_reduce(flat)
+    flat /= dist.get_world_size()
+    for p, g in zip(params, flat):
+        p.grad.copy_(g.reshape(p.grad.shape))
+
+
+def clip_grad_norm(params: list[torch.Tensor], max_norm: float) -> torch.Tensor:
+    """Total gradient norm (a plain tensor, also under FSDP2), clipped if ``max_norm`` > 0."""
+    grads = [p for p in params if p.grad is not None]
+    norm = torch.nn.utils.get_total_norm([p.grad for p in grads], foreach=True)
+    full = getattr(norm, "full_tensor", None)  # FSDP2: a partial DTensor until reduced
+    if callable(full):
+        norm = full()
+    if max_norm > 0:
+        torch.nn.utils.clip_grads_with_norm_(grads, max_norm, norm, foreach=True)
+    return norm

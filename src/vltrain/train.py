@@ -1,0 +1,394 @@
+"""The Trainer: one class whose set-up reads in order and whose step reads straight through.
+
+Set-up: distributed -> model -> parallelize -> optimizer -> scheduler -> data -> checkpointer
+-> metrics. Everything that a resumed run must restore is Stateful (``state_dict`` /
+``load_state_dict``) and listed by :meth:`Trainer.stateful`, so a checkpointer only collects.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import random
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from vltrain.config import JobConfig, load_config
+from vltrain.data.batch import Batch
+from vltrain.distributed import World, setup_world
+from vltrain.evaluate import append_eval, evaluate, format_metrics
+from vltrain.gradcache import gradcache_backward
+from vltrain.guards import NonFiniteGuard
+from vltrain.metrics import GpuUtilization, MetricsLogger, Throughput, peak_flops, peak_memory_bytes, plot_curves
+from vltrain.optim import build_optimizer, build_scheduler, freeze_towers
+from vltrain.parallelize import Dispatch, clip_grad_norm, parallelize, reduce_replicated_grads
+from vltrain.precision import Precision
+from vltrain.step import ModelInputs, StepLosses, plain_backward
+
+WEIGHTS_FILE = "weights.safetensors"
+"""The final weights (full, unsharded), written at the end of a run for ``vltrain eval``."""
+
+
+class RngState:
+    """This rank's torch, CUDA, numpy and Python RNG states, Stateful for exact resume."""
+
+    def state_dict(self) -> dict[str, Any]:
+        state = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
+        if torch.cuda.is_available():
+            state["cuda"] = torch.cuda.get_rng_state_all()
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        torch.set_rng_state(state["torch"])
+        np.random.set_state(state["numpy"])
+        random.setstate(state["python"])
+        if "cuda" in state and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def build_model_for(cfg: JobConfig, device: torch.device):
+    """The tokenizer and the (unwrapped) model a config describes, on ``device``."""
+    from vltrain.data.text import load_tokenizer
+    from vltrain.model import build_model
+
+    tokenizer = load_tokenizer(cfg.data.tokenizer)
+    model = build_model(
+        cfg.model, vocab_size=tokenizer.vocab_size, pad_id=tokenizer.pad_id, mask_id=tokenizer.mask_id,
+        image_size=cfg.data.image_size, max_text_length=cfg.data.max_text_length,
+    )
+    return tokenizer, model.to(device)
+
+
+def build_val_loader(cfg: JobConfig, tokenizer, world: World, run_dir: Path | None = None):
+    from vltrain.data.collate import Collator
+    from vltrain.data.dataset import build_dataset
+    from vltrain.data.loader import build_eval_loader
+
+    collate = Collator(tokenizer.pad_id, cfg.data.max_text_length, cfg.data.image_size)
+    dataset = build_dataset(cfg.data, "val", tokenizer, run_dir=run_dir)
+    return build_eval_loader(
+        cfg.data, dataset, rank=world.rank, world_size=world.world_size, batch_size=cfg.eval.batch_size,
+        collate=collate,
+    )
+
+
+class Trainer:
+    def __init__(self, cfg: JobConfig):
+        self.cfg = cfg
+        tc = cfg.train
+        self.run_dir = Path(cfg.run.dir)
+
+        # distributed: process group, device, threads
+        self.world = setup_world(timeout_s=tc.timeout_s, device=tc.device, threads=tc.threads)
+        self.device = self.world.device
+        if self.world.is_main:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            cfg.save(self.run_dir / "config.yaml")
+
+        # model: the same initial weights on every rank
+        torch.manual_seed(tc.seed)
+        self.tokenizer, self.model = build_model_for(cfg, self.device)
+        freeze_towers(self.model, tc.freeze)
+        self.precision = Precision(tc.precision, self.device)
+
+        # parallelize
+        self.wrapped = parallelize(self.model, tc, self.device)
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+
+        # optimizer, scheduler, gradient scaler, guard
+        self.optimizer = build_optimizer(self.model, tc)
+        self.scheduler = build_scheduler(self.optimizer, tc)
+        self.scaler = self.precision.grad_scaler()
+        self.guard = NonFiniteGuard(tc.max_nonfinite_steps)
+
+        # data: from here on each rank draws its own random numbers (dropout, masking)
+        torch.manual_seed(tc.seed + 1 + self.world.rank)
+        np.random.seed((tc.seed + 1 + self.world.rank) % 2**32)
+        random.seed(tc.seed + 1 + self.world.rank)
+        self.rng = RngState()
+        self.loader = self._build_train_loader()
+        self.val_loader = build_val_loader(cfg, self.tokenizer, self.world, self.run_dir) if cfg.data.val else None
+
+        # counters (Stateful through this object)
+        self.step = 0
+        self.samples_seen = 0
+        self.best_metric: float | None = None
+        self.evals_without_improvement = 0
+
+        # checkpointer: collects self.stateful(); resumes before the first step
+        self.checkpointer = None
+
+        # metrics
+        self.metrics = MetricsLogger(
+            self.run_dir, enabled=self.world.is_main, total_steps=tc.max_steps,
+            progress=tc.progress, start_step=self.step,
+        )
+        self.throughput = Throughput(peak_flops(self.device, self.precision.dtype))
+        self.gpu_util = GpuUtilization(self.device)
+
+    def _build_train_loader(self):
+        from vltrain.data.collate import Collator
+        from vltrain.data.dataset import build_dataset
+        from vltrain.data.loader import build_train_loader
+
+        cfg = self.cfg
+        collate = Collator(self.tokenizer.pad_id, cfg.data.max_text_length, cfg.data.image_size)
+        dataset = build_dataset(cfg.data, "train", self.tokenizer, run_dir=self.run_dir)
+        return build_train_loader(
+            cfg.data, dataset, rank=self.world.rank, world_size=self.world.world_size, seed=cfg.train.seed,
+            run_dir=self.run_dir, collate=collate,
+        )
+
+    # ------------------------------------------------------------------------------------------
+    # Stateful
+
+    def stateful(self) -> dict[str, Any]:
+        """Everything a checkpoint holds besides the model, by name."""
+        return {
+            "trainer": self,
+            "optimizer": self.optimizer,
+            "scheduler": self.scheduler,
+            "scaler": self.scaler,
+            "loader": self.loader,
+            "rng": self.rng,
+        }
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "step": self.step,
+            "samples_seen": self.samples_seen,
+            "best_metric": self.best_metric,
+            "evals_without_improvement": self.evals_without_improvement,
+            "guard": self.guard.state_dict(),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.step = int(state["step"])
+        self.samples_seen = int(state["samples_seen"])
+        self.best_metric = state["best_metric"]
+        self.evals_without_improvement = int(state["evals_without_improvement"])
+        self.guard.load_state_dict(state["guard"])
+
+    # ------------------------------------------------------------------------------------------
+    # The loop
+
+    def train(self) -> dict[str, float]:
+        """Train to ``train.max_steps`` (or an early stop); returns the last eval metrics."""
+        tc = self.cfg.train
+        last_eval: dict[str, float] = {}
+        evaluated_at = -1
+        while self.step < tc.max_steps:
+            micro, wait = self._next_micro_batches()
+            result, grad_norm, finite, samples = self.train_step(micro)
+            self.step += 1
+            self.samples_seen += samples
+            self.throughput.add(samples, wait, self._flops(micro))
+            self.metrics.advance()
+            if self.step % tc.log_every == 0 or self.step == tc.max_steps or not finite:
+                self._log(result, grad_norm, finite)
+            if self.cfg.eval.every and self.step % self.cfg.eval.every == 0 and self.val_loader is not None:
+                last_eval, evaluated_at = self.run_eval(), self.step
+                if self._should_stop(last_eval):
+                    self.metrics.write(f"early stop at step {self.step}: {self.cfg.eval.early_stop_metric} "
+                                       f"did not improve for {self.evals_without_improvement} evaluations")
+                    break
+            self._checkpoint(final=False)
+        if self.val_loader is not None and evaluated_at != self.step:
+            last_eval = self.run_eval()
+        self._checkpoint(final=True)
+        return last_eval
+
+    def _next_micro_batches(self) -> tuple[list[Batch], float]:
+        start = time.perf_counter()
+        micro = [next(self.loader) for _ in range(self.cfg.train.accumulation)]
+        return micro, time.perf_counter() - start
+
+    def _inputs(self, batch: Batch) -> ModelInputs:
+        batch = batch.to(self.device, non_blocking=True)
+        w = self.cfg.data.modality_weights
+        weights = None
+        if (w.image_text, w.text_only, w.image_only) != (1.0, 1.0, 1.0):
+            both = batch.has_image & batch.has_text
+            weights = torch.where(both, w.image_text, torch.where(batch.has_text, w.text_only, w.image_only))
+            weights = weights.to(torch.float32)
+        return ModelInputs(
+            pixels=batch.pixels(self.cfg.data.mean, self.cfg.data.std),
+            input_ids=batch.input_ids, attention_mask=batch.attention_mask,
+            has_image=batch.has_image, has_text=batch.has_text, ids=batch.ids, weights=weights,
+        )
+
+    def train_step(self, micro: list[Batch]) -> tuple[StepLosses, torch.Tensor, bool, int]:
+        """Forward/backward over the micro-batches, agree on finiteness, step or skip.
+
+        Returns the losses averaged over ranks, the gradient norm, whether the step was
+        applied, and the global number of samples in it.
+        """
+        tc = self.cfg.train
+        inputs = [self._inputs(b) for b in micro]
+        poison = self.step == tc.debug_nan_step and tc.debug_nan_rank in (-1, self.world.rank)
+        backward_fn = gradcache_backward if tc.contrastive_accumulation == "gradcache" else plain_backward
+        self.optimizer.zero_grad(set_to_none=True)
+        result = backward_fn(
+            self.wrapped, inputs, self.precision.autocast,
+            backward=lambda loss: self.scaler.scale(loss).backward(),
+            loss_scale=math.nan if poison else 1.0,
+        )
+        reduce_replicated_grads(self.wrapped)
+        self.scaler.unscale_(self.optimizer)
+        grad_norm = clip_grad_norm(self.params, tc.grad_clip)
+
+        # one all-reduce: [non-finite flag, samples, loss, per-objective losses]
+        names = sorted(result.losses)
+        local_bad = not bool(torch.isfinite(result.loss)) or (
+            not self.scaler.is_enabled() and not bool(torch.isfinite(grad_norm))
+        )
+        packet = torch.stack([
+            torch.tensor(float(local_bad), device=self.device),
+            torch.tensor(float(sum(len(b) for b in micro)), device=self.device),
+            result.loss.float(),
+            *[result.losses[k].float() for k in names],
+        ])
+        if self.world.world_size > 1:
+            dist.all_reduce(packet)
+            packet[2:] /= self.world.world_size
+        finite = packet[0].item() == 0
+        if finite:
+            self.scaler.step(self.optimizer)
+        else:
+            self.optimizer.zero_grad(set_to_none=True)
+        self.scaler.update()
+        self.scheduler.step()
+        self.guard.record(self.step, finite)
+        losses = StepLosses(packet[2], {k: packet[3 + i] for i, k in enumerate(names)})
+        return losses, grad_norm, finite, int(packet[1].item())
+
+    def _flops(self, micro: list[Batch]) -> float:
+        """Model FLOPs of this rank's forward + backward (``flops_per_sample`` counts both)."""
+        per_sample = getattr(self.model, "flops_per_sample", None)
+        if not callable(per_sample):
+            return 0.0
+        return float(sum(len(b) * per_sample(b.input_ids.shape[1]) for b in micro))
+
+    def _log(self, result: StepLosses, grad_norm: torch.Tensor, finite: bool) -> None:
+        values: dict[str, Any] = {
+            "loss": float(result.loss),
+            **{f"loss/{k}": float(v) for k, v in result.losses.items()},
+            "lr": self.scheduler.get_last_lr()[0],
+            "grad_norm": float(grad_norm),
+            "skipped": not finite,
+            "skipped_total": self.guard.total,
+            "samples_seen": self.samples_seen,
+            **self.throughput.read(),
+            "peak_memory_gb": peak_memory_bytes(self.device) / 2**30,
+        }
+        scale = self.model.logit_scale if hasattr(self.model, "logit_scale") else None
+        if isinstance(scale, torch.Tensor):
+            full = getattr(scale, "full_tensor", None)
+            values["logit_scale"] = float((full() if callable(full) else scale).detach().exp())
+        util = self.gpu_util.read()
+        if util is not None:
+            values["gpu_util"] = util
+        if not finite:
+            self.metrics.write(f"step {self.step}: non-finite loss or gradient norm on some rank; step skipped "
+                               f"({self.guard.in_a_row} in a row, {self.guard.total} in all)")
+        self.metrics.log(self.step, values)
+        self.throughput.reset()
+
+    # ------------------------------------------------------------------------------------------
+    # Evaluation, early stopping, checkpoints, the end
+
+    def run_eval(self) -> dict[str, float]:
+        """Every rank embeds its shard and computes the same metrics; rank 0 writes eval.json."""
+        start = time.perf_counter()
+        metrics = evaluate(self.wrapped, self.val_loader, self.cfg.data, self.device, self.precision.autocast,
+                           self.cfg.eval.max_samples)
+        if self.world.is_main:
+            append_eval(self.run_dir, self.step, metrics)
+            self.metrics.log(self.step, {f"eval/{k}": v for k, v in metrics.items()})
+            self.metrics.write(f"eval step {self.step}: {format_metrics(metrics)} "
+                               f"({time.perf_counter() - start:.1f}s)")
+        self.throughput.reset()  # evaluation time is not training throughput
+        return metrics
+
+    def _should_stop(self, metrics: dict[str, float]) -> bool:
+        ec = self.cfg.eval
+        if not ec.early_stop_metric or not ec.early_stop_patience:
+            return False
+        value = metrics[ec.early_stop_metric]
+        better = self.best_metric is None or (
+            value > self.best_metric if ec.early_stop_mode == "max" else value < self.best_metric
+        )
+        if better:
+            self.best_metric, self.evals_without_improvement = value, 0
+        else:
+            self.evals_without_improvement += 1
+        return self.evals_without_improvement >= ec.early_stop_patience
+
+    def _checkpoint(self, final: bool) -> None:
+        """The one place where state is saved."""
+        if self.checkpointer is not None:
+            self.checkpointer.maybe_save(self.step, final=final)
+        if final:
+            self._save_weights()
+
+    def _save_weights(self) -> None:
+        """RUN_DIR/weights.safetensors: full weights gathered from every rank, written by rank 0."""
+        from safetensors.torch import save_file
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        state = get_model_state_dict(self.model, options=options)
+        if self.world.is_main:
+            save_file({k: v.detach().cpu().contiguous().clone() for k, v in state.items()},
+                      str(self.run_dir / WEIGHTS_FILE))
+
+    def close(self) -> None:
+        """Flush the sinks, draw curves.png, leave the process group."""
+        self.metrics.close()
+        if self.world.is_main:
+            plot_curves(self.run_dir)
+        self.world.close()
+
+
+def train_cli(args: argparse.Namespace) -> int:
+    """``vltrain train CONFIG [key=value ...]`` (under torchrun or in one process)."""
+    cfg = load_config(args.config, args.overrides)
+    trainer = Trainer(cfg)
+    try:
+        metrics = trainer.train()
+    finally:
+        trainer.close()
+    if trainer.world.is_main:
+        print(f"run: {trainer.run_dir}  steps: {trainer.step}  skipped: {trainer.guard.total}")
+        if metrics:
+            print(f"eval: {format_metrics(metrics)}")
+    return 0
+
+
+def evaluate_run(run_dir: Path, data: str | None = None, overrides: list[str] | None = None) -> dict[str, float]:
+    """Retrieval metrics of a finished run's weights (``vltrain eval``)."""
+    from safetensors.torch import load_file
+
+    from vltrain.errors import UserError
+
+    config_path = run_dir / "config.yaml"
+    weights = run_dir / WEIGHTS_FILE
+    if not config_path.exists() or not weights.exists():
+        raise UserError(f"{run_dir} is not a finished run: it needs config.yaml and {WEIGHTS_FILE}")
+    cfg = load_config(config_path, list(overrides or []) + ([f"data.val={data}"] if data else []))
+    if not cfg.data.val:
+        raise UserError(f"{config_path} names no data.val; pass --data VAL_MANIFEST")
+    world = setup_world(timeout_s=cfg.train.timeout_s, device=cfg.train.device, threads=cfg.train.threads)
+    try:
+        tokenizer, model = build_model_for(cfg, world.device)
+        model.load_state_dict(load_file(str(weights), device=str(world.device)))
+        loader = build_val_loader(cfg, tokenizer, world)
+        precision = Precision(cfg.train.precision, world.device)
+        return evaluate(Dispatch(model), loader, cfg.data, world.device, precision.autocast, cfg.eval.max_samples)
+    finally:
+        world.close()

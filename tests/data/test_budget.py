@@ -1,0 +1,65 @@
+"""Budget packing: every row once, every batch within its budgets, one modality per batch."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from sampler_fixtures import shapes_lengths, table
+from vltrain.data import budget
+from vltrain.errors import UserError
+
+
+def test_padded_width_rounds_up_to_multiple_of_8():
+    assert [budget.padded_width(x) for x in (0, 1, 8, 9, 16, 77)] == [8, 8, 8, 16, 16, 80]
+    assert budget.batch_tokens(np.array([3, 9, 12])) == 3 * 16
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    rows=st.lists(st.tuples(st.integers(0, 60), st.booleans()), min_size=1, max_size=300),
+    batch_size=st.integers(1, 32),
+    token_budget=st.integers(64, 1024),
+    image_budget=st.integers(1, 32),
+    world=st.integers(1, 4),
+)
+def test_pack_covers_each_row_once_within_budgets(rows, batch_size, token_budget, image_budget, world):
+    lens = np.array([r[0] for r in rows])
+    t = table(lens, has_image=[r[1] for r in rows])
+    order = np.random.default_rng(0).permutation(len(lens))
+    batches = budget.pack(order, t, batch_size=batch_size, token_budget=token_budget,
+                          image_budget=image_budget, rng=np.random.default_rng(1))
+    target = -(-len(batches) // world) * world
+    batches = budget.split_to_multiple(batches, world)
+    assert sorted(np.concatenate(batches).tolist()) == list(range(len(lens)))
+    if len(lens) >= target:  # enough rows to split up to the next multiple of the world
+        assert len(batches) % world == 0
+    for b in batches:
+        assert 1 <= len(b) <= batch_size
+        assert budget.batch_tokens(t.text_len[b]) <= token_budget
+        assert t.has_image[b].sum() <= image_budget
+        assert len(set(budget.modality(t, b).tolist())) == 1
+
+
+def test_pack_groups_similar_lengths():
+    lens = shapes_lengths(2000)
+    t = table(lens)
+    batches = budget.pack(np.arange(len(lens)), t, batch_size=64, token_budget=64 * 24, image_budget=64, rng=None)
+    positions = sum(budget.batch_tokens(t.text_len[b]) for b in batches)
+    floor = sum(budget.padded_width(int(x)) for x in lens)  # each row alone, rounded up to 8
+    assert positions / floor <= 1.02
+
+
+def test_token_budget_smaller_than_one_caption_is_a_user_error():
+    t = table([40, 10])
+    with pytest.raises(UserError, match="token_budget=32"):
+        budget.pack(np.arange(2), t, batch_size=4, token_budget=32, image_budget=4, rng=None)
+
+
+def test_split_to_multiple_gives_up_only_when_nothing_splits():
+    one = [np.array([0])]
+    assert budget.split_to_multiple(one, 2) == one
+    out = budget.split_to_multiple([np.arange(5), np.arange(5, 7)], 4)
+    assert len(out) == 4 and sorted(np.concatenate(out).tolist()) == list(range(7))

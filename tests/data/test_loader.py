@@ -1,0 +1,232 @@
+"""The training and evaluation loaders, with real worker processes and real gloo ranks."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+
+from multiproc import run_world
+from sampler_fixtures import (TableDataset, collate, fork_workers, open_data, shapes_lengths, synth_files, table,
+                              uid)
+from vltrain.data.audit import AuditLog, audit_run
+from vltrain.data.budget import batch_tokens, padded_width
+from vltrain.data.config import DataConfig, SourceSpec
+from vltrain.data.loader import TrainLoader, build_eval_loader, build_train_loader
+from vltrain.data.sampler import DistributedBatchSampler
+from vltrain.model import build_model
+from vltrain.model.config import ModelConfig
+
+
+def make_loader(t, *, rank=0, world_size=1, workers=0, run_dir=None, **kw) -> TrainLoader:
+    """A loader over a table-shaped dataset (no files), for behaviour that needs no decoding."""
+    kw.setdefault("batch_size", 4)
+    sampler = DistributedBatchSampler(t, rank=rank, world_size=world_size, seed=7, **kw)
+    audit = AuditLog(run_dir, rank, world_size) if run_dir else None
+    return TrainLoader(TableDataset(t), sampler, collate=collate, num_workers=workers,
+                       persistent_workers=workers > 0, audit=audit)
+
+
+def real_loader(data_cfg, *, rank=0, world_size=1, run_dir=None) -> TrainLoader:
+    ds, collator = open_data(data_cfg)
+    return build_train_loader(data_cfg, ds, rank=rank, world_size=world_size, seed=7, run_dir=run_dir,
+                              collate=collator)
+
+
+# -- one epoch on 2 ranks x 2 workers, from a manifest and from shards -----------------------
+
+N_EPOCH = 45
+
+
+def _epoch_rank(rank, world_size, data_cfg, run_dir):
+    fork_workers()
+    loader = real_loader(data_cfg, rank=rank, world_size=world_size, run_dir=run_dir)
+    return {"ids": [next(loader).ids.tolist() for _ in range(len(loader))], "padded": loader.sampler.plan().padded}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("form", ["manifest", "shards"])
+def test_two_ranks_two_workers_consume_the_source_once(tmp_path, form):
+    data_cfg, uids = synth_files(tmp_path / "data", N_EPOCH, shards=form == "shards", batch_size=4,
+                                 num_workers=2, audit=True)
+    got = run_world(_epoch_rank, (data_cfg, str(tmp_path / "run")), world=2, timeout=200)
+    assert len(got[0]["ids"]) == len(got[1]["ids"])  # equal step counts
+    flat = [i for g in got for b in g["ids"] for i in b]
+    padded = got[0]["padded"]
+    assert padded == 3  # 45 samples, 2 ranks x 4 rows per step: 48 rows, the first 3 repeated
+    assert set(flat) == uids
+    assert len(flat) == N_EPOCH + padded
+    report = audit_run(tmp_path / "run")
+    assert report.ok, report.problems
+    assert report.complete_epochs == 1 and report.samples == N_EPOCH + padded
+
+
+# -- exact resume with workers --------------------------------------------------------------
+
+
+def _take(loader, k):
+    return [(b.ids.tolist(), b.pixel_values.sum((1, 2, 3)).tolist()) for b in (next(loader) for _ in range(k))]
+
+
+@pytest.mark.parametrize("batching", ["fixed", "budget"])
+def test_state_restored_at_step_k_yields_the_same_sequence_with_workers(tmp_path, batching):
+    data_cfg, _ = synth_files(tmp_path, 30, text_only_fraction=0.3, batch_size=4, num_workers=2,
+                              batching=batching, token_budget=4 * 24)
+    a = real_loader(data_cfg, rank=1, world_size=2)
+    epoch_len = len(a)
+    k, total = epoch_len + 2, 2 * epoch_len + 3  # resume in the 2nd epoch, run into the 3rd
+    head = _take(a, k)
+    state = json.loads(json.dumps(a.state_dict()))  # survives a round trip through a checkpoint
+    tail = _take(a, total - k)
+    b = real_loader(data_cfg, rank=1, world_size=2)
+    b.load_state_dict(state)
+    assert b.epoch == 1 and b.step_in_epoch == 2
+    assert _take(b, total - k) == tail  # the same samples, decoded to the same pixels
+    assert b.samples_seen == a.samples_seen
+    assert head[0] != tail[0]
+
+
+def test_per_sample_seeds_make_random_draws_independent_of_workers():
+    t = table(shapes_lengths(30), has_image=np.arange(30) % 4 != 0)
+    draws = [_take(make_loader(t, workers=w), 6) for w in (0, 2)]
+    assert draws[0] == draws[1]
+
+
+def test_main_process_loading_leaves_the_trainer_rng_alone():
+    torch.manual_seed(0)
+    expected = torch.rand(3)
+    torch.manual_seed(0)
+    loader = make_loader(table(shapes_lengths(8)))
+    next(loader)
+    assert torch.equal(torch.rand(3), expected)
+
+
+# -- budget batching on 2 ranks -------------------------------------------------------------
+
+BUDGET = 32 * 48
+
+
+def _budget_rank(rank, world_size):
+    lens = shapes_lengths(1200)
+    lens[600:] += 16  # the second half of the data has much longer captions
+    t = table(lens)
+    stats = {}
+    for batching in ("fixed", "budget"):
+        s = DistributedBatchSampler(t, batch_size=32, rank=rank, world_size=world_size, seed=1,
+                                    shuffle=False, batching=batching, token_budget=BUDGET)
+        steps = positions = longest = real = worst = 0
+        for batch in s:
+            tokens = batch_tokens(lens[batch])
+            x = torch.tensor([float(tokens)])
+            dist.all_reduce(x)  # a collective per step: unequal step counts would hang here
+            steps += 1
+            positions += tokens
+            longest += len(batch) * int(lens[batch].max())
+            real += int(lens[batch].sum())
+            worst = max(worst, tokens)
+        stats[batching] = [steps, positions, longest, real, worst]
+    return stats
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_budget_batching_on_two_ranks_equal_steps_within_budget_low_padding():
+    per_rank = run_world(_budget_rank, (), world=2, timeout=150)
+    lens = shapes_lengths(1200)
+    lens[600:] += 16
+    floor = sum(padded_width(int(x)) for x in lens) / lens.sum()  # rounding each row to 8 alone
+    for batching in ("fixed", "budget"):
+        steps = {r[batching][0] for r in per_rank}
+        assert len(steps) == 1, f"{batching}: ranks ran {steps} steps"
+        positions, longest, real = (sum(r[batching][i] for r in per_rank) for i in (1, 2, 3))
+        print(f"{batching}: {steps.pop()} steps, padding ratio {positions / real:.3f} "
+              f"(to the longest row {longest / real:.3f}; rounding floor {floor:.3f})")
+    b = [r["budget"] for r in per_rank]
+    assert max(r[4] for r in b) <= BUDGET
+    positions, real = sum(r[1] for r in b), sum(r[3] for r in b)
+    assert positions / real <= 1.15
+    assert positions / real <= floor + 0.02  # the multiple-of-8 rounding is nearly all that is left
+
+
+# -- 90% text-only rows, budget batching, 2 ranks, 100 DDP steps -----------------------------
+
+
+def _text_only_rank(rank, world_size, data_cfg):
+    torch.manual_seed(0)
+    ds, collator = open_data(data_cfg)
+    loader = build_train_loader(data_cfg, ds, rank=rank, world_size=world_size, seed=7, run_dir=None,
+                                collate=collator)
+    model = build_model(ModelConfig(preset="tiny-clip"), vocab_size=ds.tokenizer.vocab_size, pad_id=ds.tokenizer.pad_id,
+                        mask_id=ds.tokenizer.mask_id, image_size=data_cfg.image_size,
+                        max_text_length=data_cfg.max_text_length)
+    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.01)
+    sizes, text_only_batches = [], 0
+    for _ in range(100):
+        b = next(loader)
+        out = ddp(b.pixels(data_cfg.mean, data_cfg.std), b.input_ids, b.attention_mask, b.has_image,
+                  b.has_text, b.ids)
+        opt.zero_grad()
+        out.loss.backward()
+        opt.step()
+        sizes.append(len(b))
+        text_only_batches += int(not b.has_image.any())
+    return {"steps": len(sizes), "sizes": sizes, "text_only": text_only_batches, "epoch": loader.epoch,
+            "loss": float(out.loss)}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_ninety_percent_text_only_budget_batching_trains_100_steps_without_hang(tmp_path):
+    data_cfg, _ = synth_files(tmp_path, 80, text_only_fraction=0.9, batching="budget", batch_size=8,
+                              token_budget=8 * 24, image_budget=2, num_workers=0)
+    got = run_world(_text_only_rank, (data_cfg,), world=2, timeout=270)
+    assert [g["steps"] for g in got] == [100, 100]
+    assert all(np.isfinite(g["loss"]) for g in got)
+    assert got[0]["epoch"] == got[1]["epoch"] >= 1  # crossed epoch boundaries in step
+    assert sum(g["text_only"] for g in got) > 0  # some steps really had text-only batches
+    assert got[0]["sizes"] != got[1]["sizes"]  # ranks ran different batch sizes in the same step
+
+
+# -- evaluation -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("n,world", [(10, 3), (2, 3), (16, 2)])
+def test_eval_loader_contiguous_disjoint_slices_equal_batch_counts(n, world):
+    t = table(shapes_lengths(n))
+    cfg = DataConfig(num_workers=0, pin_memory=False)
+    loaders = [build_eval_loader(cfg, TableDataset(t), rank=r, world_size=world, batch_size=3, collate=collate)
+               for r in range(world)]
+    assert len({len(x) for x in loaders}) == 1
+    kept = []
+    for x in loaders:
+        rows = [i for b in x for i in b.ids.tolist()]
+        kept += rows[: x.num_samples]
+        assert rows[: x.num_samples] == [uid(i) for i in range(x.offset, x.offset + x.num_samples)]
+    assert kept == [uid(i) for i in range(n)]
+
+
+def test_build_train_loader_reads_batching_and_source_weights_from_config():
+    n0, n1 = 30, 10
+    t = table(shapes_lengths(n0 + n1), has_image=[True] * n0 + [False] * n1, source=[0] * n0 + [1] * n1)
+    cfg = DataConfig(train=[SourceSpec("a.jsonl", 1.0), SourceSpec("b.jsonl", 3.0)], batching="budget",
+                     batch_size=8, num_workers=0, pin_memory=False)
+    loader = build_train_loader(cfg, TableDataset(t), rank=0, world_size=1, seed=0, run_dir=None, collate=collate)
+    s = loader.sampler
+    assert s.batching == "budget" and s.token_budget == 8 * 77 // 2 and s.image_budget == 8
+    # weights are per-row rates: the 10 text-only rows are read 3x as often as the 30 others
+    assert s.source_weights == [30.0, 30.0]
+    sources = torch.cat([next(loader).source for _ in range(len(loader))])
+    assert len(sources) == n0 + n1 and int((sources == 1).sum()) == 20
+
+
+def test_equal_source_weights_read_every_row_once():
+    t = table(shapes_lengths(25), source=[0] * 15 + [1] * 10)
+    cfg = DataConfig(train=[SourceSpec("a.jsonl"), SourceSpec("b.jsonl")], batch_size=5, num_workers=0)
+    loader = build_train_loader(cfg, TableDataset(t), rank=0, world_size=1, seed=0, run_dir=None, collate=collate)
+    ids = [i for _ in range(len(loader)) for i in next(loader).ids.tolist()]
+    assert sorted(ids) == sorted(uid(i) for i in range(25))

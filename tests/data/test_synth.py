@@ -1,0 +1,74 @@
+import hashlib
+import json
+import random
+
+from vltrain.data import synth
+
+
+def _rows(path):
+    return [json.loads(line) for line in open(path)]
+
+
+def test_synthesize_is_deterministic_and_complete(tmp_path):
+    a = synth.synthesize(tmp_path / "a", num=300, val=50, text_only_fraction=0.2, seed=3, workers=1)
+    b = synth.synthesize(tmp_path / "b", num=300, val=50, text_only_fraction=0.2, seed=3, workers=2)
+    ra, rb = _rows(a["train"]), _rows(b["train"])
+    assert ra == rb and len(ra) == 300
+    assert len(_rows(a["val"])) == 50
+    for row in ra + _rows(a["val"]):
+        if "image" in row:
+            ha = hashlib.sha256((tmp_path / "a" / row["image"]).read_bytes()).hexdigest()
+            hb = hashlib.sha256((tmp_path / "b" / row["image"]).read_bytes()).hexdigest()
+            assert ha == hb
+    text_only = sum("image" not in r for r in ra)
+    assert 30 <= text_only <= 90  # 20% of 300, with sampling noise
+    assert all("image" in r for r in _rows(a["val"]))
+    assert len({r["id"] for r in ra}) == 300
+
+
+def test_other_seed_gives_other_data(tmp_path):
+    a = synth.synthesize(tmp_path / "a", num=20, val=0, seed=0, workers=1)
+    b = synth.synthesize(tmp_path / "b", num=20, val=0, seed=1, workers=1)
+    assert [r["text"] for r in _rows(a["train"])] != [r["text"] for r in _rows(b["train"])]
+
+
+def test_caption_names_every_shape():
+    for i in range(200):
+        rng = random.Random(i)
+        shapes = synth.sample_scene(rng)
+        assert 1 <= len(shapes) <= 3
+        assert len({s.cell for s in shapes}) == len(shapes)
+        text = synth.describe(shapes, rng)
+        for s in shapes:
+            assert s.color in text
+            assert any(w in text for w in synth.KIND_WORDS[s.kind])
+            assert any(w in text for w in synth.SIZE_WORDS[s.size])
+            assert any(w in text for w in synth.CELL_WORDS[s.cell])
+
+
+def test_dataset_is_not_trivial():
+    assert len(synth.COLORS) >= 6 and len(synth.KINDS) >= 5 and len(synth.SIZES) >= 2
+    assert len(synth.CELL_WORDS) == 9
+    rng = random.Random(0)
+    scenes = [synth.sample_scene(rng) for _ in range(500)]
+    assert {len(s) for s in scenes} == {1, 2, 3}
+    captions = {synth.describe(s, random.Random(k)) for k, s in enumerate(scenes)}
+    assert len(captions) > 450
+
+
+def test_rendered_colour_sits_in_its_cell():
+    rng = random.Random(5)
+    shape = synth.Shape("square", "red", "large", (2, 0), (0.0, 0.0))
+    img = synth.render([shape], 48, rng)
+    r, g, b = img.getpixel((8, 40))  # centre of the bottom-left cell
+    assert (r, g, b) == synth.COLORS["red"]
+    r, g, b = img.getpixel((40, 8))  # top-right cell is background
+    assert max(r, g, b) <= 80
+
+
+def test_cli_writes_manifests(cli, tmp_path):
+    res = cli("data", "synth", "--out", tmp_path / "s", "--num", "40", "--val", "10", "--seed", "0")
+    assert res.returncode == 0, res.stderr
+    assert len(_rows(tmp_path / "s" / "train.jsonl")) == 40
+    res = cli("data", "synth", "--out", tmp_path / "s", "--num", "4", "--val", "1", "--text-only-fraction", "1.5")
+    assert res.returncode != 0 and "text-only-fraction" in res.stderr and "Traceback" not in res.stderr

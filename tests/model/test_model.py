@@ -1,0 +1,175 @@
+"""VLModel: gradients reach every parameter for any modality mix, the encode/objectives split
+reproduces forward and the exact gradient-cached gradient, and the trainer-facing helpers."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from modelkit import grads, make_batch, max_relative_error, small_model
+from multiproc import run_world
+
+MIXES = {
+    "image-text": ([1, 1, 1, 1], [1, 1, 1, 1]),
+    "text-only": ([0, 0, 0, 0], [1, 1, 1, 1]),
+    "image-only": ([1, 1, 1, 1], [0, 0, 0, 0]),
+    "mixed": ([1, 0, 1, 1], [1, 1, 0, 1]),
+}
+MODELS = {"clip": ("tiny-clip", dict(itc=1.0, siglip=0.5)), "albef": ("tiny-albef", dict(itm=1.0, mlm=1.0))}
+
+
+@pytest.mark.parametrize("model_name", MODELS)
+@pytest.mark.parametrize("mix", MIXES)
+def test_every_parameter_gets_a_finite_gradient(model_name, mix):
+    preset, loss = MODELS[model_name]
+    model = small_model(preset, **loss)
+    has_image, has_text = MIXES[mix]
+    out = model(**make_batch(4, has_image=has_image, has_text=has_text, weights=True))
+    out.loss.backward()
+    for name, p in model.named_parameters():
+        assert p.grad is not None, name
+        assert torch.isfinite(p.grad).all(), name
+    assert torch.isfinite(out.loss)
+    if mix in ("text-only", "image-only"):
+        assert out.loss.item() == 0.0
+        assert all(not p.grad.any() for p in model.parameters())
+
+
+def test_output_fields():
+    model = small_model("tiny-albef", itm=1.0, mlm=1.0)
+    out = model(**make_batch(4, has_image=[1, 0, 1, 1]))
+    assert set(out.losses) == {"itc", "itm", "mlm"}
+    assert out.image_embeds.shape == out.text_embeds.shape == (4, 128)
+    torch.testing.assert_close(out.text_embeds.norm(dim=1), torch.ones(4))
+    assert not out.image_embeds[1].any()
+    assert out.itm_logits.shape == (12, 2)
+    assert out.logit_scale.item() == pytest.approx(1 / 0.07, rel=1e-5)
+
+
+def test_dual_encoder_ignores_fusion_objectives():
+    model = small_model("tiny-clip", itm=1.0, mlm=1.0)
+    assert model.fusion is None and model.itm_head is None and model.mlm_head is None
+    assert set(model(**make_batch(2)).losses) == {"itc"}
+
+
+def test_forward_equals_objectives_of_encode():
+    model = small_model("tiny-albef", itm=1.0)
+    batch = make_batch(4, has_text=[1, 1, 0, 1])
+    torch.manual_seed(5)
+    a = model(**batch)
+    torch.manual_seed(5)
+    enc = model.encode(batch["pixels"], batch["input_ids"], batch["attention_mask"], batch["has_image"], batch["has_text"])
+    b = model.objectives(enc, batch["input_ids"], batch["attention_mask"], batch["has_image"], batch["has_text"], batch["ids"])
+    assert torch.equal(a.loss, b.loss)
+
+
+@pytest.mark.parametrize("model_name", MODELS)
+def test_gradient_cached_accumulation_is_exact(model_name):
+    """Two micro-batches: cached-embedding surrogate + objectives(contrastive=False) per micro-batch
+    reproduces the gradient of the contrastive loss over the whole batch plus the per-micro-batch
+    objectives."""
+    preset, loss = MODELS[model_name]
+    batch = make_batch(8, seed=4, has_image=[1, 1, 0, 1, 1, 1, 1, 1], weights=True)
+    keys = ("pixels", "input_ids", "attention_mask", "has_image", "has_text")
+    micro = [{k: v[i * 4 : (i + 1) * 4] for k, v in batch.items()} for i in range(2)]
+
+    # reference: contrastive on the full batch, other objectives per micro-batch (as gradcache defines it)
+    model = small_model(preset, **loss)
+    encs = [model.encode(*(m[k] for k in keys)) for m in micro]
+    total = model.contrastive_loss(
+        torch.cat([e.image_embeds for e in encs]), torch.cat([e.text_embeds for e in encs]),
+        batch["has_image"], batch["has_text"], batch["ids"], batch["weights"],
+    )
+    torch.manual_seed(1)
+    for e, m in zip(encs, micro):
+        total = total + model.objectives(e, m["input_ids"], m["attention_mask"], m["has_image"], m["has_text"],
+                                         m["ids"], m["weights"], contrastive=False).loss
+    total.backward()
+    expected = grads(model)
+
+    # gradcache: embeddings without a graph, contrastive gradient w.r.t. them, then replay per micro-batch
+    cached = small_model(preset, **loss)
+    with torch.no_grad():
+        encs = [cached.encode(*(m[k] for k in keys)) for m in micro]
+    img = torch.cat([e.image_embeds for e in encs]).requires_grad_()
+    txt = torch.cat([e.text_embeds for e in encs]).requires_grad_()
+    cached.contrastive_loss(img, txt, batch["has_image"], batch["has_text"], batch["ids"], batch["weights"]).backward()
+    torch.manual_seed(1)
+    for i, m in enumerate(micro):
+        e = cached.encode(*(m[k] for k in keys))
+        surrogate = (e.image_embeds * img.grad[i * 4 : (i + 1) * 4]).sum() + (e.text_embeds * txt.grad[i * 4 : (i + 1) * 4]).sum()
+        out = cached.objectives(e, m["input_ids"], m["attention_mask"], m["has_image"], m["has_text"], m["ids"],
+                                m["weights"], contrastive=False)
+        (surrogate + out.loss).backward()
+    assert max_relative_error(grads(cached), expected) < 1e-5
+
+
+def test_activation_checkpointing_keeps_gradients():
+    batch = make_batch(4, has_image=[1, 0, 1, 1])
+    plain = small_model("tiny-albef", itm=1.0)
+    torch.manual_seed(0)
+    plain(**batch).loss.backward()
+    ckpt = small_model("tiny-albef", itm=1.0)
+    ckpt.set_activation_checkpointing(True)
+    torch.manual_seed(0)
+    ckpt(**batch).loss.backward()
+    assert max_relative_error(grads(ckpt), grads(plain)) < 1e-6
+
+
+def test_no_weight_decay_names():
+    model = small_model("tiny-albef", itm=1.0, mlm=1.0, siglip=1.0)
+    names = model.no_weight_decay()
+    params = dict(model.named_parameters())
+    assert {"logit_scale", "logit_bias", "vision.cls_token", "vision.pos_embed", "text.token_embedding.weight"} <= names
+    assert all(params[n].ndim < 2 for n in names if "norm" in n or n.endswith(".bias"))
+    assert "vision.blocks.0.attn.qkv.weight" not in names and "image_proj.proj.weight" not in names
+
+
+def test_blocks_for_sharding_and_flops():
+    clip = small_model("tiny-clip")
+    albef = small_model("tiny-albef", itm=1.0, mlm=1.0)
+    assert len(clip.blocks_for_sharding()) == 3 + 2
+    assert len(albef.blocks_for_sharding()) == 3 + 2 + 2
+    assert albef.flops_per_sample() > clip.flops_per_sample() > 0
+    assert clip.flops_per_sample(4) < clip.flops_per_sample(8)
+    # the vision tower dominates and is about 2 FLOPs per weight per token, times 3 for training
+    v = clip.vision
+    dense = sum(p.numel() for n, p in v.blocks.named_parameters() if p.ndim == 2)
+    assert 2 * dense * v.num_tokens <= v.flops() <= 1.5 * 2 * dense * v.num_tokens + 2 * 3 * 64 * 128 * 16
+
+
+def test_mlm_needs_a_mask_token():
+    from vltrain.model import build_model
+    from vltrain.model.config import LossConfig, ModelConfig
+
+    with pytest.raises(ValueError, match="mask token"):
+        build_model(ModelConfig(preset="tiny-albef", loss=LossConfig(mlm=1.0)), vocab_size=10, pad_id=0, mask_id=None,
+                    image_size=32, max_text_length=8)
+
+
+def _itm_worker(rank, world):
+    model = small_model("tiny-albef", itm=1.0)
+    # ids repeat across ranks (0..3 on both) and within rank 1; rank 1 row 3 has no text
+    ids = [[0, 1, 2, 3], [0, 1, 3, 3]][rank]
+    batch = make_batch(4, seed=rank, ids=ids, has_text=[1, 1, 1, 1] if rank == 0 else [1, 1, 1, 0])
+    keys = ("pixels", "input_ids", "attention_mask", "has_image", "has_text")
+    enc = model.encode(*(batch[k] for k in keys))
+    draws = []
+    for _ in range(50):
+        pairs = model.itm_pairs(enc, batch["attention_mask"], batch["has_image"], batch["has_text"], batch["ids"])
+        draws.append((pairs.negative_text_ids, pairs.negative_image_ids, pairs.weights))
+    return batch["ids"], draws
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_itm_negatives_never_share_the_id_across_ranks():
+    seen = set()
+    for ids, draws in run_world(_itm_worker, timeout=60):
+        for neg_text, neg_image, w in draws:
+            b = ids.shape[0]
+            text_used, image_used = w[b : 2 * b] > 0, w[2 * b :] > 0
+            assert (neg_text[text_used] != ids[text_used]).all()
+            assert (neg_image[image_used] != ids[image_used]).all()
+            seen.update(neg_text[text_used].tolist())
+    assert len(seen) > 2  # the negatives do come from several samples, incl. other ranks' ones

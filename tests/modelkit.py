@@ -1,0 +1,56 @@
+"""Small models and synthetic batches shared by the model, loss and multi-process tests."""
+
+from __future__ import annotations
+
+import torch
+
+from vltrain.model import build_model
+from vltrain.model.config import LossConfig, ModelConfig
+
+VOCAB, PAD, MASK, IMAGE, LENGTH = 50, 0, 1, 32, 8
+
+
+def small_model(preset: str = "tiny-clip", seed: int = 0, **loss) -> torch.nn.Module:
+    """A preset at 32 x 32 images, 8 tokens and a 50-token vocabulary: identical for a given seed."""
+    torch.manual_seed(seed)
+    cfg = ModelConfig(preset=preset, loss=LossConfig(**loss))
+    return build_model(cfg, vocab_size=VOCAB, pad_id=PAD, mask_id=MASK, image_size=IMAGE, max_text_length=LENGTH)
+
+
+def make_batch(n: int, seed: int = 0, has_image=None, has_text=None, ids=None, weights: bool = False) -> dict:
+    """Model inputs as keyword arguments; rows without an image hold zero pixels, rows without text
+    hold padding only, as the collator makes them."""
+    g = torch.Generator().manual_seed(seed)
+    has_image = torch.ones(n, dtype=torch.bool) if has_image is None else torch.as_tensor(has_image, dtype=torch.bool)
+    has_text = torch.ones(n, dtype=torch.bool) if has_text is None else torch.as_tensor(has_text, dtype=torch.bool)
+    pixels = torch.randn(n, 3, IMAGE, IMAGE, generator=g) * has_image[:, None, None, None]
+    lengths = torch.randint(2, LENGTH + 1, (n,), generator=g) * has_text
+    attention_mask = (torch.arange(LENGTH)[None, :] < lengths[:, None]).long()
+    input_ids = torch.randint(2, VOCAB, (n, LENGTH), generator=g) * attention_mask
+    batch = dict(
+        pixels=pixels, input_ids=input_ids, attention_mask=attention_mask, has_image=has_image, has_text=has_text,
+        ids=torch.arange(n, dtype=torch.int64) if ids is None else torch.as_tensor(ids, dtype=torch.int64),
+    )
+    if weights:
+        batch["weights"] = torch.rand(n, generator=g) + 0.5
+    return batch
+
+
+def rows(batch: dict, index) -> dict:
+    """The same batch restricted to some rows (a slice or an index tensor)."""
+    return {k: v[index] for k, v in batch.items()}
+
+
+def grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def max_relative_error(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    """Largest over parameters of |a - b| / |b| (norms); parameters whose gradient is zero in b must be zero in a."""
+    assert a.keys() == b.keys()
+    worst = 0.0
+    for k in b:
+        denom = b[k].norm().item()
+        err = (a[k] - b[k]).norm().item()
+        worst = max(worst, err / denom if denom > 0 else err)
+    return worst

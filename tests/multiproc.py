@@ -1,0 +1,69 @@
+"""Run a function on N real gloo processes (spawned) and collect what each returns.
+
+Each rank returns a picklable value (tensors included); a rank that raises makes the whole run fail
+with its traceback, and a run that exceeds ``timeout`` is killed, so nothing can hang the suite.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+import traceback
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world: int, port: int, fn, args, out_dir: str) -> None:
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
+    path = os.path.join(out_dir, f"rank{rank}.pt")
+    try:
+        dist.init_process_group(
+            "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+        )
+        result = fn(rank, world, *args)
+        dist.barrier()
+        torch.save({"ok": True, "result": result}, path)
+    except BaseException:
+        torch.save({"ok": False, "error": traceback.format_exc()}, path)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_world(fn, args: tuple = (), world: int = 2, timeout: float = 60.0, tmp_dir: str | None = None) -> list:
+    """``fn(rank, world, *args)`` on ``world`` processes; returns the per-rank results in rank order."""
+    import tempfile
+
+    out_dir = tmp_dir or tempfile.mkdtemp(prefix="vltrain-mp-")
+    ctx = mp.get_context("spawn")
+    port = free_port()
+    procs = [ctx.Process(target=_worker, args=(r, world, port, fn, args, out_dir)) for r in range(world)]
+    for p in procs:
+        p.start()
+    deadline = time.monotonic() + timeout
+    for p in procs:
+        p.join(max(0.0, deadline - time.monotonic()))
+    hung = [r for r, p in enumerate(procs) if p.is_alive()]
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+            p.join()
+    if hung:
+        raise TimeoutError(f"ranks {hung} did not finish within {timeout} s")
+    results = []
+    for r in range(world):
+        data = torch.load(os.path.join(out_dir, f"rank{r}.pt"), weights_only=False)
+        if not data["ok"]:
+            raise RuntimeError(f"rank {r} failed:\n{data['error']}")
+        results.append(data["result"])
+    return results

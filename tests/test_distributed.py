@@ -1,0 +1,42 @@
+"""Gather helpers: single-process fallback and real 2-rank gloo behaviour with unequal sizes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from multiproc import run_world
+from vltrain.distributed import all_gather_no_grad, all_gather_with_grad, gather_sizes, init_distributed, world_info
+
+
+def test_single_process_fallback(monkeypatch):
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    assert init_distributed() == (0, 1)
+    assert world_info() == (0, 1)
+    x = torch.randn(3, 2, requires_grad=True)
+    assert all_gather_with_grad(x) is x
+    assert torch.equal(all_gather_no_grad(x), x.detach())
+    assert gather_sizes(3) == [3]
+
+
+def _gather_worker(rank, world):
+    n = 2 + rank  # unequal local sizes: 2 and 3
+    x = (torch.arange(n * 2, dtype=torch.float64).view(n, 2) + 100 * rank).requires_grad_()
+    gathered = all_gather_with_grad(x)
+    # every rank's loss weights the gathered rows differently: the backward must sum them over ranks
+    coef = torch.arange(gathered.shape[0], dtype=torch.float64)[:, None] * (rank + 1)
+    (gathered * coef).sum().backward()
+    return gathered.detach(), x.grad, all_gather_no_grad(torch.full((n,), rank))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_gather_with_grad_unequal_sizes():
+    results = run_world(_gather_worker, timeout=60)
+    expected = torch.cat([torch.arange(4.0).view(2, 2), torch.arange(6.0).view(3, 2) + 100]).double()
+    summed_coef = torch.arange(5, dtype=torch.float64)[:, None].expand(5, 2) * (1 + 2)
+    for rank, (gathered, grad, ranks) in enumerate(results):
+        assert torch.equal(gathered, expected)
+        start, n = (0, 2) if rank == 0 else (2, 3)
+        assert torch.equal(grad, summed_coef[start : start + n])
+        assert ranks.tolist() == [0, 0, 1, 1, 1]

@@ -1,0 +1,51 @@
+"""Retrieval recall on known rankings, and eval.json history."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from vltrain.evaluate import append_eval, recall_at_k, retrieval_metrics
+
+
+def test_perfect_embeddings_recall_one():
+    x = torch.nn.functional.normalize(torch.randn(50, 16), dim=-1)
+    m = retrieval_metrics(x, x)
+    assert m["i2t_r1"] == m["t2i_r1"] == 1.0 and m["num_pairs"] == 50
+
+
+def test_known_ranks():
+    # query i's correct key ranks at position i (0-based): keys score [.., correct, ..] by construction
+    n = 12
+    keys = torch.eye(n)
+    query = torch.zeros(n, n)
+    for i in range(n):
+        query[i, i] = 0.5
+        query[i, :i] = 1.0  # i keys score higher than the correct one
+    r = recall_at_k(query, keys, ks=(1, 5, 10), chunk=5)
+    assert r[1] == pytest.approx(1 / n) and r[5] == pytest.approx(5 / n) and r[10] == pytest.approx(10 / n)
+
+
+def test_directions_differ_when_asymmetric():
+    img = torch.tensor([[1.0, 0.0], [1.0, 0.0]])
+    txt = torch.tensor([[1.0, 0.0], [0.0, 1.0]])
+    m = retrieval_metrics(img, txt)
+    # both images prefer text 0: image 1 misses at R@1; both texts see the two images tie,
+    # and a tie counts as a miss
+    assert m["i2t_r1"] == 0.5
+    assert m["t2i_r1"] == 0.0 and m["t2i_r5"] == 1.0
+
+
+def test_collapsed_embeddings_score_nothing():
+    x = torch.ones(20, 4)
+    assert retrieval_metrics(x, x)["t2i_r1"] == 0.0
+
+
+def test_append_eval_keeps_history(tmp_path):
+    append_eval(tmp_path, 10, {"t2i_r1": 0.1})
+    append_eval(tmp_path, 20, {"t2i_r1": 0.2})
+    append_eval(tmp_path, 20, {"t2i_r1": 0.3})
+    hist = json.loads((tmp_path / "eval.json").read_text())
+    assert hist == [{"step": 10, "t2i_r1": 0.1}, {"step": 20, "t2i_r1": 0.3}]

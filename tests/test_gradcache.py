@@ -1,0 +1,157 @@
+"""Gradient caching gives the one-big-batch gradient; plain accumulation the mean of micro-batches'."""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from vltrain.gradcache import gradcache_backward
+from vltrain.parallelize import Dispatch
+from vltrain.step import ModelInputs, plain_backward
+
+
+@dataclass
+class Encoded:
+    image_embeds: torch.Tensor
+    text_embeds: torch.Tensor
+
+
+@dataclass
+class Output:
+    loss: torch.Tensor
+    losses: dict
+
+
+class StandIn(nn.Module):
+    """The model contract in miniature: encode / contrastive_loss / objectives / forward."""
+
+    def __init__(self, dropout: float = 0.0):
+        super().__init__()
+        self.vision = nn.Sequential(nn.Flatten(), nn.Linear(3 * 4 * 4, 16), nn.Dropout(dropout), nn.Linear(16, 8))
+        self.text = nn.Embedding(30, 8)
+        self.text_proj = nn.Sequential(nn.Dropout(dropout), nn.Linear(8, 8))
+        self.itm = nn.Linear(16, 2)
+        self.logit_scale = nn.Parameter(torch.tensor(1.5))
+
+    def encode(self, pixels, input_ids, attention_mask, has_image, has_text):
+        mask = attention_mask.unsqueeze(-1).float()
+        txt = (self.text(input_ids) * mask).sum(1) / mask.sum(1).clamp(min=1)
+        return Encoded(F.normalize(self.vision(pixels), dim=-1), F.normalize(self.text_proj(txt), dim=-1))
+
+    def contrastive_loss(self, image_embeds, text_embeds, has_image, has_text, ids, weights=None):
+        logits = self.logit_scale.exp() * image_embeds @ text_embeds.T
+        target = torch.arange(logits.shape[0])
+        return (F.cross_entropy(logits, target) + F.cross_entropy(logits.T, target)) / 2
+
+    def objectives(self, enc, input_ids, attention_mask, has_image, has_text, ids, weights=None, contrastive=False):
+        pair = torch.cat([enc.image_embeds, enc.text_embeds], dim=-1)
+        itm = F.cross_entropy(self.itm(pair), has_text.long())
+        return Output(itm, {"itm": itm})
+
+    def forward(self, pixels, input_ids, attention_mask, has_image, has_text, ids, weights=None):
+        enc = self.encode(pixels, input_ids, attention_mask, has_image, has_text)
+        itc = self.contrastive_loss(enc.image_embeds, enc.text_embeds, has_image, has_text, ids, weights)
+        other = self.objectives(enc, input_ids, attention_mask, has_image, has_text, ids)
+        return Output(itc + other.loss, {"itc": itc, **other.losses})
+
+
+def make_inputs(n: int, seed: int = 0) -> ModelInputs:
+    g = torch.Generator().manual_seed(seed)
+    mask = (torch.rand(n, 6, generator=g) > 0.3).long()
+    mask[:, 0] = 1
+    return ModelInputs(
+        pixels=torch.randn(n, 3, 4, 4, generator=g), input_ids=torch.randint(0, 30, (n, 6), generator=g),
+        attention_mask=mask, has_image=torch.ones(n, dtype=torch.bool),
+        has_text=torch.rand(n, generator=g) > 0.2, ids=torch.arange(n),
+    )
+
+
+def split(m: ModelInputs, parts: int) -> list[ModelInputs]:
+    size = m.ids.shape[0] // parts
+    return [
+        ModelInputs(*(getattr(m, f)[i * size : (i + 1) * size] for f in ("pixels", "input_ids", "attention_mask",
+                      "has_image", "has_text", "ids")))
+        for i in range(parts)
+    ]
+
+
+def grads(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def rel_err(a: dict, b: dict) -> float:
+    num = sum(float((a[k] - b[k]).pow(2).sum()) for k in a) ** 0.5
+    den = sum(float(b[k].pow(2).sum()) for k in b) ** 0.5
+    return num / den
+
+
+no_autocast = contextlib.nullcontext
+
+
+def big_batch_grads(model: StandIn, inputs: ModelInputs) -> tuple[dict, torch.Tensor]:
+    """The reference: contrastive loss over the whole batch + mean ITM, one backward."""
+    model.zero_grad()
+    out = model(*inputs.encoder_args(), inputs.ids)
+    out.loss.backward()
+    return grads(model), out.loss.detach()
+
+
+@pytest.mark.parametrize("parts", [2, 4])
+def test_gradcache_equals_one_big_batch(parts):
+    torch.manual_seed(0)
+    model = StandIn()
+    inputs = make_inputs(16)
+    ref, ref_loss = big_batch_grads(model, inputs)
+
+    model.zero_grad()
+    # equal-size micro-batches: the mean of their ITM losses is the big batch's mean
+    res = gradcache_backward(Dispatch(model), split(inputs, parts), no_autocast, backward=lambda l: l.backward())
+    assert rel_err(grads(model), ref) <= 1e-5
+    assert model.logit_scale.grad is not None
+    assert abs(res.loss.item() - ref_loss.item()) <= 1e-5
+
+
+def test_gradcache_replays_dropout():
+    """With one micro-batch and dropout on, both passes must draw the same masks: the gradient
+    equals a plain forward/backward from the same RNG state."""
+    model = StandIn(dropout=0.5)
+    inputs = make_inputs(8)
+    torch.manual_seed(123)
+    ref, _ = big_batch_grads(model, inputs)
+    after_ref = torch.rand(1)
+
+    model.zero_grad()
+    torch.manual_seed(123)
+    gradcache_backward(Dispatch(model), [inputs], no_autocast, backward=lambda l: l.backward())
+    assert rel_err(grads(model), ref) <= 1e-6
+    assert torch.equal(torch.rand(1), after_ref)  # the RNG stream continues as after one pass
+
+
+def test_plain_accumulation_is_mean_of_micro_batch_gradients():
+    torch.manual_seed(0)
+    model = StandIn()
+    inputs = make_inputs(16)
+    micro = split(inputs, 2)
+    expected = None
+    for m in micro:
+        model.zero_grad()
+        (model(*m.encoder_args(), m.ids).loss / 2).backward()
+        g = grads(model)
+        expected = g if expected is None else {k: expected[k] + g[k] for k in g}
+
+    model.zero_grad()
+    res = plain_backward(Dispatch(model), micro, no_autocast, backward=lambda l: l.backward())
+    assert rel_err(grads(model), expected) <= 1e-6
+    assert set(res.losses) == {"itc", "itm"}
+
+
+def test_nan_loss_scale_poisons_the_step():
+    model = StandIn()
+    res = plain_backward(Dispatch(model), [make_inputs(4)], no_autocast, backward=lambda l: l.backward(),
+                         loss_scale=float("nan"))
+    assert torch.isnan(res.loss)

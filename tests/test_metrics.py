@@ -1,0 +1,45 @@
+"""Metric sinks: metrics.jsonl, TensorBoard events, curves.png, throughput figures."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import torch
+
+from vltrain.metrics import MetricsLogger, Throughput, measure_cpu_peak, peak_memory_bytes, plot_curves
+
+
+def test_logger_writes_jsonl_tensorboard_and_plot(tmp_path):
+    log = MetricsLogger(tmp_path, enabled=True, total_steps=3, progress=True)
+    for step in (1, 2, 3):
+        log.log(step, {"loss": 3.0 - step, "loss/itc": 1.0, "lr": 0.1 * step, "samples_per_s": 10.0})
+    log.close()
+    rows = [json.loads(l) for l in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3] and rows[0]["loss"] == 2.0
+    assert any(p.name.startswith("events.out.tfevents") for p in (tmp_path / "tb").iterdir())
+    (tmp_path / "eval.json").write_text(json.dumps([{"step": 3, "t2i_r1": 0.5, "i2t_r1": 0.4}]))
+    out = plot_curves(tmp_path)
+    assert out is not None and out.stat().st_size > 1000
+
+
+def test_disabled_logger_writes_nothing(tmp_path):
+    log = MetricsLogger(tmp_path / "r", enabled=False, total_steps=3)
+    log.log(1, {"loss": 1.0})
+    log.close()
+    assert not (tmp_path / "r").exists()
+
+
+def test_throughput_and_mfu():
+    t = Throughput(peak=1e9)
+    t.add(samples=100, data_wait_s=0.0, flops=1e6)
+    time.sleep(0.05)
+    r = t.read()
+    assert 0 < r["samples_per_s"] <= 100 / 0.05
+    assert 0 < r["mfu"] < 1e6 / 0.05 / 1e9 + 1e-9
+    assert r["data_wait"] == 0.0
+
+
+def test_cpu_peak_and_memory_are_positive():
+    assert measure_cpu_peak(torch.float32, n=128, seconds=0.05) > 0
+    assert peak_memory_bytes(torch.device("cpu")) > 0

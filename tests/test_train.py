@@ -1,0 +1,149 @@
+"""The trainer end to end: one process vs torchrun, DDP and FSDP2, guards, gradient caching.
+
+Every run here is tiny (32 x 32 shapes, the tiny-clip preset, a few hundred rows) so that
+real multi-process runs take seconds on two cores.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from vltrain.metrics import read_jsonl
+
+STEPS = 20
+
+
+@pytest.fixture(scope="module")
+def shapes(tmp_path_factory) -> Path:
+    from vltrain.data.synth import synthesize
+    from vltrain.data.text import source_texts, train_tokenizer
+
+    root = tmp_path_factory.mktemp("shapes")
+    synthesize(root, 256, 64, text_only_fraction=0.2, seed=0, image_size=32)
+    train_tokenizer(source_texts([str(root / "train.jsonl")]), root / "tokenizer.json", vocab_size=256)
+    return root
+
+
+def overrides(shapes: Path, run_dir: Path, **extra) -> list[str]:
+    base = {
+        "run.dir": run_dir,
+        "data.train": shapes / "train.jsonl",
+        "data.val": shapes / "val.jsonl",
+        "data.tokenizer": shapes / "tokenizer.json",
+        "data.image_size": 32,
+        "data.max_text_length": 24,
+        "data.num_workers": 0,
+        "data.batch_size": 8,
+        "model.preset": "tiny-clip",
+        "train.max_steps": STEPS,
+        "train.warmup_steps": 5,
+        "train.lr": 1e-3,
+        "train.log_every": 1,
+        "train.threads": 1,
+        "train.precision": "fp32",
+        "train.progress": False,
+        "eval.batch_size": 32,
+    }
+    base.update(extra)
+    return [f"{k}={v}" for k, v in base.items()]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def train(shapes: Path, run_dir: Path, nproc: int = 1, timeout: float = 240, **extra) -> list[dict]:
+    if nproc == 1:
+        cmd = [sys.executable, "-m", "vltrain"]
+    else:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
+               "--master-addr", "127.0.0.1", "--master-port", str(free_port()), "-m", "vltrain"]
+    cmd += ["train", "configs/demo.yaml", *overrides(shapes, run_dir, **extra)]
+    repo = Path(__file__).resolve().parents[1]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=repo)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    return [r for r in read_jsonl(run_dir / "metrics.jsonl") if "loss" in r]
+
+
+def losses(rows: list[dict]) -> list[float]:
+    return [r["loss"] for r in rows]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("parallelism", ["ddp", "fsdp"])
+def test_two_ranks_match_one_process_with_the_global_batch(shapes, tmp_path, parallelism):
+    one = train(shapes, tmp_path / "one", nproc=1, **{"data.batch_size": 16, "eval.every": 0})
+    two = train(shapes, tmp_path / "two", nproc=2, **{"data.batch_size": 8, "train.parallelism": parallelism})
+    assert len(one) == len(two) == STEPS
+    assert [r["samples_seen"] for r in one] == [r["samples_seen"] for r in two]
+    assert losses(one) == pytest.approx(losses(two), abs=1e-5, rel=1e-5)
+    assert losses(one)[-1] < losses(one)[0]
+    # evaluation ran on both ranks and rank 0 wrote it
+    evals = json.loads((tmp_path / "two" / "eval.json").read_text())
+    assert evals[-1]["step"] == STEPS and evals[-1]["num_pairs"] == 64
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_nan_on_one_rank_skips_the_step_on_both(shapes, tmp_path):
+    rows = train(shapes, tmp_path / "nan", nproc=2, **{
+        "train.max_steps": 8, "train.debug_nan_step": 3, "train.debug_nan_rank": 1, "eval.every": 0,
+    })
+    by_step = {r["step"]: r for r in rows}
+    assert by_step[4]["skipped"] is True and by_step[4]["skipped_total"] == 1
+    assert all(not by_step[s]["skipped"] for s in (1, 2, 3, 5, 6, 7, 8))
+    assert len(rows) == 8  # training went on to the end
+    import torch
+    from safetensors.torch import load_file
+
+    weights = load_file(str(tmp_path / "nan" / "weights.safetensors"))
+    assert all(torch.isfinite(v).all() for v in weights.values())
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_nonfinite_steps_in_a_row_stop_with_a_clear_error(shapes, tmp_path):
+    from vltrain.config import load_config
+    from vltrain.guards import NonFiniteError
+    from vltrain.train import Trainer
+
+    cfg = load_config(Path(__file__).resolve().parents[1] / "configs" / "demo.yaml", overrides(
+        shapes, tmp_path / "div", **{"train.lr": 1e9, "train.warmup_steps": 0, "train.grad_clip": 0,
+                                    "train.max_nonfinite_steps": 2, "data.val": ""}))
+    trainer = Trainer(cfg)
+    try:
+        # a loss that is NaN on every step from step 2 on: two in a row stop the run
+        trainer.cfg.train.debug_nan_step = 2
+        trainer.train_step([next(trainer.loader)])
+        trainer.step = 2
+        trainer.train_step([next(trainer.loader)])
+        trainer.cfg.train.debug_nan_step = 3
+        trainer.step = 3
+        with pytest.raises(NonFiniteError, match="2 steps in a row"):
+            trainer.train_step([next(trainer.loader)])
+    finally:
+        trainer.close()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("nproc,parallelism", [(1, "ddp"), (2, "ddp"), (2, "fsdp")])
+def test_gradcache_accumulation_matches_the_big_batch(shapes, tmp_path, nproc, parallelism):
+    """Cached micro-batches (two per rank) train like one batch of 16 in one process: same loss
+    curve (fp32), because the contrastive loss of every step sees all 16 rows."""
+    common = {"train.max_steps": 6, "eval.every": 0, "data.val": ""}
+    big = train(shapes, tmp_path / "big", **{"data.batch_size": 16, **common})
+    cached = train(shapes, tmp_path / "gc", nproc=nproc, **{
+        "data.batch_size": 8 // nproc, "train.accumulation": 2, "train.contrastive_accumulation": "gradcache",
+        "train.parallelism": parallelism, **common,
+    })
+    assert losses(big) == pytest.approx(losses(cached), abs=1e-5, rel=1e-5)
