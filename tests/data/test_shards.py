@@ -33,6 +33,7 @@ def test_written_shards_read_back_row_for_row(tmp_path):
     assert [p.name for p in written] == ["00000.tar", "00001.tar", "00002.tar"] and not skipped
     shards = ShardSource(str(tmp_path / "shards" / "{00000..00002}.tar"))
     assert len(shards) == len(manifest)
+    assert ShardSource(str(tmp_path / "shards" / "*.tar")).paths == shards.paths
     for i in range(len(manifest)):
         a, b = manifest.row(i), shards.row(i)
         assert (a.key, a.text) == (b.key, b.text)

@@ -10,6 +10,7 @@ sample ``i`` is then one seek and one read.
 from __future__ import annotations
 
 import argparse
+import glob
 import hashlib
 import io
 import json
@@ -37,7 +38,7 @@ class ShardSource(Source):
 
     def __init__(self, pattern: str, cache_dir: str | os.PathLike | None = None):
         self.name = pattern
-        self.paths = [Path(p) for p in expand_braces(pattern)]
+        self.paths = [Path(p) for p in shard_paths(pattern)]
         missing = [str(p) for p in self.paths if not p.is_file()]
         if missing:
             shown = ", ".join(missing[:3]) + (f" and {len(missing) - 3} more" if len(missing) > 3 else "")
@@ -87,6 +88,15 @@ class ShardSource(Source):
 
     def has_image(self) -> np.ndarray:
         return np.fromiter((im is not None for im in self._images), dtype=bool, count=len(self))
+
+
+def shard_paths(pattern: str) -> list[str]:
+    """Brace ranges and lists ('{00000..00009}', '{a,b}') expanded; globs ('*.tar') sorted."""
+    out = []
+    for p in expand_braces(pattern):
+        matches = sorted(glob.glob(p)) if glob.has_magic(p) else []
+        out.extend(matches or [p])  # a pattern matching nothing stays, to be reported missing
+    return out
 
 
 # -- the per-shard index --------------------------------------------------------------------------
