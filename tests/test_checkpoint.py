@@ -146,6 +146,20 @@ def test_layout_latest_keep_and_partial(tmp_path):
     assert not (folder / ".tmp-step-5").exists()
 
 
+def test_resumed_from_an_older_checkpoint_latest_follows_the_new_line(tmp_path):
+    job = Job(tmp_path, CheckpointConfig(every=1, keep=3))
+    for s in range(1, 6):
+        job.step()
+        job.ckpt.maybe_save(s)
+    folder = tmp_path / "checkpoints"
+    again = Job(tmp_path, CheckpointConfig(every=1, keep=1))
+    assert again.ckpt.resume(str(folder / "step-3")).step == 3
+    again.step()
+    again.ckpt.maybe_save(4)  # writes over the abandoned step-4; step-5 is newer but not its line
+    assert latest_checkpoint(folder).name == "step-4"
+    assert sorted(p.name for p in folder.iterdir()) == ["latest", "step-4", "step-5"]
+
+
 def test_resume_settings(tmp_path):
     job = Job(tmp_path / "run", CheckpointConfig())
     assert job.ckpt.resume("auto") is None

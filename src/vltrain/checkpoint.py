@@ -449,14 +449,17 @@ class Checkpointer:
             os.rename(tmp, final)
             _fsync_dir(self.folder)
             _write_atomic(self.folder / LATEST_FILE, final.name + "\n")
-            self._prune()
+            self._prune(final)
         self._barrier()
 
-    def _prune(self) -> None:
+    def _prune(self, current: Path) -> None:
+        """Keep the newest ``keep`` and always ``current`` (a run resumed from an older checkpoint
+        of its own folder writes below steps it abandoned; ``latest`` names its own line)."""
         if self.cfg.keep <= 0:
             return
         for old in complete_checkpoints(self.folder)[:-self.cfg.keep]:
-            shutil.rmtree(old, ignore_errors=True)
+            if old != current:
+                shutil.rmtree(old, ignore_errors=True)
 
     def _remove_partial(self) -> None:
         """Temporary folders are what a crash in the middle of a save leaves; none is being written now."""
