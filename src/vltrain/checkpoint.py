@@ -521,7 +521,10 @@ class Checkpointer:
             st.load_state_dict(join_tensors(saved[name], targets))
         exact = state["world_size"] == self.world_size
         if exact:
-            rank_file = json.loads((path / f"rank-{self.rank}.json").read_text())
+            try:
+                rank_file = json.loads((path / f"rank-{self.rank}.json").read_text())
+            except (OSError, ValueError) as e:
+                raise UserError(f"cannot read rank {self.rank}'s state in checkpoint {path}: {e}") from None
             for name, st in self.rank_states.items():
                 if name not in rank_file:
                     raise UserError(f"checkpoint {path} has no per-rank {name!r} state")
