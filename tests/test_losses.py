@@ -145,27 +145,45 @@ def _global_batch():
     )
 
 
-def _equivalence_worker(rank, world, loss):
-    model = small_model(**loss)
-    out = model(**rows(_global_batch(), slice(4 * rank, 4 * rank + 4)))
-    out.loss.backward()
-    g = grads(model)
-    for v in g.values():  # what DDP does: average over ranks
-        dist.all_reduce(v)
-        v /= world
-    value = out.loss.detach().clone()
-    dist.all_reduce(value)
-    return value / world, g
+LOSSES = {
+    "itc": (dict(itc=1.0, siglip=0.0), 4),
+    "siglip": (dict(itc=0.0, siglip=1.0), 4),
+    "itc-unequal-local-batches": (dict(itc=1.0, siglip=0.0), 3),  # dynamic batching: 3 rows + 5 rows
+    "siglip-unequal-local-batches": (dict(itc=0.0, siglip=1.0), 3),
+}
+
+
+def _equivalence_worker(rank, world):
+    results = {}
+    for name, (loss, split) in LOSSES.items():
+        model = small_model(**loss)
+        out = model(**rows(_global_batch(), slice(0, split) if rank == 0 else slice(split, 8)))
+        out.loss.backward()
+        g = grads(model)
+        for v in g.values():  # what DDP does: average over ranks
+            dist.all_reduce(v)
+            v /= world
+        value = out.loss.detach().clone()
+        dist.all_reduce(value)
+        results[name] = (value / world, g)
+    return results
+
+
+@pytest.fixture(scope="module")
+def two_rank_results():
+    """One 2-process run for every objective (process start-up dominates the cost)."""
+    return run_world(_equivalence_worker, timeout=90)
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("loss", [dict(itc=1.0, siglip=0.0), dict(itc=0.0, siglip=1.0)], ids=["itc", "siglip"])
-def test_two_ranks_equal_one_process_with_the_global_batch(loss):
-    model = small_model(**loss)
+@pytest.mark.parametrize("objective", LOSSES)
+def test_two_ranks_equal_one_process_with_the_global_batch(objective, two_rank_results):
+    model = small_model(**LOSSES[objective][0])
     out = model(**_global_batch())
     out.loss.backward()
     expected = grads(model)
-    for value, g in run_world(_equivalence_worker, (loss,), timeout=90):
+    for per_rank in two_rank_results:
+        value, g = per_rank[objective]
         torch.testing.assert_close(value, out.loss.detach(), rtol=1e-5, atol=0)
         assert max_relative_error(g, expected) <= 1e-5

@@ -59,3 +59,13 @@ def tiny_tokenizer(folder: Path, kind: str = "wordpiece") -> Tokenizer:
 
 def caption(i: int, n_words: int = 4) -> str:
     return " ".join(WORDS[(i * 7 + k * 3) % len(WORDS)] for k in range(n_words)) + f" {i}"
+
+
+def run_cli(capsys, *args: str) -> tuple[int, str, str]:
+    """``vltrain ARGS`` in this process (the cwd is the caller's); exit code, stdout, stderr."""
+    from vltrain.cli import main
+
+    capsys.readouterr()
+    code = main([str(a) for a in args])
+    out, err = capsys.readouterr()
+    return code, out, err

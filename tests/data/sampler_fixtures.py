@@ -21,7 +21,6 @@ from vltrain.data.synth import describe, sample_scene, synthesize
 from vltrain.data.table import SampleTable
 from vltrain.data.text import load_tokenizer, source_texts, train_tokenizer
 
-
 def table(text_len, has_image=None, has_text=None, source=None) -> SampleTable:
     text_len = np.asarray(text_len, dtype=np.int32)
     n = len(text_len)
@@ -32,7 +31,6 @@ def table(text_len, has_image=None, has_text=None, source=None) -> SampleTable:
         source=np.zeros(n, np.int16) if source is None else np.asarray(source, np.int16),
     )
 
-
 def shapes_lengths(n: int, seed: int = 0) -> np.ndarray:
     """Token counts of synthetic shapes captions: words and commas plus two special tokens."""
     out = []
@@ -42,10 +40,8 @@ def shapes_lengths(n: int, seed: int = 0) -> np.ndarray:
         out.append(len(text.split()) + text.count(",") + 2)
     return np.asarray(out, dtype=np.int32)
 
-
 def uid(i: int) -> int:
     return stable_uid(f"row-{i}")
-
 
 class TableDataset(torch.utils.data.Dataset):
     """``ds[i]`` is a sample shaped by the table's row ``i``: text of ``text_len`` tokens, an image or not."""
@@ -70,7 +66,6 @@ class TableDataset(torch.utils.data.Dataset):
             "noise": float(torch.rand(())),
             "source": int(self.t.source[i]),
         }
-
 
 def collate(samples: list[dict], image_size: int = 4) -> Batch:
     """Pads text to the longest row rounded up to a multiple of 8, as the real collator does."""
@@ -97,49 +92,11 @@ def collate(samples: list[dict], image_size: int = 4) -> Batch:
         source=torch.tensor([s["source"] for s in samples], dtype=torch.long),
     )
 
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def run_ranks(fn, world_size: int, *args, timeout: float = 120.0) -> None:
-    """Run ``fn(rank, world_size, port, *args)`` in real processes joined by gloo; kill them past ``timeout``."""
-    import time
-
-    import torch.multiprocessing as mp
-
-    ctx = mp.start_processes(_rank_main, args=(fn, world_size, free_port(), args), nprocs=world_size,
-                             join=False, start_method="spawn")
-    deadline = time.monotonic() + timeout
-    try:
-        while not ctx.join(timeout=max(0.1, min(1.0, deadline - time.monotonic()))):
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"ranks still running after {timeout}s (a hang)")
-    finally:
-        for p in ctx.processes:
-            if p.is_alive():
-                p.kill()
-
-
-def _rank_main(rank: int, fn, world_size: int, port: int, args) -> None:
+def fork_workers() -> None:
+    """Ranks started by torchrun fork their DataLoader workers; spawned test ranks do the same."""
     import multiprocessing
 
-    import torch.distributed as dist
-
-    # Ranks started by torchrun fork their DataLoader workers; do the same here.
     multiprocessing.set_start_method("fork", force=True)
-
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
-    try:
-        fn(rank, world_size, *args)
-    finally:
-        dist.destroy_process_group()
-
 
 def synth_files(folder: Path, num: int, *, text_only_fraction: float = 0.0, shards: bool = False,
                 **cfg) -> tuple[DataConfig, set[int]]:
@@ -157,12 +114,10 @@ def synth_files(folder: Path, num: int, *, text_only_fraction: float = 0.0, shar
     uids = {stable_uid(str(json.loads(line)["id"])) for line in open(manifest)}
     return data_cfg, uids
 
-
 def open_data(data_cfg: DataConfig) -> tuple[ImageTextDataset, Collator]:
     tok = load_tokenizer(data_cfg.tokenizer)
     ds = build_dataset(data_cfg, "train", tok)
     return ds, Collator(tok.pad_id, data_cfg.max_text_length, data_cfg.image_size)
-
 
 def _pattern(folder: Path) -> str:
     tars = sorted(p.stem for p in folder.glob("*.tar"))

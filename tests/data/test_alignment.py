@@ -49,7 +49,7 @@ def write_source(folder: Path, fmt: str, rows: list[dict]) -> tuple[str, dict[in
             # Distinct pixels per row, so a hash tells rows apart (PNG: exactly, JPEG: nearly).
             path = save(distinct_image(i, r["size"]), folder / "img" / f"{i}.{r['ext']}")
             entry["image"] = f"img/{path.name}"
-            want["pixels"] = hashlib.sha256(decode_image(path.read_bytes(), IMAGE_SIZE).tobytes()).hexdigest()
+            want["pixels"] = hashlib.sha256(decode_image(path.read_bytes(), IMAGE_SIZE).numpy().tobytes()).hexdigest()
             want["red"] = i % 251 if r["ext"] == "png" else None
         manifest.append(entry)
         expected[stable_uid(rid)] = want

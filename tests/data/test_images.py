@@ -2,9 +2,10 @@ import io
 
 import numpy as np
 import pytest
+import torch
 from PIL import Image
 
-from vltrain.data.images import ImageError, decode_image, resize_image
+from vltrain.data.images import ImageError, decode_image, load_rgb, resize_pixels
 
 
 def encode(im: Image.Image, fmt: str = "PNG", **kw) -> bytes:
@@ -15,7 +16,7 @@ def encode(im: Image.Image, fmt: str = "PNG", **kw) -> bytes:
 
 def test_output_is_uint8_chw_of_the_configured_size():
     out = decode_image(encode(Image.new("RGB", (40, 30), (10, 20, 30))), 16)
-    assert out.dtype == np.uint8 and out.shape == (3, 16, 16) and out.flags.writeable
+    assert out.dtype == torch.uint8 and out.shape == (3, 16, 16) and out.is_contiguous()
     assert out[:, 8, 8].tolist() == [10, 20, 30]
 
 
@@ -87,30 +88,34 @@ def test_crop_keeps_the_center_and_squash_keeps_everything():
     assert squash[:, 4, 8].tolist() == [0, 0, 255]
 
 
-def test_big_jpeg_is_decoded_at_reduced_scale(monkeypatch):
-    im = Image.new("RGB", (2000, 1600), (90, 140, 200))
-    data = encode(im, "JPEG", quality=90)
-    sizes = []
-    real_resize = Image.Image.resize
-
-    def spy(self, size, *a, **kw):
-        sizes.append(self.size)
-        return real_resize(self, size, *a, **kw)
-
-    monkeypatch.setattr(Image.Image, "resize", spy)
+def test_big_jpeg_is_decoded_at_reduced_scale():
+    data = encode(Image.new("RGB", (2000, 1600), (90, 140, 200)), "JPEG", quality=90)
+    assert load_rgb(data, 64).size == (250, 200)  # libjpeg's 1/8 scale, not 2000x1600
+    assert load_rgb(data, 64, "squash").size == (250, 200)
+    assert load_rgb(data, 300).size == (500, 400)  # 1/4: the shorter side stays >= 300
+    assert load_rgb(data, 900).size == (2000, 1600)
+    assert load_rgb(data, 900, draft_ratio=0.8).size == (1000, 800)  # 800 >= 0.8 * 900: upsampled
     out = decode_image(data, 64)
     assert out.shape == (3, 64, 64)
-    assert sizes == [(250, 200)]  # libjpeg's 1/8 scale, not 2000x1600
     assert abs(out[0, 32, 32].item() - 90) <= 3
+
+
+def test_resize_matches_pillow_bicubic():
+    rng = np.random.default_rng(0)
+    im = Image.fromarray(rng.integers(0, 255, (60, 90, 3), dtype=np.uint8)).resize((300, 200))
+    ours = decode_image(encode(im), 48)
+    pillow = im.crop((50, 0, 250, 200)).resize((48, 48), Image.Resampling.BICUBIC)
+    diff = (ours.permute(1, 2, 0).int() - torch.from_numpy(np.array(pillow)).int()).abs()
+    assert diff.max() <= 3 and diff.float().mean() < 0.5
 
 
 def test_small_images_are_upscaled():
     assert decode_image(encode(Image.new("RGB", (4, 6), (1, 2, 3))), 32).shape == (3, 32, 32)
 
 
-def test_resize_is_a_no_op_at_the_right_size():
-    im = Image.new("RGB", (16, 16))
-    assert resize_image(im, 16) is im
+def test_resize_is_a_copy_at_the_right_size():
+    hwc = torch.randint(0, 255, (16, 16, 3), dtype=torch.uint8)
+    assert torch.equal(resize_pixels(hwc, 16), hwc.permute(2, 0, 1))
 
 
 @pytest.mark.parametrize(

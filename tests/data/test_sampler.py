@@ -115,3 +115,12 @@ def test_mixing_rejects_bad_weights():
         samplers(t, 1, source_weights=[1.0])
     with pytest.raises(UserError, match="positive sum"):
         samplers(t, 1, source_weights=[0.0, 0.0])
+
+
+def test_budget_batches_change_composition_between_epochs():
+    # Fewer rows than one sorting window: a plain length sort would give the same batches every epoch.
+    (s,) = samplers(table(shapes_lengths(60)), 1, batching="budget", batch_size=8, token_budget=8 * 40)
+    first = {tuple(sorted(b)) for b in s}
+    s.set_epoch(1)
+    second = {tuple(sorted(b)) for b in s}
+    assert len(first & second) < len(first) / 2

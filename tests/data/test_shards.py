@@ -4,7 +4,7 @@ import os
 import tarfile
 
 import pytest
-from datafiles import distinct_image, save, write_jsonl
+from datafiles import distinct_image, run_cli, save, write_jsonl
 
 from vltrain.data.shards import ShardSource, build_index, index_path, load_index, write_shards
 from vltrain.data.sources import ManifestSource
@@ -33,6 +33,7 @@ def test_written_shards_read_back_row_for_row(tmp_path):
     assert [p.name for p in written] == ["00000.tar", "00001.tar", "00002.tar"] and not skipped
     shards = ShardSource(str(tmp_path / "shards" / "{00000..00002}.tar"))
     assert len(shards) == len(manifest)
+    assert ShardSource(str(tmp_path / "shards" / "*.tar")).paths == shards.paths
     for i in range(len(manifest)):
         a, b = manifest.row(i), shards.row(i)
         assert (a.key, a.text) == (b.key, b.text)
@@ -121,19 +122,28 @@ def test_missing_and_broken_shards_are_clear_errors(tmp_path):
         ShardSource(str(tmp_path / "00000.tar"))
 
 
-def test_shard_cli_and_validate_on_the_pattern(tmp_path, cli):
+def test_shard_cli_and_validate_on_the_pattern(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
     make_manifest(tmp_path, n=5)
-    r = cli("data", "shard", "m.jsonl", "--out", "shards", "--shard-size", "2")
-    assert r.returncode == 0, r.stderr
-    assert "shards/{00000..00002}.tar" in r.stdout
-    r = cli("data", "validate", "shards/{00000..00002}.tar")
-    assert r.returncode == 0, r.stdout + r.stderr
-    assert "5 rows" in r.stdout
+    r = run_cli(capsys, "data", "shard", "m.jsonl", "--out", "shards", "--shard-size", "2")
+    assert r[0] == 0, r[2]
+    assert "shards/{00000..00002}.tar" in r[1]
+    r = run_cli(capsys, "data", "validate", "shards/{00000..00002}.tar")
+    assert r[0] == 0, r[1] + r[2]
+    assert "5 rows" in r[1]
 
 
-def test_shard_cli_skips_unreadable_rows_and_says_so(tmp_path, cli):
+def test_shard_cli_skips_unreadable_rows_and_says_so(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
     write_jsonl(tmp_path / "m.jsonl", [{"image": "gone.png", "text": "x"}, {"text": "kept"}, "{bad"])
-    r = cli("data", "shard", "m.jsonl", "--out", "shards")
-    assert r.returncode == 1
-    assert "wrote 1 samples" in r.stdout
-    assert "m.jsonl:1" in r.stderr and "m.jsonl:3" in r.stderr
+    r = run_cli(capsys, "data", "shard", "m.jsonl", "--out", "shards")
+    assert r[0] == 1
+    assert "wrote 1 samples" in r[1]
+    assert "m.jsonl:1" in r[2] and "m.jsonl:3" in r[2]
+
+
+def test_validate_a_shard_pattern_as_a_command(tmp_path, cli):
+    write_shards(ManifestSource(make_manifest(tmp_path, n=3)), tmp_path / "shards", shard_size=2)
+    r = cli("data", "validate", "shards/{00000..00001}.tar")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "3 rows (2 image-text, 1 text-only, 0 image-only); 0 error(s)" in r.stdout

@@ -1,7 +1,7 @@
 import json
 
 import pytest
-from datafiles import tiny_tokenizer, write_jsonl
+from datafiles import run_cli, tiny_tokenizer, write_jsonl
 
 from vltrain.data.text import load_tokenizer
 from vltrain.errors import UserError
@@ -68,13 +68,21 @@ def test_foreign_tokenizer_special_ids_are_found_by_name(tmp_path):
     (tmp_path / "foreign.json").write_text(json.dumps(spec))
     other = load_tokenizer(str(tmp_path / "foreign.json"))
     assert (other.pad_id, other.cls_id, other.eos_id, other.mask_id) == (0, 2, 3, 4)
+    spec["padding"] = {"strategy": "BatchLongest", "direction": "Right", "pad_to_multiple_of": None,
+                       "pad_id": 1, "pad_type_id": 0, "pad_token": "[UNK]"}
+    (tmp_path / "padded.json").write_text(json.dumps(spec))
+    padded = load_tokenizer(str(tmp_path / "padded.json"))
+    assert padded.pad_id == 1
+    short, long = padded.encode_batch(["red", "red circle left"], 64)
+    assert len(short) < len(long)  # the file's padding is not applied: the collator pads
 
 
-def test_tokenizer_train_cli(tmp_path, cli):
+def test_tokenizer_train_cli(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
     write_jsonl(tmp_path / "m.jsonl", [{"text": f"a red circle number {i}"} for i in range(50)])
-    r = cli("tokenizer", "train", "m.jsonl", "--out", "tok.json", "--vocab-size", "300", "--kind", "wordpiece")
-    assert r.returncode == 0, r.stderr
+    r = run_cli(capsys, "tokenizer", "train", "m.jsonl", "--out", "tok.json", "--vocab-size", "300", "--kind", "wordpiece")
+    assert r[0] == 0, r[2]
     tok = load_tokenizer(str(tmp_path / "tok.json"))
     assert tok.mask_id == 4 and tok.vocab_size <= 300
-    r = cli("tokenizer", "train", "missing.jsonl", "--out", "t.json")
-    assert r.returncode != 0 and "manifest not found" in r.stderr and "Traceback" not in r.stderr
+    r = run_cli(capsys, "tokenizer", "train", "missing.jsonl", "--out", "t.json")
+    assert r[0] != 0 and "manifest not found" in r[2] and "Traceback" not in r[2]

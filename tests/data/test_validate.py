@@ -1,7 +1,7 @@
 import json
 
 import pytest
-from datafiles import distinct_image, save, tiny_tokenizer, write_jsonl
+from datafiles import distinct_image, run_cli, save, tiny_tokenizer, write_jsonl
 
 from vltrain.data.validate import validate
 
@@ -35,11 +35,12 @@ def broken_manifest(tmp_path):
     )
 
 
-def test_clean_manifest_exits_zero(tmp_path, cli):
+def test_clean_manifest_exits_zero(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
     clean_manifest(tmp_path)
-    r = cli("data", "validate", "clean.jsonl")
-    assert r.returncode == 0, r.stdout + r.stderr
-    assert "clean.jsonl: 6 rows (4 image-text, 2 text-only, 0 image-only); 0 error(s)" in r.stdout
+    r = run_cli(capsys, "data", "validate", "clean.jsonl")
+    assert r[0] == 0, r[1] + r[2]
+    assert "clean.jsonl: 6 rows (4 image-text, 2 text-only, 0 image-only); 0 error(s)" in r[1]
 
 
 def test_problems_are_listed_with_file_line_and_reason(tmp_path):
@@ -55,23 +56,25 @@ def test_problems_are_listed_with_file_line_and_reason(tmp_path):
     assert (s.rows, s.errors, s.warnings) == (5, 5, 1)
 
 
-def test_problems_exit_one_and_json_report(tmp_path, cli):
+def test_problems_exit_one_and_json_report(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
     broken_manifest(tmp_path)
-    r = cli("data", "validate", "broken.jsonl", "--max-problems", "2")
-    assert r.returncode == 1
-    assert "broken.jsonl:2" in r.stdout and "and 4 more" in r.stdout and "5 problem(s) found" in r.stdout
-    r = cli("data", "validate", "broken.jsonl", "--json")
-    assert r.returncode == 1
-    report = json.loads(r.stdout)
+    r = run_cli(capsys, "data", "validate", "broken.jsonl", "--max-problems", "2")
+    assert r[0] == 1
+    assert "broken.jsonl:2" in r[1] and "and 4 more" in r[1] and "5 problem(s) found" in r[1]
+    r = run_cli(capsys, "data", "validate", "broken.jsonl", "--json")
+    assert r[0] == 1
+    report = json.loads(r[1])
     assert report["ok"] is False and report["sources"][0]["errors"] == 5
     assert {"where", "reason", "level"} <= set(report["sources"][0]["problems"][0])
 
 
 @pytest.mark.parametrize("arg", ["missing.jsonl", "table.parquet", "shards/{00000..00003}.tar"])
-def test_usage_errors_exit_two(tmp_path, cli, arg):
+def test_usage_errors_exit_two(tmp_path, capsys, monkeypatch, arg):
+    monkeypatch.chdir(tmp_path)
     (tmp_path / "table.parquet").write_bytes(b"x")
-    r = cli("data", "validate", arg)
-    assert r.returncode == 2 and "vltrain: error:" in r.stderr and "Traceback" not in r.stderr
+    r = run_cli(capsys, "data", "validate", arg)
+    assert r[0] == 2 and "vltrain: error:" in r[2] and "Traceback" not in r[2]
 
 
 def test_workers_find_the_same_problems(tmp_path):
@@ -84,14 +87,15 @@ def test_workers_find_the_same_problems(tmp_path):
     assert one.errors == 6
 
 
-def test_stats(tmp_path, cli):
+def test_stats(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
     clean_manifest(tmp_path)
     tiny_tokenizer(tmp_path).save(tmp_path / "tok.json")
-    r = cli("data", "stats", "clean.jsonl", "--json", "--tokenizer", "tok.json")
-    assert r.returncode == 0, r.stderr
-    s = json.loads(r.stdout)
+    r = run_cli(capsys, "data", "stats", "clean.jsonl", "--json", "--tokenizer", "tok.json")
+    assert r[0] == 0, r[2]
+    s = json.loads(r[1])
     assert (s["rows"], s["image_text"], s["text_only"], s["image_only"]) == (6, 4, 2, 0)
     assert s["caption_length"]["unit"] == "tokens" and s["caption_length"]["max"] >= 4
     assert s["images_measured"] == 4 and s["image_width"]["max"] == 17 and s["image_height"]["p50"] == 10
-    r = cli("data", "stats", "clean.jsonl")
-    assert r.returncode == 0 and "caption (words)" in r.stdout and "image-text" in r.stdout
+    r = run_cli(capsys, "data", "stats", "clean.jsonl")
+    assert r[0] == 0 and "caption (words)" in r[1] and "image-text" in r[1]

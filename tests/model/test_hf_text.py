@@ -10,7 +10,7 @@ transformers = pytest.importorskip("transformers")
 from tokenizers import Tokenizer, models, pre_tokenizers  # noqa: E402
 
 from vltrain.errors import UserError  # noqa: E402
-from vltrain.model import build_model  # noqa: E402
+from vltrain.model import build_model, hf_tokenizer_file  # noqa: E402
 from vltrain.model.config import LossConfig, ModelConfig, TextConfig  # noqa: E402
 
 WORDS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "a", "red", "blue", "small", "large", "circle", "square"]
@@ -81,3 +81,9 @@ def test_hf_path_errors_are_user_errors(tmp_path, bert_folder):
     with pytest.raises(UserError, match="max_position_embeddings"):
         build_model(ModelConfig(text=TextConfig(hf_path=str(bert_folder))), vocab_size=10, pad_id=0, mask_id=None,
                     image_size=32, max_text_length=64)
+
+
+def test_tokenizer_file_is_the_folders(tmp_path, bert_folder):
+    assert hf_tokenizer_file(bert_folder) == bert_folder / "tokenizer.json"
+    with pytest.raises(UserError, match="tokenizer.json"):
+        hf_tokenizer_file(tmp_path)

@@ -139,10 +139,11 @@ def test_blocks_for_sharding_and_flops():
 
 
 def test_mlm_needs_a_mask_token():
+    from vltrain.errors import UserError
     from vltrain.model import build_model
     from vltrain.model.config import LossConfig, ModelConfig
 
-    with pytest.raises(ValueError, match="mask token"):
+    with pytest.raises(UserError, match="mask token"):
         build_model(ModelConfig(preset="tiny-albef", loss=LossConfig(mlm=1.0)), vocab_size=10, pad_id=0, mask_id=None,
                     image_size=32, max_text_length=8)
 
@@ -173,3 +174,14 @@ def test_itm_negatives_never_share_the_id_across_ranks():
             assert (neg_image[image_used] != ids[image_used]).all()
             seen.update(neg_text[text_used].tolist())
     assert len(seen) > 2  # the negatives do come from several samples, incl. other ranks' ones
+
+
+@pytest.mark.parametrize("model_name", MODELS)
+def test_bf16_autocast(model_name):
+    preset, loss = MODELS[model_name]
+    model = small_model(preset, **loss)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = model(**make_batch(4, has_image=[1, 0, 1, 1], weights=True))
+    out.loss.backward()
+    assert out.loss.dtype == torch.float32 and torch.isfinite(out.loss)
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters())

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import vltrain.model.presets as presets
+from vltrain.errors import UserError
 from vltrain.model import build_model, count_parameters, list_presets
 from vltrain.model.config import LossConfig, ModelConfig
 
@@ -65,9 +66,9 @@ def test_overrides_change_the_architecture():
 
 
 def test_bad_image_size_and_unknown_preset():
-    with pytest.raises(ValueError, match="patch size"):
+    with pytest.raises(UserError, match="patch size"):
         build_model(ModelConfig(preset="tiny-clip"), vocab_size=10, pad_id=0, mask_id=None, image_size=30,
                     max_text_length=8)
-    with pytest.raises(ValueError, match="unknown model preset"):
+    with pytest.raises(UserError, match="unknown preset"):
         build_model(ModelConfig(preset="nope"), vocab_size=10, pad_id=0, mask_id=None, image_size=32,
                     max_text_length=8)

@@ -3,7 +3,7 @@
 A batch costs ``rows x padded width`` text positions, where the width is the longest row rounded
 up to a multiple of 8 (the collator pads that way), and one image slot per row with an image.
 Rows are grouped by modality (image-text, text-only, image-only) so a batch never mixes them,
-and sorted by length inside large shuffled windows ("megabatches", as in LLaVA's
+and sorted by padded width inside large shuffled windows ("megabatches", as in LLaVA's
 modality-length grouping) so a batch holds similar lengths while batch composition still
 changes from epoch to epoch. Packing is pure numpy on the sample table: every rank runs it on
 the same inputs and gets the same schedule, so step counts agree without communication.
@@ -24,6 +24,10 @@ MEGABATCH = 32
 def padded_width(max_len: int, multiple: int = PAD_MULTIPLE) -> int:
     """Text positions per row of a batch whose longest row has ``max_len`` tokens."""
     return max(multiple, -(-int(max_len) // multiple) * multiple)
+
+
+def _widths(text_len: np.ndarray, multiple: int = PAD_MULTIPLE) -> np.ndarray:
+    return np.maximum(multiple, -(-text_len // multiple) * multiple)
 
 
 def batch_tokens(text_len: np.ndarray) -> int:
@@ -89,7 +93,9 @@ def pack(
         rows = order[mods == m]  # keeps the epoch's (shuffled) order inside the modality
         for w in range(0, len(rows), window):
             chunk = rows[w : w + window]
-            chunk = chunk[np.argsort(table.text_len[chunk], kind="stable")]
+            # Sort by padded width, not length: rows of one width cost the same, so their
+            # (shuffled) order is kept and batch composition changes from epoch to epoch.
+            chunk = chunk[np.argsort(_widths(table.text_len[chunk]), kind="stable")]
             batches += _pack_sorted(chunk, table.text_len[chunk], table.has_image[chunk], batch_size,
                                     token_budget, image_budget)
     if rng is not None:
@@ -101,8 +107,9 @@ def split_to_multiple(batches: list[np.ndarray], world_size: int) -> list[np.nda
     """Split the largest batches in two until the count is a multiple of ``world_size``.
 
     Halving a batch keeps both halves within every budget, so this equalizes step counts across
-    ranks without repeating or dropping a sample. Returns fewer than a multiple only when no batch
-    has two rows left to split (an epoch smaller than the world); the caller pads or drops then.
+    ranks without repeating or dropping a sample. Falls short of a multiple only when every batch
+    is down to one row (the epoch has fewer rows than the next multiple of the world size's batch
+    count, e.g. a handful of rows packed one per batch); the caller pads or drops then.
     """
     batches = list(batches)
     while len(batches) % world_size:

@@ -33,7 +33,7 @@ class Collator:
         length = self.text_length(max(len(s.input_ids) for s in samples))
         input_ids = np.full((n, length), self.pad_id, dtype=np.int64)
         attention_mask = np.zeros((n, length), dtype=np.int64)
-        pixel_values = torch.zeros((n, 3, self.image_size, self.image_size), dtype=torch.uint8)
+        pixel_values = torch.empty((n, 3, self.image_size, self.image_size), dtype=torch.uint8)
         has_image = torch.zeros(n, dtype=torch.bool)
         for i, s in enumerate(samples):
             ids = s.input_ids[:length]
@@ -42,6 +42,8 @@ class Collator:
             if s.image is not None:
                 pixel_values[i] = s.image
                 has_image[i] = True
+            else:
+                pixel_values[i] = 0
         return Batch(
             ids=torch.tensor([s.uid for s in samples], dtype=torch.int64),
             pixel_values=pixel_values,

@@ -45,6 +45,10 @@ class DataConfig:
     resize: Literal["crop", "squash"] = "crop"
     mean: list[float] = field(default_factory=lambda: [0.485, 0.456, 0.406])
     std: list[float] = field(default_factory=lambda: [0.229, 0.224, 0.225])
+    jpeg_draft_ratio: float = 1.0
+    """JPEGs may be decoded at 1/2, 1/4 or 1/8 scale down to this fraction of image_size, then
+    upsampled: 1.0 never upsamples (exact); 0.8 decodes a 500x375 photo at 250x188 for 224 (about
+    2x faster to decode, slightly softer)."""
     max_image_pixels: int = 89_478_485
     """Decompression-bomb guard: images with more pixels are rejected as bad samples."""
     tokenizer: str = ""
@@ -89,6 +93,8 @@ class DataConfig:
             raise ConfigError(f"data.max_bad_fraction must be in [0, 1], got {self.max_bad_fraction}")
         if self.num_workers < 0:
             raise ConfigError(f"data.num_workers must be >= 0, got {self.num_workers}")
+        if not 0.1 <= self.jpeg_draft_ratio <= 1.0:
+            raise ConfigError(f"data.jpeg_draft_ratio must be in [0.1, 1], got {self.jpeg_draft_ratio}")
         if self.max_text_length < 2:
             raise ConfigError(f"data.max_text_length must be >= 2, got {self.max_text_length}")
         for key in ("token_budget", "image_budget", "epoch_size"):

@@ -61,6 +61,7 @@ class ImageTextDataset(torch.utils.data.Dataset):
         self.image_size = cfg.image_size
         self.resize = cfg.resize
         self.max_image_pixels = cfg.max_image_pixels
+        self.jpeg_draft_ratio = cfg.jpeg_draft_ratio
         self.max_text_length = cfg.max_text_length
         self.on_error = cfg.on_error
         self.source_names = [s.name for s in sources]
@@ -109,7 +110,7 @@ class ImageTextDataset(torch.utils.data.Dataset):
         image = None
         if row.image is not None:
             data = source.read_image(j)
-            image = torch.from_numpy(decode_image(data, self.image_size, self.resize, self.max_image_pixels))
+            image = decode_image(data, self.image_size, self.resize, self.max_image_pixels, self.jpeg_draft_ratio)
         ids, truncated = [], False
         if row.text is not None:
             ids, truncated = self.tokenizer.encode(row.text, self.max_text_length)

@@ -14,7 +14,7 @@ Budget batching: batches are packed under the token and image budgets (see
 of different sizes. That is deliberate: the contrastive losses gather variable-size batches
 exactly, and forcing equal sizes would waste the budget. Step counts are equalized by splitting
 the largest batches until the count divides by the world size; ``remainder`` only applies when
-an epoch has fewer rows than ranks.
+too few rows are left to split (tiny epochs).
 
 The sampler never counts what it yields: a DataLoader iterates it ahead of the trainer. The
 loader reports consumed batches with :meth:`mark_consumed`, and :meth:`state_dict` holds that

@@ -10,12 +10,16 @@ sample ``i`` is then one seek and one read.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import glob
 import hashlib
 import io
 import json
 import os
+import socket
 import sys
 import tarfile
+import time
 from bisect import bisect_right
 from pathlib import Path
 
@@ -37,7 +41,7 @@ class ShardSource(Source):
 
     def __init__(self, pattern: str, cache_dir: str | os.PathLike | None = None):
         self.name = pattern
-        self.paths = [Path(p) for p in expand_braces(pattern)]
+        self.paths = [Path(p) for p in shard_paths(pattern)]
         missing = [str(p) for p in self.paths if not p.is_file()]
         if missing:
             shown = ", ".join(missing[:3]) + (f" and {len(missing) - 3} more" if len(missing) > 3 else "")
@@ -89,6 +93,15 @@ class ShardSource(Source):
         return np.fromiter((im is not None for im in self._images), dtype=bool, count=len(self))
 
 
+def shard_paths(pattern: str) -> list[str]:
+    """Brace ranges and lists ('{00000..00009}', '{a,b}') expanded; globs ('*.tar') sorted."""
+    out = []
+    for p in expand_braces(pattern):
+        matches = sorted(glob.glob(p)) if glob.has_magic(p) else []
+        out.extend(matches or [p])  # a pattern matching nothing stays, to be reported missing
+    return out
+
+
 # -- the per-shard index --------------------------------------------------------------------------
 
 
@@ -101,27 +114,95 @@ def index_path(shard: Path, cache_dir: str | os.PathLike | None) -> Path:
     return Path(cache_dir or default_cache_dir()) / f"{digest}-{shard.name}.idx.json"
 
 
-def load_index(shard: Path, cache_dir: str | os.PathLike | None = None) -> dict:
-    """The cached index of ``shard``, rebuilt when missing or when the shard changed."""
+BUILDS = 0
+"""Indexes this process built (rather than read); the index race test counts them."""
+LOCK_STALE_S = 600.0
+"""A lock file this old whose builder cannot be checked is taken to be left by a crash."""
+
+
+def load_index(shard: Path, cache_dir: str | os.PathLike | None = None, wait_s: float = 1800.0) -> dict:
+    """The cached index of ``shard``, rebuilt when missing or when the shard changed.
+
+    Many ranks open the same shards at once on a shared file system. One of them takes a lock
+    file (created with O_EXCL, which works on network file systems where flock may not) and
+    builds the index; the others wait for it and read it. A lock left by a process that died is
+    taken over: at once when its owner ran on this host and is gone, else after LOCK_STALE_S.
+    """
+    global BUILDS
     path = index_path(shard, cache_dir)
     st = shard.stat()
+    index = _read_fresh(path, st)
+    if index is not None:
+        return index
+    path.parent.mkdir(parents=True, exist_ok=True)
+    lock = path.with_name(path.name + ".lock")
+    deadline = time.monotonic() + wait_s
+    delay = 0.02
+    while True:
+        try:
+            fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+        except FileExistsError:
+            index = _read_fresh(path, st)
+            if index is not None:
+                return index
+            if _stale(lock):
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(lock)
+                continue
+            if time.monotonic() > deadline:
+                raise DataError(
+                    f"waited {wait_s:.0f}s for another process to index {shard} (lock {lock}); "
+                    "if no vltrain process is running, delete the lock file"
+                ) from None
+            time.sleep(delay)
+            delay = min(delay * 2, 0.5)
+            continue
+        try:
+            os.write(fd, f"{socket.gethostname()} {os.getpid()}".encode())
+            os.close(fd)
+            index = _read_fresh(path, st)  # finished by another process between our read and our lock
+            if index is None:
+                index = build_index(shard)
+                index.update(version=INDEX_VERSION, size=st.st_size, mtime_ns=st.st_mtime_ns)
+                tmp = path.with_name(f"{path.name}.{socket.gethostname()}.{os.getpid()}.tmp")
+                with open(tmp, "w", encoding="utf-8") as f:
+                    json.dump(index, f, ensure_ascii=False, separators=(",", ":"))
+                os.replace(tmp, path)
+                BUILDS += 1
+            return index
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(lock)
+
+
+def _read_fresh(path: Path, st: os.stat_result) -> dict | None:
+    """The index at ``path`` if it exists and describes the shard as it is now."""
     try:
         with open(path, encoding="utf-8") as f:
             index = json.load(f)
-        if (index.get("version"), index.get("size"), index.get("mtime_ns")) == (
-            INDEX_VERSION, st.st_size, st.st_mtime_ns
-        ):
-            return index
     except (OSError, ValueError):
-        pass
-    index = build_index(shard)
-    index.update(version=INDEX_VERSION, size=st.st_size, mtime_ns=st.st_mtime_ns)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")  # ranks may build it at the same time
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(index, f, ensure_ascii=False, separators=(",", ":"))
-    os.replace(tmp, path)
-    return index
+        return None
+    fresh = (index.get("version"), index.get("size"), index.get("mtime_ns")) == (
+        INDEX_VERSION, st.st_size, st.st_mtime_ns
+    )
+    return index if fresh else None
+
+
+def _stale(lock: Path) -> bool:
+    try:
+        owner = lock.read_text().split()
+        age = time.time() - lock.stat().st_mtime
+    except (OSError, ValueError):
+        return False  # just released, or being written: look again
+    if len(owner) == 2 and owner[0] == socket.gethostname() and owner[1].isdigit():
+        try:
+            os.kill(int(owner[1]), 0)
+        except ProcessLookupError:
+            return True
+        except PermissionError:
+            pass
+        return False
+    return age > LOCK_STALE_S
 
 
 def build_index(shard: Path) -> dict:

@@ -31,12 +31,12 @@ class Tokenizer:
     def __init__(self, hf: tokenizers.Tokenizer, path: str = ""):
         self.hf = hf
         self.path = path
-        hf.no_padding()
-        self._max_length: int | None = None
-        hf.no_truncation()
-        self.vocab_size = hf.get_vocab_size(with_added_tokens=True)
-        padding = hf.padding
+        padding = hf.padding  # a file's own padding token wins over a guess by name
         self.pad_id: int = padding["pad_id"] if padding else (self._find(PAD_NAMES) or 0)
+        hf.no_padding()
+        hf.no_truncation()
+        self._max_length: int | None = None
+        self.vocab_size = hf.get_vocab_size(with_added_tokens=True)
         self.mask_id: int | None = self._find(MASK_NAMES)
         self.cls_id: int | None = self._find(CLS_NAMES)
         self.eos_id: int | None = self._find(EOS_NAMES)

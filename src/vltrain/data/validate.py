@@ -15,7 +15,8 @@ from pathlib import Path
 import numpy as np
 
 from vltrain.data.images import DECODE_ERRORS, ImageError, decode_image, open_image
-from vltrain.data.sources import Problem, Source, expand_braces, is_shard_pattern, open_source
+from vltrain.data.shards import shard_paths
+from vltrain.data.sources import Problem, Source, is_shard_pattern, open_source
 from vltrain.errors import DataError, UserError
 
 CHECK_SIZE = 32
@@ -43,7 +44,7 @@ class SourceSummary:
 
 def _open(path: str) -> Source:
     """Open a source; a path that is not there or not a known format is a usage error."""
-    names = expand_braces(path) if is_shard_pattern(path) else [path]
+    names = shard_paths(path) if is_shard_pattern(path) else [path]
     missing = [n for n in names if not Path(n).exists()]
     if missing:
         raise UsageError(f"{path}: not found" + (f" ({len(missing)} of {len(names)} shards)" if len(names) > 1 else ""))

@@ -2,6 +2,7 @@
 
 from vltrain.model.model import Encoded, ITMPairs, ModelOutput, VLModel
 from vltrain.model.presets import PRESETS, Architecture, build_model, count_parameters, list_presets
+from vltrain.model.text import hf_tokenizer_file
 
 __all__ = [
     "Architecture",
@@ -12,5 +13,6 @@ __all__ = [
     "VLModel",
     "build_model",
     "count_parameters",
+    "hf_tokenizer_file",
     "list_presets",
 ]

@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from vltrain.distributed import all_gather_no_grad, all_gather_with_grad, gather_sizes
+from vltrain.errors import UserError
 from vltrain.losses import itc_loss, itm_loss, mask_tokens, mlm_loss, sample_negatives, scale_of, siglip_loss
 from vltrain.model.config import LossConfig
 from vltrain.model.fusion import FusionEncoder
@@ -72,27 +73,30 @@ class ITMPairs:
 
 
 @dataclass
-class Objectives:
+class LossWeights:
     """Effective loss weights: those of ``LossConfig`` the model has heads for."""
 
     weights: dict[str, float] = field(default_factory=dict)
     mlm_probability: float = 0.15
 
     @staticmethod
-    def from_config(loss: LossConfig, has_fusion: bool) -> "Objectives":
+    def from_config(loss: LossConfig, has_fusion: bool) -> "LossWeights":
         w = {"itc": loss.itc, "siglip": loss.siglip}
         if has_fusion:
             w.update(itm=loss.itm, mlm=loss.mlm)
-        return Objectives({k: v for k, v in w.items() if v > 0}, loss.mlm_probability)
+        return LossWeights({k: v for k, v in w.items() if v > 0}, loss.mlm_probability)
 
 
 class VLModel(nn.Module):
+    """Vision and text towers with projections to a shared space, a learnable temperature (and SigLIP
+    bias), and, for fusion models, a fusion encoder with ITM and MLM heads; built by ``build_model``."""
+
     def __init__(
         self,
         vision: nn.Module,
         text: nn.Module,
         embed_dim: int,
-        objectives: Objectives,
+        weights: LossWeights,
         *,
         fusion: FusionEncoder | None = None,
         vocab_size: int,
@@ -106,8 +110,8 @@ class VLModel(nn.Module):
         self.text = text
         self.image_proj = Projection(vision.width, embed_dim)
         self.text_proj = Projection(text.width, embed_dim)
-        self.weights = dict(objectives.weights)
-        self.mlm_probability = objectives.mlm_probability
+        self.weights = dict(weights.weights)
+        self.mlm_probability = weights.mlm_probability
         contrastive_only_siglip = "siglip" in self.weights and "itc" not in self.weights
         self.logit_scale = nn.Parameter(torch.tensor(math.log(10.0) if contrastive_only_siglip else math.log(1 / 0.07)))
         self.logit_bias = nn.Parameter(torch.tensor(-10.0)) if "siglip" in self.weights and siglip_bias else None
@@ -116,7 +120,7 @@ class VLModel(nn.Module):
         self.mlm_head = None
         if self.fusion is not None and "mlm" in self.weights:
             if mask_id is None:
-                raise ValueError("MLM needs a tokenizer with a mask token; set model.loss.mlm=0 or use one")
+                raise UserError("model.loss.mlm > 0 needs a tokenizer with a mask token; set model.loss.mlm=0 or use one")
             self.mlm_head = MLMHead(text.width, text.token_embedding)
         self.embed_dim = embed_dim
         self.vocab_size, self.pad_id, self.mask_id = vocab_size, pad_id, mask_id

@@ -31,9 +31,10 @@ from typing import Callable
 import torch
 from torch import nn
 
+from vltrain.errors import UserError
 from vltrain.model.config import ModelConfig
 from vltrain.model.fusion import FusionConfig, FusionEncoder
-from vltrain.model.model import Objectives, VLModel
+from vltrain.model.model import LossWeights, VLModel
 from vltrain.model.text import HFTextEncoder, TextTowerConfig, TextTransformer
 from vltrain.model.vision import VisionConfig, VisionTransformer
 
@@ -116,10 +117,10 @@ def build_model(
     (ITM, MLM on a dual encoder) are ignored.
     """
     if model_cfg.preset not in PRESETS:
-        raise ValueError(f"unknown model preset {model_cfg.preset!r}; choose one of {', '.join(PRESETS)}")
+        raise UserError(f"model.preset: unknown preset {model_cfg.preset!r}; choose one of {', '.join(PRESETS)}")
     arch = PRESETS[model_cfg.preset]()
     if image_size % arch.vision.patch_size:
-        raise ValueError(
+        raise UserError(
             f"image size {image_size} is not a multiple of {model_cfg.preset}'s patch size {arch.vision.patch_size}"
         )
     vision = VisionTransformer(replace(arch.vision, image_size=image_size))
@@ -127,22 +128,22 @@ def build_model(
     if model_cfg.text.hf_path:
         text: nn.Module = HFTextEncoder(model_cfg.text.hf_path, pooling or "first", max_text_length)
         if vocab_size > text.token_embedding.num_embeddings:
-            raise ValueError(
+            raise UserError(
                 f"tokenizer vocabulary {vocab_size} exceeds {model_cfg.text.hf_path}'s embeddings "
                 f"{text.token_embedding.num_embeddings}; use the folder's own tokenizer.json"
             )
     else:
         text_cfg = replace(arch.text, vocab_size=vocab_size, max_length=max_text_length, pooling=pooling or arch.text.pooling)
         text = TextTransformer(text_cfg)
-    objectives = Objectives.from_config(model_cfg.loss, has_fusion=arch.fusion is not None)
+    weights = LossWeights.from_config(model_cfg.loss, has_fusion=arch.fusion is not None)
     fusion = None
-    if arch.fusion is not None and ("itm" in objectives.weights or "mlm" in objectives.weights):
+    if arch.fusion is not None and ("itm" in weights.weights or "mlm" in weights.weights):
         fusion = FusionEncoder(arch.fusion, text.width, vision.width)
     return VLModel(
         vision,
         text,
         model_cfg.embed_dim or arch.embed_dim,
-        objectives,
+        weights,
         fusion=fusion,
         vocab_size=vocab_size,
         pad_id=pad_id,

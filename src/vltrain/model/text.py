@@ -71,6 +71,18 @@ class TextTransformer(nn.Module):
         return c.depth * block_flops(length, c.width, c.mlp_ratio)
 
 
+def hf_tokenizer_file(hf_path: str | Path) -> Path:
+    """The tokenizer.json that belongs to a Hugging Face encoder folder (the text must be tokenized
+    with the encoder's own vocabulary)."""
+    path = Path(hf_path, "tokenizer.json")
+    if not path.is_file():
+        raise UserError(
+            f"model.text.hf_path {hf_path}: no tokenizer.json there; save the encoder with its fast tokenizer "
+            "(AutoTokenizer.from_pretrained(...).save_pretrained(folder))"
+        )
+    return path
+
+
 class HFTextEncoder(nn.Module):
     """Any Hugging Face encoder (BERT, MiniLM, ...) loaded from a local folder with ``transformers``.
 

@@ -1,0 +1,31 @@
+"""ModelConfig validation through the job config loader."""
+
+from __future__ import annotations
+
+import pytest
+
+config = pytest.importorskip("vltrain.config")
+
+
+@pytest.mark.parametrize(
+    "override,message",
+    [
+        ("model.preset=clip-vit-b99", "clip-vit-b32"),
+        ("model.text.pooling=max", "first, eos or mean"),
+        ("model.loss.itm=-1", "model.loss.itm"),
+        ("model.loss.mlm_probability=1.5", "mlm_probability"),
+    ],
+)
+def test_bad_model_config_names_the_key(override, message):
+    with pytest.raises(config.ConfigError, match=message):
+        config.load_config(None, [override])
+
+
+def test_itc_and_siglip_cannot_both_be_off():
+    with pytest.raises(config.ConfigError, match="itc or siglip"):
+        config.load_config(None, ["model.loss.itc=0"])
+
+
+def test_presets_load():
+    cfg = config.load_config(None, ["model.preset=albef-base", "model.loss.mlm=0.5"])
+    assert cfg.model.preset == "albef-base" and cfg.model.loss.mlm == 0.5
