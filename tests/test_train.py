@@ -147,3 +147,16 @@ def test_gradcache_accumulation_matches_the_big_batch(shapes, tmp_path, nproc, p
         "train.parallelism": parallelism, **common,
     })
     assert losses(big) == pytest.approx(losses(cached), abs=1e-5, rel=1e-5)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_eval_command_reproduces_the_final_evaluation(shapes, tmp_path, cli):
+    run = tmp_path / "ev"
+    train(shapes, run, **{"train.max_steps": 3, "eval.every": 0})
+    proc = cli("eval", run, "train.threads=1")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    printed = json.loads(proc.stdout)
+    final = json.loads((run / "eval.json").read_text())[-1]
+    assert printed["t2i_r1"] == final["t2i_r1"] and printed["num_pairs"] == final["num_pairs"] == 64
+    assert cli("eval", tmp_path / "missing").returncode != 0

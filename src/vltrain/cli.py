@@ -34,6 +34,8 @@ def build_parser() -> argparse.ArgumentParser:
     d = sub.add_parser("demo", help="synthesize shapes, train a tokenizer and a model, evaluate, plot")
     d.add_argument("--dir", default="runs/demo", help="run folder (default runs/demo)")
     d.add_argument("--data", default="data/shapes", help="where the synthetic data goes (default data/shapes)")
+    d.add_argument("--num", type=int, default=10000, help="synthetic training rows (default 10000)")
+    d.add_argument("--val", type=int, default=1000, help="held-out pairs (default 1000)")
     d.add_argument("overrides", nargs="*", help="dotted overrides of configs/demo.yaml")
     d.set_defaults(func=_handler("vltrain.demo:demo_cli"))
 

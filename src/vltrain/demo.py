@@ -66,7 +66,7 @@ def demo_cli(args: argparse.Namespace) -> int:
 
     start = time.perf_counter()
     run_dir = Path(args.dir)
-    trainer, metrics = run_demo(run_dir, Path(args.data), list(args.overrides or []))
+    trainer, metrics = run_demo(run_dir, Path(args.data), list(args.overrides or []), args.num, args.val)
     if trainer.world.is_main:
         minutes = (time.perf_counter() - start) / 60
         print(f"\ndone in {minutes:.1f} min, {trainer.step} steps, {trainer.samples_seen:,} samples")

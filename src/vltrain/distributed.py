@@ -9,6 +9,7 @@ tensors padded to the largest, gathered, and the padding dropped.
 from __future__ import annotations
 
 import datetime
+from dataclasses import dataclass
 import os
 
 import torch
@@ -123,3 +124,53 @@ def all_reduce_sum(x: torch.Tensor) -> torch.Tensor:
     out = x.detach().clone()
     dist.all_reduce(out, op=dist.ReduceOp.SUM)
     return out
+
+
+# ---------------------------------------------------------------------------------------------
+# The trainer's view of the process group
+
+
+@dataclass
+class World:
+    """Where this process runs: rank, world size, local rank, device."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    def close(self) -> None:
+        """Leave the process group (every rank, at the end of a run)."""
+        if is_initialized():
+            dist.destroy_process_group()
+
+
+def pick_device(kind: str, local_rank: int) -> torch.device:
+    if kind == "cuda" or (kind == "auto" and torch.cuda.is_available()):
+        if not torch.cuda.is_available():
+            from vltrain.config import ConfigError
+
+            raise ConfigError("train.device=cuda but CUDA is not available; use train.device=auto or cpu")
+        torch.cuda.set_device(local_rank)
+        return torch.device("cuda", local_rank)
+    return torch.device("cpu")
+
+
+def setup_world(*, timeout_s: float = 600.0, device: str = "auto", threads: int = 0) -> World:
+    """Join torchrun's process group (or run alone), pick the device and intra-op threads.
+
+    ``threads=0`` divides the machine's cores among the processes of this node, so that
+    ``torchrun --nproc-per-node 2`` on 2 cores gives each rank one thread instead of both
+    fighting over two.
+    """
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    dev = pick_device(device, local_rank)
+    backend = "nccl" if dev.type == "cuda" else "gloo"
+    rank, world_size = init_distributed(backend=backend, timeout_s=timeout_s)
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    torch.set_num_threads(threads or max(1, (os.cpu_count() or 1) // local_world))
+    return World(rank, world_size, local_rank, dev)

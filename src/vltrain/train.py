@@ -291,6 +291,7 @@ class Trainer:
         else:
             self.optimizer.zero_grad(set_to_none=True)
         self.scaler.update()
+        # a skipped step still consumed its data: the schedule follows the step count
         self.scheduler.step()
         self.guard.record(self.step, finite)
         losses = StepLosses(packet[2], {k: packet[3 + i] for i, k in enumerate(names)})

@@ -1,0 +1,46 @@
+"""The demo config's model and random batches of its shape, shared by the trainer benchmarks."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "src"))
+
+from vltrain.config import load_config  # noqa: E402
+from vltrain.model import build_model  # noqa: E402
+from vltrain.step import ModelInputs  # noqa: E402
+
+VOCAB, PAD, MASK = 512, 0, 4
+
+
+def demo_config(*overrides: str):
+    return load_config(REPO / "configs" / "demo.yaml", list(overrides))
+
+
+def demo_model(cfg=None) -> torch.nn.Module:
+    cfg = cfg or demo_config()
+    return build_model(cfg.model, vocab_size=VOCAB, pad_id=PAD, mask_id=MASK,
+                       image_size=cfg.data.image_size, max_text_length=cfg.data.max_text_length)
+
+
+def random_inputs(batch: int, cfg=None, seed: int = 0, offset: int = 0) -> ModelInputs:
+    """A batch of image-text pairs; ``offset`` keeps sample ids distinct across ranks/micro-batches."""
+    cfg = cfg or demo_config()
+    g = torch.Generator().manual_seed(seed)
+    size, length = cfg.data.image_size, cfg.data.max_text_length
+    ones = torch.ones(batch, dtype=torch.bool)
+    return ModelInputs(
+        pixels=torch.randn(batch, 3, size, size, generator=g),
+        input_ids=torch.randint(5, VOCAB, (batch, length), generator=g),
+        attention_mask=torch.ones(batch, length, dtype=torch.long),
+        has_image=ones, has_text=ones.clone(), ids=torch.arange(offset, offset + batch),
+    )
+
+
+def load_average() -> str:
+    return "load average %.1f / %.1f / %.1f over 1/5/15 min" % os.getloadavg()

@@ -1,0 +1,28 @@
+"""The demo config learns: a short run on a small synthetic set ends with a lower loss."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from vltrain.metrics import read_jsonl
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_demo_trains_to_a_falling_loss(cli, tmp_path):
+    run = tmp_path / "run"
+    proc = cli("demo", "--dir", run, "--data", tmp_path / "shapes", "--num", 1000, "--val", 100,
+               "train.max_steps=40", "train.warmup_steps=5", "train.log_every=5", "eval.every=0",
+               "data.batch_size=32", "eval.batch_size=100", "train.threads=2", timeout=580)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    rows = [r for r in read_jsonl(run / "metrics.jsonl") if "loss" in r]
+    assert len(rows) == 8
+    first = (rows[0]["loss"] + rows[1]["loss"]) / 2
+    last = (rows[-2]["loss"] + rows[-1]["loss"]) / 2
+    assert last < first - 0.1, [r["loss"] for r in rows]
+    evals = json.loads((run / "eval.json").read_text())
+    assert evals[-1]["step"] == 40 and evals[-1]["num_pairs"] == 100
+    assert (run / "curves.png").exists() and (run / "config.yaml").exists()
+    assert "text->image R@1" in proc.stdout and "curves.png" in proc.stdout
