@@ -47,6 +47,10 @@ class Sample:
 class ImageTextDataset(torch.utils.data.Dataset):
     """The concatenation of ``sources``; ``ds[i]`` is a :class:`Sample`."""
 
+    uses_random = False
+    """Loading is a pure function of the index (no random augmentation), so the training loader
+    need not seed each sample. A subclass that augments must set this to True."""
+
     def __init__(
         self,
         sources: list[Source],
@@ -62,6 +66,7 @@ class ImageTextDataset(torch.utils.data.Dataset):
         self.resize = cfg.resize
         self.max_image_pixels = cfg.max_image_pixels
         self.jpeg_draft_ratio = cfg.jpeg_draft_ratio
+        self.interpolation = cfg.interpolation
         self.max_text_length = cfg.max_text_length
         self.on_error = cfg.on_error
         self.source_names = [s.name for s in sources]
@@ -110,7 +115,8 @@ class ImageTextDataset(torch.utils.data.Dataset):
         image = None
         if row.image is not None:
             data = source.read_image(j)
-            image = decode_image(data, self.image_size, self.resize, self.max_image_pixels, self.jpeg_draft_ratio)
+            image = decode_image(data, self.image_size, self.resize, self.max_image_pixels, self.jpeg_draft_ratio,
+                                 self.interpolation)
         ids, truncated = [], False
         if row.text is not None:
             ids, truncated = self.tokenizer.encode(row.text, self.max_text_length)

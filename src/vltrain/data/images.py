@@ -31,7 +31,8 @@ class ImageError(ValueError):
 
 
 def decode_image(
-    data: bytes, size: int, resize: str = "crop", max_pixels: int = 89_478_485, draft_ratio: float = 1.0
+    data: bytes, size: int, resize: str = "crop", max_pixels: int = 89_478_485, draft_ratio: float = 1.0,
+    interpolation: str = "bicubic",
 ) -> torch.Tensor:
     """Decode, orient, convert to RGB, resize to ``size`` x ``size``; uint8 CHW."""
     try:
@@ -40,7 +41,7 @@ def decode_image(
         raise
     except DECODE_ERRORS as e:
         raise ImageError(f"cannot decode image: {e}") from e
-    return resize_pixels(torch.from_numpy(hwc), size, resize)
+    return resize_pixels(torch.from_numpy(hwc), size, resize, interpolation)
 
 
 def load_rgb(
@@ -109,9 +110,10 @@ def to_rgb(im: Image.Image) -> Image.Image:
     return im.convert("RGB")
 
 
-def resize_pixels(hwc: torch.Tensor, size: int, resize: str = "crop") -> torch.Tensor:
+def resize_pixels(hwc: torch.Tensor, size: int, resize: str = "crop", interpolation: str = "bicubic") -> torch.Tensor:
     """uint8 [H, W, 3] -> [3, size, size]: shorter side to ``size`` then center crop ("crop"),
-    or both sides to ``size`` ("squash"). The crop is a view, so only kept pixels are resampled."""
+    or both sides to ``size`` ("squash"). The crop is a view, so only kept pixels are resampled.
+    ``interpolation`` is "bicubic" or "bilinear", both antialiased."""
     h, w = hwc.shape[:2]
     if resize != "squash":
         side = min(w, h)
@@ -119,5 +121,5 @@ def resize_pixels(hwc: torch.Tensor, size: int, resize: str = "crop") -> torch.T
         hwc = hwc[top : top + side, left : left + side]
     chw = hwc.permute(2, 0, 1)  # a channels-last view: the layout the uint8 kernel is fastest on
     if chw.shape[1:] != (size, size):
-        chw = F.interpolate(chw[None], size=(size, size), mode="bicubic", antialias=True)[0]
+        chw = F.interpolate(chw[None], size=(size, size), mode=interpolation, antialias=True)[0]
     return chw.contiguous()
