@@ -26,6 +26,7 @@ from vltrain.data.audit import AuditLog
 from vltrain.data.badlog import BadSampleLog
 from vltrain.data.batch import Batch
 from vltrain.data.budget import padded_width
+from vltrain.data.collate import Collator
 from vltrain.data.config import DataConfig, SourceSpec
 from vltrain.data.sampler import DistributedBatchSampler
 from vltrain.data.table import SampleTable
@@ -203,8 +204,15 @@ def build_train_loader(
     run_dir: str | None,
     collate: Callable[[list], Batch],
 ) -> TrainLoader:
-    """The trainer's loader: ``dataset`` must offer ``table() -> SampleTable`` and ``ds[i]``."""
+    """The trainer's loader: ``dataset`` must offer ``table() -> SampleTable`` and ``ds[i]``.
+
+    A :class:`Collator` is made to pad as the config says (``data.pad_multiple``), since the
+    budget packer plans each batch's width that way.
+    """
     table = dataset.table()
+    multiple = data_cfg.text_pad_multiple()
+    if isinstance(collate, Collator) and collate.pad_multiple != multiple:
+        collate = Collator(collate.pad_id, collate.max_text_length, collate.image_size, multiple)
     sampler = DistributedBatchSampler(
         table,
         batch_size=data_cfg.batch_size,
@@ -215,10 +223,11 @@ def build_train_loader(
         remainder=data_cfg.remainder,
         batching=data_cfg.batching,
         token_budget=data_cfg.token_budget or max(data_cfg.batch_size * data_cfg.max_text_length // 2,
-                                                  padded_width(data_cfg.max_text_length)),
+                                                  padded_width(data_cfg.max_text_length, multiple)),
         image_budget=data_cfg.image_budget or data_cfg.batch_size,
         source_weights=source_shares(data_cfg.train, table),
         epoch_size=data_cfg.epoch_size or None,
+        pad_multiple=multiple,
     )
     # Without a run folder bad samples are still counted and capped, just not written down.
     bad_log = BadSampleLog(run_dir, data_cfg.max_bad_fraction)
