@@ -17,6 +17,7 @@ from vltrain.data.audit import AuditLog, audit_run
 from vltrain.data.config import DataConfig, SourceSpec
 from vltrain.data.loader import TrainLoader, build_eval_loader, build_train_loader
 from vltrain.data.sampler import DistributedBatchSampler
+from vltrain.errors import DataError
 from vltrain.model import build_model
 from vltrain.model.config import ModelConfig
 
@@ -75,7 +76,9 @@ def _take(loader, k):
 @pytest.mark.parametrize("batching", ["fixed", "budget"])
 def test_state_restored_at_step_k_yields_the_same_sequence_with_workers(tmp_path, batching):
     data_cfg, _ = synth_files(tmp_path, 30, text_only_fraction=0.3, batch_size=4, num_workers=2,
-                              batching=batching, token_budget=4 * 24)
+                              batching=batching, token_budget=4 * 24, pad_multiple=8)
+    # pad_multiple 8: rows of one padded width tie, so even this 30-row epoch forms new batches
+    # each epoch (at exact lengths nearly every row's length is unique here, pairs would repeat)
     a = real_loader(data_cfg, rank=1, world_size=2)
     epoch_len = len(a)
     k, total = epoch_len + 2, 2 * epoch_len + 3  # resume in the 2nd epoch, run into the 3rd
@@ -232,3 +235,30 @@ def test_equal_source_weights_read_every_row_once():
     loader = build_train_loader(cfg, TableDataset(t), rank=0, world_size=1, seed=0, run_dir=None, collate=collate)
     ids = [i for _ in range(len(loader)) for i in next(loader).ids.tolist()]
     assert sorted(ids) == sorted(uid(i) for i in range(25))
+
+
+# -- errors from workers --------------------------------------------------------------------
+
+
+def test_a_data_error_in_a_worker_reaches_the_trainer_as_its_plain_message(tmp_path):
+    data_cfg, _ = synth_files(tmp_path, 6, batch_size=2, num_workers=1, on_error="fail")
+    for image in (tmp_path / "images").rglob("*.png"):
+        image.write_bytes(b"not an image")
+    loader = real_loader(data_cfg)
+    with pytest.raises(DataError) as e:
+        next(loader)
+    message = str(e.value)
+    assert "Traceback" not in message and "worker process" not in message
+    assert message.startswith("bad sample '") and "data.on_error: skip" in message
+    assert type(e.value) is DataError
+
+
+def test_a_data_error_in_an_eval_worker_is_plain_too(tmp_path):
+    data_cfg, _ = synth_files(tmp_path, 6, num_workers=1, on_error="fail")
+    for image in (tmp_path / "images").rglob("*.png"):
+        image.write_bytes(b"")
+    ds, collator = open_data(data_cfg)
+    loader = build_eval_loader(data_cfg, ds, rank=0, world_size=1, batch_size=2, collate=collator)
+    with pytest.raises(DataError, match=r"^bad sample .*empty file") as e:
+        list(loader)
+    assert "Traceback" not in str(e.value)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import random
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
@@ -30,6 +31,7 @@ from vltrain.data.collate import Collator
 from vltrain.data.config import DataConfig, SourceSpec
 from vltrain.data.sampler import DistributedBatchSampler
 from vltrain.data.table import SampleTable
+from vltrain.errors import UserError
 
 
 def _batch_seeds(seed: int, rank: int, epoch: int, step: int, rows: int) -> list[int]:
@@ -43,6 +45,24 @@ def _seed_all(seed: int) -> None:
     torch.default_generator.manual_seed(seed)
     random.seed(seed)
     np.random.seed(seed)
+
+
+@contextmanager
+def plain_worker_errors() -> Iterator[None]:
+    """Re-raise a UserError from a DataLoader worker with its own message only.
+
+    torch re-raises a worker's exception as the same class, but with "Caught DataError in
+    DataLoader worker process 0. Original Traceback ..." in front of the message; a user's
+    mistake (a bad sample under on_error: fail) should read as it was written.
+    """
+    try:
+        yield
+    except UserError as e:
+        text = str(e)
+        head = f"\n{type(e).__module__}.{type(e).__qualname__}: "
+        if "in DataLoader worker process" not in text or head not in text:
+            raise
+        raise type(e)(text[text.rindex(head) + len(head):].rstrip("\n")) from None
 
 
 class _SeededDataset(Dataset):
@@ -152,7 +172,8 @@ class TrainLoader:
                     self.audit.epoch_header(self.sampler.epoch, self.sampler)
                 self._it = iter(self._loader)
             try:
-                batch = next(self._it)
+                with plain_worker_errors():
+                    batch = next(self._it)
                 break
             except StopIteration:
                 self._it = None
@@ -282,7 +303,8 @@ class EvalLoader:
         return len(self.loader)
 
     def __iter__(self) -> Iterator[Batch]:
-        return iter(self.loader)
+        with plain_worker_errors():
+            yield from self.loader
 
 
 def build_eval_loader(
