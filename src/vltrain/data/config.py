@@ -49,6 +49,10 @@ class DataConfig:
     """JPEGs may be decoded at 1/2, 1/4 or 1/8 scale down to this fraction of image_size, then
     upsampled: 1.0 never upsamples (exact); 0.8 decodes a 500x375 photo at 250x188 for 224 (about
     2x faster to decode, slightly softer)."""
+    jpeg_decoder: Literal["auto", "pillow"] = "auto"
+    """auto: JPEGs are decoded by simplejpeg when it is installed (libjpeg-turbo straight into one
+    array: the same pixels as Pillow's for about two thirds of the decode and copy time), else
+    by Pillow. pillow: always Pillow, e.g. to rule the faster decoder out when chasing a problem."""
     interpolation: Literal["bicubic", "bilinear"] = "bicubic"
     """Resize filter (antialiased, on uint8). Bicubic is within 0.5 grey levels of a Lanczos
     reference on photos, bilinear within 0.9 and ~15% cheaper (benchmarks/data_pipeline.py)."""

@@ -77,6 +77,7 @@ class ImageTextDataset(torch.utils.data.Dataset):
         self.max_image_pixels = cfg.max_image_pixels
         self.jpeg_draft_ratio = cfg.jpeg_draft_ratio
         self.interpolation = cfg.interpolation
+        self.jpeg_decoder = cfg.jpeg_decoder
         self.max_text_length = cfg.max_text_length
         self.on_error = cfg.on_error
         self.source_names = [s.name for s in sources]
@@ -155,7 +156,7 @@ class ImageTextDataset(torch.utils.data.Dataset):
         if row.image is not None:
             data = source.read_image(j)
             image = decode_image(data, self.image_size, self.resize, self.max_image_pixels, self.jpeg_draft_ratio,
-                                 self.interpolation)
+                                 self.interpolation, self.jpeg_decoder)
         ids, truncated = [], False
         if row.text is not None:
             ids, truncated = self.tokenizer.encode(row.text, self.max_text_length)

@@ -4,6 +4,10 @@ Normalization is not done here: it is one float op per batch where the batch lan
 (``Batch.pixels``), so workers move 4x fewer bytes and do no float math. The resize runs on
 the uint8 pixels with torch's antialiased bicubic kernel, which matches Pillow's bicubic to
 within 3 grey levels and is several times faster (benchmarks/data_pipeline.py).
+
+JPEGs (most real data) are decoded by simplejpeg when it is installed: the same libjpeg-turbo
+as Pillow, writing straight into one numpy array, so the same pixels for about two thirds of
+the time. Everything else, and any JPEG simplejpeg refuses, goes through Pillow.
 """
 
 from __future__ import annotations
@@ -19,12 +23,28 @@ import torch
 import torch.nn.functional as F
 from PIL import ExifTags, Image, ImageOps, UnidentifiedImageError
 
+try:
+    import simplejpeg
+except ImportError:  # optional at run time: Pillow decodes JPEGs too, a little slower
+    simplejpeg = None
+
 # decode_image wraps the read-only bytes of a decoded image and never writes to them.
 warnings.filterwarnings("ignore", message="The given buffer is not writable", module=__name__)
 
 WHITE = (255, 255, 255, 255)
 ALPHA_MODES = ("RGBA", "LA", "PA", "RGBa", "La")
 SIXTEEN_BIT_MODES = ("I;16", "I;16L", "I;16B", "I;16N")
+
+# libjpeg-turbo decodes at M/8 scale. Only these M have SIMD inverse DCTs; at the others
+# (3/8, 5/8, 6/8, 7/8) a scaled decode costs as much as a full one and its pixels differ by 1.5
+# to 2.5 grey levels after the resize (benchmarks/data_pipeline.py), so they are not used.
+JPEG_SCALES = (1, 2, 4, 8)
+# EXIF orientation -> the flips/transposes that make an [H, W, C] array upright
+# (what ImageOps.exif_transpose does to a Pillow image).
+ORIENTATION_OPS = {
+    2: ("flip_x",), 3: ("flip_x", "flip_y"), 4: ("flip_y",), 5: ("transpose",),
+    6: ("transpose", "flip_x"), 7: ("transpose", "flip_x", "flip_y"), 8: ("transpose", "flip_y"),
+}
 
 # What Pillow raises on broken input. A bug in our code (TypeError, ...) is not caught.
 DECODE_ERRORS = (OSError, ValueError, SyntaxError, EOFError, IndexError, struct.error, zlib.error)
@@ -36,14 +56,21 @@ class ImageError(ValueError):
 
 def decode_image(
     data: bytes, size: int, resize: str = "crop", max_pixels: int = 89_478_485, draft_ratio: float = 1.0,
-    interpolation: str = "bicubic",
+    interpolation: str = "bicubic", jpeg_decoder: str = "auto",
 ) -> torch.Tensor:
-    """Decode, orient, convert to RGB, resize to ``size`` x ``size``; uint8 CHW."""
+    """Decode, orient, convert to RGB, resize to ``size`` x ``size``; uint8 CHW.
+
+    ``jpeg_decoder`` "auto" decodes JPEGs with simplejpeg when it is installed, "pillow" never."""
     try:
-        im = load_rgb(data, size, resize, max_pixels, draft_ratio)
-        # Pillow's pixels are copied out once (tobytes) and wrapped, not copied again by numpy;
-        # resize_pixels only reads them.
-        hwc = torch.frombuffer(im.tobytes(), dtype=torch.uint8).view(im.height, im.width, 3)
+        im = open_image(data, max_pixels)
+        hwc = None
+        if jpeg_decoder == "auto" and simplejpeg is not None:
+            hwc = load_jpeg(im, data, size * draft_ratio, resize)
+        if hwc is None:
+            im = load_rgb(im, size, resize, draft_ratio=draft_ratio)
+            # Pillow's pixels are copied out once (tobytes) and wrapped, not copied again by numpy;
+            # resize_pixels only reads them.
+            hwc = torch.frombuffer(im.tobytes(), dtype=torch.uint8).view(im.height, im.width, 3)
     except ImageError:
         raise
     except DECODE_ERRORS as e:
@@ -52,15 +79,17 @@ def decode_image(
 
 
 def load_rgb(
-    data: bytes, size: int, resize: str = "crop", max_pixels: int = 89_478_485, draft_ratio: float = 1.0
+    data: bytes | Image.Image, size: int, resize: str = "crop", max_pixels: int = 89_478_485,
+    draft_ratio: float = 1.0,
 ) -> Image.Image:
     """The decoded, upright RGB image, at reduced scale when a JPEG is much larger than needed.
 
     libjpeg decodes at 1/2, 1/4 or 1/8 scale for about the price of the smaller image. With
     ``draft_ratio`` 1.0 the decoded image still covers ``size`` (no upsampling, exact); below 1
     it may be as small as ``draft_ratio * size`` and is then upsampled (faster, a little softer).
+    ``data`` may be an image already opened by ``open_image``.
     """
-    im = open_image(data, max_pixels)
+    im = data if isinstance(data, Image.Image) else open_image(data, max_pixels)
     if im.format == "JPEG":
         im.draft(None, _draft_size(im.size, size * draft_ratio, resize))
     return to_rgb(_oriented(im))
@@ -96,9 +125,37 @@ def _draft_size(wh: tuple[int, int], size: float, resize: str) -> tuple[int, int
     return (min(w, math.ceil(w * s)), min(h, math.ceil(h * s)))
 
 
+def load_jpeg(im: Image.Image, data: bytes, size: float, resize: str) -> torch.Tensor | None:
+    """The upright RGB pixels [H, W, 3] of a JPEG opened by ``open_image`` (its header is read
+    and checked against the pixel limit; no pixel decoded yet), decoded by simplejpeg at the
+    smallest scale in JPEG_SCALES whose kept region still covers ``size`` on each side (the
+    scale Pillow's draft picks, so the same pixels); None for what it does not handle (CMYK
+    and YCCK, a non-JPEG, data libjpeg-turbo warns about): Pillow then decodes it and, if it is
+    broken, says why."""
+    if im.format != "JPEG" or im.mode not in ("RGB", "L"):
+        return None
+    w, h = im.size
+    need = _draft_size(im.size, size, resize)
+    m = next(m for m in JPEG_SCALES if math.ceil(w * m / 8) >= need[0] and math.ceil(h * m / 8) >= need[1])
+    try:
+        rgb = simplejpeg.decode_jpeg(
+            data, "rgb", min_width=math.ceil(w * m / 8), min_height=math.ceil(h * m / 8), strict=True
+        )
+    except ValueError:
+        return None
+    hwc = torch.from_numpy(rgb)
+    for op in ORIENTATION_OPS.get(_orientation(im), ()):
+        hwc = hwc.transpose(0, 1) if op == "transpose" else hwc.flip(1 if op == "flip_x" else 0)
+    return hwc
+
+
+def _orientation(im: Image.Image) -> int:
+    """EXIF orientation from the header Pillow has read (no pixels decoded); 1 is upright."""
+    return im.getexif().get(ExifTags.Base.Orientation, 1)
+
+
 def _oriented(im: Image.Image) -> Image.Image:
-    orientation = im.getexif().get(ExifTags.Base.Orientation, 1)
-    return ImageOps.exif_transpose(im) if orientation in range(2, 9) else im
+    return ImageOps.exif_transpose(im) if _orientation(im) in range(2, 9) else im
 
 
 def to_rgb(im: Image.Image) -> Image.Image:
