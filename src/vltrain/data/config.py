@@ -50,9 +50,11 @@ class DataConfig:
     upsampled: 1.0 never upsamples (exact); 0.8 decodes a 500x375 photo at 250x188 for 224 (about
     2x faster to decode, slightly softer)."""
     jpeg_decoder: Literal["auto", "pillow"] = "auto"
-    """auto: JPEGs are decoded by simplejpeg when it is installed (libjpeg-turbo straight into one
-    array: the same pixels as Pillow's for about two thirds of the decode and copy time), else
-    by Pillow. pillow: always Pillow, e.g. to rule the faster decoder out when chasing a problem."""
+    """auto: JPEGs are decoded by simplejpeg when it is installed, else by Pillow. simplejpeg
+    decodes straight into one array and scales in the DCT by any of 1/8 .. 5/8 (Pillow: 1/2, 1/4,
+    1/8 only), so a 500x375 photo going to 224 is decoded at 313x235 instead of in full: the
+    loader runs ~35% faster, pixels within ~3 grey levels of Pillow's (docs/benchmarks.md).
+    pillow: always Pillow, for pixels identical to other Pillow-based pipelines."""
     interpolation: Literal["bicubic", "bilinear"] = "bicubic"
     """Resize filter (antialiased, on uint8). Bicubic is within 0.5 grey levels of a Lanczos
     reference on photos, bilinear within 0.9 and ~15% cheaper (benchmarks/data_pipeline.py)."""

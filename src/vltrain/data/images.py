@@ -5,9 +5,10 @@ Normalization is not done here: it is one float op per batch where the batch lan
 the uint8 pixels with torch's antialiased bicubic kernel, which matches Pillow's bicubic to
 within 3 grey levels and is several times faster (benchmarks/data_pipeline.py).
 
-JPEGs (most real data) are decoded by simplejpeg when it is installed: the same libjpeg-turbo
-as Pillow, writing straight into one numpy array, so the same pixels for about two thirds of
-the time. Everything else, and any JPEG simplejpeg refuses, goes through Pillow.
+JPEGs (most real data) are decoded by simplejpeg when it is installed: libjpeg-turbo writing
+straight into one numpy array, at the smallest M/8 scale that still covers the output (DCT
+scaling: a 500x375 photo going to 224 is decoded at 313x235), so fewer pixels are decoded,
+copied and resized. Everything else, and any JPEG simplejpeg refuses, goes through Pillow.
 """
 
 from __future__ import annotations
@@ -35,10 +36,10 @@ WHITE = (255, 255, 255, 255)
 ALPHA_MODES = ("RGBA", "LA", "PA", "RGBa", "La")
 SIXTEEN_BIT_MODES = ("I;16", "I;16L", "I;16B", "I;16N")
 
-# libjpeg-turbo decodes at M/8 scale. Only these M have SIMD inverse DCTs; at the others
-# (3/8, 5/8, 6/8, 7/8) a scaled decode costs as much as a full one and its pixels differ by 1.5
-# to 2.5 grey levels after the resize (benchmarks/data_pipeline.py), so they are not used.
-JPEG_SCALES = (1, 2, 4, 8)
+# The M of the M/8 scales simplejpeg may decode at. libjpeg-turbo has SIMD inverse DCTs only
+# for 1/8, 2/8, 4/8 and 8/8; at 6/8 and 7/8 its plain-C scaled DCT costs as much as or more than
+# a full decode, which the smaller resize does not win back, so those are skipped.
+JPEG_SCALES = (1, 2, 3, 4, 5, 8)
 # EXIF orientation -> the flips/transposes that make an [H, W, C] array upright
 # (what ImageOps.exif_transpose does to a Pillow image).
 ORIENTATION_OPS = {
@@ -128,10 +129,13 @@ def _draft_size(wh: tuple[int, int], size: float, resize: str) -> tuple[int, int
 def load_jpeg(im: Image.Image, data: bytes, size: float, resize: str) -> torch.Tensor | None:
     """The upright RGB pixels [H, W, 3] of a JPEG opened by ``open_image`` (its header is read
     and checked against the pixel limit; no pixel decoded yet), decoded by simplejpeg at the
-    smallest scale in JPEG_SCALES whose kept region still covers ``size`` on each side (the
-    scale Pillow's draft picks, so the same pixels); None for what it does not handle (CMYK
-    and YCCK, a non-JPEG, data libjpeg-turbo warns about): Pillow then decodes it and, if it is
-    broken, says why."""
+    smallest scale in JPEG_SCALES whose kept region still covers ``size`` on each side, so
+    nothing is upsampled; None for what it does not handle (CMYK and YCCK, a non-JPEG, data
+    libjpeg-turbo warns about): Pillow then decodes it and, if it is broken, says why.
+
+    At the scales Pillow's draft also uses (1/2, 1/4, 1/8, full) the pixels are Pillow's; at
+    3/8 and 5/8 the DCT drops detail finer than the output keeps anyway, and the resized
+    result is within ~3 grey levels of Pillow's (tests/data/test_images.py, docs/benchmarks.md)."""
     if im.format != "JPEG" or im.mode not in ("RGB", "L"):
         return None
     w, h = im.size
