@@ -6,20 +6,22 @@ noise) with captions of 5 to 40 words, then times one pass over them for
   (a) the decode floor: Pillow decode to RGB, nothing else;
   (b) the seeds' pipeline: per sample PIL resize to 224x224 -> float tensor -> normalize, text
       tokenized and padded to max_length=512, torch's default collate;
-  (c) vltrain's loader: ImageTextDataset (JPEG draft, resize and center crop to uint8) + Collator
+  (c) vltrain's loader: ImageTextDataset (JPEG decoded by simplejpeg at the smallest DCT scale
+      that still covers 224, here 5/8 = 313x235; resize and center crop to uint8) + Collator
       (pad to the longest row; budget batching rounds to no multiple by default) under the
       training loader with budget batching;
       its batches stay uint8 until the device normalizes them, so a second row adds that
-      normalization done on this CPU (``Batch.pixels``); as configured by default (exact decode,
-      no upsampling), with ``data.interpolation=bilinear`` (a cheaper resize filter) and with
-      ``data.jpeg_draft_ratio=0.8`` (JPEG decoded at half scale, 250x188, then upsampled to
-      224: faster, slightly softer);
+      normalization done on this CPU (``Batch.pixels``); as configured by default (no
+      upsampling), with ``data.jpeg_decoder=pillow`` (Pillow decodes the JPEG in full: the
+      pixels other Pillow pipelines get), with ``data.interpolation=bilinear`` (a cheaper resize
+      filter) and with ``data.jpeg_draft_ratio=0.8`` (JPEG decoded at half scale, 250x188, then
+      upsampled to 224: faster, slightly softer);
 
 and, to show what the training loader itself costs, (c)'s dataset and collator in a plain
 DataLoader with fixed batches. It prints samples/s, the ratios the targets are set on, and the
 text padding ratio (token positions computed / real tokens). A second table times the resize alone, with
 its mean absolute difference from a Pillow Lanczos resize (grey levels), to choose how vltrain
-resizes. Rates are per second of the process's CPU time (one thread), each
+resizes, and how far (c)'s pixels are from those of ``data.jpeg_decoder=pillow``. Rates are per second of the process's CPU time (one thread), each
 the best of ``--repeats`` passes.
 
     OMP_NUM_THREADS=1 PYTHONPATH=src python benchmarks/data_pipeline.py [--num 300] [--repeats 3]
@@ -45,6 +47,7 @@ from torch.utils.data import DataLoader, Dataset
 from vltrain.data.collate import Collator
 from vltrain.data.config import DataConfig
 from vltrain.data.dataset import build_dataset
+from vltrain.data.images import decode_image
 from vltrain.data.loader import build_train_loader
 from vltrain.data.text import train_tokenizer
 
@@ -207,6 +210,17 @@ def resize_table(image: Image.Image, size: int, repeats: int) -> list[tuple[str,
     return out
 
 
+def decoder_distance(paths: list[Path], size: int) -> tuple[float, float]:
+    """Mean and worst per-image mean absolute difference (grey levels) between the default JPEG
+    decoder's output and Pillow's, for the same images and resize."""
+    diffs = []
+    for path in paths:
+        data = path.read_bytes()
+        fast, pillow = decode_image(data, size), decode_image(data, size, jpeg_decoder="pillow")
+        diffs.append((fast.float() - pillow.float()).abs().mean().item())
+    return float(np.mean(diffs)), float(np.max(diffs))
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--num", type=int, default=300, help="images (default 300)")
@@ -228,7 +242,9 @@ def main() -> None:
         )
         fast = dataclasses.replace(cfg, jpeg_draft_ratio=0.8)
         bilinear = dataclasses.replace(cfg, interpolation="bilinear")
-        datasets = {k: build_dataset(c, "train", tokenizer) for k, c in (("c", cfg), ("c2", fast), ("cb", bilinear))}
+        pillow = dataclasses.replace(cfg, jpeg_decoder="pillow")
+        configs = (("c", cfg), ("cp", pillow), ("c2", fast), ("cb", bilinear))
+        datasets = {k: build_dataset(c, "train", tokenizer) for k, c in configs}
         for ds in datasets.values():
             ds.table()
         runs = {
@@ -236,6 +252,7 @@ def main() -> None:
             "b": lambda: seed_pipeline(rows, folder, tokenizer, args.image_size, args.batch_size),
             "c": lambda: vltrain_pipeline(cfg, tokenizer, datasets["c"]),
             "cn": lambda: vltrain_pipeline(cfg, tokenizer, datasets["c"], normalize=True),
+            "cp": lambda: vltrain_pipeline(pillow, tokenizer, datasets["cp"]),
             "cb": lambda: vltrain_pipeline(bilinear, tokenizer, datasets["cb"]),
             "c2": lambda: vltrain_pipeline(fast, tokenizer, datasets["c2"]),
             "d": lambda: plain_pipeline(cfg, tokenizer, datasets["c"]),
@@ -247,6 +264,7 @@ def main() -> None:
                 rate, out = timed(fn)
                 if rate > results[k][0]:
                     results[k] = (rate, out)
+        distance = decoder_distance([folder / r["image"] for r in rows], args.image_size)
         resize = resize_table(Image.open(folder / rows[0]["image"]).convert("RGB"), args.image_size, args.repeats)
 
         lengths = datasets["c"].table().text_len.astype(np.int64)
@@ -266,6 +284,7 @@ def main() -> None:
         "b": "(b) seeds: PIL resize, float, normalize per sample; pad to 512",
         "c": "(c) vltrain loader: uint8, pad to longest, budget batching",
         "cn": "(c) + normalize each batch on this CPU (as CPU-only training does)",
+        "cp": "(c) with data.jpeg_decoder=pillow (full-size decode)",
         "cb": "(c) with data.interpolation=bilinear",
         "c2": "(c) with data.jpeg_draft_ratio=0.8",
         "d": "(c) without the training loader: plain DataLoader, fixed batches",
@@ -279,8 +298,10 @@ def main() -> None:
     for name, us, error in resize:
         print(f"| {name} | {us:.0f} | {error:.2f} |")
     print()
+    print(f"(c)'s pixels vs data.jpeg_decoder=pillow over the {len(rows)} images: mean absolute difference "
+          f"{distance[0]:.2f} grey levels (worst image {distance[1]:.2f})")
     print(f"padding floor of data.pad_multiple=8 on these captions (every row alone rounded up): {pad_floor:.2f}")
-    for k in ("c", "cn", "cb", "c2"):
+    for k in ("c", "cn", "cp", "cb", "c2"):
         c = rate[k]
         print(f"targets for {names[k]}: >= 2.0x (b): {'met' if c >= 2 * b else 'MISSED'} ({c / b:.2f}x); "
               f">= 0.7x (a): {'met' if c >= 0.7 * a else 'MISSED'} ({c / a:.2f}x); "

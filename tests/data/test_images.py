@@ -1,3 +1,4 @@
+import functools
 import io
 
 import numpy as np
@@ -156,6 +157,7 @@ def test_decompression_bomb_is_refused_from_the_header():
 needs_simplejpeg = pytest.mark.skipif(images.simplejpeg is None, reason="simplejpeg not installed")
 
 
+@functools.lru_cache(maxsize=None)
 def photo_jpeg(w: int, h: int, seed: int = 0, **save) -> bytes:
     """Smooth colour fields plus sensor-like noise, saved as JPEG quality 90: compresses like a photo."""
     rng = np.random.default_rng(seed)
@@ -185,7 +187,7 @@ def mean_abs_diff(a: torch.Tensor, b: torch.Tensor) -> float:
 @pytest.mark.parametrize("resize", ["crop", "squash"])
 def test_fast_jpeg_path_is_close_to_the_pillow_path(wh, scaled, close, resize):
     data = photo_jpeg(*wh)
-    hwc = images.load_jpeg(Image.open(io.BytesIO(data)), data, 224, resize)
+    hwc = images.load_jpeg(data, 224, resize)
     assert tuple(hwc.shape) == (*scaled, 3)  # the smallest of 1/8 .. 5/8, 8/8 still >= 224
     fast = decode_image(data, 224, resize)
     slow = decode_image(data, 224, resize, jpeg_decoder="pillow")
@@ -197,7 +199,7 @@ def test_fast_jpeg_path_is_close_to_the_pillow_path(wh, scaled, close, resize):
 @pytest.mark.parametrize("size, scaled", [(150, (188, 250)), (120, (141, 188)), (60, (94, 125)), (20, (47, 63))])
 def test_fast_jpeg_path_never_upsamples(size, scaled):
     data = photo_jpeg(500, 375)
-    hwc = images.load_jpeg(Image.open(io.BytesIO(data)), data, size, "crop")
+    hwc = images.load_jpeg(data, size, "crop")
     assert tuple(hwc.shape) == (*scaled, 3)
     assert min(hwc.shape[:2]) >= size
 
@@ -208,17 +210,25 @@ def test_fast_jpeg_path_applies_every_exif_orientation(orientation):
     exif = Image.Exif()
     exif[0x0112] = orientation
     data = photo_jpeg(48, 32, seed=orientation, exif=exif.tobytes())
-    im = Image.open(io.BytesIO(data))
-    upright = np.asarray(ImageOps.exif_transpose(im.convert("RGB")))
-    fast = images.load_jpeg(im, data, 64, "squash")  # no reduced scale
+    upright = np.asarray(ImageOps.exif_transpose(Image.open(io.BytesIO(data)).convert("RGB")))
+    fast = images.load_jpeg(data, 64, "squash")  # no reduced scale
     assert fast is not None and fast.numpy().tolist() == upright.tolist()
+    assert torch.equal(decode_image(data, 16, "squash"), decode_image(data, 16, "squash", jpeg_decoder="pillow"))
+
+
+@needs_simplejpeg
+def test_fast_jpeg_path_applies_xmp_orientation():
+    xmp = (b'<x:xmpmeta xmlns:x="adobe:ns:meta/"><rdf:RDF xmlns:rdf="http://www.w3.org/1999/02/22-rdf-syntax-ns#">'
+           b'<rdf:Description xmlns:tiff="http://ns.adobe.com/tiff/1.0/" tiff:Orientation="6"/></rdf:RDF></x:xmpmeta>')
+    data = photo_jpeg(48, 32, xmp=xmp)
+    assert tuple(images.load_jpeg(data, 64, "squash").shape) == (48, 32, 3)
     assert torch.equal(decode_image(data, 16, "squash"), decode_image(data, 16, "squash", jpeg_decoder="pillow"))
 
 
 @needs_simplejpeg
 def test_cmyk_jpeg_falls_back_to_pillow():
     data = encode(Image.new("CMYK", (16, 16), (0, 255, 255, 0)), "JPEG", quality=95)
-    assert images.load_jpeg(Image.open(io.BytesIO(data)), data, 16, "crop") is None
+    assert images.load_jpeg(data, 16, "crop") is None
     r, g, b = decode_image(data, 16)[:, 8, 8].tolist()
     assert r > 200 and g < 60 and b < 60
 
