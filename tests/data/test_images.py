@@ -226,6 +226,14 @@ def test_fast_jpeg_path_applies_xmp_orientation():
 
 
 @needs_simplejpeg
+def test_fast_jpeg_path_turns_grey_into_rgb():
+    grey = Image.open(io.BytesIO(photo_jpeg(40, 30))).convert("L")
+    data = encode(grey, "JPEG", quality=90)
+    assert tuple(images.load_jpeg(data, 64).shape) == (30, 40, 3)
+    assert torch.equal(decode_image(data, 24), decode_image(data, 24, jpeg_decoder="pillow"))
+
+
+@needs_simplejpeg
 def test_cmyk_jpeg_falls_back_to_pillow():
     data = encode(Image.new("CMYK", (16, 16), (0, 255, 255, 0)), "JPEG", quality=95)
     assert images.load_jpeg(data, 16, "crop") is None

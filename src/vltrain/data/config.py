@@ -53,7 +53,8 @@ class DataConfig:
     """auto: JPEGs are decoded by simplejpeg when it is installed, else by Pillow. simplejpeg
     decodes straight into one array and scales in the DCT by any of 1/8 .. 5/8 (Pillow: 1/2, 1/4,
     1/8 only), so a 500x375 photo going to 224 is decoded at 313x235 instead of in full: the
-    loader runs ~35% faster, pixels within ~3 grey levels of Pillow's (docs/benchmarks.md).
+    loader delivers ~1.4x the samples/s, pixels within ~3 grey levels (mean) of Pillow's
+    (docs/benchmarks.md).
     pillow: always Pillow, for pixels identical to other Pillow-based pipelines."""
     interpolation: Literal["bicubic", "bilinear"] = "bicubic"
     """Resize filter (antialiased, on uint8). Bicubic is within 0.5 grey levels of a Lanczos
