@@ -303,8 +303,8 @@ def main() -> None:
     print(f"padding floor of data.pad_multiple=8 on these captions (every row alone rounded up): {pad_floor:.2f}")
     for k in ("c", "cn", "cp", "cb", "c2"):
         c = rate[k]
-        print(f"targets for {names[k]}: >= 2.0x (b): {'met' if c >= 2 * b else 'MISSED'} ({c / b:.2f}x); "
-              f">= 0.7x (a): {'met' if c >= 0.7 * a else 'MISSED'} ({c / a:.2f}x); "
+        print(f"targets for {names[k]}: >= 2.0x (b): {'met' if c >= 2 * b else 'MISSED'} ({c / b:.3f}x); "
+              f">= 0.7x (a): {'met' if c >= 0.7 * a else 'MISSED'} ({c / a:.3f}x); "
               f"padding <= 1.25: {'met' if pad[k] <= 1.25 else 'MISSED'} ({pad[k]:.2f})")
 
 
