@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import logging
+import os
 import sys
 
 from vltrain.errors import UserError
@@ -107,9 +109,23 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _setup_logging() -> None:
+    """vltrain's own log lines (epoch remainders, skipped rows) on stderr; INFO on rank 0 only."""
+    logger = logging.getLogger("vltrain")
+    if logger.handlers:
+        return
+    handler = logging.StreamHandler(sys.stderr)
+    rank = os.environ.get("RANK", "0")
+    handler.setFormatter(logging.Formatter("vltrain: %(message)s" if rank == "0" else f"vltrain[rank {rank}]: %(message)s"))
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO if rank == "0" else logging.WARNING)
+    logger.propagate = False
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    _setup_logging()
     try:
         return int(args.func(args) or 0)
     except UserError as e:
