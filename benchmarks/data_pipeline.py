@@ -7,16 +7,19 @@ noise) with captions of 5 to 40 words, then times one pass over them for
   (b) the seeds' pipeline: per sample PIL resize to 224x224 -> float tensor -> normalize, text
       tokenized and padded to max_length=512, torch's default collate;
   (c) vltrain's loader: ImageTextDataset (JPEG draft, resize and center crop to uint8) + Collator
-      (pad to the longest row, multiple of 8) under the training loader with budget batching;
+      (pad to the longest row; budget batching rounds to no multiple by default) under the
+      training loader with budget batching;
       its batches stay uint8 until the device normalizes them, so a second row adds that
       normalization done on this CPU (``Batch.pixels``); as configured by default (exact decode,
-      no upsampling) and with ``data.jpeg_draft_ratio=0.8`` (JPEG decoded at half scale, 250x188,
-      then upsampled to 224: faster, slightly softer);
+      no upsampling), with ``data.interpolation=bilinear`` (a cheaper resize filter) and with
+      ``data.jpeg_draft_ratio=0.8`` (JPEG decoded at half scale, 250x188, then upsampled to
+      224: faster, slightly softer);
 
 and, to show what the training loader itself costs, (c)'s dataset and collator in a plain
 DataLoader with fixed batches. It prints samples/s, the ratios the targets are set on, and the
-text padding ratio (token positions computed / real tokens). A second table times the resize alone, to
-choose how vltrain resizes. Rates are per second of the process's CPU time (one thread), each
+text padding ratio (token positions computed / real tokens). A second table times the resize alone, with
+its mean absolute difference from a Pillow Lanczos resize (grey levels), to choose how vltrain
+resizes. Rates are per second of the process's CPU time (one thread), each
 the best of ``--repeats`` passes.
 
     OMP_NUM_THREADS=1 PYTHONPATH=src python benchmarks/data_pipeline.py [--num 300] [--repeats 3]
@@ -166,11 +169,11 @@ def timed(fn) -> tuple[float, tuple[int, int, int]]:
 # -- resize alone ----------------------------------------------------------------------------------
 
 
-def resize_table(image: Image.Image, size: int, repeats: int) -> list[tuple[str, float]]:
+def resize_table(image: Image.Image, size: int, repeats: int) -> list[tuple[str, float, float]]:
     w, h = image.size
     side = min(w, h)
-    box = ((w - side) / 2, (h - side) / 2, (w + side) / 2, (h + side) / 2)
-    left, top = int(box[0]), int(box[1])
+    left, top = (w - side) // 2, (h - side) // 2  # the crop vltrain takes
+    box = (left, top, left + side, top + side)
     hwc = torch.from_numpy(np.array(image))
 
     def torch_resize(mode):
@@ -188,16 +191,19 @@ def resize_table(image: Image.Image, size: int, repeats: int) -> list[tuple[str,
         "torch interpolate uint8 bilinear antialias": torch_resize("bilinear"),
         "torch interpolate uint8 bicubic antialias": torch_resize("bicubic"),
     }
+    reference = np.asarray(image.resize((size, size), Image.Resampling.LANCZOS, box=box), dtype=np.float64)
     out = []
     for name, fn in options.items():
-        fn()
+        y = fn()
+        got = np.asarray(y) if isinstance(y, Image.Image) else y.permute(1, 2, 0).numpy()
+        error = float(np.abs(got.astype(np.float64) - reference).mean())
         best = float("inf")
         for _ in range(repeats):
             start = time.process_time()
             for _ in range(50):
                 fn()
             best = min(best, (time.process_time() - start) / 50)
-        out.append((name, best * 1e6))
+        out.append((name, best * 1e6, error))
     return out
 
 
@@ -221,7 +227,8 @@ def main() -> None:
             batch_size=args.batch_size, num_workers=0, batching="budget", pin_memory=False,
         )
         fast = dataclasses.replace(cfg, jpeg_draft_ratio=0.8)
-        datasets = {k: build_dataset(c, "train", tokenizer) for k, c in (("c", cfg), ("c2", fast))}
+        bilinear = dataclasses.replace(cfg, interpolation="bilinear")
+        datasets = {k: build_dataset(c, "train", tokenizer) for k, c in (("c", cfg), ("c2", fast), ("cb", bilinear))}
         for ds in datasets.values():
             ds.table()
         runs = {
@@ -229,6 +236,7 @@ def main() -> None:
             "b": lambda: seed_pipeline(rows, folder, tokenizer, args.image_size, args.batch_size),
             "c": lambda: vltrain_pipeline(cfg, tokenizer, datasets["c"]),
             "cn": lambda: vltrain_pipeline(cfg, tokenizer, datasets["c"], normalize=True),
+            "cb": lambda: vltrain_pipeline(bilinear, tokenizer, datasets["cb"]),
             "c2": lambda: vltrain_pipeline(fast, tokenizer, datasets["c2"]),
             "d": lambda: plain_pipeline(cfg, tokenizer, datasets["c"]),
         }
@@ -258,19 +266,21 @@ def main() -> None:
         "b": "(b) seeds: PIL resize, float, normalize per sample; pad to 512",
         "c": "(c) vltrain loader: uint8, pad to longest, budget batching",
         "cn": "(c) + normalize each batch on this CPU (as CPU-only training does)",
+        "cb": "(c) with data.interpolation=bilinear",
         "c2": "(c) with data.jpeg_draft_ratio=0.8",
         "d": "(c) without the training loader: plain DataLoader, fixed batches",
     }
     for k, name in names.items():
         print(f"| {name} | {rate[k]:.0f} | {rate[k] / a:.2f}x | {rate[k] / b:.2f}x | {pad.get(k, float('nan')):.2f} |")
     print()
-    print(f"| resize {args.image_size}x{args.image_size} center crop of one 500x375 photo | CPU us |")
-    print("|---|---:|")
-    for name, us in resize:
-        print(f"| {name} | {us:.0f} |")
+    print(f"| resize {args.image_size}x{args.image_size} center crop of one 500x375 photo | CPU us | "
+          "mean abs. diff. from Pillow Lanczos |")
+    print("|---|---:|---:|")
+    for name, us, error in resize:
+        print(f"| {name} | {us:.0f} | {error:.2f} |")
     print()
-    print(f"padding floor of pad-to-multiple-of-8 on these captions (every row alone): {pad_floor:.2f}")
-    for k in ("c", "cn", "c2"):
+    print(f"padding floor of data.pad_multiple=8 on these captions (every row alone rounded up): {pad_floor:.2f}")
+    for k in ("c", "cn", "cb", "c2"):
         c = rate[k]
         print(f"targets for {names[k]}: >= 2.0x (b): {'met' if c >= 2 * b else 'MISSED'} ({c / b:.2f}x); "
               f">= 0.7x (a): {'met' if c >= 0.7 * a else 'MISSED'} ({c / a:.2f}x); "

@@ -8,7 +8,9 @@ batches all have the same shape, so their rate is timed on the first ``--timed-b
 
     PYTHONPATH=src python benchmarks/padding.py [--rows 3000] [--timed-batches 8]
 
-Token counts are words + 2 special tokens (a whitespace tokenizer), capped at 512.
+Token counts are words + 2 special tokens (a whitespace tokenizer), capped at 512. Widths are
+rounded as ``data.pad_multiple`` does by default (8 for fixed batches, none for budget batches);
+budget batching with rounding to 8 is shown too.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import numpy as np
 import torch
 
 from vltrain.data.budget import batch_tokens, padded_width
+from vltrain.data.config import DataConfig
 from vltrain.data.sampler import DistributedBatchSampler
 from vltrain.data.table import SampleTable
 
@@ -105,14 +108,18 @@ def main() -> None:
     fixed = [np.asarray(b) for b in fixed]
     # Budget: the positions of a fixed batch of median-length rows (x4 headroom), up to 8x the rows.
     token_budget = max(bs * 4 * int(np.median(lens)), MAX_LEN)
-    budget = [np.asarray(b) for b in DistributedBatchSampler(
-        table, batch_size=8 * bs, batching="budget", token_budget=token_budget, **common)]
+    m_fixed = DataConfig(batching="fixed").text_pad_multiple()
     results = [
-        measure("fixed, pad to longest", fixed, table, [batch_tokens(lens[b]) // len(b) for b in fixed]),
+        measure(f"fixed, pad to longest (multiple of {m_fixed})", fixed, table,
+                [batch_tokens(lens[b], m_fixed) // len(b) for b in fixed]),
         measure("fixed, pad to 512", fixed, table, [MAX_LEN] * len(fixed), args.timed_batches),
-        measure(f"budget ({token_budget} positions)", budget, table,
-                [batch_tokens(lens[b]) // len(b) for b in budget]),
     ]
+    for multiple in (DataConfig(batching="budget").text_pad_multiple(), 8):
+        budget = [np.asarray(b) for b in DistributedBatchSampler(
+            table, batch_size=8 * bs, batching="budget", token_budget=token_budget, pad_multiple=multiple,
+            **common)]
+        results.append(measure(f"budget ({token_budget} positions, multiple of {multiple})", budget, table,
+                               [batch_tokens(lens[b], multiple) // len(b) for b in budget]))
     print("\n| batching | batches/epoch | mean rows | padding ratio | samples/s |")
     print("|---|---:|---:|---:|---:|")
     for r in results:

@@ -62,7 +62,7 @@ def run_world(fn, args: tuple = (), world: int = 2, timeout: float = 60.0, tmp_d
         raise TimeoutError(f"ranks {hung} did not finish within {timeout} s")
     results = []
     for r in range(world):
-        data = torch.load(os.path.join(out_dir, f"rank{r}.pt"), weights_only=False)
+        data = torch.load(os.path.join(out_dir, f"rank{r}.pt"), weights_only=True)
         if not data["ok"]:
             raise RuntimeError(f"rank {r} failed:\n{data['error']}")
         results.append(data["result"])

@@ -105,7 +105,19 @@ class CheckpointConfig:
     every: int = 0
     """Save every N steps (0: only at the end)."""
     keep: int = 3
+    """Newest complete checkpoints kept (0: all)."""
     async_save: bool = False
+    """Write tensors in the background (DCP async save); the next save or the run's end commits them."""
+    folder: str = "checkpoints"
+    """Relative to run.dir, or an absolute path."""
+
+    def validate(self) -> None:
+        if self.every < 0:
+            raise ConfigError(f"checkpoint.every must be >= 0 (0: only at the end), got {self.every}")
+        if self.keep < 0:
+            raise ConfigError(f"checkpoint.keep must be >= 0 (0: keep all), got {self.keep}")
+        if not self.folder:
+            raise ConfigError("checkpoint.folder must not be empty (default: checkpoints)")
 
 
 @dataclass

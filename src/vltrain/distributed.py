@@ -40,7 +40,19 @@ def init_distributed(backend: str | None = None, timeout_s: float = 600.0) -> tu
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if backend == "nccl":
         torch.cuda.set_device(local_rank)
-    dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=timeout_s))
+    timeout = datetime.timedelta(seconds=timeout_s)
+    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    one_agent = os.environ.get("GROUP_WORLD_SIZE") == "1"  # one torchrun: one restart count for all
+    if restart is not None and one_agent and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        # torchrun's store outlives a restart of the group: in a namespace of their own, the
+        # restarted workers cannot read the dead workers' addresses and fail (or hang) connecting
+        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                              int(os.environ["WORLD_SIZE"]), is_master=False, timeout=timeout)
+        dist.init_process_group(backend=backend, store=dist.PrefixStore(f"vltrain/attempt_{restart}", store),
+                                rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]),
+                                timeout=timeout)
+    else:
+        dist.init_process_group(backend=backend, timeout=timeout)
     return world_info()
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import math
 import random
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -18,37 +19,48 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from vltrain.checkpoint import Checkpointer, ModelState, OptimizerState
 from vltrain.config import JobConfig, load_config
 from vltrain.data.batch import Batch
 from vltrain.distributed import World, setup_world
 from vltrain.evaluate import append_eval, evaluate, format_metrics
+from vltrain.faults import maybe_fail
 from vltrain.gradcache import gradcache_backward
 from vltrain.guards import NonFiniteGuard
 from vltrain.metrics import GpuUtilization, MetricsLogger, Throughput, peak_flops, peak_memory_bytes, plot_curves
 from vltrain.optim import build_optimizer, build_scheduler, freeze_towers
 from vltrain.parallelize import Dispatch, clip_grad_norm, parallelize, reduce_replicated_grads
 from vltrain.precision import Precision
+from vltrain.rng import RngState
 from vltrain.step import ModelInputs, StepLosses, plain_backward
 
 WEIGHTS_FILE = "weights.safetensors"
 """The final weights (full, unsharded), written at the end of a run for ``vltrain eval``."""
 
 
-class RngState:
-    """This rank's torch, CUDA, numpy and Python RNG states, Stateful for exact resume."""
+class LoaderPosition:
+    """The train loader's position as a Stateful that also takes a checkpoint of another world size.
+
+    Same world size: the exact position. Another: the same epoch with the same number of the
+    epoch's samples consumed, rounded down to a whole step. An epoch's sample order does not depend
+    on the world size, so the run continues where it was by samples seen; batches are composed
+    differently, so this is not bit-exact.
+    """
+
+    def __init__(self, loader, world_size: int):
+        self.loader = loader
+        self.world_size = world_size
 
     def state_dict(self) -> dict[str, Any]:
-        state = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
-        if torch.cuda.is_available():
-            state["cuda"] = torch.cuda.get_rng_state_all()
-        return state
+        return self.loader.state_dict()
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        torch.set_rng_state(state["torch"])
-        np.random.set_state(state["numpy"])
-        random.setstate(state["python"])
-        if "cuda" in state and torch.cuda.is_available():
-            torch.cuda.set_rng_state_all(state["cuda"])
+        sampler = state["sampler"]
+        saved_world = sampler["world_size"]
+        if saved_world != self.world_size:
+            consumed = sampler["consumed"] * saved_world // self.world_size
+            state = {**state, "sampler": {**sampler, "world_size": self.world_size, "consumed": consumed}}
+        self.loader.load_state_dict(state)
 
 
 def build_model_for(cfg: JobConfig, device: torch.device):
@@ -124,16 +136,28 @@ class Trainer:
         self.best_metric: float | None = None
         self.evals_without_improvement = 0
 
-        # checkpointer: collects self.stateful(); resumes before the first step
-        self.checkpointer = None
+        # throughput: measuring the CPU's peak draws random numbers, so it comes before the resume
+        self.throughput = Throughput(peak_flops(self.device, self.precision.dtype))
+        self.gpu_util = GpuUtilization(self.device)
+
+        # checkpointer: collects self.stateful(); resumes last of all, so that the generators it
+        # restores are exactly those the next step draws from
+        self.checkpointer = Checkpointer(
+            cfg.checkpoint, self.run_dir, self.stateful(), {"rng": self.rng}, config_yaml=cfg.to_yaml(),
+            files={"tokenizer.json": self.tokenizer.path} if self.tokenizer.path else None,
+        )
+        self.restored = self.checkpointer.resume(tc.resume)
 
         # metrics
         self.metrics = MetricsLogger(
             self.run_dir, enabled=self.world.is_main, total_steps=tc.max_steps,
             progress=tc.progress, start_step=self.step,
         )
-        self.throughput = Throughput(peak_flops(self.device, self.precision.dtype))
-        self.gpu_util = GpuUtilization(self.device)
+        if self.restored is not None:
+            how = "exactly" if self.restored.exact else (
+                f"from world size {self.restored.world_size}: model and optimizer resharded, data continues "
+                "by samples seen (not bit-exact)")
+            self.metrics.write(f"resumed from {self.restored.path} at step {self.step} ({how})")
 
     def _build_train_loader(self):
         from vltrain.data.dataset import build_dataset
@@ -151,14 +175,18 @@ class Trainer:
     # Stateful
 
     def stateful(self) -> dict[str, Any]:
-        """Everything a checkpoint holds besides the model, by name."""
+        """What a checkpoint holds that is the same on every rank (tensors may be FSDP2 shards).
+
+        The model and the optimizer by parameter FQN, so a checkpoint outlives a change of
+        wrapping or world size. The RNG generators differ per rank: they are given separately.
+        """
         return {
-            "trainer": self,
-            "optimizer": self.optimizer,
+            "model": ModelState(self.model),
+            "optimizer": OptimizerState(self.model, self.optimizer),
             "scheduler": self.scheduler,
             "scaler": self.scaler,
-            "loader": self.loader,
-            "rng": self.rng,
+            "loader": LoaderPosition(self.loader, self.world.world_size),
+            "trainer": self,
         }
 
     def state_dict(self) -> dict[str, Any]:
@@ -200,6 +228,7 @@ class Trainer:
                     self.metrics.write(f"early stop at step {self.step}: {self.cfg.eval.early_stop_metric} "
                                        f"did not improve for {self.evals_without_improvement} evaluations")
                     break
+            maybe_fail("step", self.step, self.world.rank)
             self._checkpoint(final=False)
         if self.val_loader is not None and evaluated_at != self.step:
             last_eval = self.run_eval()
@@ -365,6 +394,12 @@ def train_cli(args: argparse.Namespace) -> int:
     trainer = Trainer(cfg)
     try:
         metrics = trainer.train()
+    except BaseException as e:
+        # the line naming the failed rank; the other ranks then fail on the broken group (or are
+        # stopped by torchrun), within train.timeout_s at the latest
+        print(f"vltrain: rank {trainer.world.rank} failed at step {trainer.step}: {type(e).__name__}: {e}",
+              file=sys.stderr, flush=True)
+        raise
     finally:
         trainer.close()
     if trainer.world.is_main:
@@ -380,17 +415,25 @@ def evaluate_run(run_dir: Path, data: str | None = None, overrides: list[str] | 
 
     from vltrain.errors import UserError
 
+    from vltrain.export import is_exported, load_exported
+
+    exported = is_exported(run_dir)
     config_path = run_dir / "config.yaml"
     weights = run_dir / WEIGHTS_FILE
-    if not config_path.exists() or not weights.exists():
-        raise UserError(f"{run_dir} is not a finished run: it needs config.yaml and {WEIGHTS_FILE}")
+    if not exported and (not config_path.exists() or not weights.exists()):
+        raise UserError(f"{run_dir} is neither a finished run (config.yaml and {WEIGHTS_FILE}) "
+                        "nor an exported model (vltrain export)")
     cfg = load_config(config_path, list(overrides or []) + ([f"data.val={data}"] if data else []))
     if not cfg.data.val:
         raise UserError(f"{config_path} names no data.val; pass --data VAL_MANIFEST")
     world = setup_world(timeout_s=cfg.train.timeout_s, device=cfg.train.device, threads=cfg.train.threads)
     try:
-        tokenizer, model = build_model_for(cfg, world.device)
-        model.load_state_dict(load_file(str(weights), device=str(world.device)))
+        if exported:
+            model, tokenizer, exported_cfg = load_exported(run_dir, world.device)
+            cfg.data.tokenizer = exported_cfg.data.tokenizer
+        else:
+            tokenizer, model = build_model_for(cfg, world.device)
+            model.load_state_dict(load_file(str(weights), device=str(world.device)))
         loader = build_val_loader(cfg, tokenizer, world)
         precision = Precision(cfg.train.precision, world.device)
         return evaluate(Dispatch(model), loader, cfg.data, world.device, precision.autocast, cfg.eval.max_samples)

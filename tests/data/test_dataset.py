@@ -179,3 +179,22 @@ def test_text_edge_cases(tmp_path, tok):
     batch = Collator(tok.pad_id, 16, 8)([ds[i] for i in range(3)])
     assert batch.num_truncated == 1
     assert batch.has_text.tolist() == [True, True, False]
+
+
+def test_a_replacement_fits_the_plan_of_the_sample_it_replaces(tmp_path, tok):
+    """Budget batches are planned from the table: a replacement keeps the planned modalities and
+    at most the planned token count, so it cannot push a batch over its budget."""
+    rows = [{"id": f"t{i}", "text": caption(i)} for i in range(20)]  # text-only, longer captions
+    rows += [{"id": f"s{i}", "image": f"img/{i}.png", "text": caption(i) + " " + caption(i + 1)}
+             for i in range(20)]  # image-text, longer captions
+    for i in range(20):
+        save(distinct_image(i), tmp_path / "img" / f"{i}.png")
+    rows.append({"id": "short", "image": "img/missing.png", "text": "red"})  # bad, image + short caption
+    ds = build_dataset(cfg(str(write_jsonl(tmp_path / "m.jsonl", rows))), "train", tok)
+    t = ds.table()
+    planned = len(rows) - 1
+    s = ds[planned]
+    assert s.errors and s.errors[0][0] == "short"
+    assert s.image is not None and s.key.startswith("s")  # same modalities as planned
+    assert 0 < len(s.input_ids) <= t.text_len[planned] and s.truncated
+    assert s.input_ids[-1] == tok.encode(caption(0), 16)[0][-1]  # the closing token is kept

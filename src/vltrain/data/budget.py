@@ -1,7 +1,7 @@
 """Budget batching: batches packed under a token budget and an image budget.
 
 A batch costs ``rows x padded width`` text positions, where the width is the longest row rounded
-up to a multiple of 8 (the collator pads that way), and one image slot per row with an image.
+up to ``data.pad_multiple`` (the collator pads the same way), and one image slot per row with an image.
 Rows are grouped by modality (image-text, text-only, image-only) so a batch never mixes them,
 and sorted by padded width inside large shuffled windows ("megabatches", as in LLaVA's
 modality-length grouping) so a batch holds similar lengths while batch composition still
@@ -17,22 +17,23 @@ from vltrain.data.table import SampleTable
 from vltrain.errors import UserError
 
 PAD_MULTIPLE = 8
+"""The default rounding of padded widths (``DataConfig.pad_multiple``)."""
 MEGABATCH = 32
 """A length-sorting window holds this many batch_size-sized batches."""
 
 
 def padded_width(max_len: int, multiple: int = PAD_MULTIPLE) -> int:
-    """Text positions per row of a batch whose longest row has ``max_len`` tokens."""
-    return max(multiple, -(-int(max_len) // multiple) * multiple)
+    """Text positions per row of a batch whose longest row has ``max_len`` tokens (at least one)."""
+    return max(multiple, -(-max(int(max_len), 1) // multiple) * multiple)
 
 
 def _widths(text_len: np.ndarray, multiple: int = PAD_MULTIPLE) -> np.ndarray:
     return np.maximum(multiple, -(-text_len // multiple) * multiple)
 
 
-def batch_tokens(text_len: np.ndarray) -> int:
+def batch_tokens(text_len: np.ndarray, multiple: int = PAD_MULTIPLE) -> int:
     """Text positions a batch with these row lengths computes (the token budget's unit)."""
-    return len(text_len) * padded_width(int(text_len.max())) if len(text_len) else 0
+    return len(text_len) * padded_width(int(text_len.max()), multiple) if len(text_len) else 0
 
 
 def modality(table: SampleTable, rows: np.ndarray) -> np.ndarray:
@@ -42,7 +43,7 @@ def modality(table: SampleTable, rows: np.ndarray) -> np.ndarray:
 
 
 def _pack_sorted(rows: np.ndarray, lens: np.ndarray, imgs: np.ndarray, batch_size: int,
-                 token_budget: int, image_budget: int) -> list[np.ndarray]:
+                 token_budget: int, image_budget: int, multiple: int) -> list[np.ndarray]:
     """Greedy packing of rows already sorted by length; closes a batch when one more row would not fit."""
     batches, start, longest, images = [], 0, 0, 0
     for i in range(len(rows)):
@@ -51,7 +52,7 @@ def _pack_sorted(rows: np.ndarray, lens: np.ndarray, imgs: np.ndarray, batch_siz
         fits = (
             count <= batch_size
             and images + int(imgs[i]) <= image_budget
-            and count * padded_width(cand_longest) <= token_budget
+            and count * padded_width(cand_longest, multiple) <= token_budget
         )
         if not fits and i > start:
             batches.append(rows[start:i])
@@ -71,14 +72,16 @@ def pack(
     token_budget: int,
     image_budget: int,
     rng: np.random.Generator | None,
+    pad_multiple: int = PAD_MULTIPLE,
 ) -> list[np.ndarray]:
     """Batches of dataset indices covering ``order`` exactly once, each within every budget.
 
     ``rng`` shuffles the batch order (None keeps modality-then-length order, for shuffle=False).
+    With ``pad_multiple`` 1 rows are grouped by exact length.
     """
     if len(order) == 0:
         return []
-    widest = padded_width(int(table.text_len[order].max()))
+    widest = padded_width(int(table.text_len[order].max()), pad_multiple)
     if widest > token_budget:
         raise UserError(
             f"data.token_budget={token_budget} is smaller than one padded caption ({widest} positions); "
@@ -95,9 +98,9 @@ def pack(
             chunk = rows[w : w + window]
             # Sort by padded width, not length: rows of one width cost the same, so their
             # (shuffled) order is kept and batch composition changes from epoch to epoch.
-            chunk = chunk[np.argsort(_widths(table.text_len[chunk]), kind="stable")]
+            chunk = chunk[np.argsort(_widths(table.text_len[chunk], pad_multiple), kind="stable")]
             batches += _pack_sorted(chunk, table.text_len[chunk], table.has_image[chunk], batch_size,
-                                    token_budget, image_budget)
+                                    token_budget, image_budget, pad_multiple)
     if rng is not None:
         batches = [batches[i] for i in rng.permutation(len(batches))]
     return batches

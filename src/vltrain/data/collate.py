@@ -8,25 +8,25 @@ import torch
 from vltrain.data.batch import Batch
 from vltrain.data.dataset import Sample
 
-PAD_MULTIPLE = 8
-"""Padded lengths are multiples of 8 (tensor-core friendly; fewer distinct shapes to compile)."""
+from vltrain.data.budget import PAD_MULTIPLE, padded_width
 
 
 class Collator:
-    """Pads text to the longest row rounded up to a multiple of 8, capped at ``max_text_length``.
+    """Pads text to the longest row rounded up to ``pad_multiple``, capped at ``max_text_length``.
 
     Padding to the longest row instead of ``max_text_length`` is most of the text-side saving:
-    captions are short, so a fixed pad to 77 or 512 computes mostly padding.
+    captions are short, so a fixed pad to 77 or 512 computes mostly padding. The budget packer
+    must round the same way (``DataConfig.text_pad_multiple``); the training loader sees to it.
     """
 
-    def __init__(self, pad_id: int, max_text_length: int, image_size: int):
+    def __init__(self, pad_id: int, max_text_length: int, image_size: int, pad_multiple: int = PAD_MULTIPLE):
         self.pad_id = pad_id
         self.max_text_length = max_text_length
         self.image_size = image_size
+        self.pad_multiple = pad_multiple
 
     def text_length(self, longest: int) -> int:
-        rounded = -(-max(longest, 1) // PAD_MULTIPLE) * PAD_MULTIPLE
-        return min(rounded, self.max_text_length)
+        return min(padded_width(longest, self.pad_multiple), self.max_text_length)
 
     def __call__(self, samples: list[Sample]) -> Batch:
         n = len(samples)

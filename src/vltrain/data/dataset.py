@@ -4,6 +4,13 @@ A sample that cannot be read or decoded is replaced by another one chosen by a h
 index, so every rank and every worker makes the same choice and batch sizes never change. The
 failure travels with the replacement into ``Batch.errors``. A source where every sample fails
 raises after a bounded number of tries: it never loops.
+
+Once the sample table exists (training), a replacement also fits the plan the sampler made for
+the sample it replaces: it has the same modalities and at most as many tokens (among
+``PROBES`` hashed candidates; a longer caption is cut to the planned length and counted as
+truncated). So budget batches stay within their token budget. Only a source where none of the
+candidates has the planned modality can put an image where none was planned: at most one
+image slot more per replaced row.
 """
 
 from __future__ import annotations
@@ -30,6 +37,9 @@ MAX_TRIES = 32
 """Failed samples in a row (the sample, then its replacements) before the source is declared
 unusable. A source with 50% bad samples gets there with probability 2^-32 per bad sample."""
 
+PROBES = 64
+"""Hashed candidates looked at (in the sample table, no decoding) for a replacement that fits."""
+
 
 @dataclass
 class Sample:
@@ -47,6 +57,10 @@ class Sample:
 class ImageTextDataset(torch.utils.data.Dataset):
     """The concatenation of ``sources``; ``ds[i]`` is a :class:`Sample`."""
 
+    uses_random = False
+    """Loading is a pure function of the index (no random augmentation), so the training loader
+    need not seed each sample. A subclass that augments must set this to True."""
+
     def __init__(
         self,
         sources: list[Source],
@@ -62,6 +76,7 @@ class ImageTextDataset(torch.utils.data.Dataset):
         self.resize = cfg.resize
         self.max_image_pixels = cfg.max_image_pixels
         self.jpeg_draft_ratio = cfg.jpeg_draft_ratio
+        self.interpolation = cfg.interpolation
         self.max_text_length = cfg.max_text_length
         self.on_error = cfg.on_error
         self.source_names = [s.name for s in sources]
@@ -85,11 +100,15 @@ class ImageTextDataset(torch.utils.data.Dataset):
     def __getitem__(self, index: int) -> Sample:
         s, j = self.locate(int(index))
         source = self.sources[s]
+        planned = int(index)
         errors: list[tuple[str, str]] = []
         for attempt in range(MAX_TRIES):
             row = source.row(j)
             try:
-                return self._load(source, s, j, row, errors)
+                sample = self._load(source, s, j, row, errors)
+                if errors and self._table is not None:
+                    self._fit_plan(sample, planned)
+                return sample
             except (ImageError, OSError) as e:
                 reason = _reason(e, row.image)
                 if self.on_error == "fail":
@@ -98,19 +117,45 @@ class ImageTextDataset(torch.utils.data.Dataset):
                         "Set data.on_error: skip to replace bad samples and log them to bad_samples.jsonl."
                     ) from e
                 errors.append((row.key, reason))
-            # Same source, a position spread far from this one: bad samples come in runs.
-            j = stable_uid(f"{index}:{attempt}") % len(source)
+            j = self._replacement(s, planned, attempt)
         shown = "; ".join(f"{k}: {r}" for k, r in errors[:3])
         raise DataError(
             f"{source.name}: {MAX_TRIES} samples in a row failed to load ({shown}; ...). The source "
             f"looks unusable: check it with `vltrain data validate {source.name}`."
         )
 
+    def _replacement(self, s: int, planned: int, attempt: int) -> int:
+        """A row of source ``s`` to load instead: same source, a position spread far from the
+        failed one (bad samples come in runs), with the planned modalities and length if the
+        table is known."""
+        n = len(self.sources[s])
+        candidates = [stable_uid(f"{planned}:{attempt}:{k}") % n for k in range(PROBES)]
+        t = self._table
+        if t is None:
+            return candidates[0]
+        rows = self._starts[s] + np.asarray(candidates)
+        same = (t.has_image[rows] == t.has_image[planned]) & (t.has_text[rows] == t.has_text[planned])
+        fits = same & (t.text_len[rows] <= t.text_len[planned])
+        pick = np.flatnonzero(fits if fits.any() else same)
+        return candidates[int(pick[0]) if len(pick) else 0]
+
+    def _fit_plan(self, sample: Sample, planned: int) -> None:
+        """Cut a replacement's caption to the planned sample's token count (budget batching)."""
+        limit = int(self._table.text_len[planned])
+        ids = sample.input_ids
+        if self._table.has_text[planned] and len(ids) > limit:
+            end = self.tokenizer.eos_id
+            # Keep the closing special token, as the tokenizer's own truncation does.
+            sample.input_ids = ids[: limit - 1] + ids[-1:] if end is not None and ids[-1] == end and limit > 1 \
+                else ids[:limit]
+            sample.truncated = True
+
     def _load(self, source: Source, s: int, j: int, row: Row, errors: list) -> Sample:
         image = None
         if row.image is not None:
             data = source.read_image(j)
-            image = decode_image(data, self.image_size, self.resize, self.max_image_pixels, self.jpeg_draft_ratio)
+            image = decode_image(data, self.image_size, self.resize, self.max_image_pixels, self.jpeg_draft_ratio,
+                                 self.interpolation)
         ids, truncated = [], False
         if row.text is not None:
             ids, truncated = self.tokenizer.encode(row.text, self.max_text_length)

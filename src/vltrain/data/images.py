@@ -11,12 +11,16 @@ from __future__ import annotations
 import io
 import math
 import struct
+import warnings
 import zlib
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 from PIL import ExifTags, Image, ImageOps, UnidentifiedImageError
+
+# decode_image wraps the read-only bytes of a decoded image and never writes to them.
+warnings.filterwarnings("ignore", message="The given buffer is not writable", module=__name__)
 
 WHITE = (255, 255, 255, 255)
 ALPHA_MODES = ("RGBA", "LA", "PA", "RGBa", "La")
@@ -31,16 +35,20 @@ class ImageError(ValueError):
 
 
 def decode_image(
-    data: bytes, size: int, resize: str = "crop", max_pixels: int = 89_478_485, draft_ratio: float = 1.0
+    data: bytes, size: int, resize: str = "crop", max_pixels: int = 89_478_485, draft_ratio: float = 1.0,
+    interpolation: str = "bicubic",
 ) -> torch.Tensor:
     """Decode, orient, convert to RGB, resize to ``size`` x ``size``; uint8 CHW."""
     try:
-        hwc = np.array(load_rgb(data, size, resize, max_pixels, draft_ratio))  # writable: torch wraps it
+        im = load_rgb(data, size, resize, max_pixels, draft_ratio)
+        # Pillow's pixels are copied out once (tobytes) and wrapped, not copied again by numpy;
+        # resize_pixels only reads them.
+        hwc = torch.frombuffer(im.tobytes(), dtype=torch.uint8).view(im.height, im.width, 3)
     except ImageError:
         raise
     except DECODE_ERRORS as e:
         raise ImageError(f"cannot decode image: {e}") from e
-    return resize_pixels(torch.from_numpy(hwc), size, resize)
+    return resize_pixels(hwc, size, resize, interpolation)
 
 
 def load_rgb(
@@ -109,9 +117,10 @@ def to_rgb(im: Image.Image) -> Image.Image:
     return im.convert("RGB")
 
 
-def resize_pixels(hwc: torch.Tensor, size: int, resize: str = "crop") -> torch.Tensor:
+def resize_pixels(hwc: torch.Tensor, size: int, resize: str = "crop", interpolation: str = "bicubic") -> torch.Tensor:
     """uint8 [H, W, 3] -> [3, size, size]: shorter side to ``size`` then center crop ("crop"),
-    or both sides to ``size`` ("squash"). The crop is a view, so only kept pixels are resampled."""
+    or both sides to ``size`` ("squash"). The crop is a view, so only kept pixels are resampled.
+    ``interpolation`` is "bicubic" or "bilinear", both antialiased."""
     h, w = hwc.shape[:2]
     if resize != "squash":
         side = min(w, h)
@@ -119,5 +128,5 @@ def resize_pixels(hwc: torch.Tensor, size: int, resize: str = "crop") -> torch.T
         hwc = hwc[top : top + side, left : left + side]
     chw = hwc.permute(2, 0, 1)  # a channels-last view: the layout the uint8 kernel is fastest on
     if chw.shape[1:] != (size, size):
-        chw = F.interpolate(chw[None], size=(size, size), mode="bicubic", antialias=True)[0]
-    return chw.contiguous()
+        return F.interpolate(chw[None], size=(size, size), mode=interpolation, antialias=True)[0].contiguous()
+    return chw.clone(memory_format=torch.contiguous_format)  # never a view of the caller's pixels

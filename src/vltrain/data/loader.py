@@ -4,15 +4,18 @@
 Its position is the number of batches the trainer has *taken* (each ``next()``), not what the
 DataLoader workers prefetched, so a checkpoint taken after step k resumes at batch k+1 exactly.
 
-Worker randomness never depends on which worker loads a sample: each sample is loaded under a
-seed derived from (seed, rank, epoch, step, row), so any augmentation is reproduced on resume,
-whatever ``num_workers`` and whether workers persist across epochs.
+Worker randomness never depends on which worker loads a sample: each sample of a dataset that
+draws random numbers is loaded under a seed derived from (seed, rank, epoch, step, row), so any
+augmentation is reproduced on resume, whatever ``num_workers`` and whether workers persist
+across epochs. A dataset that says it draws none (``uses_random = False``) is not seeded at all:
+seeding costs more than decoding a small image.
 """
 
 from __future__ import annotations
 
 import functools
 import random
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
@@ -24,9 +27,11 @@ from vltrain.data.audit import AuditLog
 from vltrain.data.badlog import BadSampleLog
 from vltrain.data.batch import Batch
 from vltrain.data.budget import padded_width
+from vltrain.data.collate import Collator
 from vltrain.data.config import DataConfig, SourceSpec
 from vltrain.data.sampler import DistributedBatchSampler
 from vltrain.data.table import SampleTable
+from vltrain.errors import UserError
 
 
 def _batch_seeds(seed: int, rank: int, epoch: int, step: int, rows: int) -> list[int]:
@@ -35,9 +40,29 @@ def _batch_seeds(seed: int, rank: int, epoch: int, step: int, rows: int) -> list
 
 
 def _seed_all(seed: int) -> None:
-    torch.manual_seed(seed)
+    # Not torch.manual_seed: it also seeds every accelerator and records a stack trace for
+    # lazy device init (~100x slower). Workers draw on the CPU generator only.
+    torch.default_generator.manual_seed(seed)
     random.seed(seed)
     np.random.seed(seed)
+
+
+@contextmanager
+def plain_worker_errors() -> Iterator[None]:
+    """Re-raise a UserError from a DataLoader worker with its own message only.
+
+    torch re-raises a worker's exception as the same class, but with "Caught DataError in
+    DataLoader worker process 0. Original Traceback ..." in front of the message; a user's
+    mistake (a bad sample under on_error: fail) should read as it was written.
+    """
+    try:
+        yield
+    except UserError as e:
+        text = str(e)
+        head = f"\n{type(e).__module__}.{type(e).__qualname__}: "
+        if "in DataLoader worker process" not in text or head not in text:
+            raise
+        raise type(e)(text[text.rindex(head) + len(head):].rstrip("\n")) from None
 
 
 class _SeededDataset(Dataset):
@@ -45,25 +70,28 @@ class _SeededDataset(Dataset):
 
     def __init__(self, dataset: Dataset) -> None:
         self.dataset = dataset
+        self.seeded = getattr(dataset, "uses_random", True)
 
     def __len__(self) -> int:
         return len(self.dataset)  # type: ignore[arg-type]
 
     def __getitem__(self, key: tuple[int, int]) -> Any:
         index, seed = key
+        if not self.seeded:
+            return self.dataset[index]
         if get_worker_info() is not None:
             _seed_all(seed)
             return self.dataset[index]
         # In the main process the global generators belong to the trainer (dropout, masking):
         # borrow them and give them back untouched.
-        py, npy = random.getstate(), np.random.get_state()
-        with torch.random.fork_rng(devices=[]):
-            _seed_all(seed)
-            try:
-                return self.dataset[index]
-            finally:
-                random.setstate(py)
-                np.random.set_state(npy)
+        py, npy, pt = random.getstate(), np.random.get_state(), torch.default_generator.get_state()
+        _seed_all(seed)
+        try:
+            return self.dataset[index]
+        finally:
+            random.setstate(py)
+            np.random.set_state(npy)
+            torch.default_generator.set_state(pt)
 
 
 class _SeededBatches:
@@ -144,7 +172,8 @@ class TrainLoader:
                     self.audit.epoch_header(self.sampler.epoch, self.sampler)
                 self._it = iter(self._loader)
             try:
-                batch = next(self._it)
+                with plain_worker_errors():
+                    batch = next(self._it)
                 break
             except StopIteration:
                 self._it = None
@@ -196,8 +225,15 @@ def build_train_loader(
     run_dir: str | None,
     collate: Callable[[list], Batch],
 ) -> TrainLoader:
-    """The trainer's loader: ``dataset`` must offer ``table() -> SampleTable`` and ``ds[i]``."""
+    """The trainer's loader: ``dataset`` must offer ``table() -> SampleTable`` and ``ds[i]``.
+
+    A :class:`Collator` is made to pad as the config says (``data.pad_multiple``), since the
+    budget packer plans each batch's width that way.
+    """
     table = dataset.table()
+    multiple = data_cfg.text_pad_multiple()
+    if isinstance(collate, Collator) and collate.pad_multiple != multiple:
+        collate = Collator(collate.pad_id, collate.max_text_length, collate.image_size, multiple)
     sampler = DistributedBatchSampler(
         table,
         batch_size=data_cfg.batch_size,
@@ -208,10 +244,11 @@ def build_train_loader(
         remainder=data_cfg.remainder,
         batching=data_cfg.batching,
         token_budget=data_cfg.token_budget or max(data_cfg.batch_size * data_cfg.max_text_length // 2,
-                                                  padded_width(data_cfg.max_text_length)),
+                                                  padded_width(data_cfg.max_text_length, multiple)),
         image_budget=data_cfg.image_budget or data_cfg.batch_size,
         source_weights=source_shares(data_cfg.train, table),
         epoch_size=data_cfg.epoch_size or None,
+        pad_multiple=multiple,
     )
     # Without a run folder bad samples are still counted and capped, just not written down.
     bad_log = BadSampleLog(run_dir, data_cfg.max_bad_fraction)
@@ -266,7 +303,8 @@ class EvalLoader:
         return len(self.loader)
 
     def __iter__(self) -> Iterator[Batch]:
-        return iter(self.loader)
+        with plain_worker_errors():
+            yield from self.loader
 
 
 def build_eval_loader(

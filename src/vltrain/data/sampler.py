@@ -84,6 +84,7 @@ class DistributedBatchSampler:
         image_budget: int = 0,
         source_weights: list[float] | None = None,
         epoch_size: int | None = None,
+        pad_multiple: int = budget.PAD_MULTIPLE,
     ) -> None:
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} outside world of {world_size}")
@@ -96,7 +97,8 @@ class DistributedBatchSampler:
         self.rank, self.world_size, self.seed = rank, world_size, seed
         self.shuffle, self.remainder, self.batching = shuffle, remainder, batching
         # 0 means the config's defaults: half the positions of a full batch, one image per row.
-        widest = budget.padded_width(int(table.text_len.max()))
+        self.pad_multiple = pad_multiple
+        widest = budget.padded_width(int(table.text_len.max()), pad_multiple)
         self.token_budget = token_budget or max(batch_size * widest // 2, widest)
         self.image_budget = image_budget or batch_size
         self.source_weights, self.epoch_size = source_weights, epoch_size
@@ -122,7 +124,8 @@ class DistributedBatchSampler:
         if self.batching == "budget":
             rng = mixing.rng_for(self.seed, _TAG_BATCHES, epoch) if self.shuffle else None
             batches = budget.pack(order, self.table, batch_size=self.batch_size,
-                                  token_budget=self.token_budget, image_budget=self.image_budget, rng=rng)
+                                  token_budget=self.token_budget, image_budget=self.image_budget, rng=rng,
+                                  pad_multiple=self.pad_multiple)
             batches = budget.split_to_multiple(batches, self.world_size)
         else:
             batches = [order[i : i + self.batch_size] for i in range(0, len(order), self.batch_size)]
@@ -178,7 +181,7 @@ class DistributedBatchSampler:
     def _identity(self) -> dict:
         """What the schedule depends on besides the position: a resume must match all of it."""
         return {"seed": self.seed, "world_size": self.world_size, "batching": self.batching,
-                "batch_size": self.batch_size, "num_samples": len(self.table)}
+                "batch_size": self.batch_size, "num_samples": len(self.table), "pad_multiple": self.pad_multiple}
 
     def state_dict(self) -> dict:
         return {"epoch": self.epoch, "consumed": self.consumed, **self._identity()}

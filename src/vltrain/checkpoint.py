@@ -1,0 +1,548 @@
+"""Checkpoints: atomic, resharding, and exact to the bit on resume.
+
+Layout under ``RUN_DIR/checkpoints`` (``checkpoint.folder``)::
+
+    step-40/            one complete checkpoint
+      .metadata         DCP index of the tensors (model, optimizer state)
+      __0_0.distcp ...  tensor data, written by every rank in parallel
+      state.json        everything else: step, scheduler, sampler, the non-tensor part of the
+                        optimizer state (param groups), with placeholders where tensors were
+      rank-0.json ...   per-rank state: RNG generators, anything that differs between ranks
+      config.yaml       the resolved job config, so export and eval need nothing else
+    latest              the name of the newest complete checkpoint ("step-40")
+    .tmp-step-50/       a checkpoint being written (or left by a crash: ignored, removed)
+
+Tensors go through ``torch.distributed.checkpoint`` (DCP), so DDP's replicated and FSDP2's
+sharded parameters are written once, in parallel, and read back into any world size. Everything
+that is not a tensor goes to JSON instead of DCP's pickled byte entries, and DCP's pickled index is
+read with an allow-list of its own metadata classes: loading a checkpoint never runs code from it.
+
+A checkpoint is written into a temporary folder; after every rank has finished, rank 0 renames it
+into place and then rewrites ``latest`` with an atomic replace. A crash at any moment leaves
+either the previous checkpoint or the new one complete, never a half one that looks whole.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import re
+import shutil
+import warnings
+from concurrent.futures import Future
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import metadata as dcp_metadata
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+
+from vltrain.config import CheckpointConfig
+from vltrain.errors import UserError
+from vltrain.faults import maybe_fail
+
+# DCP warns on every call made without a process group; one process is a supported case here
+warnings.filterwarnings("ignore", message="torch.distributed is .*single process", category=UserWarning)
+
+STATE_FILE = "state.json"
+CONFIG_FILE = "config.yaml"
+LATEST_FILE = "latest"
+TMP_PREFIX = ".tmp-"
+FORMAT_VERSION = 1
+_STEP_DIR = re.compile(r"^step-(\d+)$")
+
+
+class Stateful(Protocol):
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None: ...
+
+
+class ModelState:
+    """The model's parameters and buffers by plain FQN, unwrapped from DDP/FSDP2/compile.
+
+    Under FSDP2 the values are DTensor shards, which DCP writes and reshards without gathering.
+    """
+
+    def __init__(self, model: torch.nn.Module):
+        self.model = model
+
+    def state_dict(self) -> dict[str, Any]:
+        return get_model_state_dict(self.model)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        set_model_state_dict(self.model, state_dict)
+
+
+class OptimizerState:
+    """The optimizer keyed by parameter FQN (not by position), so it survives re-wrapping."""
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer):
+        self.model = model
+        self.optimizer = optimizer
+
+    def state_dict(self) -> dict[str, Any]:
+        return get_optimizer_state_dict(self.model, self.optimizer)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        set_optimizer_state_dict(self.model, self.optimizer, state_dict)
+
+
+@dataclass
+class Restored:
+    """What :meth:`Checkpointer.load` put back."""
+
+    path: Path
+    step: int
+    world_size: int
+    """World size of the run that wrote the checkpoint."""
+    exact: bool
+    """Per-rank states (RNG, per-rank data position) were restored: same world size, bit-exact."""
+
+
+# ---------------------------------------------------------------------------------------------
+# State trees <-> (JSON skeleton, flat tensors)
+
+_MARKERS = ("__tensor__", "__tuple__", "__items__", "__ndarray__")
+
+
+def split_tensors(obj: Any, key: str, tensors: dict[str, torch.Tensor] | None) -> Any:
+    """A JSON-able copy of ``obj`` with each tensor moved to ``tensors[path]`` and a placeholder left.
+
+    ``tensors=None`` means tensors are not allowed here (per-rank JSON states). Tuples, dicts with
+    non-string keys and numpy values are tagged so :func:`join_tensors` returns the same types.
+    """
+    if isinstance(obj, torch.Tensor):
+        if tensors is None:
+            raise TypeError(f"per-rank state {key!r} holds a tensor; per-rank states must be plain data")
+        tensors[key] = obj
+        return {"__tensor__": key}
+    if isinstance(obj, dict):
+        if all(isinstance(k, str) and k not in _MARKERS for k in obj):
+            return {k: split_tensors(v, f"{key}.{k}", tensors) for k, v in obj.items()}
+        return {"__items__": [[split_tensors(k, f"{key}.{k}", None), split_tensors(v, f"{key}.{k}", tensors)]
+                              for k, v in obj.items()]}
+    if isinstance(obj, tuple):  # also torch.Size
+        return {"__tuple__": [split_tensors(v, f"{key}.{i}", tensors) for i, v in enumerate(obj)]}
+    if isinstance(obj, list):
+        return [split_tensors(v, f"{key}.{i}", tensors) for i, v in enumerate(obj)]
+    if isinstance(obj, np.ndarray):
+        return {"__ndarray__": obj.tolist(), "dtype": str(obj.dtype)}
+    if isinstance(obj, np.generic):
+        return obj.item()
+    if obj is None or isinstance(obj, (bool, int, float, str)):
+        return obj
+    raise TypeError(f"state {key!r} holds a {type(obj).__name__}, which a checkpoint cannot store")
+
+
+def join_tensors(skel: Any, tensors: dict[str, torch.Tensor]) -> Any:
+    """Inverse of :func:`split_tensors`."""
+    if isinstance(skel, dict):
+        if "__tensor__" in skel:
+            return tensors[skel["__tensor__"]]
+        if "__tuple__" in skel:
+            return tuple(join_tensors(v, tensors) for v in skel["__tuple__"])
+        if "__items__" in skel:
+            return {join_tensors(k, tensors): join_tensors(v, tensors) for k, v in skel["__items__"]}
+        if "__ndarray__" in skel:
+            return np.asarray(skel["__ndarray__"], dtype=skel["dtype"])
+        return {k: join_tensors(v, tensors) for k, v in skel.items()}
+    if isinstance(skel, list):
+        return [join_tensors(v, tensors) for v in skel]
+    return skel
+
+
+def _tensor_keys(skel: Any) -> list[str]:
+    if isinstance(skel, dict):
+        if "__tensor__" in skel:
+            return [skel["__tensor__"]]
+        return [k for v in skel.values() for k in _tensor_keys(v)]
+    if isinstance(skel, list):
+        return [k for v in skel for k in _tensor_keys(v)]
+    return []
+
+
+# ---------------------------------------------------------------------------------------------
+# Reading DCP without running code from the checkpoint
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Unpickles DCP's ``.metadata`` index, allowing only the plain classes it is made of."""
+
+    _ALLOWED = {
+        ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+        ("torch", "Size"),
+        ("torch.serialization", "_get_layout"),
+        ("collections", "OrderedDict"),
+        ("pathlib", "PosixPath"),
+        ("pathlib", "WindowsPath"),
+        ("pathlib", "PurePosixPath"),
+        ("pathlib", "PureWindowsPath"),
+        ("pathlib._local", "PosixPath"),
+        ("pathlib._local", "WindowsPath"),
+    }
+
+    def find_class(self, module: str, name: str) -> Any:
+        if module == "torch.distributed.checkpoint.metadata":
+            obj = getattr(dcp_metadata, name, None)
+            if isinstance(obj, type) and obj.__module__ == module:
+                return obj
+        elif module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        elif (module, name) in self._ALLOWED:
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"checkpoint index refers to {module}.{name}, which is not allowed")
+
+
+class SafeFileSystemReader(dcp.FileSystemReader):
+    """A DCP reader whose index is unpickled through an allow-list."""
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> dcp_metadata.Metadata:
+        path = Path(self.path) / ".metadata"
+        try:
+            with open(path, "rb") as f:
+                metadata = _MetadataUnpickler(f).load()
+        except (pickle.UnpicklingError, EOFError, AttributeError) as e:
+            raise UserError(f"{path} is not a checkpoint index this version can read safely: {e}") from None
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = dcp_metadata.StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+class _TensorsOnlyLoadPlanner(DefaultLoadPlanner):
+    """We never write pickled byte entries, so reading one means the checkpoint is not ours."""
+
+    def load_bytes(self, read_item: Any, value: Any) -> None:
+        raise UserError(f"checkpoint entry {read_item.dest_index.fqn!r} is pickled data; refusing to load it")
+
+
+def check_shapes(source: str, saved: dict[str, tuple[int, ...]], wanted: dict[str, tuple[int, ...]]) -> None:
+    """Refuse weights that do not fit, naming the first key that differs and both shapes."""
+    hint = "was it written with another model preset, embed_dim, data.image_size or tokenizer?"
+    for key, shape in wanted.items():
+        if key not in saved:
+            raise UserError(f"{source} has no tensor {key!r} that this model needs ({hint})")
+        if tuple(saved[key]) != tuple(shape):
+            raise UserError(f"{source} does not fit this model: {key!r} has shape {list(saved[key])} there "
+                            f"but {list(shape)} here ({hint})")
+    for key in saved:
+        if key not in wanted:
+            raise UserError(f"{source} holds {key!r}, which this model does not have ({hint})")
+
+
+def _check_fits(path: Path, metadata: dcp_metadata.Metadata, targets: dict[str, torch.Tensor],
+                saved_keys: list[str]) -> None:
+    index = metadata.state_dict_metadata
+    saved = {k: tuple(index[k].size) for k in saved_keys if hasattr(index.get(k), "size")}
+    check_shapes(f"checkpoint {path}", saved, {k: tuple(t.shape) for k, t in targets.items()})
+
+
+def _read_fitting(path: Path, targets: dict[str, torch.Tensor], saved_keys: list[str], no_dist: bool,
+                  process_group: Any = None) -> None:
+    """Check shapes, then load ``targets`` in place from the checkpoint at ``path``."""
+    reader = SafeFileSystemReader(path)
+    _check_fits(path, reader.read_metadata(), targets, saved_keys)
+    dcp.load(targets, storage_reader=reader, planner=_TensorsOnlyLoadPlanner(),
+             process_group=process_group, no_dist=no_dist)
+
+
+# ---------------------------------------------------------------------------------------------
+# Folders
+
+
+def _step_of(path: Path) -> int | None:
+    m = _STEP_DIR.match(path.name)
+    return int(m.group(1)) if m else None
+
+
+def is_complete(path: Path) -> bool:
+    return _step_of(path) is not None and (path / STATE_FILE).is_file() and (path / ".metadata").is_file()
+
+
+def complete_checkpoints(folder: Path) -> list[Path]:
+    """The complete ``step-N`` folders under ``folder``, oldest first."""
+    if not folder.is_dir():
+        return []
+    found = [p for p in folder.iterdir() if p.is_dir() and is_complete(p)]
+    return sorted(found, key=lambda p: _step_of(p))
+
+
+def latest_checkpoint(folder: Path) -> Path | None:
+    """The checkpoint ``latest`` names if it is complete, else the newest complete one."""
+    pointer = folder / LATEST_FILE
+    if pointer.is_file():
+        name = pointer.read_text().strip()
+        if _STEP_DIR.match(name) and is_complete(folder / name):
+            return folder / name
+    found = complete_checkpoints(folder)
+    return found[-1] if found else None
+
+
+def find_checkpoint(path: str | Path, folder: str = "checkpoints") -> Path:
+    """A checkpoint folder from what a user may name: itself, a checkpoints folder or a run folder."""
+    p = Path(path)
+    if is_complete(p):
+        return p
+    for candidate in (p, p / folder):
+        found = latest_checkpoint(candidate)
+        if found is not None:
+            return found
+    if not p.exists():
+        raise UserError(f"{p} does not exist (expected a run folder or a checkpoint folder)")
+    raise UserError(f"{p} holds no complete checkpoint (expected a step-N folder with {STATE_FILE}, "
+                    "a checkpoints folder or a run folder that has one)")
+
+
+def read_config_yaml(ckpt: Path) -> str:
+    return (ckpt / CONFIG_FILE).read_text()
+
+
+def read_tensors(ckpt: Path, prefix: str = "") -> dict[str, torch.Tensor]:
+    """Every saved tensor whose key starts with ``prefix``, full and on CPU, in one process.
+
+    For inspection and for comparing runs (``model.`` for the weights, ``optimizer.`` for Adam's
+    moments), without building the model.
+    """
+    reader = SafeFileSystemReader(ckpt)
+    index = reader.read_metadata().state_dict_metadata
+    out = {k: torch.empty(tuple(m.size), dtype=m.properties.dtype) for k, m in index.items()
+           if k.startswith(prefix) and hasattr(m, "size")}
+    dcp.load(out, storage_reader=reader, planner=_TensorsOnlyLoadPlanner(), no_dist=True)
+    return out
+
+
+def load_model_weights(ckpt: Path, model: torch.nn.Module) -> None:
+    """Load only the model's tensors, in one process, into a plain (unwrapped) model.
+
+    DCP reassembles the full tensors from whatever sharding wrote them, so this also consolidates
+    FSDP2 checkpoints (for export and evaluation).
+    """
+    state = json.loads((ckpt / STATE_FILE).read_text())
+    if "model" not in state["states"]:
+        raise UserError(f"checkpoint {ckpt} holds no model state")
+    targets = {f"model.{k}": v for k, v in model.state_dict().items()}
+    _read_fitting(ckpt, targets, _tensor_keys(state["states"]["model"]), no_dist=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# The checkpointer
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".part")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _dist() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+class Checkpointer:
+    """Saves and restores a run's states; every rank calls every method (they hold collectives).
+
+    ``states`` are global: tensors in them may be sharded (DCP writes each shard once); their other
+    values must be the same on every rank, and rank 0's are saved. ``rank_states`` differ per rank
+    (the RNG generators, a per-rank data position) and are saved by each rank to its own JSON file;
+    they are restored only when the world size is unchanged. Put the RNG state last in
+    ``rank_states``: it is restored last, after everything that consumes randomness.
+    ``config_yaml`` and ``files`` (name -> source, e.g. the tokenizer) are copied into every
+    checkpoint, so that one checkpoint folder is enough to rebuild the model.
+    """
+
+    def __init__(self, cfg: CheckpointConfig, run_dir: str | Path, states: dict[str, Stateful],
+                 rank_states: dict[str, Stateful] | None = None, config_yaml: str = "",
+                 files: dict[str, str | Path] | None = None):
+        self.cfg = cfg
+        self.folder = Path(run_dir) / cfg.folder
+        self.states = states
+        self.rank_states = rank_states or {}
+        self.config_yaml = config_yaml
+        self.files = {name: Path(src) for name, src in (files or {}).items()}
+        self.rank = dist.get_rank() if _dist() else 0
+        self.world_size = dist.get_world_size() if _dist() else 1
+        self._last_saved: int | None = None
+        self._pending: tuple[Future, int, Path, dict[str, Any]] | None = None
+        # DCP's async writer runs collectives from a thread: it needs a group of its own
+        self._async_group = dist.new_group(backend="gloo") if cfg.async_save and _dist() else None
+        if self.rank == 0:
+            self._remove_partial()
+
+    # -- saving ------------------------------------------------------------------------------
+
+    def should_save(self, step: int, final: bool = False) -> bool:
+        if step == self._last_saved:
+            return False
+        return final or (self.cfg.every > 0 and step % self.cfg.every == 0)
+
+    def maybe_save(self, step: int, *, final: bool = False) -> bool:
+        """Save if ``step`` is a multiple of ``checkpoint.every`` or the run's last; True if it did."""
+        if not self.should_save(step, final):
+            return False
+        self.save(step)
+        if final:
+            self.wait()
+        return True
+
+    def save(self, step: int) -> None:
+        """Write ``step-N``; with ``async_save`` it is committed by the next save or :meth:`wait`."""
+        self.wait()
+        tmp = self.folder / f"{TMP_PREFIX}step-{step}"
+        if self.rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+        self._barrier()
+        tensors: dict[str, torch.Tensor] = {}
+        skeletons = {name: split_tensors(st.state_dict(), name, tensors) for name, st in self.states.items()}
+        per_rank = {name: split_tensors(st.state_dict(), name, None) for name, st in self.rank_states.items()}
+        _write_atomic(tmp / f"rank-{self.rank}.json", json.dumps(per_rank))
+        self._last_saved = step
+        if self._async_group is not None or (self.cfg.async_save and not _dist()):
+            future = dcp.async_save(tensors, storage_writer=dcp.FileSystemWriter(tmp),
+                                    process_group=self._async_group, no_dist=not _dist())
+            self._pending = (future, step, tmp, skeletons)
+            return
+        dcp.save(tensors, storage_writer=dcp.FileSystemWriter(tmp), no_dist=not _dist())
+        self._commit(step, tmp, skeletons)
+
+    def wait(self) -> None:
+        """Finish and commit an asynchronous save still being written."""
+        if self._pending is None:
+            return
+        future, step, tmp, skeletons = self._pending
+        self._pending = None
+        future.result()
+        self._commit(step, tmp, skeletons)
+
+    def close(self) -> None:
+        self.wait()
+
+    def _commit(self, step: int, tmp: Path, skeletons: dict[str, Any]) -> None:
+        maybe_fail("save", step, self.rank)
+        if self.rank == 0:
+            state = {"format": FORMAT_VERSION, "step": step, "world_size": self.world_size, "states": skeletons}
+            _write_atomic(tmp / STATE_FILE, json.dumps(state))
+            if self.config_yaml:
+                _write_atomic(tmp / CONFIG_FILE, self.config_yaml)
+            for name, src in self.files.items():
+                shutil.copyfile(src, tmp / name)
+        self._barrier()  # every rank's data and rank file is on disk
+        if self.rank == 0:
+            final = self.folder / f"step-{step}"
+            if final.exists():  # a run restarted with resume=never writes over its old steps
+                shutil.rmtree(final)
+            os.rename(tmp, final)
+            _fsync_dir(self.folder)
+            _write_atomic(self.folder / LATEST_FILE, final.name + "\n")
+            self._prune(final)
+        self._barrier()
+
+    def _prune(self, current: Path) -> None:
+        """Keep the newest ``keep`` and always ``current`` (a run resumed from an older checkpoint
+        of its own folder writes below steps it abandoned; ``latest`` names its own line)."""
+        if self.cfg.keep <= 0:
+            return
+        for old in complete_checkpoints(self.folder)[:-self.cfg.keep]:
+            if old != current:
+                shutil.rmtree(old, ignore_errors=True)
+
+    def _remove_partial(self) -> None:
+        """Temporary folders are what a crash in the middle of a save leaves; none is being written now."""
+        if not self.folder.is_dir():
+            return
+        for p in self.folder.iterdir():
+            if p.name.startswith(TMP_PREFIX) or p.name.endswith(".part"):
+                shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
+
+    def _barrier(self) -> None:
+        if _dist():
+            dist.barrier()
+
+    # -- loading -----------------------------------------------------------------------------
+
+    def resolve(self, resume: str) -> Path | None:
+        """``train.resume``: auto (the newest complete checkpoint, if any) | never | a path."""
+        if resume == "never":
+            return None
+        if resume == "auto":
+            return latest_checkpoint(self.folder)
+        return find_checkpoint(resume, self.cfg.folder)
+
+    def resume(self, resume: str) -> Restored | None:
+        """Resolve on rank 0 (so every rank loads the same one) and load; None if nothing to resume."""
+        chosen: list[Any] = [None]
+        if self.rank == 0:
+            try:
+                path = self.resolve(resume)
+                chosen[0] = str(path) if path is not None else None
+            except UserError as e:
+                chosen[0] = e
+        if _dist():
+            dist.broadcast_object_list(chosen, src=0)
+        if isinstance(chosen[0], UserError):
+            raise chosen[0]
+        return self.load(Path(chosen[0])) if chosen[0] is not None else None
+
+    def load(self, path: Path) -> Restored:
+        """Put every state back from ``path``. Shapes are checked before anything is modified."""
+        self.wait()
+        try:
+            state = json.loads((path / STATE_FILE).read_text())
+        except (OSError, ValueError) as e:
+            raise UserError(f"cannot read checkpoint {path}: {e}") from None
+        if state.get("format") != FORMAT_VERSION:
+            raise UserError(f"checkpoint {path} has format {state.get('format')!r}; this version reads "
+                            f"{FORMAT_VERSION}")
+        saved = state["states"]
+        missing = [name for name in self.states if name not in saved]
+        if missing:
+            raise UserError(f"checkpoint {path} has no {', '.join(missing)} state (it holds {', '.join(saved)})")
+        targets: dict[str, torch.Tensor] = {}
+        for name, st in self.states.items():
+            split_tensors(st.state_dict(), name, targets)
+        saved_keys = [k for name in self.states for k in _tensor_keys(saved[name])]
+        _read_fitting(path, targets, saved_keys, no_dist=not _dist())
+        for name, st in self.states.items():
+            st.load_state_dict(join_tensors(saved[name], targets))
+        exact = state["world_size"] == self.world_size
+        if exact:
+            try:
+                rank_file = json.loads((path / f"rank-{self.rank}.json").read_text())
+            except (OSError, ValueError) as e:
+                raise UserError(f"cannot read rank {self.rank}'s state in checkpoint {path}: {e}") from None
+            for name, st in self.rank_states.items():
+                if name not in rank_file:
+                    raise UserError(f"checkpoint {path} has no per-rank {name!r} state")
+                st.load_state_dict(join_tensors(rank_file[name], {}))
+        self._last_saved = state["step"]
+        return Restored(path=path, step=state["step"], world_size=state["world_size"], exact=exact)
+
+
+def _fsync_dir(path: Path) -> None:
+    """Make a rename durable (POSIX): the directory entry itself must reach the disk."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+

@@ -1,0 +1,152 @@
+"""Export a trained model to a self-contained folder, and embed images and texts with it.
+
+``vltrain export RUN_DIR --out DIR`` writes::
+
+    DIR/model.safetensors   full weights by plain FQN (consolidated from any sharding)
+    DIR/tokenizer.json      the tokenizer the model was trained with
+    DIR/config.yaml         the run's resolved config, pointing at the tokenizer next to it
+
+safetensors holds tensors only, so loading an exported model runs no code from the file. The
+folder is what :func:`load_exported` reads, for ``vltrain embed`` and ``vltrain eval``.
+Embeddings use the training pipeline itself (``decode_image``, the tokenizer, the collator,
+``Batch.pixels``), so an image is seen exactly as it was in training.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from vltrain.checkpoint import CONFIG_FILE, check_shapes, find_checkpoint, load_model_weights
+from vltrain.config import JobConfig, load_config
+from vltrain.errors import UserError
+
+WEIGHTS_FILE = "model.safetensors"
+TOKENIZER_FILE = "tokenizer.json"
+
+
+def _build(cfg: JobConfig, tokenizer_path: Path | str):
+    from vltrain.data.text import load_tokenizer
+    from vltrain.model import build_model
+
+    tokenizer = load_tokenizer(str(tokenizer_path))
+    model = build_model(cfg.model, vocab_size=tokenizer.vocab_size, pad_id=tokenizer.pad_id,
+                        mask_id=tokenizer.mask_id, image_size=cfg.data.image_size,
+                        max_text_length=cfg.data.max_text_length)
+    return model, tokenizer
+
+
+def _checkpoint_of(source: Path) -> Path:
+    """The newest checkpoint of a run folder (honouring its checkpoint.folder), or a checkpoint itself."""
+    folder = "checkpoints"
+    run_config = source / CONFIG_FILE
+    if run_config.is_file() and not (source / "state.json").is_file():
+        folder = load_config(run_config).checkpoint.folder
+    return find_checkpoint(source, folder)
+
+
+def export_model(source: str | Path, out: str | Path) -> Path:
+    """Write ``out``/{model.safetensors, tokenizer.json, config.yaml} from a run or checkpoint folder."""
+    from safetensors.torch import save_file
+
+    ckpt = _checkpoint_of(Path(source))
+    if not (ckpt / CONFIG_FILE).is_file():
+        raise UserError(f"checkpoint {ckpt} has no {CONFIG_FILE}; it cannot be exported")
+    cfg = load_config(ckpt / CONFIG_FILE)
+    tokenizer_path = ckpt / TOKENIZER_FILE if (ckpt / TOKENIZER_FILE).is_file() else Path(cfg.data.tokenizer)
+    model, tokenizer = _build(cfg, tokenizer_path)
+    load_model_weights(ckpt, model)
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    # clone: tied weights share storage, which safetensors refuses; each key gets its own copy
+    tensors = {k: v.detach().cpu().contiguous().clone() for k, v in model.state_dict().items()}
+    save_file(tensors, str(out / WEIGHTS_FILE), metadata={"format": "pt", "checkpoint": ckpt.name})
+    tokenizer.save(out / TOKENIZER_FILE)
+    cfg.data.tokenizer = TOKENIZER_FILE
+    cfg.save(out / CONFIG_FILE)
+    return out
+
+
+def is_exported(path: str | Path) -> bool:
+    p = Path(path)
+    return (p / WEIGHTS_FILE).is_file() and (p / CONFIG_FILE).is_file() and (p / TOKENIZER_FILE).is_file()
+
+
+def load_exported(path: str | Path, device: str | torch.device = "cpu"):
+    """``(model, tokenizer, cfg)`` from an exported folder; the model in eval mode on ``device``.
+
+    ``cfg.data.tokenizer`` is set to the folder's tokenizer, so code that builds data from the
+    config (evaluation) uses the right one wherever it runs.
+    """
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+
+    p = Path(path)
+    if not is_exported(p):
+        raise UserError(f"{p} is not an exported model folder (it needs {WEIGHTS_FILE}, {TOKENIZER_FILE} "
+                        f"and {CONFIG_FILE}; write one with `vltrain export RUN_DIR --out {p}`)")
+    cfg = load_config(p / CONFIG_FILE)
+    cfg.data.tokenizer = str(p / TOKENIZER_FILE)
+    model, tokenizer = _build(cfg, cfg.data.tokenizer)
+    with safe_open(str(p / WEIGHTS_FILE), framework="pt") as f:
+        saved = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
+    check_shapes(str(p / WEIGHTS_FILE), saved, {k: tuple(v.shape) for k, v in model.state_dict().items()})
+    model.load_state_dict(load_file(str(p / WEIGHTS_FILE)))
+    return model.to(device).eval(), tokenizer, cfg
+
+
+@torch.no_grad()
+def embed(model, tokenizer, cfg: JobConfig, images: list[str | Path], texts: list[str],
+          batch_size: int = 64, device: str | torch.device = "cpu") -> np.ndarray:
+    """Normalized embeddings [len(images) + len(texts), D], images first, float32."""
+    from vltrain.data.collate import Collator
+    from vltrain.data.dataset import Sample
+    from vltrain.data.images import ImageError, decode_image
+
+    dc = cfg.data
+    samples = []
+    for i, path in enumerate(images):
+        try:
+            pixels = torch.as_tensor(decode_image(Path(path).read_bytes(), dc.image_size, dc.resize,
+                                                  dc.max_image_pixels))
+        except (OSError, ImageError) as e:
+            raise UserError(f"cannot read image {path}: {e}") from None
+        samples.append(Sample(uid=i, key=str(path), image=pixels, input_ids=[], truncated=False, source=0))
+    for i, text in enumerate(texts):
+        ids, truncated = tokenizer.encode(text, dc.max_text_length)
+        samples.append(Sample(uid=len(images) + i, key=f"text {i}", image=None, input_ids=ids,
+                              truncated=truncated, source=0))
+    collate = Collator(tokenizer.pad_id, dc.max_text_length, dc.image_size)
+    rows = []
+    for start in range(0, len(samples), batch_size):
+        batch = collate(samples[start:start + batch_size]).to(device)
+        enc = model.encode(batch.pixels(dc.mean, dc.std), batch.input_ids, batch.attention_mask,
+                           batch.has_image, batch.has_text)
+        rows.append(torch.where(batch.has_image[:, None], enc.image_embeds, enc.text_embeds).float().cpu())
+    if not rows:
+        return np.zeros((0, 0), dtype=np.float32)
+    return torch.cat(rows).numpy()
+
+
+def export_cli(args: argparse.Namespace) -> int:
+    """``vltrain export RUN_DIR --out DIR``."""
+    out = export_model(args.run_dir, args.out)
+    print(f"exported to {out}: {WEIGHTS_FILE}, {TOKENIZER_FILE}, {CONFIG_FILE}")
+    return 0
+
+
+def embed_cli(args: argparse.Namespace) -> int:
+    """``vltrain embed DIR --images a.jpg b.png --texts "..." --out emb.npy``."""
+    if not args.images and not args.texts:
+        raise UserError("nothing to embed: give --images and/or --texts")
+    torch.set_grad_enabled(False)
+    model, tokenizer, cfg = load_exported(args.model_dir)
+    emb = embed(model, tokenizer, cfg, args.images, args.texts)
+    np.save(args.out, emb)
+    print(f"wrote {args.out}: {len(args.images)} image and {len(args.texts)} text embeddings of size "
+          f"{emb.shape[1]} (images first)")
+    return 0

@@ -1,0 +1,71 @@
+"""Fault injection for testing recovery: kill or fail one rank at a chosen step, on purpose.
+
+The promise that a run survives a worker killed at any step, or a crash in the middle of a
+checkpoint write, is only worth what its tests show, and those tests need the failure to happen
+at a known place inside real worker processes. One environment variable describes it::
+
+    VLTRAIN_FAULT="kill:at=step:step=7:rank=1:once=/tmp/fired"
+
+- action ``kill`` (SIGKILL, no clean-up, as an out-of-memory kill) or ``raise`` (a RuntimeError);
+- ``at``: ``step`` (after optimizer step N, before its checkpoint) or ``save`` (while step N's
+  checkpoint is half written: tensors on disk, not yet committed);
+- ``rank``: the global rank that fails (default: every rank);
+- ``once``: a marker file; the fault fires only if it does not exist yet and creates it, so a
+  group restarted by torchrun does not fail again at the same step.
+
+Unset (the normal case) it costs one dictionary lookup per call.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from dataclasses import dataclass
+
+ENV = "VLTRAIN_FAULT"
+
+
+class InjectedFault(RuntimeError):
+    """The failure asked for by VLTRAIN_FAULT."""
+
+
+@dataclass(frozen=True)
+class Fault:
+    action: str
+    at: str
+    step: int
+    rank: int | None = None
+    once: str = ""
+
+    @classmethod
+    def parse(cls, spec: str) -> "Fault":
+        action, *parts = spec.split(":")
+        fields: dict[str, str] = {}
+        for part in parts:
+            key, sep, value = part.partition("=")
+            if not sep:
+                raise ValueError(f"{ENV}={spec!r}: {part!r} must look like key=value")
+            fields[key] = value
+        unknown = set(fields) - {"at", "step", "rank", "once"}
+        if action not in ("kill", "raise") or unknown or "step" not in fields:
+            raise ValueError(f"{ENV}={spec!r}: expected kill|raise:at=step|save:step=N[:rank=R][:once=PATH]")
+        return cls(action, fields.get("at", "step"), int(fields["step"]),
+                   int(fields["rank"]) if "rank" in fields else None, fields.get("once", ""))
+
+
+def maybe_fail(at: str, step: int, rank: int) -> None:
+    """Fail here if VLTRAIN_FAULT names this point, step and rank."""
+    spec = os.environ.get(ENV)
+    if not spec:
+        return
+    fault = Fault.parse(spec)
+    if fault.at != at or fault.step != step or (fault.rank is not None and fault.rank != rank):
+        return
+    if fault.once:
+        try:
+            os.close(os.open(fault.once, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+        except FileExistsError:
+            return
+    if fault.action == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    raise InjectedFault(f"injected fault on rank {rank} at {at} of step {step} ({ENV}={spec})")

@@ -1,0 +1,125 @@
+"""Real training runs for the resume, fault-tolerance and export tests.
+
+Runs are tiny (32 x 32 shapes, 64 rows, 4 rows per rank: an epoch is 8 steps on 2 ranks) so a
+2-rank torchrun launch is a few seconds, most of it start-up. The uninterrupted reference run of
+each preset is made once per session and shared by every test that compares against it.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+from vltrain.checkpoint import find_checkpoint, read_tensors
+
+STEPS = 10
+EVERY = 4
+"""Checkpoints at steps 4 and 8 and at the end; a stop at step 6 resumes mid-epoch from step 4."""
+
+
+def make_shapes(root: Path) -> Path:
+    """Synthetic shapes and a tokenizer trained on them (once per session)."""
+    from vltrain.data.synth import synthesize
+    from vltrain.data.text import source_texts, train_tokenizer
+
+    if not (root / "tokenizer.json").exists():
+        synthesize(root, 64, 16, text_only_fraction=0.2, seed=0, image_size=32)
+        train_tokenizer(source_texts([str(root / "train.jsonl")]), root / "tokenizer.json", vocab_size=200)
+        (root / "base.yaml").write_text("# everything is given as overrides\n{}\n")
+    return root
+
+
+def overrides(shapes: Path, run_dir: Path, **extra) -> list[str]:
+    base = {
+        "run.dir": run_dir,
+        "data.train": shapes / "train.jsonl",
+        "data.val": "''",
+        "data.tokenizer": shapes / "tokenizer.json",
+        "data.image_size": 32,
+        "data.mean": "[0.5,0.5,0.5]",
+        "data.std": "[0.5,0.5,0.5]",
+        "data.max_text_length": 16,
+        "data.batch_size": 4,
+        "data.num_workers": 2,
+        "data.shuffle": True,
+        "model.preset": "tiny-clip",
+        "train.max_steps": STEPS,
+        "train.warmup_steps": 2,
+        "train.lr": 1e-3,
+        "train.precision": "fp32",
+        "train.threads": 1,
+        "train.log_every": 5,
+        "train.progress": False,
+        "train.timeout_s": 60,
+        "checkpoint.every": EVERY,
+        "checkpoint.keep": 0,
+    }
+    base.update({k.replace("__", "."): v for k, v in extra.items()})
+    return [f"{k}={v}" for k, v in base.items()]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def train(shapes: Path, run_dir: Path, *, nproc: int = 2, max_restarts: int = 0, fault: str = "",
+          timeout: float = 120, **extra) -> subprocess.CompletedProcess:
+    """``vltrain train`` under torchrun (gloo on 127.0.0.1); ``fault`` sets VLTRAIN_FAULT."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
+           "--max-restarts", str(max_restarts), "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
+           "-m", "vltrain", "train", str(shapes / "base.yaml"), *overrides(shapes, run_dir, **extra)]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env.pop("VLTRAIN_FAULT", None)
+    if fault:
+        env["VLTRAIN_FAULT"] = fault
+    # its own session, so that a timeout kills the agent, its workers and their loader workers
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                            start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        raise AssertionError(f"timed out after {timeout} s:\n{out[-3000:]}\n{err[-6000:]}") from None
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+def ok(proc: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    return proc
+
+
+def session_shapes(tmp_path_factory) -> Path:
+    return make_shapes(tmp_path_factory.getbasetemp() / "shapes")
+
+
+def reference(tmp_path_factory, preset: str) -> Path:
+    """The uninterrupted 2-rank run of ``preset``, made once per session."""
+    shapes = session_shapes(tmp_path_factory)
+    run = tmp_path_factory.getbasetemp() / f"reference-{preset}"
+    if not (run / "checkpoints" / "latest").exists():
+        ok(train(shapes, run, model__preset=preset))
+    return run
+
+
+def final_state(run_dir: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of the run's newest checkpoint: the model and the optimizer's moments."""
+    return read_tensors(find_checkpoint(run_dir))
+
+
+def assert_identical(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert a.keys() == b.keys()
+    different = [k for k in a if not torch.equal(a[k], b[k])]
+    assert not different, f"{len(different)} of {len(a)} tensors differ, e.g. {different[:3]}"
+
+
+def assert_resumed_exactly(proc: subprocess.CompletedProcess, run: Path, step: int) -> None:
+    assert f"resumed from {run / 'checkpoints' / f'step-{step}'} at step {step} (exactly)" in proc.stderr, proc.stderr
