@@ -184,7 +184,7 @@ def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
 def plot_curves(run_dir: str | Path) -> Path | None:
     """RUN_DIR/curves.png: loss, lr, throughput and eval metrics against the step."""
     run_dir = Path(run_dir)
-    rows = read_jsonl(run_dir / "metrics.jsonl")
+    rows = [r for r in read_jsonl(run_dir / "metrics.jsonl") if "loss" in r]  # training log steps
     if not rows:
         return None
     evals_path = run_dir / "eval.json"

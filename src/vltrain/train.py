@@ -76,16 +76,20 @@ def build_model_for(cfg: JobConfig, device: torch.device):
     return tokenizer, model.to(device)
 
 
-def build_val_loader(cfg: JobConfig, tokenizer, world: World, run_dir: Path | None = None):
+def collator(cfg: JobConfig, tokenizer):
     from vltrain.data.collate import Collator
+
+    return Collator(tokenizer.pad_id, cfg.data.max_text_length, cfg.data.image_size)
+
+
+def build_val_loader(cfg: JobConfig, tokenizer, world: World, run_dir: Path | None = None):
     from vltrain.data.dataset import build_dataset
     from vltrain.data.loader import build_eval_loader
 
-    collate = Collator(tokenizer.pad_id, cfg.data.max_text_length, cfg.data.image_size)
     dataset = build_dataset(cfg.data, "val", tokenizer, run_dir=run_dir)
     return build_eval_loader(
         cfg.data, dataset, rank=world.rank, world_size=world.world_size, batch_size=cfg.eval.batch_size,
-        collate=collate,
+        collate=collator(cfg, tokenizer),
     )
 
 
@@ -156,12 +160,11 @@ class Trainer:
             self.metrics.write(f"resumed from {self.restored.path} at step {self.step} ({how})")
 
     def _build_train_loader(self):
-        from vltrain.data.collate import Collator
         from vltrain.data.dataset import build_dataset
         from vltrain.data.loader import build_train_loader
 
         cfg = self.cfg
-        collate = Collator(self.tokenizer.pad_id, cfg.data.max_text_length, cfg.data.image_size)
+        collate = collator(cfg, self.tokenizer)
         dataset = build_dataset(cfg.data, "train", self.tokenizer, run_dir=self.run_dir)
         return build_train_loader(
             cfg.data, dataset, rank=self.world.rank, world_size=self.world.world_size, seed=cfg.train.seed,
