@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from multiproc import run_world
-from vltrain.distributed import all_gather_no_grad, all_gather_with_grad, gather_sizes, init_distributed, world_info
+from vltrain.distributed import allow_tf32, all_gather_no_grad, all_gather_with_grad, gather_sizes, init_distributed, world_info
 
 
 def test_single_process_fallback(monkeypatch):
@@ -17,6 +17,20 @@ def test_single_process_fallback(monkeypatch):
     assert all_gather_with_grad(x) is x
     assert torch.equal(all_gather_no_grad(x), x.detach())
     assert gather_sizes(3) == [3]
+
+
+def test_tf32_is_allowed_on_cuda_only():
+    before = torch.get_float32_matmul_precision()
+    try:
+        torch.set_float32_matmul_precision("highest")
+        allow_tf32(torch.device("cpu"))
+        assert torch.get_float32_matmul_precision() == "highest"  # CPU numerics untouched
+        allow_tf32(torch.device("cuda", 0))
+        assert torch.get_float32_matmul_precision() == "high"
+        allow_tf32(torch.device("cuda", 0), enabled=False)
+        assert torch.get_float32_matmul_precision() == "highest"
+    finally:
+        torch.set_float32_matmul_precision(before)
 
 
 def _gather_worker(rank, world):

@@ -79,3 +79,25 @@ def test_scheduler_state_round_trips():
     sched2.load_state_dict(state)
     assert sched2.get_last_lr() == sched.get_last_lr()
     assert sched.get_last_lr()[0] == pytest.approx(0.5 * (1 + math.cos(math.pi * 4 / 17)))
+
+
+class _CudaLike:
+    """Stands in for a parameter on a CUDA device (this build has none)."""
+
+    def __init__(self, floating: bool = True):
+        self.is_cuda, self._floating = True, floating
+
+    def is_floating_point(self) -> bool:
+        return self._floating
+
+
+def test_fused_adamw_only_when_every_parameter_is_cuda_floating_point():
+    from vltrain.optim import implementation
+
+    cpu = nn.Parameter(torch.zeros(2))
+    assert implementation([{"params": [_CudaLike(), _CudaLike()]}]) == {"fused": True}
+    assert implementation([{"params": [_CudaLike()]}, {"params": [cpu]}]) == {"foreach": True}
+    assert implementation([{"params": [_CudaLike(floating=False)]}]) == {"foreach": True}
+    assert implementation([{"params": [cpu]}]) == {"foreach": True}
+    opt = build_optimizer(Towers(), TrainConfig())
+    assert opt.defaults["foreach"] and not opt.defaults["fused"]

@@ -54,7 +54,11 @@ class TrainConfig:
     contrastive_accumulation: Literal["none", "gradcache"] = "none"
     parallelism: Literal["ddp", "fsdp"] = "ddp"
     compile: bool = False
+    """torch.compile each transformer block of the towers (the first steps pay for compilation)."""
     activation_checkpointing: bool = False
+    """Recompute each block's activations in the backward: less memory, ~1/3 more compute."""
+    tf32: bool = True
+    """On CUDA, let fp32 matmuls use TF32 tensor cores (Ampere and newer); false for full fp32."""
     freeze: list[str] = field(default_factory=list)
     """Towers to freeze (LiT-style), e.g. ["vision"]."""
     resume: str = "auto"

@@ -74,7 +74,7 @@ def embed_pairs(wrapped: nn.Module, loader, data_cfg, device: torch.device, auto
     imgs, txts, ids = [], [], []
     seen = 0
     for batch in loader:
-        batch = batch.to(device)
+        batch = batch.to(device, non_blocking=True)  # pinned by the loader on CUDA
         keep = batch.has_image & batch.has_text
         with autocast():
             enc = wrapped(

@@ -57,8 +57,20 @@ def build_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
     groups = param_groups(model, cfg.weight_decay)
     if not groups:
         raise ConfigError("every parameter is frozen (train.freeze): there is nothing to train")
-    # foreach is the fast path on CPU and CUDA and works on FSDP2's DTensor parameters too
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, foreach=True)
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, **implementation(groups))
+
+
+def implementation(groups: list[dict]) -> dict[str, bool]:
+    """``fused`` when every parameter is a floating-point CUDA tensor, else ``foreach``.
+
+    The fused kernel updates all parameters in a few launches (one pass over the optimizer
+    state instead of several); it exists for CUDA only. foreach, the fast path elsewhere, also
+    handles FSDP2's DTensor parameters on any device.
+    """
+    params = [p for g in groups for p in g["params"]]
+    if params and all(p.is_cuda and p.is_floating_point() for p in params):
+        return {"fused": True}
+    return {"foreach": True}
 
 
 class WarmupCosine:

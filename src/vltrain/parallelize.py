@@ -41,6 +41,19 @@ def _blocks(model: nn.Module) -> list[nn.Module]:
     return list(get()) if callable(get) else []
 
 
+def compile_blocks(model: nn.Module, backend: str = "inductor") -> None:
+    """``torch.compile`` every transformer block of the towers, in place.
+
+    Blocks, not the whole model: the model picks the rows that have an image (or text) before
+    each tower, so a tower's batch size changes from step to step, and the loss code has
+    data-dependent branches. A block is a clean graph; with ``dynamic=True`` one compiled graph
+    serves every batch size and text length instead of recompiling for each. Blocks of one
+    tower share their code, so the first block's compilation serves the others.
+    """
+    for block in _blocks(model):
+        block.compile(backend=backend, dynamic=True)
+
+
 def parallelize(model: nn.Module, cfg: TrainConfig, device: torch.device) -> nn.Module:
     """Return the module the trainer calls: Dispatch(model), wrapped for the process group.
 
@@ -50,8 +63,7 @@ def parallelize(model: nn.Module, cfg: TrainConfig, device: torch.device) -> nn.
     if cfg.activation_checkpointing:
         model.set_activation_checkpointing(True)
     if cfg.compile:
-        for block in _blocks(model):
-            block.compile()
+        compile_blocks(model)
     wrapped = Dispatch(model)
     distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
     if cfg.parallelism == "fsdp":

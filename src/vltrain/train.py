@@ -100,7 +100,7 @@ class Trainer:
         self.run_dir = Path(cfg.run.dir)
 
         # distributed: process group, device, threads
-        self.world = setup_world(timeout_s=tc.timeout_s, device=tc.device, threads=tc.threads)
+        self.world = setup_world(timeout_s=tc.timeout_s, device=tc.device, threads=tc.threads, tf32=tc.tf32)
         self.device = self.world.device
         if self.world.is_main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -426,7 +426,8 @@ def evaluate_run(run_dir: Path, data: str | None = None, overrides: list[str] | 
     cfg = load_config(config_path, list(overrides or []) + ([f"data.val={data}"] if data else []))
     if not cfg.data.val:
         raise UserError(f"{config_path} names no data.val; pass --data VAL_MANIFEST")
-    world = setup_world(timeout_s=cfg.train.timeout_s, device=cfg.train.device, threads=cfg.train.threads)
+    world = setup_world(timeout_s=cfg.train.timeout_s, device=cfg.train.device, threads=cfg.train.threads,
+                        tf32=cfg.train.tf32)
     try:
         if exported:
             model, tokenizer, exported_cfg = load_exported(run_dir, world.device)
