@@ -73,23 +73,36 @@ def free_port() -> int:
 def train(shapes: Path, run_dir: Path, *, nproc: int = 2, max_restarts: int = 0, fault: str = "",
           timeout: float = 120, **extra) -> subprocess.CompletedProcess:
     """``vltrain train`` under torchrun (gloo on 127.0.0.1); ``fault`` sets VLTRAIN_FAULT."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-           "--max-restarts", str(max_restarts), "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
-           "-m", "vltrain", "train", str(shapes / "base.yaml"), *overrides(shapes, run_dir, **extra)]
+    launch = ["--nproc-per-node", str(nproc), "--max-restarts", str(max_restarts),
+              "--master-addr", "127.0.0.1", "--master-port", str(free_port())]
+    return finish(start(train_command(shapes, run_dir, launch, **extra), fault), timeout)
+
+
+def train_command(shapes: Path, run_dir: Path, launch: list[str], **extra) -> list[str]:
+    """``torchrun LAUNCH... -m vltrain train`` with the tiny run's overrides."""
+    return [sys.executable, "-m", "torch.distributed.run", *launch,
+            "-m", "vltrain", "train", str(shapes / "base.yaml"), *overrides(shapes, run_dir, **extra)]
+
+
+def start(cmd: list[str], fault: str = "") -> subprocess.Popen:
+    """Start a launcher in its own session, so that a timeout kills it, its workers and their loader workers."""
     env = dict(os.environ, OMP_NUM_THREADS="1")
     env.pop("VLTRAIN_FAULT", None)
     if fault:
         env["VLTRAIN_FAULT"] = fault
-    # its own session, so that a timeout kills the agent, its workers and their loader workers
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
                             start_new_session=True)
+
+
+def finish(proc: subprocess.Popen, timeout: float) -> subprocess.CompletedProcess:
+    """Wait for a started launcher; past ``timeout`` kill its whole session and fail."""
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         out, err = proc.communicate()
         raise AssertionError(f"timed out after {timeout} s:\n{out[-3000:]}\n{err[-6000:]}") from None
-    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 
 def ok(proc: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
