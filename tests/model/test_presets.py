@@ -59,10 +59,10 @@ def test_tiny_preset_builds_and_runs_on_cpu():
 def test_overrides_change_the_architecture():
     cfg = ModelConfig(preset="tiny-albef", embed_dim=64, loss=LossConfig(itm=0.0, mlm=0.0))
     with torch.device("meta"):
-        model = build_model(cfg, vocab_size=100, pad_id=0, mask_id=1, image_size=48, max_text_length=8)
+        model = build_model(cfg, vocab_size=100, pad_id=0, mask_id=1, image_size=64, max_text_length=8)
     assert model.image_proj.proj.out_features == 64
     assert model.fusion is None  # no objective needs it, so it is not built (it would get no gradient)
-    assert model.vision.pos_embed.shape[0] == (48 // 8) ** 2 + 1
+    assert model.vision.pos_embed.shape[0] == (64 // 16) ** 2 + 1
 
 
 def test_bad_image_size_and_unknown_preset():

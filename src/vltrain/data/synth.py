@@ -54,6 +54,9 @@ CELL_WORDS = {
 }
 NUM_SHAPES_WEIGHTS = (0.2, 0.4, 0.4)  # 1, 2 or 3 shapes: multi-shape images make captions near-unique
 SUPERSAMPLE = 4
+JITTER = 0.0
+"""Offset range of a shape within its cell, as a fraction of the free space. Zero: every shape sits
+at its cell's centre, so a position is exactly the grid cell the caption names."""
 
 
 @dataclass(frozen=True)
@@ -75,7 +78,7 @@ def sample_scene(rng: random.Random) -> list[Shape]:
     shapes = []
     for cell in cells:
         size = rng.choice(sorted(SIZES))
-        slack = (1 - SIZES[size]) / 2 * 0.8
+        slack = (1 - SIZES[size]) / 2 * JITTER
         shapes.append(
             Shape(
                 kind=rng.choice(KINDS),
