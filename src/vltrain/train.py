@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from vltrain.checkpoint import Checkpointer, ModelState, OptimizerState
-from vltrain.config import JobConfig, load_config
+from vltrain.config import ConfigError, JobConfig, load_config
 from vltrain.data.batch import Batch
 from vltrain.distributed import World, setup_world
 from vltrain.evaluate import append_eval, evaluate, format_metrics
@@ -68,7 +68,17 @@ def build_model_for(cfg: JobConfig, device: torch.device):
     from vltrain.data.text import load_tokenizer
     from vltrain.model import build_model
 
-    tokenizer = load_tokenizer(cfg.data.tokenizer)
+    path = cfg.data.tokenizer
+    if not path and cfg.model.text.hf_path:
+        from vltrain.model import hf_tokenizer_file
+
+        path = str(hf_tokenizer_file(cfg.model.text.hf_path))  # the encoder's own vocabulary
+    if not path:
+        raise ConfigError(
+            "data.tokenizer is empty: set it to a tokenizer.json (e.g. one made by `vltrain tokenizer train "
+            "MANIFEST --out tok.json`), or set model.text.hf_path to a Hugging Face encoder folder"
+        )
+    tokenizer = load_tokenizer(path)
     model = build_model(
         cfg.model, vocab_size=tokenizer.vocab_size, pad_id=tokenizer.pad_id, mask_id=tokenizer.mask_id,
         image_size=cfg.data.image_size, max_text_length=cfg.data.max_text_length,

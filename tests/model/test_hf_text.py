@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -87,3 +89,14 @@ def test_tokenizer_file_is_the_folders(tmp_path, bert_folder):
     assert hf_tokenizer_file(bert_folder) == bert_folder / "tokenizer.json"
     with pytest.raises(UserError, match="tokenizer.json"):
         hf_tokenizer_file(tmp_path)
+
+
+def test_trainer_takes_the_encoders_tokenizer_when_none_is_given(bert_folder):
+    from vltrain.config import ConfigError, load_config
+    from vltrain.train import build_model_for
+
+    cfg = load_config(None, [f"model.text.hf_path={bert_folder}", "data.image_size=32", "data.max_text_length=8"])
+    tokenizer, model = build_model_for(cfg, torch.device("cpu"))
+    assert Path(tokenizer.path) == bert_folder / "tokenizer.json"
+    with pytest.raises(ConfigError, match="data.tokenizer is empty"):
+        build_model_for(load_config(None, ["data.image_size=32"]), torch.device("cpu"))
