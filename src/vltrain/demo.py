@@ -54,10 +54,12 @@ def run_demo(run_dir: Path, data: Path, overrides: list[str], num: int = NUM_TRA
         *overrides,
     ])
     trainer = Trainer(cfg)
+    clean = False
     try:
         metrics = trainer.train()
+        clean = True
     finally:
-        trainer.close()
+        trainer.close(clean)
     return trainer, metrics
 
 

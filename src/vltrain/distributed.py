@@ -143,9 +143,16 @@ class World:
     def is_main(self) -> bool:
         return self.rank == 0
 
-    def close(self) -> None:
-        """Leave the process group (every rank, at the end of a run)."""
+    def close(self, clean: bool = True) -> None:
+        """Leave the process group (every rank, at the end of a run).
+
+        After a clean run the ranks first meet at a barrier, so that none tears its connections
+        down while another still has collectives in flight (with gloo that can abort the process
+        at exit). After a failure there is no barrier: the other ranks may never arrive.
+        """
         if is_initialized():
+            if clean and self.world_size > 1:
+                dist.barrier()
             dist.destroy_process_group()
 
 

@@ -390,20 +390,23 @@ class Trainer:
             save_file({k: v.detach().cpu().contiguous().clone() for k, v in state.items()},
                       str(self.run_dir / WEIGHTS_FILE))
 
-    def close(self) -> None:
-        """Flush the sinks, draw curves.png, leave the process group."""
+    def close(self, clean: bool = True) -> None:
+        """Flush the sinks, leave the process group (``clean``: after a run that did not fail),
+        draw curves.png."""
         self.metrics.close()
+        self.world.close(clean)
         if self.world.is_main:
             plot_curves(self.run_dir)
-        self.world.close()
 
 
 def train_cli(args: argparse.Namespace) -> int:
     """``vltrain train CONFIG [key=value ...]`` (under torchrun or in one process)."""
     cfg = load_config(args.config, args.overrides)
     trainer = Trainer(cfg)
+    clean = False
     try:
         metrics = trainer.train()
+        clean = True
     except BaseException as e:
         # the line naming the failed rank; the other ranks then fail on the broken group (or are
         # stopped by torchrun), within train.timeout_s at the latest
@@ -411,7 +414,7 @@ def train_cli(args: argparse.Namespace) -> int:
               file=sys.stderr, flush=True)
         raise
     finally:
-        trainer.close()
+        trainer.close(clean)
     if trainer.world.is_main:
         print(f"run: {trainer.run_dir}  steps: {trainer.step}  skipped: {trainer.guard.total}")
         if metrics:
@@ -438,6 +441,7 @@ def evaluate_run(run_dir: Path, data: str | None = None, overrides: list[str] | 
         raise UserError(f"{config_path} names no data.val; pass --data VAL_MANIFEST")
     world = setup_world(timeout_s=cfg.train.timeout_s, device=cfg.train.device, threads=cfg.train.threads,
                         tf32=cfg.train.tf32)
+    clean = False
     try:
         if exported:
             model, tokenizer, exported_cfg = load_exported(run_dir, world.device)
@@ -447,6 +451,8 @@ def evaluate_run(run_dir: Path, data: str | None = None, overrides: list[str] | 
             model.load_state_dict(load_file(str(weights), device=str(world.device)))
         loader = build_val_loader(cfg, tokenizer, world)
         precision = Precision(cfg.train.precision, world.device)
-        return evaluate(Dispatch(model), loader, cfg.data, world.device, precision.autocast, cfg.eval.max_samples)
+        metrics = evaluate(Dispatch(model), loader, cfg.data, world.device, precision.autocast, cfg.eval.max_samples)
+        clean = True
+        return metrics
     finally:
-        world.close()
+        world.close(clean)
