@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import torch
 
+from multiproc import free_port
 from vltrain.checkpoint import find_checkpoint, read_tensors
 
 STEPS = 10
@@ -62,12 +62,6 @@ def overrides(shapes: Path, run_dir: Path, **extra) -> list[str]:
     }
     base.update({k.replace("__", "."): v for k, v in extra.items()})
     return [f"{k}={v}" for k, v in base.items()]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def train(shapes: Path, run_dir: Path, *, nproc: int = 2, max_restarts: int = 0, fault: str = "",

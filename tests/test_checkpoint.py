@@ -6,7 +6,6 @@ import json
 import os
 import pickle
 import random
-import socket
 
 import numpy as np
 import pytest
@@ -15,6 +14,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
+from multiproc import free_port
 from vltrain.checkpoint import (
     Checkpointer,
     ModelState,
@@ -225,12 +225,6 @@ def test_async_save_snapshots_the_state(tmp_path):
 
 # ---------------------------------------------------------------------------------------------
 # Two ranks, gloo
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _run_phase(rank: int, root: str, phase: str) -> None:

@@ -7,13 +7,13 @@ real multi-process runs take seconds on two cores.
 from __future__ import annotations
 
 import json
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from multiproc import free_port
 from vltrain.metrics import read_jsonl
 
 STEPS = 20
@@ -52,12 +52,6 @@ def overrides(shapes: Path, run_dir: Path, **extra) -> list[str]:
     }
     base.update(extra)
     return [f"{k}={v}" for k, v in base.items()]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def train(shapes: Path, run_dir: Path, nproc: int = 1, timeout: float = 240, **extra) -> list[dict]:
