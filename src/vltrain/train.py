@@ -34,10 +34,6 @@ from vltrain.precision import Precision
 from vltrain.rng import RngState
 from vltrain.step import ModelInputs, StepLosses, plain_backward
 
-WEIGHTS_FILE = "weights.safetensors"
-"""The final weights (full, unsharded), written at the end of a run for ``vltrain eval``."""
-
-
 class LoaderPosition:
     """The train loader's position as a Stateful that also takes a checkpoint of another world size.
 
@@ -373,22 +369,9 @@ class Trainer:
         return self.evals_without_improvement >= ec.early_stop_patience
 
     def _checkpoint(self, final: bool) -> None:
-        """The one place where state is saved."""
+        """The one place where state is saved (the run's last step always: ``vltrain eval`` reads it)."""
         if self.checkpointer is not None:
             self.checkpointer.maybe_save(self.step, final=final)
-        if final:
-            self._save_weights()
-
-    def _save_weights(self) -> None:
-        """RUN_DIR/weights.safetensors: full weights gathered from every rank, written by rank 0."""
-        from safetensors.torch import save_file
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-        state = get_model_state_dict(self.model, options=options)
-        if self.world.is_main:
-            save_file({k: v.detach().cpu().contiguous().clone() for k, v in state.items()},
-                      str(self.run_dir / WEIGHTS_FILE))
 
     def close(self, clean: bool = True) -> None:
         """Flush the sinks, leave the process group (``clean``: after a run that did not fail),
@@ -423,20 +406,18 @@ def train_cli(args: argparse.Namespace) -> int:
 
 
 def evaluate_run(run_dir: Path, data: str | None = None, overrides: list[str] | None = None) -> dict[str, float]:
-    """Retrieval metrics of a finished run's weights (``vltrain eval``)."""
-    from safetensors.torch import load_file
-
+    """Retrieval metrics of a run's latest checkpoint or of an exported model (``vltrain eval``)."""
+    from vltrain.checkpoint import find_checkpoint, load_model_weights
     from vltrain.errors import UserError
-
     from vltrain.export import is_exported, load_exported
 
     exported = is_exported(run_dir)
     config_path = run_dir / "config.yaml"
-    weights = run_dir / WEIGHTS_FILE
-    if not exported and (not config_path.exists() or not weights.exists()):
-        raise UserError(f"{run_dir} is neither a finished run (config.yaml and {WEIGHTS_FILE}) "
+    if not exported and not config_path.exists():
+        raise UserError(f"{run_dir} is neither a run folder (with config.yaml and checkpoints) "
                         "nor an exported model (vltrain export)")
     cfg = load_config(config_path, list(overrides or []) + ([f"data.val={data}"] if data else []))
+    ckpt = None if exported else find_checkpoint(run_dir, cfg.checkpoint.folder)
     if not cfg.data.val:
         raise UserError(f"{config_path} names no data.val; pass --data VAL_MANIFEST")
     world = setup_world(timeout_s=cfg.train.timeout_s, device=cfg.train.device, threads=cfg.train.threads,
@@ -448,7 +429,7 @@ def evaluate_run(run_dir: Path, data: str | None = None, overrides: list[str] | 
             cfg.data.tokenizer = exported_cfg.data.tokenizer
         else:
             tokenizer, model = build_model_for(cfg, world.device)
-            model.load_state_dict(load_file(str(weights), device=str(world.device)))
+            load_model_weights(ckpt, model)
         loader = build_val_loader(cfg, tokenizer, world)
         precision = Precision(cfg.train.precision, world.device)
         metrics = evaluate(Dispatch(model), loader, cfg.data, world.device, precision.autocast, cfg.eval.max_samples)
