@@ -33,16 +33,7 @@ class Precision:
     def autocast(self) -> contextlib.AbstractContextManager:
         if self.name == "fp32":
             return contextlib.nullcontext()
-        stack = contextlib.ExitStack()
-        stack.enter_context(torch.autocast(self.device.type, dtype=self.dtype))
-        if self.device.type == "cpu":
-            # the CPU flash-attention kernel's bf16 backward is about 2x slower than the plain
-            # (math) attention on the small heads of CPU-sized models; the kernel is picked at
-            # forward time, so the backward follows
-            from torch.nn.attention import SDPBackend, sdpa_kernel
-
-            stack.enter_context(sdpa_kernel([SDPBackend.MATH]))
-        return stack
+        return torch.autocast(self.device.type, dtype=self.dtype)
 
     def grad_scaler(self) -> torch.amp.GradScaler:
         """A Stateful scaler; disabled (a pass-through) unless fp16."""

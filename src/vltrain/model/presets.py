@@ -8,7 +8,7 @@ so counts elsewhere differ by (vocab - ref_vocab + length - ref_length) x text w
 preset            towers                                 ref vocab   length  image  parameters
 ================  =====================================  ==========  ======  =====  ===========
 tiny-clip         ViT 128w/3d/4h p16, text 128w/3d/4h    1,000       32      48     1,454,977
-tiny-albef        tiny-clip + 2 fusion layers, ITM       1,000       32      48     1,984,643
+tiny-albef        tiny-clip + 1 fusion layer, ITM        1,000       32      48     1,720,067
 clip-vit-b32      ViT-B/32, text 512w/12d/8h, embed 512  49,408      77      224    151,277,313
 clip-vit-b16      ViT-B/16, text 512w/12d/8h, embed 512  49,408      77      224    149,620,737
 clip-vit-l14      ViT-L/14, text 768w/12d/12h, embed 768 49,408      77      224    427,616,513
@@ -62,7 +62,7 @@ def tiny_clip() -> Architecture:
 
 def tiny_albef() -> Architecture:
     arch = tiny_clip()
-    arch.fusion = FusionConfig(depth=2, heads=4)
+    arch.fusion = FusionConfig(depth=1, heads=4)
     return arch
 
 
