@@ -3,9 +3,11 @@
 Both train the demo model on the same global batch (random pairs, no data loading), through the
 trainer's own wrapping (DDP over gloo) and step code. Target: the 2-process run reaches >= 0.9x
 the samples/s of the 1-process run, i.e. gradient all-reduce and the distributed contrastive
-loss cost little next to the compute they parallelize.
+loss cost little next to the compute they parallelize. The default global batch, 512, is what
+``torchrun --nproc-per-node 2 -m vltrain train configs/demo.yaml`` runs (256 rows per rank).
 
-    PYTHONPATH=src python benchmarks/ddp_scaling.py [--global-batch 128] [--steps 8] [--precision bf16]
+    PYTHONPATH=src python benchmarks/ddp_scaling.py [--global-batch 512] [--steps 8] [--precision bf16]
+        [--preset tiny-clip]
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ def worker(args: argparse.Namespace) -> None:
     from vltrain.precision import Precision
     from vltrain.step import plain_backward
 
-    cfg = demo_config(f"train.precision={args.precision}")
+    cfg = demo_config(f"train.precision={args.precision}", *([f"model.preset={args.preset}"] if args.preset else []))
     world = setup_world(threads=args.threads, device="cpu")
     torch.manual_seed(0)
     model = demo_model(cfg)
@@ -60,7 +62,7 @@ def free_port() -> int:
 
 def launch(nproc: int, threads: int, args: argparse.Namespace) -> float:
     script = [str(Path(__file__).resolve()), "--worker", "--threads", str(threads),
-              "--global-batch", str(args.global_batch), "--steps", str(args.steps), "--precision", args.precision]
+              "--global-batch", str(args.global_batch), "--steps", str(args.steps), "--precision", args.precision, "--preset", args.preset]
     if nproc == 1:
         cmd = [sys.executable, *script]
     else:
@@ -77,9 +79,10 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--worker", action="store_true")
     p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--global-batch", type=int, default=128)
+    p.add_argument("--global-batch", type=int, default=512)
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--precision", default="bf16")
+    p.add_argument("--preset", default="", help="a model preset instead of the demo config's")
     args = p.parse_args()
     if args.worker:
         worker(args)
@@ -88,7 +91,7 @@ def main() -> None:
 
     one = launch(1, 2, args)
     two = launch(2, 1, args)
-    print(f"demo model, global batch {args.global_batch}, {args.precision}; {load_average()}")
+    print(f"{args.preset or 'demo'} model, global batch {args.global_batch}, {args.precision}; {load_average()}")
     print("| layout | samples/s | vs 1 process |")
     print("|---|---:|---:|")
     print(f"| 1 process x 2 threads | {one:.1f} | 1.00x |")

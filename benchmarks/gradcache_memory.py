@@ -25,6 +25,7 @@ import torch
 
 def worker(mode: str, global_batch: int, micro: int, precision: str) -> None:
     from _demo_model import demo_config, demo_model, random_inputs
+    from vltrain.distributed import keep_freed_memory
     from vltrain.gradcache import gradcache_backward
     from vltrain.optim import build_optimizer
     from vltrain.parallelize import Dispatch
@@ -32,6 +33,7 @@ def worker(mode: str, global_batch: int, micro: int, precision: str) -> None:
     from vltrain.step import plain_backward
 
     torch.set_num_threads(2)
+    keep_freed_memory()  # as the trainer does on CPU
     cfg = demo_config(f"train.precision={precision}")
     torch.manual_seed(0)
     model = demo_model(cfg)
