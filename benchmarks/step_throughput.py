@@ -13,6 +13,7 @@ between rows) through the trainer's own step code: forward + backward + AdamW on
 Targets: bf16 >= 1.8x fp32 samples/s; bf16 MFU >= 35% of the measured bf16 peak.
 
     PYTHONPATH=src python benchmarks/step_throughput.py [--batch 256] [--steps 8] [--threads 2]
+        [--preset tiny-clip]
 """
 
 from __future__ import annotations
@@ -52,11 +53,11 @@ class OpTimer(TorchDispatchMode):
         return out
 
 
-def measure(precision: str, allocator: str, batch: int, steps: int, threads: int) -> dict:
+def measure(precision: str, allocator: str, batch: int, steps: int, threads: int, preset: str) -> dict:
     torch.set_num_threads(threads)
     if allocator == "trainer":
         keep_freed_memory()
-    cfg = demo_config(f"train.precision={precision}")
+    cfg = demo_config(f"train.precision={precision}", *([f"model.preset={preset}"] if preset else []))
     torch.manual_seed(0)
     model = demo_model(cfg)
     wrapped, opt = Dispatch(model), build_optimizer(model, cfg.train)
@@ -87,10 +88,11 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=256)
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--preset", default="", help="a model preset instead of the demo config's")
     p.add_argument("--child", nargs=2, metavar=("PRECISION", "ALLOCATOR"), help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.child:
-        print(json.dumps(measure(*args.child, args.batch, args.steps, args.threads)))
+        print(json.dumps(measure(*args.child, args.batch, args.steps, args.threads, args.preset)))
         return
     torch.set_num_threads(args.threads)
     peak = {"bf16": measure_cpu_peak(torch.bfloat16, n=2048, seconds=1.0),
@@ -99,12 +101,12 @@ def main() -> None:
     for precision, allocator in (("fp32", "trainer"), ("bf16", "trainer"), ("bf16", "glibc")):
         out = subprocess.run(
             [sys.executable, __file__, "--child", precision, allocator, "--batch", str(args.batch),
-             "--steps", str(args.steps), "--threads", str(args.threads)],
+             "--steps", str(args.steps), "--threads", str(args.threads), "--preset", args.preset],
             check=True, capture_output=True, text=True,
         )
         rows.append((precision, allocator, json.loads(out.stdout.strip().splitlines()[-1])))
     r = rows[0][2]
-    print(f"demo model ({r['preset']}), batch {args.batch}, {args.threads} threads, "
+    print(f"{'demo model' if not args.preset else 'model'} ({r['preset']}), batch {args.batch}, {args.threads} threads, "
           f"{r['flops'] / 1e6:.1f} MFLOP/sample (fwd+bwd), median of {args.steps} steps")
     print(f"measured matmul peak: bf16 {peak['bf16'] / 1e9:.0f} GFLOP/s, fp32 {peak['fp32'] / 1e9:.0f} GFLOP/s")
     print(load_average())
