@@ -188,7 +188,7 @@ def keep_freed_memory(mmap_threshold: int = 32 << 20, trim_threshold: int = 1 <<
 
     By default glibc serves allocations above a few MiB with fresh ``mmap`` pages and returns freed
     heap tops to the kernel, so every step's activations page-fault in zeroed memory again: on CPU
-    that costs 15-20% of a training step (``benchmarks/step_throughput.py --allocator``). Raising the
+    that costs 10-20% of a bf16 training step (the glibc row of ``benchmarks/step_throughput.py``). Raising the
     mmap threshold to its maximum (32 MiB) and the trim threshold to 1 GiB keeps the memory in the
     process, at the price of a higher resident size between steps. Returns False where the C library
     is not glibc (then nothing changes).
