@@ -49,6 +49,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from vltrain.config import CheckpointConfig
+from vltrain.distributed import all_gather_object, barrier, broadcast_object
 from vltrain.errors import UserError
 from vltrain.faults import maybe_fail
 
@@ -470,8 +471,7 @@ class Checkpointer:
                 shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
 
     def _barrier(self) -> None:
-        if _dist():
-            dist.barrier()
+        barrier()
 
     # -- loading -----------------------------------------------------------------------------
 
@@ -492,15 +492,44 @@ class Checkpointer:
                 chosen[0] = str(path) if path is not None else None
             except UserError as e:
                 chosen[0] = e
-        if _dist():
-            dist.broadcast_object_list(chosen, src=0)
+        chosen = [broadcast_object(chosen[0])]
         if isinstance(chosen[0], UserError):
             raise chosen[0]
         return self.load(Path(chosen[0])) if chosen[0] is not None else None
 
     def load(self, path: Path) -> Restored:
-        """Put every state back from ``path``. Shapes are checked before anything is modified."""
+        """Put every state back from ``path``. Shapes are checked before anything is modified.
+
+        Each rank first reads the JSON files it needs; the ranks then agree (one exchange) before
+        the collective tensor load, so a file only one rank cannot read stops every rank with that
+        rank's message instead of leaving the others waiting in the load.
+        """
         self.wait()
+        state, rank_file, problem = None, None, None
+        try:
+            state, rank_file = self._read_json(path)
+        except UserError as e:
+            problem = str(e)
+        problems = all_gather_object(problem)
+        bad = next((r for r, p in enumerate(problems) if p), None)
+        if bad is not None:
+            raise UserError(problems[bad] if self.world_size == 1 else f"rank {bad}: {problems[bad]}")
+        saved = state["states"]
+        targets: dict[str, torch.Tensor] = {}
+        for name, st in self.states.items():
+            split_tensors(st.state_dict(), name, targets)
+        saved_keys = [k for name in self.states for k in _tensor_keys(saved[name])]
+        _read_fitting(path, targets, saved_keys, no_dist=not _dist())
+        for name, st in self.states.items():
+            st.load_state_dict(join_tensors(saved[name], targets))
+        if rank_file is not None:
+            for name, st in self.rank_states.items():
+                st.load_state_dict(join_tensors(rank_file[name], {}))
+        self._last_saved = state["step"]
+        return Restored(path=path, step=state["step"], world_size=state["world_size"], exact=rank_file is not None)
+
+    def _read_json(self, path: Path) -> tuple[dict[str, Any], dict[str, Any] | None]:
+        """The checkpoint's state file, and this rank's own file when the world size is unchanged."""
         try:
             state = json.loads((path / STATE_FILE).read_text())
         except (OSError, ValueError) as e:
@@ -512,25 +541,16 @@ class Checkpointer:
         missing = [name for name in self.states if name not in saved]
         if missing:
             raise UserError(f"checkpoint {path} has no {', '.join(missing)} state (it holds {', '.join(saved)})")
-        targets: dict[str, torch.Tensor] = {}
-        for name, st in self.states.items():
-            split_tensors(st.state_dict(), name, targets)
-        saved_keys = [k for name in self.states for k in _tensor_keys(saved[name])]
-        _read_fitting(path, targets, saved_keys, no_dist=not _dist())
-        for name, st in self.states.items():
-            st.load_state_dict(join_tensors(saved[name], targets))
-        exact = state["world_size"] == self.world_size
-        if exact:
-            try:
-                rank_file = json.loads((path / f"rank-{self.rank}.json").read_text())
-            except (OSError, ValueError) as e:
-                raise UserError(f"cannot read rank {self.rank}'s state in checkpoint {path}: {e}") from None
-            for name, st in self.rank_states.items():
-                if name not in rank_file:
-                    raise UserError(f"checkpoint {path} has no per-rank {name!r} state")
-                st.load_state_dict(join_tensors(rank_file[name], {}))
-        self._last_saved = state["step"]
-        return Restored(path=path, step=state["step"], world_size=state["world_size"], exact=exact)
+        if state["world_size"] != self.world_size:
+            return state, None
+        try:
+            rank_file = json.loads((path / f"rank-{self.rank}.json").read_text())
+        except (OSError, ValueError) as e:
+            raise UserError(f"cannot read rank {self.rank}'s state in checkpoint {path}: {e}") from None
+        for name in self.rank_states:
+            if name not in rank_file:
+                raise UserError(f"checkpoint {path} has no per-rank {name!r} state")
+        return state, rank_file
 
 
 def _fsync_dir(path: Path) -> None:

@@ -77,6 +77,11 @@ class TrainConfig:
     """Fault injection: multiply the loss by NaN at this step (-1: never), to see the guard work."""
     debug_nan_rank: int = -1
     """The rank whose loss debug_nan_step poisons (-1: every rank)."""
+    debug_spmd: bool = False
+    """Before each of vltrain's collectives, the ranks compare what they are about to issue (op,
+    dtype, shape, and a fingerprint of the step's collectives so far); a divergence stops every
+    rank with one message naming the step, the two ranks and the collective. Costs one small
+    all_gather per collective."""
 
     def validate(self) -> None:
         if self.max_steps < 1:

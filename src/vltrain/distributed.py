@@ -1,19 +1,27 @@
 """Process-group set-up and the collectives the losses need.
 
 Everything here falls back to a single process when torch.distributed is not initialized, so the
-same loss code runs on a laptop and on many nodes. The gathers accept a different first-dimension
-size on every rank (dynamic batching makes local batches unequal): sizes are exchanged first, the
-tensors padded to the largest, gathered, and the padding dropped.
+same loss code runs on a laptop and on many nodes. A tensor that crosses ranks may differ between
+them in any dimension (dynamic batching makes local batches unequal; each rank pads its captions to
+its own longest): the shapes are exchanged first, every dimension padded to the largest over ranks
+for the collective, and the padding dropped (or, beyond the first dimension, kept and masked) after.
+No collective's size depends on a rank's data without such an exchange first. Every collective
+goes through :func:`issue`, the SPMD recorder's door (``vltrain.spmd``).
 """
 
 from __future__ import annotations
 
 import datetime
-from dataclasses import dataclass
 import os
+from dataclasses import dataclass
+from typing import Any, Callable, TypeVar
 
 import torch
 import torch.distributed as dist
+
+from vltrain.spmd import MAX_DIMS, RECORDER, Issued, SPMDError
+
+T = TypeVar("T")
 
 
 def is_initialized() -> bool:
@@ -56,73 +64,211 @@ def init_distributed(backend: str | None = None, timeout_s: float = 600.0) -> tu
     return world_info()
 
 
+def issue(op: str, tensor: torch.Tensor | None, run: Callable[[], T], *, sent: int = 0) -> T:
+    """Run one collective through the recorder (``vltrain.spmd``): every collective vltrain issues
+    itself comes here, so ``train.debug_spmd`` can compare the ranks before it runs and
+    ``benchmarks/comm_cost.py`` can count the bytes each rank sends."""
+    issued = Issued(op) if tensor is None else Issued(op, tensor.dtype, tuple(tensor.shape))
+    device = tensor.device if tensor is not None else _collective_device()
+    RECORDER.before(issued, sent, device)
+    return run()
+
+
+def _collective_device() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+
+
+def exchange_shapes(*tensors: torch.Tensor) -> list[list[tuple[int, ...]]]:
+    """Every rank's shape of each tensor: ``out[i][r]`` is rank r's shape of ``tensors[i]``.
+
+    One small all_gather of a fixed-size vector, whatever the tensors hold, so it cannot itself
+    mismatch. Every rank must pass the same number of tensors with the same number of dimensions
+    (that is code, not data).
+    """
+    rank, world = world_info()
+    if world == 1:
+        return [[tuple(t.shape)] for t in tensors]
+    width = 1 + MAX_DIMS
+    local = torch.full((len(tensors), width), -1, dtype=torch.int64)
+    for i, t in enumerate(tensors):
+        if t.ndim > MAX_DIMS:
+            raise ValueError(f"exchange_shapes supports up to {MAX_DIMS} dimensions, got {t.ndim}")
+        local[i, 0] = t.ndim
+        local[i, 1 : 1 + t.ndim] = torch.tensor(t.shape, dtype=torch.int64)
+    local = local.flatten().to(tensors[0].device)
+    parts = [torch.empty_like(local) for _ in range(world)]
+    issue("shapes", local, lambda: dist.all_gather(parts, local), sent=local.numel() * 8 * (world - 1))
+    table = torch.stack(parts).cpu().view(world, len(tensors), width)
+    out = []
+    for i in range(len(tensors)):
+        ndims = {int(table[r, i, 0]) for r in range(world)}
+        if len(ndims) != 1:
+            raise SPMDError(f"exchange_shapes: tensor {i} has {sorted(ndims)} dimensions on different ranks")
+        n = ndims.pop()
+        out.append([tuple(int(d) for d in table[r, i, 1 : 1 + n]) for r in range(world)])
+    return out
+
+
 def gather_sizes(n: int, device: torch.device | str = "cpu") -> list[int]:
     """Every rank's first-dimension size, in rank order (one tiny all_gather)."""
-    rank, world = world_info()
-    if world == 1:
-        return [n]
-    local = torch.tensor([n], dtype=torch.int64, device=device)
-    out = [torch.zeros_like(local) for _ in range(world)]
-    dist.all_gather(out, local)
-    return [int(t.item()) for t in out]
+    return [s[0] for s in exchange_shapes(torch.empty(n, 0, device=device))[0]]
 
 
-def _gather_padded(x: torch.Tensor, sizes: list[int]) -> torch.Tensor:
-    """Concatenate every rank's ``x`` along dim 0, padding to the largest size for the collective."""
-    longest = max(sizes)
-    if x.shape[0] < longest:
-        pad = x.new_zeros((longest - x.shape[0], *x.shape[1:]))
-        x = torch.cat([x, pad], dim=0)
-    parts = [torch.empty_like(x) for _ in sizes]
-    dist.all_gather(parts, x.contiguous())
-    return torch.cat([p[:n] for p, n in zip(parts, sizes)], dim=0)
+def _padded_shape(shapes: list[tuple[int, ...]]) -> tuple[int, ...]:
+    return tuple(max(dims) for dims in zip(*shapes))
 
 
-def all_gather_no_grad(x: torch.Tensor, sizes: list[int] | None = None) -> torch.Tensor:
-    """Every rank's rows concatenated in rank order, without a gradient path."""
-    rank, world = world_info()
-    if world == 1:
+def pad_to(x: torch.Tensor, shape: tuple[int, ...], value: float = 0) -> torch.Tensor:
+    """``x`` grown to ``shape`` (every dimension at least as large), new entries ``value``."""
+    if tuple(x.shape) == tuple(shape):
+        return x
+    out = x.new_full(shape, value)
+    out[tuple(slice(0, n) for n in x.shape)] = x
+    return out
+
+
+def _gather_padded(x: torch.Tensor, shapes: list[tuple[int, ...]], value: float) -> torch.Tensor:
+    """Every rank's ``x``, concatenated along dim 0 in rank order, other dims padded to the largest.
+
+    For the collective every rank sends a tensor of the same (largest) shape in every dimension;
+    each part is then cut back to its rank's rows.
+    """
+    big = _padded_shape(shapes)
+    send = pad_to(x, big, value).contiguous()
+    parts = [torch.empty_like(send) for _ in shapes]
+    issue("all_gather", send, lambda: dist.all_gather(parts, send), sent=send.numel() * send.element_size() * (len(shapes) - 1))
+    return torch.cat([p[: s[0]] for p, s in zip(parts, shapes)], dim=0)
+
+
+def _shapes_of(x: torch.Tensor, shapes: list[tuple[int, ...]] | None) -> list[tuple[int, ...]]:
+    if shapes is None:
+        return exchange_shapes(x)[0]
+    rank = world_info()[0]
+    if tuple(shapes[rank]) != tuple(x.shape):
+        raise ValueError(f"shapes[{rank}] is {tuple(shapes[rank])} but the tensor is {tuple(x.shape)}")
+    return shapes
+
+
+def all_gather_no_grad(x: torch.Tensor, shapes: list[tuple[int, ...]] | None = None, pad_value: float = 0) -> torch.Tensor:
+    """Every rank's rows concatenated in rank order, without a gradient path.
+
+    Ranks may differ in any dimension: every dimension but the first is padded with ``pad_value``
+    to the largest over ranks. ``shapes`` (from :func:`exchange_shapes`) saves the exchange.
+    """
+    if world_info()[1] == 1:
         return x.detach()
-    sizes = sizes if sizes is not None else gather_sizes(x.shape[0], x.device)
+    shapes = _shapes_of(x, shapes)
     with torch.no_grad():
-        return _gather_padded(x.detach(), sizes)
+        return _gather_padded(x.detach(), shapes, pad_value)
+
+
+REDUCE_SCATTER = True
+"""Gather-with-grad's backward reduce-scatters (False: all-reduces the whole gradient, then slices)."""
 
 
 class _AllGatherWithGrad(torch.autograd.Function):
     """Forward: concatenation of all ranks' rows. Backward: this rank's slice of the summed gradient.
 
     Each rank's loss touches every rank's rows, so the gradient of the sum of all ranks' losses with
-    respect to this rank's rows is the all-reduced (summed) gradient of the gathered tensor, sliced.
+    respect to this rank's rows is the sum over ranks of the gathered tensor's gradient, sliced to
+    this rank's rows. A reduce-scatter delivers exactly that slice, sending 1/W of what an
+    all-reduce of the whole gradient sends; backends without it fall back to the all-reduce.
     """
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, sizes: list[int], rank: int) -> torch.Tensor:  # type: ignore[override]
-        ctx.sizes, ctx.rank = sizes, rank
-        return _gather_padded(x, sizes)
+    def forward(ctx, x: torch.Tensor, shapes: list[tuple[int, ...]], rank: int, value: float) -> torch.Tensor:  # type: ignore[override]
+        ctx.shapes, ctx.rank = shapes, rank
+        return _gather_padded(x, shapes, value)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
-        grad = grad.contiguous()
-        dist.all_reduce(grad, op=dist.ReduceOp.SUM)
-        start = sum(ctx.sizes[: ctx.rank])
-        return grad[start : start + ctx.sizes[ctx.rank]], None, None
+        shapes, rank = ctx.shapes, ctx.rank
+        big = _padded_shape(shapes)
+        rows = [s[0] for s in shapes]
+        starts = [sum(rows[:r]) for r in range(len(rows))]
+        stacked = grad.new_zeros((len(shapes) * big[0], *grad.shape[1:]))
+        for r, (start, n) in enumerate(zip(starts, rows)):
+            stacked[r * big[0] : r * big[0] + n] = grad[start : start + n]
+        mine = _sum_my_block(stacked, rank, big[0])
+        return mine[tuple(slice(0, n) for n in shapes[rank])], None, None, None
 
 
-def all_gather_with_grad(x: torch.Tensor, sizes: list[int] | None = None) -> torch.Tensor:
-    """Every rank's rows concatenated in rank order; gradients flow back to the rank that owns them."""
+def _sum_my_block(stacked: torch.Tensor, rank: int, block: int) -> torch.Tensor:
+    """Sum over ranks of ``stacked``, keeping only block ``rank`` (W equal blocks along dim 0)."""
+    world = stacked.shape[0] // block
+    size = stacked.numel() * stacked.element_size()
+    global REDUCE_SCATTER
+    if REDUCE_SCATTER:
+        out = stacked.new_empty((block, *stacked.shape[1:]))
+        try:
+            issue("reduce_scatter", stacked, lambda: _reduce_scatter(out, stacked),
+                  sent=size * (world - 1) // world)
+            return out
+        except (RuntimeError, NotImplementedError) as e:
+            if "not supported" not in str(e).lower() and "not implemented" not in str(e).lower():
+                raise
+            REDUCE_SCATTER = False  # this backend has none: fall back from now on
+    issue("all_reduce", stacked, lambda: dist.all_reduce(stacked), sent=2 * size * (world - 1) // world)
+    return stacked[rank * block : (rank + 1) * block]
+
+
+def _reduce_scatter(out: torch.Tensor, stacked: torch.Tensor) -> None:
+    single = getattr(dist, "reduce_scatter_single", None)  # the name from torch 2.13 on
+    (single or dist.reduce_scatter_tensor)(out, stacked)
+
+
+def all_gather_with_grad(x: torch.Tensor, shapes: list[tuple[int, ...]] | None = None, pad_value: float = 0) -> torch.Tensor:
+    """Every rank's rows concatenated in rank order (other dims padded as in :func:`all_gather_no_grad`);
+    gradients flow back to the rank that owns the rows."""
     rank, world = world_info()
     if world == 1:
         return x
-    sizes = sizes if sizes is not None else gather_sizes(x.shape[0], x.device)
-    return _AllGatherWithGrad.apply(x, sizes, rank)
+    return _AllGatherWithGrad.apply(x, _shapes_of(x, shapes), rank, pad_value)
 
 
 def all_reduce_sum(x: torch.Tensor) -> torch.Tensor:
-    """Sum over ranks without a gradient path (counts and normalizers)."""
-    if world_info()[1] == 1:
+    """Sum over ranks without a gradient path (counts, normalizers, the step's packet)."""
+    world = world_info()[1]
+    if world == 1:
         return x.detach()
     out = x.detach().clone()
-    dist.all_reduce(out, op=dist.ReduceOp.SUM)
+    issue("all_reduce", out, lambda: dist.all_reduce(out, op=dist.ReduceOp.SUM),
+          sent=2 * out.numel() * out.element_size() * (world - 1) // world)
+    return out
+
+
+def all_reduce_max(x: torch.Tensor) -> torch.Tensor:
+    """Maximum over ranks without a gradient path (flags every rank must agree on)."""
+    world = world_info()[1]
+    if world == 1:
+        return x.detach()
+    out = x.detach().clone()
+    issue("all_reduce", out, lambda: dist.all_reduce(out, op=dist.ReduceOp.MAX),
+          sent=2 * out.numel() * out.element_size() * (world - 1) // world)
+    return out
+
+
+def barrier() -> None:
+    if world_info()[1] > 1:
+        issue("barrier", None, dist.barrier)
+
+
+def broadcast_object(obj: Any, src: int = 0) -> Any:
+    """``obj`` of rank ``src`` on every rank (pickled: only for small, trusted metadata)."""
+    if world_info()[1] == 1:
+        return obj
+    box = [obj]
+    issue("broadcast", None, lambda: dist.broadcast_object_list(box, src=src))
+    return box[0]
+
+
+def all_gather_object(obj: Any) -> list[Any]:
+    """Every rank's ``obj`` in rank order (pickled: only for small metadata such as error messages)."""
+    world = world_info()[1]
+    if world == 1:
+        return [obj]
+    out: list[Any] = [None] * world
+    issue("all_gather", None, lambda: dist.all_gather_object(out, obj))
     return out
 
 
@@ -152,7 +298,7 @@ class World:
         """
         if is_initialized():
             if clean and self.world_size > 1:
-                dist.barrier()
+                barrier()
             dist.destroy_process_group()
 
 
@@ -204,9 +350,11 @@ def keep_freed_memory(mmap_threshold: int = 32 << 20, trim_threshold: int = 1 <<
     return bool(mallopt(_M_MMAP_THRESHOLD, mmap_threshold)) and bool(mallopt(_M_TRIM_THRESHOLD, trim_threshold))
 
 
-def setup_world(*, timeout_s: float = 600.0, device: str = "auto", threads: int = 0, tf32: bool = True) -> World:
+def setup_world(*, timeout_s: float = 600.0, device: str = "auto", threads: int = 0, tf32: bool = True,
+                debug_spmd: bool = False) -> World:
     """Join torchrun's process group (or run alone), pick the device, matmul precision, threads and,
-    on CPU, the allocator's reuse of freed memory (``keep_freed_memory``).
+    on CPU, the allocator's reuse of freed memory (``keep_freed_memory``); ``debug_spmd`` turns the
+    SPMD check of every collective on (``vltrain.spmd``).
 
     ``threads=0`` divides the machine's cores among the processes of this node, so that
     ``torchrun --nproc-per-node 2`` on 2 cores gives each rank one thread instead of both
@@ -216,6 +364,7 @@ def setup_world(*, timeout_s: float = 600.0, device: str = "auto", threads: int 
     dev = pick_device(device, local_rank)
     backend = "nccl" if dev.type == "cuda" else "gloo"
     rank, world_size = init_distributed(backend=backend, timeout_s=timeout_s)
+    RECORDER.checking = debug_spmd
     allow_tf32(dev, tf32)
     if dev.type == "cpu":
         keep_freed_memory()

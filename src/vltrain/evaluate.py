@@ -12,8 +12,9 @@ import json
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 from torch import nn
+
+from vltrain.distributed import all_gather_no_grad, all_reduce_sum
 
 KS = (1, 5, 10)
 
@@ -50,18 +51,7 @@ def retrieval_metrics(image_embeds: torch.Tensor, text_embeds: torch.Tensor) -> 
 
 def gather_rows(x: torch.Tensor) -> torch.Tensor:
     """Concatenate every rank's rows (shards may differ in length)."""
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return x
-    world = dist.get_world_size()
-    n = torch.tensor([x.shape[0]], device=x.device)
-    sizes = [torch.zeros_like(n) for _ in range(world)]
-    dist.all_gather(sizes, n)
-    most = int(max(s.item() for s in sizes))
-    padded = torch.zeros((most, *x.shape[1:]), dtype=x.dtype, device=x.device)
-    padded[: x.shape[0]] = x
-    parts = [torch.empty_like(padded) for _ in range(world)]
-    dist.all_gather(parts, padded)
-    return torch.cat([p[: int(s.item())] for p, s in zip(parts, sizes)])
+    return all_gather_no_grad(x)
 
 
 def _encode(model: nn.Module, pixels, input_ids, attention_mask, has_image, has_text):
@@ -70,7 +60,9 @@ def _encode(model: nn.Module, pixels, input_ids, attention_mask, has_image, has_
 
 @torch.no_grad()
 def embed_pairs(wrapped: nn.Module, loader, data_cfg, device: torch.device, autocast, max_samples: int = 0):
-    """Embeddings and ids of this rank's image-text pairs (rows missing either side are skipped)."""
+    """Embeddings and ids of this rank's image-text pairs (rows missing either side are skipped).
+
+    With ``max_samples``, stops once all ranks together hold that many pairs (or more)."""
     imgs, txts, ids = [], [], []
     seen = 0
     for batch in loader:
@@ -84,9 +76,12 @@ def embed_pairs(wrapped: nn.Module, loader, data_cfg, device: torch.device, auto
         imgs.append(enc.image_embeds[keep].float())
         txts.append(enc.text_embeds[keep].float())
         ids.append(batch.ids[keep])
-        seen += int(keep.sum())
-        if max_samples and seen >= max_samples:
-            break
+        # every rank stops after the same batch (FSDP2 gathers parameters in each forward), once
+        # the ranks together hold max_samples pairs
+        if max_samples:
+            seen += int(all_reduce_sum(keep.sum()))
+            if seen >= max_samples:
+                break
     return torch.cat(imgs), torch.cat(txts), torch.cat(ids)
 
 

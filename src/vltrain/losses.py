@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from vltrain.distributed import all_gather_no_grad, all_gather_with_grad, all_reduce_sum, gather_sizes, world_info
+from vltrain.distributed import all_gather_no_grad, all_gather_with_grad, all_reduce_sum, exchange_shapes, world_info
 
 MAX_LOGIT_SCALE = math.log(100.0)
 _MASKED = -1e9  # finite, so rows with nothing valid stay NaN-free in forward and backward
@@ -40,14 +40,19 @@ class GlobalBatch:
     """[N] bool: the row has both an image and a text."""
     weight_total: torch.Tensor
     """Sum over all ranks of the weights of valid rows (fp32 scalar, no gradient)."""
+    shapes: list[list[tuple[int, ...]]]
+    """Every rank's shape of each tensor given to :meth:`build` after the weights (for the gathers)."""
 
     @staticmethod
-    def build(ids: torch.Tensor, valid: torch.Tensor, weights: torch.Tensor) -> "GlobalBatch":
+    def build(ids: torch.Tensor, valid: torch.Tensor, weights: torch.Tensor, *columns: torch.Tensor) -> "GlobalBatch":
+        """One shape exchange covers the ids and every tensor in ``columns`` (to be gathered next)."""
         rank, world = world_info()
-        sizes = gather_sizes(ids.shape[0], ids.device)
-        both = all_gather_no_grad(torch.stack([ids, valid.long()], dim=1), sizes)
+        meta = torch.stack([ids, valid.long()], dim=1)
+        shapes = exchange_shapes(meta, *columns)
+        sizes = [s[0] for s in shapes[0]]
+        both = all_gather_no_grad(meta, shapes[0])
         total = all_reduce_sum((weights * valid).sum())
-        return GlobalBatch(sizes, sum(sizes[:rank]), world, both[:, 0], both[:, 1].bool(), total)
+        return GlobalBatch(sizes, sum(sizes[:rank]), world, both[:, 0], both[:, 1].bool(), total, shapes[1:])
 
     def normalize(self, summed: torch.Tensor) -> torch.Tensor:
         """Local sum of weighted per-row losses -> this rank's term (see the module docstring)."""
@@ -77,9 +82,9 @@ def itc_loss(
     """CLIP InfoNCE in both directions over the global batch; embeddings are L2-normalized [B, D]."""
     valid = has_image & has_text
     w = _row_weights(valid, weights)
-    g = GlobalBatch.build(ids, valid, w)
-    all_images = all_gather_with_grad(image_embeds.float(), g.sizes)
-    all_texts = all_gather_with_grad(text_embeds.float(), g.sizes)
+    g = GlobalBatch.build(ids, valid, w, image_embeds, text_embeds)
+    all_images = all_gather_with_grad(image_embeds.float(), g.shapes[0])
+    all_texts = all_gather_with_grad(text_embeds.float(), g.shapes[1])
     scale = scale_of(logit_scale)
     b = ids.shape[0]
     target = torch.arange(b, device=ids.device) + g.offset
@@ -109,8 +114,8 @@ def siglip_loss(
     """
     valid = has_image & has_text
     w = _row_weights(valid, weights)
-    g = GlobalBatch.build(ids, valid, w)
-    all_texts = all_gather_with_grad(text_embeds.float(), g.sizes)
+    g = GlobalBatch.build(ids, valid, w, text_embeds)
+    all_texts = all_gather_with_grad(text_embeds.float(), g.shapes[0])
     logits = scale_of(logit_scale) * image_embeds.float() @ all_texts.t()
     if logit_bias is not None:
         logits = logits + logit_bias.float()

@@ -17,6 +17,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from vltrain.config import TrainConfig
+from vltrain.distributed import all_reduce_sum
 
 
 class Dispatch(nn.Module):
@@ -110,14 +111,15 @@ def gradient_sync(wrapped: nn.Module, enabled: bool):
 
 def reduce_replicated_grads(wrapped: nn.Module) -> None:
     """Average over ranks the gradients of parameters FSDP2 left unsharded (after the backward)."""
-    params = [p for p in getattr(wrapped, "replicated_params", []) if p.grad is not None]
+    params = list(getattr(wrapped, "replicated_params", []))
     if not params or not dist.is_initialized():
         return
-    flat = torch.stack([p.grad.reshape(()) for p in params])
-    dist.all_reduce(flat)
-    flat /= dist.get_world_size()
+    # the same list on every rank: a parameter without a gradient here sends a zero
+    flat = torch.stack([p.grad.reshape(()) if p.grad is not None else p.new_zeros(()) for p in params])
+    flat = all_reduce_sum(flat) / dist.get_world_size()
     for p, g in zip(params, flat):
-        p.grad.copy_(g.reshape(p.grad.shape))
+        if p.grad is not None:
+            p.grad.copy_(g.reshape(p.grad.shape))
 
 
 def clip_grad_norm(params: list[torch.Tensor], max_norm: float) -> torch.Tensor:

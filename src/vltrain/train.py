@@ -17,12 +17,11 @@ from typing import Any
 
 import numpy as np
 import torch
-import torch.distributed as dist
 
 from vltrain.checkpoint import Checkpointer, ModelState, OptimizerState
 from vltrain.config import ConfigError, JobConfig, load_config
 from vltrain.data.batch import Batch
-from vltrain.distributed import World, setup_world
+from vltrain.distributed import World, all_reduce_sum, setup_world
 from vltrain.evaluate import append_eval, evaluate, format_metrics
 from vltrain.faults import maybe_fail
 from vltrain.gradcache import gradcache_backward
@@ -32,6 +31,7 @@ from vltrain.optim import build_optimizer, build_scheduler, freeze_towers
 from vltrain.parallelize import Dispatch, clip_grad_norm, parallelize, reduce_replicated_grads
 from vltrain.precision import Precision
 from vltrain.rng import RngState
+from vltrain.spmd import RECORDER
 from vltrain.step import ModelInputs, StepLosses, plain_backward
 
 class LoaderPosition:
@@ -106,7 +106,8 @@ class Trainer:
         self.run_dir = Path(cfg.run.dir)
 
         # distributed: process group, device, threads
-        self.world = setup_world(timeout_s=tc.timeout_s, device=tc.device, threads=tc.threads, tf32=tc.tf32)
+        self.world = setup_world(timeout_s=tc.timeout_s, device=tc.device, threads=tc.threads, tf32=tc.tf32,
+                                 debug_spmd=tc.debug_spmd)
         self.device = self.world.device
         if self.world.is_main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -221,7 +222,9 @@ class Trainer:
         evaluated_at = -1
         while self.step < tc.max_steps:
             micro, wait = self._next_micro_batches()
+            RECORDER.begin(f"in step {self.step + 1}")
             result, grad_norm, finite, samples = self.train_step(micro)
+            RECORDER.end(self.device)
             self.step += 1
             self.samples_seen += samples
             self.throughput.add(samples, wait, self._flops(micro))
@@ -292,7 +295,7 @@ class Trainer:
             *[result.losses[k].float() for k in names],
         ])
         if self.world.world_size > 1:
-            dist.all_reduce(packet)
+            packet = all_reduce_sum(packet)
             packet[2:] /= self.world.world_size
         finite = packet[0].item() == 0
         if finite:
@@ -344,8 +347,10 @@ class Trainer:
     def run_eval(self) -> dict[str, float]:
         """Every rank embeds its shard and computes the same metrics; rank 0 writes eval.json."""
         start = time.perf_counter()
+        RECORDER.begin(f"in the evaluation after step {self.step}")
         metrics = evaluate(self.wrapped, self.val_loader, self.cfg.data, self.device, self.precision.autocast,
                            self.cfg.eval.max_samples)
+        RECORDER.end(self.device)
         if self.world.is_main:
             append_eval(self.run_dir, self.step, metrics)
             self.metrics.log(self.step, {f"eval/{k}": v for k, v in metrics.items()})

@@ -25,6 +25,9 @@ class LossConfig:
     mlm_probability: float = 0.15
     siglip_bias: bool = True
     """Learnable logit bias for SigLIP (initialized at -10, with logit_scale at ln 10)."""
+    itm_negatives: str = "local"
+    """Where ITM draws its hard negatives: local (the rank's own batch, as ALBEF) or global (every
+    rank's batch: gathers every rank's token features, W times the bytes; docs/distributed.md)."""
 
     def validate(self) -> None:
         from vltrain.config import ConfigError
@@ -34,6 +37,8 @@ class LossConfig:
                 raise ConfigError(f"model.loss.{name} must be >= 0, got {getattr(self, name)}")
         if self.itc == 0 and self.siglip == 0:
             raise ConfigError("model.loss: set itc or siglip > 0 (a model needs a contrastive objective)")
+        if self.itm_negatives not in ("local", "global"):
+            raise ConfigError(f"model.loss.itm_negatives must be local or global, got {self.itm_negatives!r}")
         if not 0 < self.mlm_probability < 1:
             raise ConfigError(f"model.loss.mlm_probability must be in (0, 1), got {self.mlm_probability}")
 

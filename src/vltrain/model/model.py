@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from vltrain.distributed import all_gather_no_grad, all_gather_with_grad, gather_sizes
+from vltrain.distributed import all_gather_no_grad, all_gather_with_grad, exchange_shapes, pad_to
 from vltrain.errors import UserError
 from vltrain.losses import itc_loss, itm_loss, mask_tokens, mlm_loss, sample_negatives, scale_of, siglip_loss
 from vltrain.model.config import LossConfig
@@ -78,13 +78,41 @@ class LossWeights:
 
     weights: dict[str, float] = field(default_factory=dict)
     mlm_probability: float = 0.15
+    itm_negatives: str = "local"
+    """Where ITM draws hard negatives: the rank's own batch (local) or every rank's (global)."""
 
     @staticmethod
     def from_config(loss: LossConfig, has_fusion: bool) -> "LossWeights":
         w = {"itc": loss.itc, "siglip": loss.siglip}
         if has_fusion:
             w.update(itm=loss.itm, mlm=loss.mlm)
-        return LossWeights({k: v for k, v in w.items() if v > 0}, loss.mlm_probability)
+        return LossWeights({k: v for k, v in w.items() if v > 0}, loss.mlm_probability, loss.itm_negatives)
+
+
+@dataclass
+class _Columns:
+    """What ITM draws its negatives from: this rank's batch, or every rank's (rank order)."""
+
+    image_tokens: torch.Tensor
+    text_tokens: torch.Tensor
+    attention_mask: torch.Tensor
+    image_embeds: torch.Tensor
+    text_embeds: torch.Tensor
+    ids: torch.Tensor
+    has_image: torch.Tensor
+    has_text: torch.Tensor
+
+    @staticmethod
+    def gather(enc: Encoded, attention_mask, has_image, has_text, ids, global_: bool) -> "_Columns":
+        meta = torch.stack([ids, has_image.long(), has_text.long()], dim=1)
+        parts = (enc.image_tokens, enc.text_tokens, attention_mask, enc.image_embeds, enc.text_embeds, meta)
+        if global_:
+            shapes = exchange_shapes(*parts)  # one exchange; text widths differ between ranks
+            grad = (True, True, False, False, False, False)
+            parts = tuple((all_gather_with_grad if g else all_gather_no_grad)(x, s)
+                          for x, s, g in zip(parts, shapes, grad))
+        *tensors, meta = parts
+        return _Columns(*tensors, meta[:, 0], meta[:, 1].bool(), meta[:, 2].bool())
 
 
 class VLModel(nn.Module):
@@ -112,6 +140,7 @@ class VLModel(nn.Module):
         self.text_proj = Projection(text.width, embed_dim)
         self.weights = dict(weights.weights)
         self.mlm_probability = weights.mlm_probability
+        self.itm_negatives = weights.itm_negatives
         contrastive_only_siglip = "siglip" in self.weights and "itc" not in self.weights
         self.logit_scale = nn.Parameter(torch.tensor(math.log(10.0) if contrastive_only_siglip else math.log(1 / 0.07)))
         self.logit_bias = nn.Parameter(torch.tensor(-10.0)) if "siglip" in self.weights and siglip_bias else None
@@ -186,35 +215,34 @@ class VLModel(nn.Module):
         return sum(self.weights[k] * v for k, v in losses.items())
 
     def itm_pairs(self, enc: Encoded, attention_mask, has_image, has_text, ids) -> ITMPairs:
-        """Positives and hard negatives drawn from the global (all ranks) similarity matrix.
+        """Positives and hard negatives drawn from the similarity matrix of the rank's own batch
+        (``itm_negatives: local``) or of the global batch (``global``).
 
-        Token features of every rank are gathered with a gradient path, so a negative from another
-        rank trains that rank's encoders exactly as in one process with the global batch.
+        With global negatives the token features of every rank are gathered with a gradient path,
+        so a negative from another rank trains that rank's encoders exactly as in one process with
+        the global batch. Ranks pad their captions to their own longest, so the gathered text
+        tokens and masks are padded to the longest over ranks (masked, so the fusion ignores them),
+        and this rank's own rows with them.
         """
         b = ids.shape[0]
-        sizes = gather_sizes(b, ids.device)
-        all_image_tokens = all_gather_with_grad(enc.image_tokens, sizes)
-        all_text_tokens = all_gather_with_grad(enc.text_tokens, sizes)
-        all_mask = all_gather_no_grad(attention_mask, sizes)
-        meta = all_gather_no_grad(torch.stack([ids, has_image.long(), has_text.long()], dim=1), sizes)
-        all_ids, all_has_image, all_has_text = meta[:, 0], meta[:, 1].bool(), meta[:, 2].bool()
-        all_image_embeds = all_gather_no_grad(enc.image_embeds, sizes)
-        all_text_embeds = all_gather_no_grad(enc.text_embeds, sizes)
+        cols = _Columns.gather(enc, attention_mask, has_image, has_text, ids, self.itm_negatives == "global")
+        text_tokens = pad_to(enc.text_tokens, (b, *cols.text_tokens.shape[1:]))
+        attention_mask = pad_to(attention_mask, (b, cols.attention_mask.shape[1]))
         with torch.no_grad():
             scale = scale_of(self.logit_scale)
-            sim_i2t = scale * enc.image_embeds.detach().float() @ all_text_embeds.float().t()
-            sim_t2i = scale * enc.text_embeds.detach().float() @ all_image_embeds.float().t()
-        neg_text, text_found = sample_negatives(sim_i2t, ids, all_ids, all_has_text)
-        neg_image, image_found = sample_negatives(sim_t2i, ids, all_ids, all_has_image)
+            sim_i2t = scale * enc.image_embeds.detach().float() @ cols.text_embeds.float().t()
+            sim_t2i = scale * enc.text_embeds.detach().float() @ cols.image_embeds.float().t()
+        neg_text, text_found = sample_negatives(sim_i2t, ids, cols.ids, cols.has_text)
+        neg_image, image_found = sample_negatives(sim_t2i, ids, cols.ids, cols.has_image)
         valid = (has_image & has_text).float()
         return ITMPairs(
-            text_tokens=torch.cat([enc.text_tokens, all_text_tokens[neg_text], enc.text_tokens]),
-            attention_mask=torch.cat([attention_mask, all_mask[neg_text], attention_mask]),
-            image_tokens=torch.cat([enc.image_tokens, enc.image_tokens, all_image_tokens[neg_image]]),
+            text_tokens=torch.cat([text_tokens, cols.text_tokens[neg_text], text_tokens]),
+            attention_mask=torch.cat([attention_mask, cols.attention_mask[neg_text], attention_mask]),
+            image_tokens=torch.cat([enc.image_tokens, enc.image_tokens, cols.image_tokens[neg_image]]),
             labels=torch.cat([torch.ones(b, dtype=torch.long, device=ids.device), ids.new_zeros(2 * b)]),
             weights=torch.cat([valid, valid * text_found, valid * image_found]),
-            negative_text_ids=all_ids[neg_text],
-            negative_image_ids=all_ids[neg_image],
+            negative_text_ids=cols.ids[neg_text],
+            negative_image_ids=cols.ids[neg_image],
         )
 
     def _itm(self, enc: Encoded, attention_mask, has_image, has_text, ids, weights):
