@@ -12,6 +12,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "src"))
 
 from vltrain.config import load_config  # noqa: E402
+from vltrain.demo import random_pairs  # noqa: E402
 from vltrain.model import build_model  # noqa: E402
 from vltrain.step import ModelInputs  # noqa: E402
 
@@ -31,15 +32,7 @@ def demo_model(cfg=None) -> torch.nn.Module:
 def random_inputs(batch: int, cfg=None, seed: int = 0, offset: int = 0) -> ModelInputs:
     """A batch of image-text pairs; ``offset`` keeps sample ids distinct across ranks/micro-batches."""
     cfg = cfg or demo_config()
-    g = torch.Generator().manual_seed(seed)
-    size, length = cfg.data.image_size, cfg.data.max_text_length
-    ones = torch.ones(batch, dtype=torch.bool)
-    return ModelInputs(
-        pixels=torch.randn(batch, 3, size, size, generator=g),
-        input_ids=torch.randint(5, VOCAB, (batch, length), generator=g),
-        attention_mask=torch.ones(batch, length, dtype=torch.long),
-        has_image=ones, has_text=ones.clone(), ids=torch.arange(offset, offset + batch),
-    )
+    return random_pairs(batch, cfg.data.image_size, cfg.data.max_text_length, VOCAB, seed=seed, offset=offset)
 
 
 def load_average() -> str:

@@ -26,3 +26,22 @@ def test_demo_trains_to_a_falling_loss(cli, tmp_path):
     assert evals[-1]["step"] == 40 and evals[-1]["num_pairs"] == 100
     assert (run / "curves.png").exists() and (run / "config.yaml").exists()
     assert "text->image R@1" in proc.stdout and "curves.png" in proc.stdout
+
+
+def test_step_count_fits_the_time_budget_within_bounds():
+    from vltrain.demo import MAX_STEPS, MIN_STEPS, STEP_QUANTUM, TRAIN_SECONDS, choose_steps
+
+    assert choose_steps(1e9, 128) == MAX_STEPS  # a fast CPU trains the whole schedule
+    assert choose_steps(1.0, 128) == MIN_STEPS  # a slow one still trains enough to learn
+    rate = 128 * 750 / TRAIN_SECONDS  # 750 steps fit: rounded down to the quantum
+    assert choose_steps(rate, 128) == 700 and 700 % STEP_QUANTUM == 0
+    assert choose_steps(rate * 1.01, 128) == choose_steps(rate * 1.05, 128)  # small jitter, same count
+
+
+def test_measured_rate_is_the_demo_models_training_speed():
+    from vltrain.config import load_config
+    from vltrain.demo import demo_config_path, measure_rate
+
+    cfg = load_config(demo_config_path(), ["data.batch_size=8", "train.threads=1"])
+    rate = measure_rate(cfg, steps=2)
+    assert 1 < rate < 1e6
