@@ -25,6 +25,9 @@ class LossConfig:
     mlm_probability: float = 0.15
     siglip_bias: bool = True
     """Learnable logit bias for SigLIP (initialized at -10, with logit_scale at ln 10)."""
+    contrastive_impl: str = "gather"
+    """How ITC and SigLIP reach the other ranks' columns: gather (all at once: a [b, W*b] matrix per
+    rank) or ring (block by block around the ranks: memory flat in W, the same values; vltrain.ring)."""
     itm_negatives: str = "local"
     """Where ITM draws its hard negatives: local (the rank's own batch, as ALBEF) or global (every
     rank's batch: gathers every rank's token features, W times the bytes; docs/distributed.md)."""
@@ -37,6 +40,8 @@ class LossConfig:
                 raise ConfigError(f"model.loss.{name} must be >= 0, got {getattr(self, name)}")
         if self.itc == 0 and self.siglip == 0:
             raise ConfigError("model.loss: set itc or siglip > 0 (a model needs a contrastive objective)")
+        if self.contrastive_impl not in ("gather", "ring"):
+            raise ConfigError(f"model.loss.contrastive_impl must be gather or ring, got {self.contrastive_impl!r}")
         if self.itm_negatives not in ("local", "global"):
             raise ConfigError(f"model.loss.itm_negatives must be local or global, got {self.itm_negatives!r}")
         if not 0 < self.mlm_probability < 1:

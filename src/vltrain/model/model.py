@@ -29,6 +29,7 @@ from vltrain.losses import itc_loss, itm_loss, mask_tokens, mlm_loss, sample_neg
 from vltrain.model.config import LossConfig
 from vltrain.model.fusion import FusionEncoder
 from vltrain.model.heads import ITMHead, MLMHead, Projection
+from vltrain.ring import itc_loss_ring, siglip_loss_ring
 
 
 @dataclass
@@ -80,13 +81,16 @@ class LossWeights:
     mlm_probability: float = 0.15
     itm_negatives: str = "local"
     """Where ITM draws hard negatives: the rank's own batch (local) or every rank's (global)."""
+    contrastive_impl: str = "gather"
+    """gather (losses.py) or ring (ring.py): how ITC and SigLIP reach the other ranks' columns."""
 
     @staticmethod
     def from_config(loss: LossConfig, has_fusion: bool) -> "LossWeights":
         w = {"itc": loss.itc, "siglip": loss.siglip}
         if has_fusion:
             w.update(itm=loss.itm, mlm=loss.mlm)
-        return LossWeights({k: v for k, v in w.items() if v > 0}, loss.mlm_probability, loss.itm_negatives)
+        return LossWeights({k: v for k, v in w.items() if v > 0}, loss.mlm_probability, loss.itm_negatives,
+                           loss.contrastive_impl)
 
 
 @dataclass
@@ -141,6 +145,7 @@ class VLModel(nn.Module):
         self.weights = dict(weights.weights)
         self.mlm_probability = weights.mlm_probability
         self.itm_negatives = weights.itm_negatives
+        self.ring = weights.contrastive_impl == "ring"
         contrastive_only_siglip = "siglip" in self.weights and "itc" not in self.weights
         self.logit_scale = nn.Parameter(torch.tensor(math.log(10.0) if contrastive_only_siglip else math.log(1 / 0.07)))
         self.logit_bias = nn.Parameter(torch.tensor(-10.0)) if "siglip" in self.weights and siglip_bias else None
@@ -201,10 +206,11 @@ class VLModel(nn.Module):
 
     def contrastive_losses(self, image_embeds, text_embeds, has_image, has_text, ids, weights=None) -> dict[str, torch.Tensor]:
         out = {}
+        itc, siglip = (itc_loss_ring, siglip_loss_ring) if self.ring else (itc_loss, siglip_loss)
         if "itc" in self.weights:
-            out["itc"] = itc_loss(image_embeds, text_embeds, self.logit_scale, has_image, has_text, ids, weights)
+            out["itc"] = itc(image_embeds, text_embeds, self.logit_scale, has_image, has_text, ids, weights)
         if "siglip" in self.weights:
-            out["siglip"] = siglip_loss(
+            out["siglip"] = siglip(
                 image_embeds, text_embeds, self.logit_scale, self.logit_bias, has_image, has_text, ids, weights
             )
         return out
