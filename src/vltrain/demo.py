@@ -18,9 +18,9 @@ import time
 from pathlib import Path
 
 from vltrain.config import ConfigError, load_config
+from vltrain.data.synth import TOKENIZER_VOCAB
 
 NUM_TRAIN, NUM_VAL, TEXT_ONLY_FRACTION = 10_000, 1_000, 0.2
-TOKENIZER_VOCAB = 512
 TRAIN_SECONDS, MIN_STEPS, MAX_STEPS, STEP_QUANTUM = 170.0, 600, 1000, 100
 
 
@@ -37,16 +37,12 @@ def demo_config_path() -> Path:
 
 def prepare_data(data: Path, num: int = NUM_TRAIN, val: int = NUM_VAL, seed: int = 0) -> Path:
     """Write the shapes and a tokenizer trained on their texts, unless already there."""
-    from vltrain.data.synth import synthesize
-    from vltrain.data.text import source_texts, train_tokenizer
+    from vltrain.data.synth import synthesize, write_tokenizer
 
     if not ((data / "train.jsonl").exists() and (data / "val.jsonl").exists()):
         print(f"writing {num:,} training rows and {val:,} held-out pairs to {data}", flush=True)
         synthesize(data, num, val, text_only_fraction=TEXT_ONLY_FRACTION, seed=seed)
-    tokenizer = data / "tokenizer.json"
-    if not tokenizer.exists():
-        train_tokenizer(source_texts([str(data / "train.jsonl")]), tokenizer, vocab_size=TOKENIZER_VOCAB)
-    return tokenizer
+    return write_tokenizer(data)
 
 
 def random_pairs(batch: int, image_size: int, text_length: int, vocab: int, seed: int = 0, offset: int = 0):

@@ -61,6 +61,7 @@ class LoaderPosition:
 
 def build_model_for(cfg: JobConfig, device: torch.device):
     """The tokenizer and the (unwrapped) model a config describes, on ``device``."""
+    from vltrain.data.dataset import source_specs
     from vltrain.data.text import load_tokenizer
     from vltrain.model import build_model
 
@@ -73,6 +74,13 @@ def build_model_for(cfg: JobConfig, device: torch.device):
         raise ConfigError(
             "data.tokenizer is empty: set it to a tokenizer.json (e.g. one made by `vltrain tokenizer train "
             "MANIFEST --out tok.json`), or set model.text.hf_path to a Hugging Face encoder folder"
+        )
+    if not (Path(path).is_file() or (Path(path) / "tokenizer.json").is_file()):
+        sources = " ".join(s.path for s in source_specs(cfg.data.train, "train")) or "TRAIN_MANIFEST"
+        raise ConfigError(
+            f"tokenizer not found: {path} (data.tokenizer). Train one on the training captions:\n"
+            f"  vltrain tokenizer train {sources} --out {path}\n"
+            "or point data.tokenizer to an existing tokenizer.json (`vltrain data synth` writes one beside its data)"
         )
     tokenizer = load_tokenizer(path)
     model = build_model(

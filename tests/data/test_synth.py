@@ -1,6 +1,7 @@
 import hashlib
 import json
 import random
+from pathlib import Path
 
 from vltrain.data import synth
 
@@ -72,3 +73,24 @@ def test_cli_writes_manifests(cli, tmp_path):
     assert len(_rows(tmp_path / "s" / "train.jsonl")) == 40
     res = cli("data", "synth", "--out", tmp_path / "s", "--num", "4", "--val", "1", "--text-only-fraction", "1.5")
     assert res.returncode != 0 and "text-only-fraction" in res.stderr and "Traceback" not in res.stderr
+
+
+def test_synth_writes_a_tokenizer_and_the_next_command_trains(cli, tmp_path):
+    proc = cli("data", "synth", "--out", "D", "--num", 40, "--val", 8, "--workers", 1)
+    assert proc.returncode == 0, proc.stderr
+    assert (tmp_path / "D" / "tokenizer.json").is_file()
+    next_line = next(line for line in proc.stdout.splitlines() if line.startswith("next: "))
+    args = next_line.removeprefix("next: vltrain ").split()
+    args[1] = str(Path(__file__).resolve().parents[2] / "configs" / "demo.yaml")
+    run = cli(*args, "train.max_steps=2", "data.batch_size=8", "eval.batch_size=8", "run.dir=R",
+              "train.progress=false", "data.num_workers=0", timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+
+
+def test_a_missing_tokenizer_names_the_command_that_makes_it(cli, tmp_path):
+    synth.synthesize(tmp_path / "D", num=20, val=4, workers=1)
+    repo_config = Path(__file__).resolve().parents[2] / "configs" / "demo.yaml"
+    proc = cli("train", repo_config, "data.train=D/train.jsonl", "data.val=D/val.jsonl", "train.max_steps=1")
+    assert proc.returncode != 0 and "Traceback" not in proc.stderr
+    assert "tokenizer not found: data/shapes/tokenizer.json" in proc.stderr
+    assert "vltrain tokenizer train D/train.jsonl --out data/shapes/tokenizer.json" in proc.stderr

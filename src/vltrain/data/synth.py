@@ -223,10 +223,27 @@ def synthesize(
     return paths
 
 
+TOKENIZER_VOCAB = 512
+
+
+def write_tokenizer(out: str | Path, vocab_size: int = TOKENIZER_VOCAB) -> Path:
+    """``out/tokenizer.json``: a BPE tokenizer trained on ``out/train.jsonl``'s captions (kept if there)."""
+    from vltrain.data.text import source_texts, train_tokenizer
+
+    path = Path(out) / "tokenizer.json"
+    if not path.exists():
+        train_tokenizer(source_texts([str(Path(out) / "train.jsonl")]), path, vocab_size=vocab_size)
+    return path
+
+
 def synth_cli(args) -> int:
     paths = synthesize(
         args.out, args.num, args.val, args.text_only_fraction, args.seed, args.image_size, args.workers
     )
     for split, p in paths.items():
         print(f"{split}: {p}")
+    tokenizer = write_tokenizer(args.out)
+    print(f"tokenizer: {tokenizer} (BPE, {TOKENIZER_VOCAB} tokens, trained on the training captions)")
+    print(f"next: vltrain train configs/demo.yaml data.train={paths['train']} data.val={paths['val']} "
+          f"data.tokenizer={tokenizer}")
     return 0
