@@ -115,6 +115,7 @@ def test_each_bad_sample_is_replaced_deterministically_and_reported(tmp_path, to
         assert s.key.startswith("r"), name  # a good sample took its place
         assert s.errors[0][0] == name  # (a replacement may be bad too: then it is listed as well)
         assert all(REASONS[k] in reason for k, reason in s.errors)
+        assert all(bad[k] in reason for k, reason in s.errors)  # the image's path, for bad_samples.jsonl
         again = ds[i]
         assert (again.key, again.errors) == (s.key, s.errors)
     # The replacement is a whole, aligned sample.

@@ -99,3 +99,44 @@ def test_stats(tmp_path, capsys, monkeypatch):
     assert s["images_measured"] == 4 and s["image_width"]["max"] == 17 and s["image_height"]["p50"] == 10
     r = run_cli(capsys, "data", "stats", "clean.jsonl")
     assert r[0] == 0 and "caption (words)" in r[1] and "image-text" in r[1]
+
+
+def test_every_image_problem_names_the_image_path_and_a_plain_reason(cli, tmp_path):
+    import io
+    import json
+    import os
+
+    from PIL import Image
+
+    im = Image.new("RGB", (64, 64), (200, 30, 30))
+    jpg, png = io.BytesIO(), io.BytesIO()
+    im.save(jpg, "JPEG")
+    im.save(png, "PNG")
+    bomb = io.BytesIO()
+    Image.new("1", (20000, 20000)).save(bomb, "PNG")  # 400 M pixels in a small file
+    (tmp_path / "img" / "dir.jpg").mkdir(parents=True)
+    files = {
+        "trunc.jpg": (jpg.getvalue()[:300], "truncated or corrupt"),
+        "trunc.png": (png.getvalue()[: len(png.getvalue()) // 2], "truncated or corrupt"),
+        "empty.jpg": (b"", "empty file"),
+        "text.jpg": (b"hello, not an image\n", "not an image"),
+        "bomb.png": (bomb.getvalue(), "decompression bomb"),
+    }
+    for name, (data, _) in files.items():
+        (tmp_path / "img" / name).write_bytes(data)
+    expected = {**{f"img/{n}": why for n, (_, why) in files.items()},
+                "img/dir.jpg": "is a directory", "img/missing.jpg": "not found"}
+    with open(tmp_path / "bad.jsonl", "w") as f:
+        for i, path in enumerate(expected):
+            f.write(json.dumps({"id": str(i), "image": path, "text": "a red square"}) + "\n")
+    proc = cli("data", "validate", "bad.jsonl")
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    lines = [line for line in proc.stdout.splitlines() if line.strip().startswith("error:")]
+    assert len(lines) == len(expected), proc.stdout
+    for line, (path, why) in zip(lines, expected.items()):
+        assert path in line and why in line, line
+        assert "Errno" not in line
+    if os.geteuid() != 0:  # root reads any file: no permission case there
+        locked = tmp_path / "img" / "trunc.jpg"
+        locked.chmod(0)
+        assert "permission denied" in cli("data", "validate", "bad.jsonl").stdout

@@ -25,7 +25,7 @@ import torch
 
 from vltrain.data.config import DataConfig, SourceSpec
 from vltrain.data.ids import stable_uid
-from vltrain.data.images import ImageError, decode_image
+from vltrain.data.images import ImageError, decode_image, image_problem
 from vltrain.data.sources import Row, Source, open_source, refuse_malformed
 from vltrain.data.table import SampleTable
 from vltrain.data.text import Tokenizer
@@ -111,7 +111,7 @@ class ImageTextDataset(torch.utils.data.Dataset):
                     self._fit_plan(sample, planned)
                 return sample
             except (ImageError, OSError) as e:
-                reason = _reason(e, row.image)
+                reason = image_problem(e, row.image)
                 if self.on_error == "fail":
                     raise DataError(
                         f"bad sample {row.key!r} ({row.where}): {reason}\n"
@@ -176,14 +176,6 @@ class ImageTextDataset(torch.utils.data.Dataset):
                 ),
             )
         return self._table
-
-
-def _reason(e: Exception, image: str | None) -> str:
-    if isinstance(e, FileNotFoundError):
-        return f"image file not found: {image}"
-    if isinstance(e, ImageError):
-        return str(e)
-    return f"cannot read image {image}: {e.strerror or e}" if isinstance(e, OSError) else str(e)
 
 
 def _problems_hint(source: Source) -> str:

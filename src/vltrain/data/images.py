@@ -76,8 +76,23 @@ def decode_image(
     except ImageError:
         raise
     except DECODE_ERRORS as e:
-        raise ImageError(f"cannot decode image: {e}") from e
+        raise ImageError(f"cannot decode image: its data is truncated or corrupt (the decoder said: {e})") from e
     return resize_pixels(hwc, size, resize, interpolation)
+
+
+def image_problem(e: Exception, image: str | None) -> str:
+    """The image's path and a plain reason, for a read or decode failure of ``image``."""
+    if isinstance(e, FileNotFoundError):
+        return f"image file not found: {image}"
+    if isinstance(e, IsADirectoryError):
+        return f"{image}: is a directory, not an image file"
+    if isinstance(e, PermissionError):
+        return f"{image}: permission denied (the file is not readable by this user)"
+    if isinstance(e, ImageError):
+        return f"{image}: {e}"
+    if isinstance(e, OSError):
+        return f"{image}: cannot read the file ({e.strerror or e})"
+    return f"{image}: {e}"
 
 
 def load_rgb(

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
-from vltrain.data.images import DECODE_ERRORS, ImageError, decode_image, open_image
+from vltrain.data.images import DECODE_ERRORS, ImageError, decode_image, image_problem, open_image
 from vltrain.data.shards import shard_paths
 from vltrain.data.sources import Problem, Source, is_shard_pattern, open_source
 from vltrain.errors import DataError, UserError
@@ -72,10 +72,8 @@ def check_rows(source: Source, start: int, stop: int, max_pixels: int = MAX_PIXE
             continue
         try:
             decode_image(source.read_image(i), CHECK_SIZE, "squash", max_pixels)
-        except FileNotFoundError:
-            problems.append(Problem(row.where, f"image file not found: {row.image} (id {row.key})"))
         except (ImageError, OSError) as e:
-            problems.append(Problem(row.where, f"{e} (id {row.key})"))
+            problems.append(Problem(row.where, f"{image_problem(e, row.image)} (id {row.key})"))
     return problems
 
 
