@@ -43,3 +43,27 @@ def test_throughput_and_mfu():
 def test_cpu_peak_and_memory_are_positive():
     assert measure_cpu_peak(torch.float32, n=128, seconds=0.05) > 0
     assert peak_memory_bytes(torch.device("cpu")) > 0
+
+
+def test_log_line_holds_what_a_slurm_log_reader_needs():
+    from vltrain.metrics import log_line
+
+    line = log_line(120, 1000, {"loss": 1.23456, "loss/itc": 1.0, "loss/itm": 0.5, "lr": 9.8e-4,
+                                "samples_per_s": 2345.6, "data_wait": 0.031, "mfu": 0.123,
+                                "peak_memory_gb": 1.2}, eta_s=312)
+    assert line == ("step 120/1000 | loss 1.2346 (itc 1.0000, itm 0.5000) | lr 9.80e-04 | 2,346 samples/s | "
+                    "data wait 3% | MFU 12.3% | mem 1.20 GiB | ETA 5m12s")
+
+
+def test_without_a_terminal_every_logged_step_prints_a_line_and_the_remainder_once(cli, tmp_path):
+    from runkit import make_shapes, overrides
+
+    shapes = make_shapes(tmp_path / "shapes")
+    args = overrides(shapes, tmp_path / "run", data__num_workers=0, train__log_every=2,
+                     data__batch_size=12)  # 64 rows: 5 full steps and a padded one per epoch
+    proc = cli("train", shapes / "base.yaml", *args, "train.progress=true")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("step ")]
+    assert [line.split(" | ")[0] for line in lines] == [f"step {s}/10" for s in (2, 4, 6, 8, 10)]
+    assert all("samples/s" in line and "lr " in line and "ETA " in line for line in lines)
+    assert proc.stderr.count("rows padded by repetition") == 1

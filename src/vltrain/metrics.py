@@ -117,6 +117,34 @@ class Throughput:
         return out
 
 
+def _duration(seconds: float) -> str:
+    seconds = int(seconds)
+    h, m, s = seconds // 3600, seconds // 60 % 60, seconds % 60
+    return f"{h}h{m:02d}m" if h else f"{m}m{s:02d}s"
+
+
+def log_line(step: int, total: int, values: dict[str, Any], eta_s: float | None) -> str:
+    """The line a log without a progress bar gets every ``train.log_every`` steps."""
+    parts = [f"step {step}/{total}", f"loss {values['loss']:.4f}"]
+    objectives = [f"{k.split('/', 1)[1]} {v:.4f}" for k, v in values.items() if k.startswith("loss/")]
+    if objectives:
+        parts[-1] += f" ({', '.join(objectives)})"
+    if "lr" in values:
+        parts.append(f"lr {values['lr']:.2e}")
+    if "samples_per_s" in values:
+        parts.append(f"{values['samples_per_s']:,.0f} samples/s")
+    if "data_wait" in values:
+        parts.append(f"data wait {100 * values['data_wait']:.0f}%")
+    if "mfu" in values:
+        parts.append(f"MFU {100 * values['mfu']:.1f}%")
+    if "peak_memory_gb" in values:
+        parts.append(f"mem {values['peak_memory_gb']:.2f} GiB")
+    if values.get("skipped"):
+        parts.append("step skipped")
+    parts.append(f"ETA {_duration(eta_s)}" if eta_s is not None else "ETA -")
+    return " | ".join(parts)
+
+
 class MetricsLogger:
     """Rank 0's sinks. Other ranks get one with ``enabled=False`` that does nothing."""
 
@@ -138,6 +166,8 @@ class MetricsLogger:
             from tqdm import tqdm
 
             self.bar = tqdm(total=total_steps, initial=start_step, dynamic_ncols=True, unit="step")
+        self.total_steps = total_steps
+        self.clock = (time.perf_counter(), start_step)  # for the ETA of the log lines
 
     def log(self, step: int, values: dict[str, Any]) -> None:
         if not self.enabled:
@@ -155,6 +185,11 @@ class MetricsLogger:
                 sps=f"{values.get('samples_per_s', 0):.0f}",
                 refresh=False,
             )
+        elif "loss" in values:  # no bar (Slurm, nohup, a pipe): one line per logged step
+            start, first = self.clock
+            done = step - first
+            eta = (time.perf_counter() - start) / done * (self.total_steps - step) if done > 0 else None
+            print(log_line(step, self.total_steps, values, eta), file=sys.stderr, flush=True)
 
     def advance(self, steps: int = 1) -> None:
         if self.bar is not None:

@@ -131,8 +131,11 @@ class DistributedBatchSampler:
             batches = [order[i : i + self.batch_size] for i in range(0, len(order), self.batch_size)]
         steps, dropped, padded = self._equalize(batches, order)
         if self.rank == 0 and (dropped or padded):
-            log.info("epoch %d: %d steps; remainder=%s: %d samples dropped, %d rows padded by repetition",
-                     epoch, len(steps) // self.world_size, self.remainder, dropped, padded)
+            # the same every epoch: said once, then at debug level (data.audit records every epoch)
+            level = logging.DEBUG if getattr(self, "_remainder_said", False) else logging.INFO
+            self._remainder_said = True
+            log.log(level, "epoch %d: %d steps; remainder=%s: %d samples dropped, %d rows padded by repetition",
+                    epoch, len(steps) // self.world_size, self.remainder, dropped, padded)
         repeats = _first_occurrence(steps)
         distinct = len(np.unique(np.concatenate(steps))) if steps else 0
         mine = slice(self.rank, None, self.world_size)
