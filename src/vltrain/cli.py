@@ -129,7 +129,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return int(args.func(args) or 0)
     except UserError as e:
-        print(f"vltrain: error: {e}", file=sys.stderr)
+        if os.environ.get("RANK", "0") == "0" or getattr(e, "label", "error") == "error":
+            print(f"vltrain: {getattr(e, 'label', 'error')}: {e}", file=sys.stderr)
         return e.exit_code
     except KeyboardInterrupt:
         print("vltrain: interrupted", file=sys.stderr)

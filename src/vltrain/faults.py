@@ -6,7 +6,9 @@ at a known place inside real worker processes. One environment variable describe
 
     VLTRAIN_FAULT="kill:at=step:step=7:rank=1:once=/tmp/fired"
 
-- action ``kill`` (SIGKILL, no clean-up, as an out-of-memory kill) or ``raise`` (a RuntimeError);
+- action ``kill`` (SIGKILL, no clean-up, as an out-of-memory kill), ``raise`` (a RuntimeError) or
+  ``preempt`` (SIGTERM to the torchrun agent, or to this process without one, as Slurm does before
+  a preemption; the rank then waits, at most 30 s, until the signal has reached it too);
 - ``at``: ``step`` (after optimizer step N, before its checkpoint) or ``save`` (while step N's
   checkpoint is half written: tensors on disk, not yet committed);
 - ``rank``: the global rank that fails (default: every rank);
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 from dataclasses import dataclass
 
 ENV = "VLTRAIN_FAULT"
@@ -47,8 +50,8 @@ class Fault:
                 raise ValueError(f"{ENV}={spec!r}: {part!r} must look like key=value")
             fields[key] = value
         unknown = set(fields) - {"at", "step", "rank", "once"}
-        if action not in ("kill", "raise") or unknown or "step" not in fields:
-            raise ValueError(f"{ENV}={spec!r}: expected kill|raise:at=step|save:step=N[:rank=R][:once=PATH]")
+        if action not in ("kill", "raise", "preempt") or unknown or "step" not in fields:
+            raise ValueError(f"{ENV}={spec!r}: expected kill|raise|preempt:at=step|save:step=N[:rank=R][:once=PATH]")
         return cls(action, fields.get("at", "step"), int(fields["step"]),
                    int(fields["rank"]) if "rank" in fields else None, fields.get("once", ""))
 
@@ -68,4 +71,22 @@ def maybe_fail(at: str, step: int, rank: int) -> None:
             return
     if fault.action == "kill":
         os.kill(os.getpid(), signal.SIGKILL)
+    if fault.action == "preempt":
+        _preempt()
+        return
     raise InjectedFault(f"injected fault on rank {rank} at {at} of step {step} ({ENV}={spec})")
+
+
+def _preempt() -> None:
+    """SIGTERM to the launcher (which forwards it to every worker), then wait for it to arrive here."""
+    arrived: list[int] = []
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: arrived.append(signum))
+    try:
+        os.kill(os.getppid() if "TORCHELASTIC_RUN_ID" in os.environ else os.getpid(), signal.SIGTERM)
+        deadline = time.monotonic() + 30
+        while not arrived and time.monotonic() < deadline:
+            time.sleep(0.05)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    if arrived and callable(previous):
+        previous(signal.SIGTERM, None)  # what the run's own handler would have seen

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import math
 import random
+import signal
 import sys
 import time
 from pathlib import Path
@@ -18,7 +19,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from vltrain.checkpoint import Checkpointer, ModelState, OptimizerState
+from vltrain.checkpoint import Checkpointer, ModelState, OptimizerState, latest_checkpoint
 from vltrain.config import ConfigError, JobConfig, load_config
 from vltrain.data.batch import Batch
 from vltrain.distributed import World, all_reduce_sum, setup_world
@@ -30,6 +31,7 @@ from vltrain.metrics import GpuUtilization, MetricsLogger, Throughput, peak_flop
 from vltrain.optim import build_optimizer, build_scheduler, freeze_towers
 from vltrain.parallelize import Dispatch, clip_grad_norm, parallelize, reduce_replicated_grads
 from vltrain.precision import Precision
+from vltrain.preemption import EXIT_CODE as PREEMPTED_EXIT, Preempted, PreemptionWatch, clear_marker, write_marker
 from vltrain.rng import RngState
 from vltrain.spmd import RECORDER
 from vltrain.step import ModelInputs, StepLosses, plain_backward
@@ -117,9 +119,7 @@ class Trainer:
         self.world = setup_world(timeout_s=tc.timeout_s, device=tc.device, threads=tc.threads, tf32=tc.tf32,
                                  debug_spmd=tc.debug_spmd)
         self.device = self.world.device
-        if self.world.is_main:
-            self.run_dir.mkdir(parents=True, exist_ok=True)
-            cfg.save(self.run_dir / "config.yaml")
+        self._prepare_run_dir()
 
         # model: the same initial weights on every rank
         torch.manual_seed(tc.seed)
@@ -136,6 +136,7 @@ class Trainer:
         self.scheduler = build_scheduler(self.optimizer, tc)
         self.scaler = self.precision.grad_scaler()
         self.guard = NonFiniteGuard(tc.max_nonfinite_steps)
+        self.preemption, self.preempt_agreed = PreemptionWatch(), False
 
         # data: from here on each rank draws its own random numbers (dropout, masking)
         torch.manual_seed(tc.seed + 1 + self.world.rank)
@@ -173,6 +174,13 @@ class Trainer:
                 f"from world size {self.restored.world_size}: model and optimizer resharded, data continues "
                 "by samples seen (not bit-exact)")
             self.metrics.write(f"resumed from {self.restored.path} at step {self.step} ({how})")
+
+    def _prepare_run_dir(self) -> None:
+        """Rank 0: the run folder, its config.yaml, and no marker of an earlier preemption."""
+        if self.world.is_main:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            self.cfg.save(self.run_dir / "config.yaml")
+            clear_marker(self.run_dir)
 
     def _build_train_loader(self):
         from vltrain.data.dataset import build_dataset
@@ -247,6 +255,8 @@ class Trainer:
                     break
             maybe_fail("step", self.step, self.world.rank)
             self._checkpoint(final=False)
+            if self.preempt_agreed:
+                self._stop_preempted()
         if self.val_loader is not None and evaluated_at != self.step:
             last_eval = self.run_eval()
         self._checkpoint(final=True)
@@ -291,7 +301,7 @@ class Trainer:
         self.scaler.unscale_(self.optimizer)
         grad_norm = clip_grad_norm(self.params, tc.grad_clip)
 
-        # one all-reduce: [non-finite flag, samples, loss, per-objective losses]
+        # one all-reduce: [non-finite flag, samples, preemption flag, loss, per-objective losses]
         names = sorted(result.losses)
         local_bad = not bool(torch.isfinite(result.loss)) or (
             not self.scaler.is_enabled() and not bool(torch.isfinite(grad_norm))
@@ -299,13 +309,15 @@ class Trainer:
         packet = torch.stack([
             torch.tensor(float(local_bad), device=self.device),
             torch.tensor(float(sum(len(b) for b in micro)), device=self.device),
+            torch.tensor(self.preemption.requested, device=self.device),
             result.loss.float(),
             *[result.losses[k].float() for k in names],
         ])
         if self.world.world_size > 1:
             packet = all_reduce_sum(packet)
-            packet[2:] /= self.world.world_size
+            packet[3:] /= self.world.world_size
         finite = packet[0].item() == 0
+        self.preempt_agreed = packet[2].item() > 0
         if finite:
             self.scaler.step(self.optimizer)
         else:
@@ -314,7 +326,7 @@ class Trainer:
         # a skipped step still consumed its data: the schedule follows the step count
         self.scheduler.step()
         self.guard.record(self.step, finite)
-        losses = StepLosses(packet[2], {k: packet[3 + i] for i, k in enumerate(names)})
+        losses = StepLosses(packet[3], {k: packet[4 + i] for i, k in enumerate(names)})
         return losses, grad_norm, finite, int(packet[1].item())
 
     def _flops(self, micro: list[Batch]) -> float:
@@ -386,9 +398,21 @@ class Trainer:
         if self.checkpointer is not None:
             self.checkpointer.maybe_save(self.step, final=final)
 
+    def _stop_preempted(self) -> None:
+        """A rank got SIGTERM/SIGUSR1: every rank saves this step, then the run stops (exit 75)."""
+        name = signal.Signals(self.preemption.signum).name if self.preemption.signum else "a signal on another rank"
+        self.checkpointer.maybe_save(self.step, final=True)
+        path = latest_checkpoint(self.checkpointer.folder)
+        if self.world.is_main:
+            write_marker(self.run_dir, self.step, path)
+        raise Preempted(f"{name} at step {self.step}: checkpoint {path} written; run the same "
+                        f"command again to resume (exit code {PREEMPTED_EXIT})")
+
     def close(self, clean: bool = True) -> None:
         """Flush the sinks, leave the process group (``clean``: after a run that did not fail),
         draw curves.png."""
+        self.preemption.close()
+        self.loader.close()
         self.metrics.close()
         self.world.close(clean)
         if self.world.is_main:
@@ -403,6 +427,9 @@ def train_cli(args: argparse.Namespace) -> int:
     try:
         metrics = trainer.train()
         clean = True
+    except Preempted:
+        clean = True
+        raise
     except BaseException as e:
         # the line naming the failed rank; the other ranks then fail on the broken group (or are
         # stopped by torchrun), within train.timeout_s at the latest

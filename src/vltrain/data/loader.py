@@ -13,8 +13,12 @@ seeding costs more than decoding a small image.
 
 from __future__ import annotations
 
+import atexit
 import functools
+import os
 import random
+import signal
+import weakref
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
@@ -109,9 +113,35 @@ class _SeededBatches:
             yield list(zip(batch, _batch_seeds(s.seed, s.rank, s.epoch, step, len(batch))))
 
 
+def _outlive_stop_signals(worker_id: int = 0) -> None:
+    """A loader worker ignores SIGTERM/SIGUSR1 while its trainer lives.
+
+    torchrun and Slurm send a preemption's signal to every process of a worker's group; a loader
+    worker that died of it would make the trainer's next batch fail before the checkpoint the
+    signal asks for. The worker still ends: with the loader's shutdown (``TrainLoader.close``),
+    when the trainer's process is gone (torch's watchdog in the worker loop), or on a signal that
+    comes after its parent died.
+    """
+    parent = os.getppid()
+
+    def handler(signum, frame) -> None:
+        if os.getppid() != parent:
+            os._exit(0)
+
+    for s in (signal.SIGTERM, signal.SIGUSR1):
+        signal.signal(s, handler)
+
+
 def _worker_init(seed: int, rank: int, worker_id: int) -> None:
     """Seeds a worker's generators at start (loading reseeds per sample; this covers the rest)."""
+    _outlive_stop_signals()
     _seed_all(int(np.random.SeedSequence([seed & 0xFFFF_FFFF, rank, worker_id], spawn_key=(1,)).generate_state(1)[0]))
+
+
+def _close_if_alive(ref: "weakref.ref[TrainLoader]") -> None:
+    loader = ref()
+    if loader is not None:
+        loader.close()
 
 
 class TrainLoader:
@@ -146,6 +176,8 @@ class TrainLoader:
             **extra,
         )
         self._it: Iterator[Batch] | None = None
+        if num_workers > 0:  # before multiprocessing's own exit hook, which SIGTERMs them
+            atexit.register(_close_if_alive, weakref.ref(self))
 
     @property
     def epoch(self) -> int:
@@ -185,6 +217,15 @@ class TrainLoader:
         if self.bad_log is not None:
             self.bad_log.record(batch)
         return batch
+
+    def close(self) -> None:
+        """Stop the worker processes now, through the loader's own shutdown (not at interpreter exit,
+        where multiprocessing would SIGTERM them, which they ignore while the trainer lives)."""
+        it = getattr(self._loader, "_iterator", None) or self._it
+        shutdown = getattr(it, "_shutdown_workers", None)
+        if callable(shutdown):
+            shutdown()
+        self._it = None
 
     def state_dict(self) -> dict:
         state = {"sampler": self.sampler.state_dict(), "samples_seen": self.samples_seen}
@@ -322,5 +363,6 @@ def build_eval_loader(
     steps = max(1, -(-longest // batch_size))
     batches = _Slice(start, stop - start, batch_size, steps)
     loader = DataLoader(dataset, batch_sampler=batches, num_workers=data_cfg.num_workers,
+                        worker_init_fn=_outlive_stop_signals if data_cfg.num_workers else None,
                         pin_memory=data_cfg.pin_memory and torch.cuda.is_available(), collate_fn=collate)
     return EvalLoader(loader, start, stop - start)
