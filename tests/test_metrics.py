@@ -67,3 +67,39 @@ def test_without_a_terminal_every_logged_step_prints_a_line_and_the_remainder_on
     assert [line.split(" | ")[0] for line in lines] == [f"step {s}/10" for s in (2, 4, 6, 8, 10)]
     assert all("samples/s" in line and "lr " in line and "ETA " in line for line in lines)
     assert proc.stderr.count("rows padded by repetition") == 1
+
+
+def test_wandb_offline_run_holds_the_logged_keys_and_resumes_the_same_run(cli, tmp_path, monkeypatch):
+    from runkit import make_shapes, overrides
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    shapes = make_shapes(tmp_path / "shapes")
+    run = tmp_path / "run"
+    args = [*overrides(shapes, run, data__num_workers=0, train__log_every=2, train__max_steps=4), "metrics.wandb=true",
+            "metrics.wandb_tags=[tiny]", f"data.val={shapes / 'val.jsonl'}", "eval.every=2"]
+    first = cli("train", shapes / "base.yaml", *args)
+    assert first.returncode == 0, first.stderr[-3000:]
+    run_id = (run / "wandb_id").read_text().strip()
+    (folder,) = (run / "wandb").glob(f"offline-run-*-{run_id}")
+    logged = (folder / f"run-{run_id}.wandb").read_bytes()
+    for key in (b"loss/itc", b"samples_per_s", b"eval/t2i_r1", b"max_steps"):  # scalars, evals, config
+        assert key in logged, key
+    again = cli("train", shapes / "base.yaml", *args[:-1], "train.max_steps=6", "eval.every=2")
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert (run / "wandb_id").read_text().strip() == run_id
+    assert len(list((run / "wandb").glob(f"offline-run-*-{run_id}"))) >= 1
+
+
+def test_wandb_without_the_package_is_a_clear_error(tmp_path, monkeypatch):
+    import sys
+
+    import pytest
+
+    from vltrain.config import MetricsConfig
+    from vltrain.errors import UserError
+    from vltrain.metrics import MetricsLogger
+
+    monkeypatch.setitem(sys.modules, "wandb", None)  # as if not installed
+    with pytest.raises(UserError, match=r"pip install 'vltrain\[wandb\]'"):
+        MetricsLogger(tmp_path, enabled=True, total_steps=1, wandb=MetricsConfig(wandb=True))

@@ -130,6 +130,20 @@ class CheckpointConfig:
 
 
 @dataclass
+class MetricsConfig:
+    wandb: bool = False
+    """Log the same scalars and evaluations as TensorBoard, and the resolved config, to Weights &
+    Biases (rank 0; needs the optional `wandb` package). The W&B run id is kept in RUN_DIR/wandb_id,
+    so a resumed run continues the same W&B run. WANDB_MODE=offline writes it locally."""
+    wandb_project: str = "vltrain"
+    wandb_entity: str = ""
+    """Empty: W&B's default entity for the logged-in user."""
+    wandb_name: str = ""
+    """Empty: run.name, else the run folder's name."""
+    wandb_tags: list[str] = field(default_factory=list)
+
+
+@dataclass
 class JobConfig:
     run: RunConfig = field(default_factory=RunConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -137,6 +151,7 @@ class JobConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -10,12 +10,15 @@ from __future__ import annotations
 import json
 import math
 import os
+import secrets
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from vltrain.errors import UserError
 
 # dense bf16/fp16 tensor-core peaks, FLOP/s (vendor data sheets, without sparsity)
 GPU_PEAK_FLOPS = {
@@ -145,13 +148,39 @@ def log_line(step: int, total: int, values: dict[str, Any], eta_s: float | None)
     return " | ".join(parts)
 
 
+class WandbSink:
+    """A Weights & Biases run in RUN_DIR/wandb, resumed by the id kept in RUN_DIR/wandb_id."""
+
+    def __init__(self, run_dir: Path, settings: Any, config: dict[str, Any]):
+        try:
+            import wandb
+        except ImportError:
+            raise UserError("metrics.wandb: true needs the wandb package: pip install 'vltrain[wandb]' "
+                            "(or set metrics.wandb=false)") from None
+        id_file = run_dir / "wandb_id"
+        run_id = id_file.read_text().strip() if id_file.exists() else secrets.token_hex(4)
+        id_file.write_text(run_id + "\n")
+        name = settings.wandb_name or config.get("run", {}).get("name") or run_dir.name
+        self.run = wandb.init(project=settings.wandb_project, entity=settings.wandb_entity or None, name=name,
+                              tags=list(settings.wandb_tags) or None, id=run_id, resume="allow", dir=str(run_dir),
+                              config=config)
+
+    def log(self, step: int, values: dict[str, Any]) -> None:
+        numbers = {k: v for k, v in values.items() if isinstance(v, (int, float))}
+        self.run.log(numbers, step=step)
+
+    def close(self) -> None:
+        self.run.finish()
+
+
 class MetricsLogger:
     """Rank 0's sinks. Other ranks get one with ``enabled=False`` that does nothing."""
 
-    def __init__(self, run_dir: str | Path, *, enabled: bool, total_steps: int, progress: bool = True, start_step: int = 0):
+    def __init__(self, run_dir: str | Path, *, enabled: bool, total_steps: int, progress: bool = True,
+                 start_step: int = 0, wandb: Any = None, config: dict[str, Any] | None = None):
         self.enabled = enabled
         self.run_dir = Path(run_dir)
-        self.bar = self.tb = self.jsonl = None
+        self.bar = self.tb = self.jsonl = self.wandb = None
         if not enabled:
             return
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -168,6 +197,8 @@ class MetricsLogger:
             self.bar = tqdm(total=total_steps, initial=start_step, dynamic_ncols=True, unit="step")
         self.total_steps = total_steps
         self.clock = (time.perf_counter(), start_step)  # for the ETA of the log lines
+        if wandb is not None and wandb.wandb:
+            self.wandb = WandbSink(self.run_dir, wandb, config or {})
 
     def log(self, step: int, values: dict[str, Any]) -> None:
         if not self.enabled:
@@ -179,6 +210,8 @@ class MetricsLogger:
             for k, v in values.items():
                 if isinstance(v, (int, float)) and not isinstance(v, bool):
                     self.tb.add_scalar(k, v, step)
+        if self.wandb is not None:
+            self.wandb.log(step, values)
         if self.bar is not None:
             self.bar.set_postfix(
                 loss=f"{values.get('loss', float('nan')):.4f}",
@@ -205,10 +238,10 @@ class MetricsLogger:
             print(text, file=sys.stderr, flush=True)
 
     def close(self) -> None:
-        for sink in (self.bar, self.tb, self.jsonl):
+        for sink in (self.bar, self.tb, self.jsonl, self.wandb):
             if sink is not None:
                 sink.close()
-        self.bar = self.tb = self.jsonl = None
+        self.bar = self.tb = self.jsonl = self.wandb = None
 
 
 def read_jsonl(path: str | Path) -> list[dict[str, Any]]:

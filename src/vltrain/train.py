@@ -167,7 +167,7 @@ class Trainer:
         # metrics
         self.metrics = MetricsLogger(
             self.run_dir, enabled=self.world.is_main, total_steps=tc.max_steps,
-            progress=tc.progress, start_step=self.step,
+            progress=tc.progress, start_step=self.step, wandb=cfg.metrics, config=cfg.to_dict(),
         )
         if self.restored is not None:
             how = "exactly" if self.restored.exact else (
