@@ -237,17 +237,6 @@ def all_reduce_sum(x: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def all_reduce_max(x: torch.Tensor) -> torch.Tensor:
-    """Maximum over ranks without a gradient path (flags every rank must agree on)."""
-    world = world_info()[1]
-    if world == 1:
-        return x.detach()
-    out = x.detach().clone()
-    issue("all_reduce", out, lambda: dist.all_reduce(out, op=dist.ReduceOp.MAX),
-          sent=2 * out.numel() * out.element_size() * (world - 1) // world)
-    return out
-
-
 def barrier() -> None:
     if world_info()[1] > 1:
         issue("barrier", None, dist.barrier)
