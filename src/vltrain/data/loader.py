@@ -13,12 +13,9 @@ seeding costs more than decoding a small image.
 
 from __future__ import annotations
 
-import atexit
 import functools
 import os
 import random
-import signal
-import weakref
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
@@ -113,35 +110,22 @@ class _SeededBatches:
             yield list(zip(batch, _batch_seeds(s.seed, s.rank, s.epoch, step, len(batch))))
 
 
-def _outlive_stop_signals(worker_id: int = 0) -> None:
-    """A loader worker ignores SIGTERM/SIGUSR1 while its trainer lives.
+def _own_process_group(worker_id: int = 0) -> None:
+    """A loader worker leaves its trainer's process group.
 
-    torchrun and Slurm send a preemption's signal to every process of a worker's group; a loader
-    worker that died of it would make the trainer's next batch fail before the checkpoint the
-    signal asks for. The worker still ends: with the loader's shutdown (``TrainLoader.close``),
-    when the trainer's process is gone (torch's watchdog in the worker loop), or on a signal that
-    comes after its parent died.
+    torchrun stops a worker by signalling its whole process group (and a shell, Ctrl-C): on a
+    preemption's SIGTERM the loader workers would die at once, and the trainer's next batch would
+    fail before the checkpoint the signal asks for. In a group of their own they keep serving
+    until the loader shuts them down; they still end with the trainer (torch's watchdog in the
+    worker loop) and with multiprocessing's own clean-up at exit.
     """
-    parent = os.getppid()
-
-    def handler(signum, frame) -> None:
-        if os.getppid() != parent:
-            os._exit(0)
-
-    for s in (signal.SIGTERM, signal.SIGUSR1):
-        signal.signal(s, handler)
+    os.setpgid(0, 0)
 
 
 def _worker_init(seed: int, rank: int, worker_id: int) -> None:
     """Seeds a worker's generators at start (loading reseeds per sample; this covers the rest)."""
-    _outlive_stop_signals()
+    _own_process_group()
     _seed_all(int(np.random.SeedSequence([seed & 0xFFFF_FFFF, rank, worker_id], spawn_key=(1,)).generate_state(1)[0]))
-
-
-def _close_if_alive(ref: "weakref.ref[TrainLoader]") -> None:
-    loader = ref()
-    if loader is not None:
-        loader.close()
 
 
 class TrainLoader:
@@ -176,8 +160,6 @@ class TrainLoader:
             **extra,
         )
         self._it: Iterator[Batch] | None = None
-        if num_workers > 0:  # before multiprocessing's own exit hook, which SIGTERMs them
-            atexit.register(_close_if_alive, weakref.ref(self))
 
     @property
     def epoch(self) -> int:
@@ -219,8 +201,7 @@ class TrainLoader:
         return batch
 
     def close(self) -> None:
-        """Stop the worker processes now, through the loader's own shutdown (not at interpreter exit,
-        where multiprocessing would SIGTERM them, which they ignore while the trainer lives)."""
+        """Stop the worker processes now, through the loader's own shutdown."""
         it = getattr(self._loader, "_iterator", None) or self._it
         shutdown = getattr(it, "_shutdown_workers", None)
         if callable(shutdown):
@@ -363,6 +344,6 @@ def build_eval_loader(
     steps = max(1, -(-longest // batch_size))
     batches = _Slice(start, stop - start, batch_size, steps)
     loader = DataLoader(dataset, batch_sampler=batches, num_workers=data_cfg.num_workers,
-                        worker_init_fn=_outlive_stop_signals if data_cfg.num_workers else None,
+                        worker_init_fn=_own_process_group if data_cfg.num_workers else None,
                         pin_memory=data_cfg.pin_memory and torch.cuda.is_available(), collate_fn=collate)
     return EvalLoader(loader, start, stop - start)
