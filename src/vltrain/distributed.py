@@ -171,8 +171,9 @@ class _AllGatherWithGrad(torch.autograd.Function):
 
     Each rank's loss touches every rank's rows, so the gradient of the sum of all ranks' losses with
     respect to this rank's rows is the sum over ranks of the gathered tensor's gradient, sliced to
-    this rank's rows. A reduce-scatter delivers exactly that slice, sending 1/W of what an
-    all-reduce of the whole gradient sends; backends without it fall back to the all-reduce.
+    this rank's rows. A reduce-scatter delivers exactly that slice (on NCCL for half the bytes of
+    an all-reduce of the whole gradient; gloo implements it as that all-reduce); backends without
+    it fall back to the all-reduce.
     """
 
     @staticmethod
