@@ -1,6 +1,7 @@
 import pytest
 
-from vltrain.config import ConfigError, JobConfig, load_config
+from vltrain.config import JobConfig, load_config
+from vltrain.errors import ConfigError
 
 
 def test_defaults_and_overrides(tmp_path):

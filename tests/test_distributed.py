@@ -56,7 +56,6 @@ def test_gather_with_grad_unequal_sizes():
         assert ranks.tolist() == [0, 0, 1, 1, 1]
 
 
-
 _ALLOCATE_AND_FREE = """
 import ctypes, sys, torch
 from vltrain.distributed import keep_freed_memory

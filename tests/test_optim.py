@@ -8,7 +8,8 @@ import pytest
 import torch
 from torch import nn
 
-from vltrain.config import ConfigError, TrainConfig
+from vltrain.config import TrainConfig
+from vltrain.errors import ConfigError
 from vltrain.optim import WarmupCosine, build_optimizer, build_scheduler, freeze_towers, param_groups
 
 

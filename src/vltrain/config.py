@@ -20,14 +20,8 @@ from typing import Any, Literal, Union
 import yaml
 
 from vltrain.data.config import DataConfig
-from vltrain.errors import UserError
+from vltrain.errors import ConfigError, UserError
 from vltrain.model.config import ModelConfig
-
-
-class ConfigError(UserError, ValueError):
-    """A user mistake in a config file or override; printed without a traceback."""
-
-    exit_code = 2
 
 
 @dataclass

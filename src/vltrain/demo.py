@@ -17,7 +17,8 @@ import os
 import time
 from pathlib import Path
 
-from vltrain.config import ConfigError, load_config
+from vltrain.config import load_config
+from vltrain.errors import ConfigError
 from vltrain.data.synth import TOKENIZER_VOCAB
 
 NUM_TRAIN, NUM_VAL, TEXT_ONLY_FRACTION = 10_000, 1_000, 0.2

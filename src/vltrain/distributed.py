@@ -19,6 +19,7 @@ from typing import Any, Callable, TypeVar
 import torch
 import torch.distributed as dist
 
+from vltrain.errors import ConfigError
 from vltrain.spmd import MAX_DIMS, RECORDER, Issued, SPMDError
 
 T = TypeVar("T")
@@ -295,8 +296,6 @@ class World:
 def pick_device(kind: str, local_rank: int) -> torch.device:
     if kind == "cuda" or (kind == "auto" and torch.cuda.is_available()):
         if not torch.cuda.is_available():
-            from vltrain.config import ConfigError
-
             raise ConfigError("train.device=cuda but CUDA is not available; use train.device=auto or cpu")
         torch.cuda.set_device(local_rank)
         return torch.device("cuda", local_rank)

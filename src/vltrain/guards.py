@@ -7,13 +7,7 @@ and DDP would silently average different models from then on. So each step the r
 
 from __future__ import annotations
 
-from vltrain.errors import UserError
-
-
-class NonFiniteError(UserError):
-    """Too many non-finite steps in a row: the run is diverging, not hitting a bad sample."""
-
-    exit_code = 3
+from vltrain.errors import NonFiniteError
 
 
 class NonFiniteGuard:

@@ -12,7 +12,8 @@ import math
 import torch
 from torch import nn
 
-from vltrain.config import ConfigError, TrainConfig
+from vltrain.config import TrainConfig
+from vltrain.errors import ConfigError
 
 
 def freeze_towers(model: nn.Module, towers: list[str]) -> None:

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from vltrain.config import ConfigError
+from vltrain.errors import ConfigError
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 

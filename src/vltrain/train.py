@@ -20,7 +20,8 @@ import numpy as np
 import torch
 
 from vltrain.checkpoint import Checkpointer, ModelState, OptimizerState, latest_checkpoint
-from vltrain.config import ConfigError, JobConfig, load_config
+from vltrain.config import JobConfig, load_config
+from vltrain.errors import ConfigError
 from vltrain.data.batch import Batch
 from vltrain.distributed import World, all_reduce_sum, setup_world
 from vltrain.evaluate import append_eval, evaluate, format_metrics

@@ -92,7 +92,8 @@ def test_tokenizer_file_is_the_folders(tmp_path, bert_folder):
 
 
 def test_trainer_takes_the_encoders_tokenizer_when_none_is_given(bert_folder):
-    from vltrain.config import ConfigError, load_config
+    from vltrain.config import load_config
+    from vltrain.errors import ConfigError
     from vltrain.train import build_model_for
 
     cfg = load_config(None, [f"model.text.hf_path={bert_folder}", "data.image_size=32", "data.max_text_length=8"])

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-config = pytest.importorskip("vltrain.config")
+from vltrain import config, errors
 
 
 @pytest.mark.parametrize(
@@ -17,12 +17,12 @@ config = pytest.importorskip("vltrain.config")
     ],
 )
 def test_bad_model_config_names_the_key(override, message):
-    with pytest.raises(config.ConfigError, match=message):
+    with pytest.raises(errors.ConfigError, match=message):
         config.load_config(None, [override])
 
 
 def test_itc_and_siglip_cannot_both_be_off():
-    with pytest.raises(config.ConfigError, match="itc or siglip"):
+    with pytest.raises(errors.ConfigError, match="itc or siglip"):
         config.load_config(None, ["model.loss.itc=0"])
 
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal, Union
 
+from vltrain.errors import ConfigError
+
 
 @dataclass
 class SourceSpec:
@@ -99,8 +101,6 @@ class DataConfig:
         return self.pad_multiple or (1 if self.batching == "budget" else 8)
 
     def validate(self) -> None:
-        from vltrain.config import ConfigError
-
         if self.batch_size < 1:
             raise ConfigError(f"data.batch_size must be >= 1, got {self.batch_size}")
         if self.image_size < 8:

@@ -17,17 +17,11 @@ import numpy as np
 from vltrain.data.images import DECODE_ERRORS, ImageError, decode_image, image_problem, open_image
 from vltrain.data.shards import shard_paths
 from vltrain.data.sources import Problem, Source, is_shard_pattern, open_source
-from vltrain.errors import DataError, UserError
+from vltrain.errors import DataError, UsageError, UserError
 
 CHECK_SIZE = 32
 """Images are fully decoded to this size: it catches truncation without the cost of a full resize."""
 MAX_PIXELS = 89_478_485
-
-
-class UsageError(UserError):
-    """A source that does not exist or is not a known format: the command was misused."""
-
-    exit_code = 2
 
 
 @dataclass

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from vltrain.errors import ConfigError
+
 
 @dataclass
 class TextConfig:
@@ -33,8 +35,6 @@ class LossConfig:
     rank's batch: gathers every rank's token features, W times the bytes; docs/distributed.md)."""
 
     def validate(self) -> None:
-        from vltrain.config import ConfigError
-
         for name in ("itc", "siglip", "itm", "mlm"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"model.loss.{name} must be >= 0, got {getattr(self, name)}")
@@ -58,7 +58,6 @@ class ModelConfig:
     """0: the preset's."""
 
     def validate(self) -> None:
-        from vltrain.config import ConfigError
         from vltrain.model.presets import list_presets
 
         if self.preset not in list_presets():
