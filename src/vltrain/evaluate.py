@@ -14,7 +14,14 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from vltrain.distributed import all_gather_no_grad, all_reduce_sum
+from vltrain.build import build_model_for, build_tokenizer, build_val_loader
+from vltrain.checkpoint import find_checkpoint, load_model_weights
+from vltrain.config import load_config
+from vltrain.distributed import all_gather_no_grad, all_reduce_sum, setup_world
+from vltrain.errors import UserError
+from vltrain.export import is_exported, load_exported
+from vltrain.parallelize import Dispatch
+from vltrain.precision import Precision
 
 KS = (1, 5, 10)
 
@@ -120,8 +127,37 @@ def format_metrics(m: dict[str, float]) -> str:
 
 def eval_cli(args: argparse.Namespace) -> int:
     """``vltrain eval RUN_DIR``: retrieval metrics of the run's weights on its (or another) val set."""
-    from vltrain.train import evaluate_run
-
     metrics = evaluate_run(Path(args.path), data=args.data, overrides=list(args.overrides or []))
     print(json.dumps(metrics, indent=1))
     return 0
+
+
+def evaluate_run(run_dir: Path, data: str | None = None, overrides: list[str] | None = None) -> dict[str, float]:
+    """Retrieval metrics of a run's latest checkpoint or of an exported model (``vltrain eval``)."""
+    exported = is_exported(run_dir)
+    config_path = run_dir / "config.yaml"
+    if not exported and not config_path.exists():
+        raise UserError(f"{run_dir} is neither a run folder (with config.yaml and checkpoints) "
+                        "nor an exported model (vltrain export)")
+    cfg = load_config(config_path, list(overrides or []) + ([f"data.val={data}"] if data else []))
+    ckpt = None if exported else find_checkpoint(run_dir, cfg.checkpoint.folder)
+    if not cfg.data.val:
+        raise UserError(f"{config_path} names no data.val; pass --data VAL_MANIFEST")
+    world = setup_world(timeout_s=cfg.train.timeout_s, device=cfg.train.device, threads=cfg.train.threads,
+                        tf32=cfg.train.tf32)
+    clean = False
+    try:
+        if exported:
+            model, tokenizer, exported_cfg = load_exported(run_dir, world.device)
+            cfg.data.tokenizer = exported_cfg.data.tokenizer
+        else:
+            tokenizer = build_tokenizer(cfg)
+            model = build_model_for(cfg, tokenizer, world.device)
+            load_model_weights(ckpt, model)
+        loader = build_val_loader(cfg, tokenizer, world)
+        precision = Precision(cfg.train.precision, world.device)
+        metrics = evaluate(Dispatch(model), loader, cfg.data, world.device, precision.autocast, cfg.eval.max_samples)
+        clean = True
+        return metrics
+    finally:
+        world.close(clean)

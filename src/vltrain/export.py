@@ -20,8 +20,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from vltrain.build import build_model_for
 from vltrain.checkpoint import CONFIG_FILE, check_shapes, find_checkpoint, load_model_weights
 from vltrain.config import JobConfig, load_config
+from vltrain.data.text import load_tokenizer
 from vltrain.errors import UserError
 
 WEIGHTS_FILE = "model.safetensors"
@@ -29,14 +31,8 @@ TOKENIZER_FILE = "tokenizer.json"
 
 
 def _build(cfg: JobConfig, tokenizer_path: Path | str):
-    from vltrain.data.text import load_tokenizer
-    from vltrain.model import build_model
-
     tokenizer = load_tokenizer(str(tokenizer_path))
-    model = build_model(cfg.model, vocab_size=tokenizer.vocab_size, pad_id=tokenizer.pad_id,
-                        mask_id=tokenizer.mask_id, image_size=cfg.data.image_size,
-                        max_text_length=cfg.data.max_text_length)
-    return model, tokenizer
+    return build_model_for(cfg, tokenizer), tokenizer
 
 
 def _checkpoint_of(source: Path) -> Path:

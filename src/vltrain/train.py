@@ -19,11 +19,11 @@ from typing import Any
 import numpy as np
 import torch
 
+from vltrain.build import build_model_for, build_tokenizer, build_train_loader_for, build_val_loader
 from vltrain.checkpoint import Checkpointer, ModelState, OptimizerState, latest_checkpoint
 from vltrain.config import JobConfig, load_config
-from vltrain.errors import ConfigError
 from vltrain.data.batch import Batch
-from vltrain.distributed import World, all_reduce_sum, setup_world
+from vltrain.distributed import all_reduce_sum, setup_world
 from vltrain.evaluate import append_eval, evaluate, format_metrics
 from vltrain.faults import maybe_fail
 from vltrain.gradcache import gradcache_backward
@@ -62,54 +62,6 @@ class LoaderPosition:
         self.loader.load_state_dict(state)
 
 
-def build_model_for(cfg: JobConfig, device: torch.device):
-    """The tokenizer and the (unwrapped) model a config describes, on ``device``."""
-    from vltrain.data.dataset import source_specs
-    from vltrain.data.text import load_tokenizer
-    from vltrain.model import build_model
-
-    path = cfg.data.tokenizer
-    if not path and cfg.model.text.hf_path:
-        from vltrain.model import hf_tokenizer_file
-
-        path = str(hf_tokenizer_file(cfg.model.text.hf_path))  # the encoder's own vocabulary
-    if not path:
-        raise ConfigError(
-            "data.tokenizer is empty: set it to a tokenizer.json (e.g. one made by `vltrain tokenizer train "
-            "MANIFEST --out tok.json`), or set model.text.hf_path to a Hugging Face encoder folder"
-        )
-    if not (Path(path).is_file() or (Path(path) / "tokenizer.json").is_file()):
-        sources = " ".join(s.path for s in source_specs(cfg.data.train, "train")) or "TRAIN_MANIFEST"
-        raise ConfigError(
-            f"tokenizer not found: {path} (data.tokenizer). Train one on the training captions:\n"
-            f"  vltrain tokenizer train {sources} --out {path}\n"
-            "or point data.tokenizer to an existing tokenizer.json (`vltrain data synth` writes one beside its data)"
-        )
-    tokenizer = load_tokenizer(path)
-    model = build_model(
-        cfg.model, vocab_size=tokenizer.vocab_size, pad_id=tokenizer.pad_id, mask_id=tokenizer.mask_id,
-        image_size=cfg.data.image_size, max_text_length=cfg.data.max_text_length,
-    )
-    return tokenizer, model.to(device)
-
-
-def collator(cfg: JobConfig, tokenizer):
-    from vltrain.data.collate import Collator
-
-    return Collator(tokenizer.pad_id, cfg.data.max_text_length, cfg.data.image_size)
-
-
-def build_val_loader(cfg: JobConfig, tokenizer, world: World, run_dir: Path | None = None):
-    from vltrain.data.dataset import build_dataset
-    from vltrain.data.loader import build_eval_loader
-
-    dataset = build_dataset(cfg.data, "val", tokenizer, run_dir=run_dir)
-    return build_eval_loader(
-        cfg.data, dataset, rank=world.rank, world_size=world.world_size, batch_size=cfg.eval.batch_size,
-        collate=collator(cfg, tokenizer),
-    )
-
-
 class Trainer:
     def __init__(self, cfg: JobConfig):
         self.cfg = cfg
@@ -124,7 +76,8 @@ class Trainer:
 
         # model: the same initial weights on every rank
         torch.manual_seed(tc.seed)
-        self.tokenizer, self.model = build_model_for(cfg, self.device)
+        self.tokenizer = build_tokenizer(cfg)
+        self.model = build_model_for(cfg, self.tokenizer, self.device)
         freeze_towers(self.model, tc.freeze)
         self.precision = Precision(tc.precision, self.device)
 
@@ -144,7 +97,7 @@ class Trainer:
         np.random.seed((tc.seed + 1 + self.world.rank) % 2**32)
         random.seed(tc.seed + 1 + self.world.rank)
         self.rng = RngState()
-        self.loader = self._build_train_loader()
+        self.loader = build_train_loader_for(cfg, self.tokenizer, self.world, self.run_dir)
         self.val_loader = build_val_loader(cfg, self.tokenizer, self.world, self.run_dir) if cfg.data.val else None
 
         # counters (Stateful through this object)
@@ -182,18 +135,6 @@ class Trainer:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             self.cfg.save(self.run_dir / "config.yaml")
             clear_marker(self.run_dir)
-
-    def _build_train_loader(self):
-        from vltrain.data.dataset import build_dataset
-        from vltrain.data.loader import build_train_loader
-
-        cfg = self.cfg
-        collate = collator(cfg, self.tokenizer)
-        dataset = build_dataset(cfg.data, "train", self.tokenizer, run_dir=self.run_dir)
-        return build_train_loader(
-            cfg.data, dataset, rank=self.world.rank, world_size=self.world.world_size, seed=cfg.train.seed,
-            run_dir=self.run_dir, collate=collate,
-        )
 
     # ------------------------------------------------------------------------------------------
     # Stateful
@@ -444,37 +385,3 @@ def train_cli(args: argparse.Namespace) -> int:
         if metrics:
             print(f"eval: {format_metrics(metrics)}")
     return 0
-
-
-def evaluate_run(run_dir: Path, data: str | None = None, overrides: list[str] | None = None) -> dict[str, float]:
-    """Retrieval metrics of a run's latest checkpoint or of an exported model (``vltrain eval``)."""
-    from vltrain.checkpoint import find_checkpoint, load_model_weights
-    from vltrain.errors import UserError
-    from vltrain.export import is_exported, load_exported
-
-    exported = is_exported(run_dir)
-    config_path = run_dir / "config.yaml"
-    if not exported and not config_path.exists():
-        raise UserError(f"{run_dir} is neither a run folder (with config.yaml and checkpoints) "
-                        "nor an exported model (vltrain export)")
-    cfg = load_config(config_path, list(overrides or []) + ([f"data.val={data}"] if data else []))
-    ckpt = None if exported else find_checkpoint(run_dir, cfg.checkpoint.folder)
-    if not cfg.data.val:
-        raise UserError(f"{config_path} names no data.val; pass --data VAL_MANIFEST")
-    world = setup_world(timeout_s=cfg.train.timeout_s, device=cfg.train.device, threads=cfg.train.threads,
-                        tf32=cfg.train.tf32)
-    clean = False
-    try:
-        if exported:
-            model, tokenizer, exported_cfg = load_exported(run_dir, world.device)
-            cfg.data.tokenizer = exported_cfg.data.tokenizer
-        else:
-            tokenizer, model = build_model_for(cfg, world.device)
-            load_model_weights(ckpt, model)
-        loader = build_val_loader(cfg, tokenizer, world)
-        precision = Precision(cfg.train.precision, world.device)
-        metrics = evaluate(Dispatch(model), loader, cfg.data, world.device, precision.autocast, cfg.eval.max_samples)
-        clean = True
-        return metrics
-    finally:
-        world.close(clean)

@@ -94,10 +94,11 @@ def test_tokenizer_file_is_the_folders(tmp_path, bert_folder):
 def test_trainer_takes_the_encoders_tokenizer_when_none_is_given(bert_folder):
     from vltrain.config import load_config
     from vltrain.errors import ConfigError
-    from vltrain.train import build_model_for
+    from vltrain.build import build_model_for, build_tokenizer
 
     cfg = load_config(None, [f"model.text.hf_path={bert_folder}", "data.image_size=32", "data.max_text_length=8"])
-    tokenizer, model = build_model_for(cfg, torch.device("cpu"))
+    tokenizer = build_tokenizer(cfg)
+    model = build_model_for(cfg, tokenizer)
     assert Path(tokenizer.path) == bert_folder / "tokenizer.json"
     with pytest.raises(ConfigError, match="data.tokenizer is empty"):
-        build_model_for(load_config(None, ["data.image_size=32"]), torch.device("cpu"))
+        build_tokenizer(load_config(None, ["data.image_size=32"]))

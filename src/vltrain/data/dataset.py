@@ -185,7 +185,7 @@ def _problems_hint(source: Source) -> str:
     return f" ({len(errors)} malformed row(s) dropped, first: {errors[0]})"
 
 
-def source_specs(spec: str | list, split: str) -> list[SourceSpec]:
+def source_specs(spec: str | list) -> list[SourceSpec]:
     """``data.train`` / ``data.val`` as a list of :class:`SourceSpec`."""
     if isinstance(spec, str):
         return [SourceSpec(path=spec)] if spec else []
@@ -203,7 +203,7 @@ def build_dataset(
     """
     if split not in ("train", "val"):
         raise ValueError(f"split must be 'train' or 'val', got {split!r}")
-    specs = source_specs(getattr(data_cfg, split), split)
+    specs = source_specs(getattr(data_cfg, split))
     if not specs:
         raise DataError(f"data.{split} is empty: give a manifest, a shard pattern, or a list of {{path, weight}}")
     cache_dir = data_cfg.cache_dir or (Path(run_dir) / "cache" if run_dir else None)
