@@ -279,61 +279,68 @@ def _type_name(tp: Any) -> str:
     return getattr(tp, "__name__", str(tp))
 
 
-def _coerce(tp: Any, value: Any, key: str) -> Any:
-    def bad() -> ConfigError:
-        return ConfigError(f"config key {key!r} expects {_type_name(tp)}, got {value!r} ({type(value).__name__})")
+def _bad(tp: Any, value: Any, key: str) -> ConfigError:
+    return ConfigError(f"config key {key!r} expects {_type_name(tp)}, got {value!r} ({type(value).__name__})")
 
+
+def _coerce(tp: Any, value: Any, key: str) -> Any:
     origin = typing.get_origin(tp)
     if tp is Any:
         return value
     if origin is Literal:
         if value in typing.get_args(tp):
             return value
-        raise bad()
+        raise _bad(tp, value, key)
     if origin in (Union, types.UnionType):
-        args = typing.get_args(tp)
-        if value is None and type(None) in args:
-            return None
-        errors = []
-        for a in args:
-            if a is type(None):
-                continue
-            try:
-                return _coerce(a, value, key)
-            except ConfigError as e:
-                errors.append(e)
-        # one candidate type: its own message is the most precise
-        non_none = [a for a in args if a is not type(None)]
-        if len(non_none) == 1 and errors:
-            raise errors[0]
-        raise bad()
+        return _coerce_union(tp, value, key)
     if origin is list:
         (a,) = typing.get_args(tp)
         if isinstance(value, tuple):
             value = list(value)
         if not isinstance(value, list):
-            raise bad()
+            raise _bad(tp, value, key)
         return [_coerce(a, v, f"{key}[{i}]") for i, v in enumerate(value)]
     if origin is dict:
         if not isinstance(value, dict):
-            raise bad()
+            raise _bad(tp, value, key)
         _, vt = typing.get_args(tp)
         return {str(k): _coerce(vt, v, f"{key}.{k}") for k, v in value.items()}
     if dataclasses.is_dataclass(tp):
         if not isinstance(value, dict):
-            raise bad()
+            raise _bad(tp, value, key)
         return from_dict(tp, value, key)
+    return _coerce_scalar(tp, value, key)
+
+
+def _coerce_union(tp: Any, value: Any, key: str) -> Any:
+    args = typing.get_args(tp)
+    if value is None and type(None) in args:
+        return None
+    errors = []
+    for a in args:
+        if a is type(None):
+            continue
+        try:
+            return _coerce(a, value, key)
+        except ConfigError as e:
+            errors.append(e)
+    # one candidate type: its own message is the most precise
+    non_none = [a for a in args if a is not type(None)]
+    if len(non_none) == 1 and errors:
+        raise errors[0]
+    raise _bad(tp, value, key)
+
+
+def _coerce_scalar(tp: Any, value: Any, key: str) -> Any:
     if tp is bool:
         if isinstance(value, bool):
             return value
-        raise bad()
-    if tp is int:
+    elif tp is int:
         if isinstance(value, int) and not isinstance(value, bool):
             return value
         if isinstance(value, float) and value.is_integer():
             return int(value)
-        raise bad()
-    if tp is float:
+    elif tp is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             return float(value)
         if isinstance(value, str):
@@ -341,11 +348,9 @@ def _coerce(tp: Any, value: Any, key: str) -> Any:
                 return float(value)  # YAML reads "3e-4" (no dot) as a string
             except ValueError:
                 pass
-        raise bad()
-    if tp is str:
+    elif tp is str:
         if isinstance(value, str):
             return value
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             return str(value)
-        raise bad()
-    raise bad()
+    raise _bad(tp, value, key)
