@@ -26,10 +26,10 @@ import torch
 
 def worker(args: argparse.Namespace) -> None:
     from _demo_model import demo_config, demo_model, random_inputs
-    from vltrain.distributed import setup_world
     from vltrain.optim import build_optimizer
     from vltrain.parallelize import parallelize
     from vltrain.precision import Precision
+    from vltrain.runtime import setup_world
     from vltrain.step import plain_backward
 
     cfg = demo_config(f"train.precision={args.precision}", *([f"model.preset={args.preset}"] if args.preset else []))

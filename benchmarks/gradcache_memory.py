@@ -25,11 +25,11 @@ import torch
 
 def worker(mode: str, global_batch: int, micro: int, precision: str) -> None:
     from _demo_model import demo_config, demo_model, random_inputs
-    from vltrain.distributed import keep_freed_memory
     from vltrain.gradcache import gradcache_backward
     from vltrain.optim import build_optimizer
     from vltrain.parallelize import Dispatch
     from vltrain.precision import Precision
+    from vltrain.runtime import keep_freed_memory
     from vltrain.step import plain_backward
 
     torch.set_num_threads(2)

@@ -69,7 +69,7 @@ def measure_rate(cfg, vocab: int = TOKENIZER_VOCAB, steps: int = 3) -> float:
 
     import torch
 
-    from vltrain.distributed import keep_freed_memory
+    from vltrain.runtime import keep_freed_memory
     from vltrain.model import build_model
     from vltrain.optim import build_optimizer
     from vltrain.parallelize import Dispatch

@@ -17,11 +17,12 @@ from torch import nn
 from vltrain.build import build_model_for, build_tokenizer, build_val_loader
 from vltrain.checkpoint import find_checkpoint, load_model_weights
 from vltrain.config import load_config
-from vltrain.distributed import all_gather_no_grad, all_reduce_sum, setup_world
+from vltrain.distributed import all_gather_no_grad, all_reduce_sum
 from vltrain.errors import UserError
 from vltrain.export import is_exported, load_exported
 from vltrain.parallelize import Dispatch
 from vltrain.precision import Precision
+from vltrain.runtime import setup_world
 
 KS = (1, 5, 10)
 

@@ -23,7 +23,7 @@ from vltrain.build import build_model_for, build_tokenizer, build_train_loader_f
 from vltrain.checkpoint import Checkpointer, ModelState, OptimizerState, latest_checkpoint
 from vltrain.config import JobConfig, load_config
 from vltrain.data.batch import Batch
-from vltrain.distributed import all_reduce_sum, setup_world
+from vltrain.distributed import all_reduce_sum
 from vltrain.evaluate import append_eval, evaluate, format_metrics
 from vltrain.faults import maybe_fail
 from vltrain.gradcache import gradcache_backward
@@ -34,6 +34,7 @@ from vltrain.parallelize import Dispatch, clip_grad_norm, parallelize, reduce_re
 from vltrain.precision import Precision
 from vltrain.preemption import EXIT_CODE as PREEMPTED_EXIT, Preempted, PreemptionWatch, clear_marker, write_marker
 from vltrain.rng import RngState
+from vltrain.runtime import setup_world
 from vltrain.spmd import RECORDER
 from vltrain.step import ModelInputs, StepLosses, plain_backward
 
