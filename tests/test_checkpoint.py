@@ -20,12 +20,10 @@ from vltrain.checkpoint import (
     ModelState,
     OptimizerState,
     find_checkpoint,
-    join_tensors,
     latest_checkpoint,
     load_model_weights,
-    read_tensors,
-    split_tensors,
 )
+from vltrain.checkpoint_storage import join_tensors, read_tensors, split_tensors
 from vltrain.config import CheckpointConfig
 from vltrain.errors import UserError
 from vltrain.rng import RngState

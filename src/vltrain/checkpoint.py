@@ -14,8 +14,8 @@ Layout under ``RUN_DIR/checkpoints`` (``checkpoint.folder``)::
 
 Tensors go through ``torch.distributed.checkpoint`` (DCP), so DDP's replicated and FSDP2's
 sharded parameters are written once, in parallel, and read back into any world size. Everything
-that is not a tensor goes to JSON instead of DCP's pickled byte entries, and DCP's pickled index is
-read with an allow-list of its own metadata classes: loading a checkpoint never runs code from it.
+that is not a tensor goes to JSON, and loading a checkpoint never runs code from it
+(``vltrain.checkpoint_storage``).
 
 A checkpoint is written into a temporary folder; after every rank has finished, rank 0 renames it
 into place and then rewrites ``latest`` with an atomic replace. A crash at any moment leaves
@@ -25,22 +25,17 @@ either the previous checkpoint or the new one complete, never a half one that lo
 from __future__ import annotations
 
 import json
-import os
-import pickle
 import re
 import shutil
-import warnings
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import metadata as dcp_metadata
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
     get_optimizer_state_dict,
@@ -48,13 +43,20 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
+from vltrain.checkpoint_storage import (
+    PART_SUFFIX,
+    SafeFileSystemReader,
+    join_tensors,
+    load_tensors,
+    rename_durably,
+    split_tensors,
+    tensor_keys,
+    write_atomic,
+)
 from vltrain.config import CheckpointConfig
-from vltrain.distributed import all_gather_object, barrier, broadcast_object
+from vltrain.distributed import all_gather_object, barrier, broadcast_object, is_initialized, world_info
 from vltrain.errors import UserError
 from vltrain.faults import maybe_fail
-
-# DCP warns on every call made without a process group; one process is a supported case here
-warnings.filterwarnings("ignore", message="torch.distributed is .*single process", category=UserWarning)
 
 STATE_FILE = "state.json"
 CONFIG_FILE = "config.yaml"
@@ -112,123 +114,6 @@ class Restored:
     """Per-rank states (RNG, per-rank data position) were restored: same world size, bit-exact."""
 
 
-# ---------------------------------------------------------------------------------------------
-# State trees <-> (JSON skeleton, flat tensors)
-
-_MARKERS = ("__tensor__", "__tuple__", "__items__", "__ndarray__")
-
-
-def split_tensors(obj: Any, key: str, tensors: dict[str, torch.Tensor] | None) -> Any:
-    """A JSON-able copy of ``obj`` with each tensor moved to ``tensors[path]`` and a placeholder left.
-
-    ``tensors=None`` means tensors are not allowed here (per-rank JSON states). Tuples, dicts with
-    non-string keys and numpy values are tagged so :func:`join_tensors` returns the same types.
-    """
-    if isinstance(obj, torch.Tensor):
-        if tensors is None:
-            raise TypeError(f"per-rank state {key!r} holds a tensor; per-rank states must be plain data")
-        tensors[key] = obj
-        return {"__tensor__": key}
-    if isinstance(obj, dict):
-        if all(isinstance(k, str) and k not in _MARKERS for k in obj):
-            return {k: split_tensors(v, f"{key}.{k}", tensors) for k, v in obj.items()}
-        return {"__items__": [[split_tensors(k, f"{key}.{k}", None), split_tensors(v, f"{key}.{k}", tensors)]
-                              for k, v in obj.items()]}
-    if isinstance(obj, tuple):  # also torch.Size
-        return {"__tuple__": [split_tensors(v, f"{key}.{i}", tensors) for i, v in enumerate(obj)]}
-    if isinstance(obj, list):
-        return [split_tensors(v, f"{key}.{i}", tensors) for i, v in enumerate(obj)]
-    if isinstance(obj, np.ndarray):
-        return {"__ndarray__": obj.tolist(), "dtype": str(obj.dtype)}
-    if isinstance(obj, np.generic):
-        return obj.item()
-    if obj is None or isinstance(obj, (bool, int, float, str)):
-        return obj
-    raise TypeError(f"state {key!r} holds a {type(obj).__name__}, which a checkpoint cannot store")
-
-
-def join_tensors(skel: Any, tensors: dict[str, torch.Tensor]) -> Any:
-    """Inverse of :func:`split_tensors`."""
-    if isinstance(skel, dict):
-        if "__tensor__" in skel:
-            return tensors[skel["__tensor__"]]
-        if "__tuple__" in skel:
-            return tuple(join_tensors(v, tensors) for v in skel["__tuple__"])
-        if "__items__" in skel:
-            return {join_tensors(k, tensors): join_tensors(v, tensors) for k, v in skel["__items__"]}
-        if "__ndarray__" in skel:
-            return np.asarray(skel["__ndarray__"], dtype=skel["dtype"])
-        return {k: join_tensors(v, tensors) for k, v in skel.items()}
-    if isinstance(skel, list):
-        return [join_tensors(v, tensors) for v in skel]
-    return skel
-
-
-def _tensor_keys(skel: Any) -> list[str]:
-    if isinstance(skel, dict):
-        if "__tensor__" in skel:
-            return [skel["__tensor__"]]
-        return [k for v in skel.values() for k in _tensor_keys(v)]
-    if isinstance(skel, list):
-        return [k for v in skel for k in _tensor_keys(v)]
-    return []
-
-
-# ---------------------------------------------------------------------------------------------
-# Reading DCP without running code from the checkpoint
-
-
-class _MetadataUnpickler(pickle.Unpickler):
-    """Unpickles DCP's ``.metadata`` index, allowing only the plain classes it is made of."""
-
-    _ALLOWED = {
-        ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
-        ("torch", "Size"),
-        ("torch.serialization", "_get_layout"),
-        ("collections", "OrderedDict"),
-        ("pathlib", "PosixPath"),
-        ("pathlib", "WindowsPath"),
-        ("pathlib", "PurePosixPath"),
-        ("pathlib", "PureWindowsPath"),
-        ("pathlib._local", "PosixPath"),
-        ("pathlib._local", "WindowsPath"),
-    }
-
-    def find_class(self, module: str, name: str) -> Any:
-        if module == "torch.distributed.checkpoint.metadata":
-            obj = getattr(dcp_metadata, name, None)
-            if isinstance(obj, type) and obj.__module__ == module:
-                return obj
-        elif module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
-            return getattr(torch, name)
-        elif (module, name) in self._ALLOWED:
-            return super().find_class(module, name)
-        raise pickle.UnpicklingError(f"checkpoint index refers to {module}.{name}, which is not allowed")
-
-
-class SafeFileSystemReader(dcp.FileSystemReader):
-    """A DCP reader whose index is unpickled through an allow-list."""
-
-    def read_metadata(self, *args: Any, **kwargs: Any) -> dcp_metadata.Metadata:
-        path = Path(self.path) / ".metadata"
-        try:
-            with open(path, "rb") as f:
-                metadata = _MetadataUnpickler(f).load()
-        except (pickle.UnpicklingError, EOFError, AttributeError) as e:
-            raise UserError(f"{path} is not a checkpoint index this version can read safely: {e}") from None
-        if getattr(metadata, "storage_meta", None) is None:
-            metadata.storage_meta = dcp_metadata.StorageMeta()
-        metadata.storage_meta.load_id = self.load_id
-        return metadata
-
-
-class _TensorsOnlyLoadPlanner(DefaultLoadPlanner):
-    """We never write pickled byte entries, so reading one means the checkpoint is not ours."""
-
-    def load_bytes(self, read_item: Any, value: Any) -> None:
-        raise UserError(f"checkpoint entry {read_item.dest_index.fqn!r} is pickled data; refusing to load it")
-
-
 def check_shapes(source: str, saved: dict[str, tuple[int, ...]], wanted: dict[str, tuple[int, ...]]) -> None:
     """Refuse weights that do not fit, naming the first key that differs and both shapes."""
     hint = "was it written with another model preset, embed_dim, data.image_size or tokenizer?"
@@ -255,8 +140,7 @@ def _read_fitting(path: Path, targets: dict[str, torch.Tensor], saved_keys: list
     """Check shapes, then load ``targets`` in place from the checkpoint at ``path``."""
     reader = SafeFileSystemReader(path)
     _check_fits(path, reader.read_metadata(), targets, saved_keys)
-    dcp.load(targets, storage_reader=reader, planner=_TensorsOnlyLoadPlanner(),
-             process_group=process_group, no_dist=no_dist)
+    load_tensors(reader, targets, no_dist=no_dist, process_group=process_group)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -306,24 +190,6 @@ def find_checkpoint(path: str | Path, folder: str = "checkpoints") -> Path:
                     "a checkpoints folder or a run folder that has one)")
 
 
-def read_config_yaml(ckpt: Path) -> str:
-    return (ckpt / CONFIG_FILE).read_text()
-
-
-def read_tensors(ckpt: Path, prefix: str = "") -> dict[str, torch.Tensor]:
-    """Every saved tensor whose key starts with ``prefix``, full and on CPU, in one process.
-
-    For inspection and for comparing runs (``model.`` for the weights, ``optimizer.`` for Adam's
-    moments), without building the model.
-    """
-    reader = SafeFileSystemReader(ckpt)
-    index = reader.read_metadata().state_dict_metadata
-    out = {k: torch.empty(tuple(m.size), dtype=m.properties.dtype) for k, m in index.items()
-           if k.startswith(prefix) and hasattr(m, "size")}
-    dcp.load(out, storage_reader=reader, planner=_TensorsOnlyLoadPlanner(), no_dist=True)
-    return out
-
-
 def load_model_weights(ckpt: Path, model: torch.nn.Module) -> None:
     """Load only the model's tensors, in one process, into a plain (unwrapped) model.
 
@@ -334,24 +200,11 @@ def load_model_weights(ckpt: Path, model: torch.nn.Module) -> None:
     if "model" not in state["states"]:
         raise UserError(f"checkpoint {ckpt} holds no model state")
     targets = {f"model.{k}": v for k, v in model.state_dict().items()}
-    _read_fitting(ckpt, targets, _tensor_keys(state["states"]["model"]), no_dist=True)
+    _read_fitting(ckpt, targets, tensor_keys(state["states"]["model"]), no_dist=True)
 
 
 # ---------------------------------------------------------------------------------------------
 # The checkpointer
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".part")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
-def _dist() -> bool:
-    return dist.is_available() and dist.is_initialized()
 
 
 class Checkpointer:
@@ -375,12 +228,11 @@ class Checkpointer:
         self.rank_states = rank_states or {}
         self.config_yaml = config_yaml
         self.files = {name: Path(src) for name, src in (files or {}).items()}
-        self.rank = dist.get_rank() if _dist() else 0
-        self.world_size = dist.get_world_size() if _dist() else 1
+        self.rank, self.world_size = world_info()
         self._last_saved: int | None = None
         self._pending: tuple[Future, int, Path, dict[str, Any]] | None = None
         # DCP's async writer runs collectives from a thread: it needs a group of its own
-        self._async_group = dist.new_group(backend="gloo") if cfg.async_save and _dist() else None
+        self._async_group = dist.new_group(backend="gloo") if cfg.async_save and is_initialized() else None
         if self.rank == 0:
             self._remove_partial()
 
@@ -411,14 +263,14 @@ class Checkpointer:
         tensors: dict[str, torch.Tensor] = {}
         skeletons = {name: split_tensors(st.state_dict(), name, tensors) for name, st in self.states.items()}
         per_rank = {name: split_tensors(st.state_dict(), name, None) for name, st in self.rank_states.items()}
-        _write_atomic(tmp / f"rank-{self.rank}.json", json.dumps(per_rank))
+        write_atomic(tmp / f"rank-{self.rank}.json", json.dumps(per_rank))
         self._last_saved = step
-        if self._async_group is not None or (self.cfg.async_save and not _dist()):
+        if self._async_group is not None or (self.cfg.async_save and not is_initialized()):
             future = dcp.async_save(tensors, storage_writer=dcp.FileSystemWriter(tmp),
-                                    process_group=self._async_group, no_dist=not _dist())
+                                    process_group=self._async_group, no_dist=not is_initialized())
             self._pending = (future, step, tmp, skeletons)
             return
-        dcp.save(tensors, storage_writer=dcp.FileSystemWriter(tmp), no_dist=not _dist())
+        dcp.save(tensors, storage_writer=dcp.FileSystemWriter(tmp), no_dist=not is_initialized())
         self._commit(step, tmp, skeletons)
 
     def wait(self) -> None:
@@ -430,16 +282,13 @@ class Checkpointer:
         future.result()
         self._commit(step, tmp, skeletons)
 
-    def close(self) -> None:
-        self.wait()
-
     def _commit(self, step: int, tmp: Path, skeletons: dict[str, Any]) -> None:
         maybe_fail("save", step, self.rank)
         if self.rank == 0:
             state = {"format": FORMAT_VERSION, "step": step, "world_size": self.world_size, "states": skeletons}
-            _write_atomic(tmp / STATE_FILE, json.dumps(state))
+            write_atomic(tmp / STATE_FILE, json.dumps(state))
             if self.config_yaml:
-                _write_atomic(tmp / CONFIG_FILE, self.config_yaml)
+                write_atomic(tmp / CONFIG_FILE, self.config_yaml)
             for name, src in self.files.items():
                 shutil.copyfile(src, tmp / name)
         self._barrier()  # every rank's data and rank file is on disk
@@ -447,9 +296,8 @@ class Checkpointer:
             final = self.folder / f"step-{step}"
             if final.exists():  # a run restarted with resume=never writes over its old steps
                 shutil.rmtree(final)
-            os.rename(tmp, final)
-            _fsync_dir(self.folder)
-            _write_atomic(self.folder / LATEST_FILE, final.name + "\n")
+            rename_durably(tmp, final)
+            write_atomic(self.folder / LATEST_FILE, final.name + "\n")
             self._prune(final)
         self._barrier()
 
@@ -467,7 +315,7 @@ class Checkpointer:
         if not self.folder.is_dir():
             return
         for p in self.folder.iterdir():
-            if p.name.startswith(TMP_PREFIX) or p.name.endswith(".part"):
+            if p.name.startswith(TMP_PREFIX) or p.name.endswith(PART_SUFFIX):
                 shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
 
     def _barrier(self) -> None:
@@ -518,8 +366,8 @@ class Checkpointer:
         targets: dict[str, torch.Tensor] = {}
         for name, st in self.states.items():
             split_tensors(st.state_dict(), name, targets)
-        saved_keys = [k for name in self.states for k in _tensor_keys(saved[name])]
-        _read_fitting(path, targets, saved_keys, no_dist=not _dist())
+        saved_keys = [k for name in self.states for k in tensor_keys(saved[name])]
+        _read_fitting(path, targets, saved_keys, no_dist=not is_initialized())
         for name, st in self.states.items():
             st.load_state_dict(join_tensors(saved[name], targets))
         if rank_file is not None:
@@ -551,18 +399,4 @@ class Checkpointer:
             if name not in rank_file:
                 raise UserError(f"checkpoint {path} has no per-rank {name!r} state")
         return state, rank_file
-
-
-def _fsync_dir(path: Path) -> None:
-    """Make a rename durable (POSIX): the directory entry itself must reach the disk."""
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
 
