@@ -16,7 +16,7 @@ from vltrain.data.config import DataConfig
 from vltrain.data.dataset import ImageTextDataset, build_dataset
 from vltrain.data.ids import stable_uid
 from vltrain.data.shards import write_shards
-from vltrain.data.sources import open_source
+from vltrain.data.open import open_source
 from vltrain.data.synth import describe, sample_scene, synthesize
 from vltrain.data.table import SampleTable
 from vltrain.data.text import load_tokenizer, source_texts, train_tokenizer

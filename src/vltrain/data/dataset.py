@@ -26,7 +26,8 @@ import torch
 from vltrain.data.config import DataConfig, SourceSpec
 from vltrain.data.ids import stable_uid
 from vltrain.data.images import ImageError, decode_image, image_problem
-from vltrain.data.sources import Row, Source, open_source, refuse_malformed
+from vltrain.data.open import open_source
+from vltrain.data.sources import Row, Source, refuse_malformed
 from vltrain.data.table import SampleTable
 from vltrain.data.text import Tokenizer
 from vltrain.errors import DataError

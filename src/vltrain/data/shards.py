@@ -25,7 +25,8 @@ from pathlib import Path
 
 import numpy as np
 
-from vltrain.data.sources import Problem, Row, Source, _is_unicode, expand_braces
+from vltrain.data.sources import (Problem, Row, Source, expand_braces, is_shard_pattern, is_unicode,
+                                  open_manifest)
 from vltrain.errors import DataError, UserError
 
 IMAGE_EXTS = ("jpg", "jpeg", "png", "webp")
@@ -249,7 +250,7 @@ def _sample(tar: tarfile.TarFile, key: str, members: dict, problems: list) -> li
         given = meta.get("id") if isinstance(meta, dict) else None
         if given is not None and not isinstance(given, bool) and isinstance(given, (str, int)):
             sid = str(given)
-            if not _is_unicode(sid):
+            if not is_unicode(sid):
                 problems.append([key, "id is not valid UTF-8", "error"])
                 return None
     if image is None and text is None:
@@ -322,12 +323,12 @@ def _close(tar: tarfile.TarFile, path: Path) -> None:
 
 
 def shard_cli(args: argparse.Namespace) -> int:
-    """``vltrain data shard MANIFEST --out DIR --shard-size N``; exit 1 if rows had to be skipped."""
-    from vltrain.data.sources import open_source
+    """``vltrain data shard MANIFEST --out DIR --shard-size N``; exit 1 if rows had to be skipped.
 
+    Shards are read too (to reshard); not through ``open_source``, which sits above this module."""
     if args.shard_size < 1:
         raise UserError(f"--shard-size must be >= 1, got {args.shard_size}")
-    source = open_source(args.manifest)
+    source = ShardSource(args.manifest) if is_shard_pattern(args.manifest) else open_manifest(args.manifest)
     written, not_copied = write_shards(source, args.out, args.shard_size)
     n = len(source) - len(not_copied)
     skipped = source.errors() + not_copied

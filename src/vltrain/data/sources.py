@@ -1,4 +1,5 @@
-"""Where samples come from: JSONL and CSV/TSV manifests, and tar shards (see ``shards.py``).
+"""Where samples come from: JSONL and CSV/TSV manifests (tar shards: ``shards.py``; a path to
+either: ``open.py``).
 
 A source is opened once: every row is parsed up front, so that its length, keys, texts and
 modalities are known without touching an image, and row ``i`` is the same row on every rank
@@ -114,10 +115,6 @@ class ManifestSource(Source):
         with open(self.base / image, "rb") as f:
             return f.read()
 
-    def image_path(self, i: int) -> Path | None:
-        image = self._images[i]
-        return None if image is None else self.base / image
-
     def texts(self) -> list[str | None]:
         return self._texts
 
@@ -152,7 +149,7 @@ class ManifestSource(Source):
             key = derived_key(self.path.name, line, image, text)
         elif isinstance(given, (str, int)) and not isinstance(given, bool):
             key = str(given)
-            if not _is_unicode(key):
+            if not is_unicode(key):
                 return self._problem(where, "id is not valid UTF-8")
         else:
             return self._problem(where, f"'{id_key}' must be a string or an integer, got {type(given).__name__}")
@@ -209,7 +206,7 @@ class ManifestSource(Source):
                 if len(values) != len(header):
                     self._problem(where, f"{len(values)} fields, the header has {len(header)}")
                     continue
-                if not all(_is_unicode(v) for v in values):
+                if not all(is_unicode(v) for v in values):
                     self._problem(where, "not valid UTF-8")
                     continue
                 fields = {k: (v if v != "" else None) for k, v in zip(header, values)}
@@ -230,7 +227,7 @@ def _pick_string(fields: dict, keys, what: str) -> tuple[str | None, str | None]
             continue
         if not isinstance(v, str):
             return None, f"'{k}' must be a string, got {type(v).__name__}"
-        if not _is_unicode(v):
+        if not is_unicode(v):
             return None, f"{what} is not valid UTF-8 / Unicode"
         return v, None
     return None, None
@@ -242,7 +239,7 @@ def _column(header: list[str], configured: str, aliases: tuple[str, ...]) -> str
     return next((a for a in aliases if a in header), None)
 
 
-def _is_unicode(s: str) -> bool:
+def is_unicode(s: str) -> bool:
     """False for strings holding lone surrogates (undecodable bytes, or bad JSON escapes)."""
     try:
         s.encode("utf-8")
@@ -280,19 +277,13 @@ def is_shard_pattern(path: str) -> bool:
     return path.endswith(".tar") or ("{" in path and ".tar" in path)
 
 
-def open_source(
-    path: str, csv_cfg: CsvConfig | None = None, cache_dir: str | os.PathLike | None = None
-) -> Source:
-    """A manifest (.jsonl/.csv/.tsv) or a shard pattern ('shards/{00000..00009}.tar')."""
-    if is_shard_pattern(path):
-        from vltrain.data.shards import ShardSource
-
-        return ShardSource(path, cache_dir=cache_dir)
-    if Path(path).suffix.lower() in MANIFEST_SUFFIXES:
-        return ManifestSource(path, csv_cfg)
-    raise DataError(
-        f"{path}: not a manifest (.jsonl, .csv, .tsv) or a tar shard pattern ('dir/{{00000..00009}}.tar')"
-    )
+def open_manifest(path: str | os.PathLike, csv_cfg: CsvConfig | None = None) -> ManifestSource:
+    """A manifest (.jsonl/.csv/.tsv); any other suffix is refused, naming the formats vltrain reads."""
+    if Path(path).suffix.lower() not in MANIFEST_SUFFIXES:
+        raise DataError(
+            f"{path}: not a manifest (.jsonl, .csv, .tsv) or a tar shard pattern ('dir/{{00000..00009}}.tar')"
+        )
+    return ManifestSource(path, csv_cfg)
 
 
 def refuse_malformed(source: Source, limit: int = 5) -> None:

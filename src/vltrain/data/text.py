@@ -15,6 +15,7 @@ from typing import Iterable, Iterator
 import tokenizers
 from tokenizers import decoders, models, normalizers, pre_tokenizers, processors, trainers
 
+from vltrain.data.open import open_source
 from vltrain.errors import UserError
 
 SPECIAL_TOKENS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
@@ -150,8 +151,6 @@ def train_tokenizer(
 
 def source_texts(paths: list[str]) -> Iterator[str]:
     """Every present text of the given manifests / shard patterns, in order."""
-    from vltrain.data.sources import open_source
-
     for path in paths:
         for text in open_source(path).texts():
             if text is not None:

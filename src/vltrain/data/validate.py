@@ -16,7 +16,8 @@ import numpy as np
 
 from vltrain.data.images import DECODE_ERRORS, ImageError, decode_image, image_problem, open_image
 from vltrain.data.shards import shard_paths
-from vltrain.data.sources import Problem, Source, is_shard_pattern, open_source
+from vltrain.data.open import open_source
+from vltrain.data.sources import Problem, Source, is_shard_pattern
 from vltrain.errors import DataError, UsageError, UserError
 
 CHECK_SIZE = 32
