@@ -3,11 +3,12 @@
 One command that shows the whole product learning something real on a laptop CPU: 10,000
 training rows (a fifth of them text-only), 1,000 held-out pairs, the demo config.
 
-CPUs differ several-fold in training speed (bf16 matmuls above all: AMX, AVX-512 bf16, neither),
-so the demo does not fix its step count: it times a few training steps of its model on random
-pairs and trains as many steps as fit ``TRAIN_SECONDS``, between ``MIN_STEPS`` (enough for a
-held-out R@1 above 0.8) and ``MAX_STEPS``, rounded down to a multiple of ``STEP_QUANTUM`` so a
-given machine gets the same count run after run. ``train.max_steps=N`` pins it.
+CPUs differ widely in training speed (bf16 matmuls above all: AMX, AVX-512 bf16, neither), so
+the demo does not fix its step count: it times a few training steps of its model on random pairs
+and trains as many steps as fit ``TRAIN_SECONDS``, between ``MIN_STEPS`` (enough to meet the
+demo's retrieval target: ``docs/benchmarks.md#demo``) and ``MAX_STEPS``, rounded down to a
+multiple of ``STEP_QUANTUM`` so a given machine gets the same count run after run.
+``train.max_steps=N`` pins it.
 """
 
 from __future__ import annotations

@@ -1,21 +1,21 @@
 """ITC and SigLIP computed around a ring of ranks: exact, with memory that does not grow with W.
 
 ``losses.itc_loss`` gathers every rank's embeddings (``[W*b, D]``) and scores this rank's b rows
-against all of them at once (``[b, W*b]`` logits, kept for the backward). At W = 1,024 that is
-what runs a rank out of memory. Here the column blocks travel instead: each rank holds one other
-rank's block at a time (padded to the largest local batch, so every pass has one shape), scores
-its rows against it, passes it on to the next rank, and keeps only per-row running statistics
-(ITC: an online log-sum-exp per row and direction; SigLIP: a running sum). The backward goes
-around the ring again, recomputing each block; the gradient of the visiting block's columns
+against all of them at once (``[b, W*b]`` logits, kept for the backward), which grows with W
+until it runs a rank out of memory. Here the column blocks travel instead: each rank holds one
+other rank's block at a time (padded to the largest local batch, so every pass has one shape),
+scores its rows against it, passes it on to the next rank, and keeps only per-row running
+statistics (ITC: an online log-sum-exp per row and direction; SigLIP: a running sum). The backward
+goes around the ring again, recomputing each block; the gradient of the visiting block's columns
 travels with it and, one pass after the last block, reaches the rank that owns them, holding every
 rank's contribution (what the all-reduce of a gathered gradient gives). Saved for the backward:
 this rank's own rows and a few numbers per row, whatever W.
 
 The cost is communication in turns rather than at once: W - 1 passes of a block forward and W in
-the backward (the last one carries only gradients home), the same bytes as gathering, but a
-block's arithmetic happens between passes. Values and gradients equal ``losses.itc_loss`` and
-``losses.siglip_loss`` up to the order of floating-point sums (``tests/test_ring.py``); select it
-with ``model.loss.contrastive_impl: ring``.
+the backward (the last one carries only gradients home), with a block's arithmetic between passes
+(memory and bytes against gathering: ``docs/benchmarks.md#communication-per-step``). Values and
+gradients equal ``losses.itc_loss`` and ``losses.siglip_loss`` up to the order of floating-point
+sums (``tests/test_ring.py``); select it with ``model.loss.contrastive_impl: ring``.
 """
 
 from __future__ import annotations

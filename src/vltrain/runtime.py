@@ -47,11 +47,11 @@ def keep_freed_memory(mmap_threshold: int = 32 << 20, trim_threshold: int = 1 <<
     """Let glibc's malloc reuse freed tensor memory instead of handing it back to the kernel.
 
     By default glibc serves allocations above a few MiB with fresh ``mmap`` pages and returns freed
-    heap tops to the kernel, so every step's activations page-fault in zeroed memory again, a cost
-    measured in docs/benchmarks.md, "Trainer step throughput" (the glibc row of
-    ``benchmarks/step_throughput.py``). Raising the mmap threshold to its maximum (32 MiB) and the
-    trim threshold to 1 GiB keeps the memory in the process, at the price of a higher resident size
-    between steps. Returns False where the C library is not glibc (then nothing changes).
+    heap tops to the kernel, so every step's activations page-fault in zeroed memory again (the
+    cost: ``docs/benchmarks.md#trainer-step-throughput-fp32-vs-bf16-autocast-mfu``). Raising the
+    mmap threshold to its maximum (32 MiB) and the trim threshold to 1 GiB keeps the memory in the
+    process, at the price of a higher resident size between steps. Returns False where the C
+    library is not glibc (then nothing changes).
     """
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")

@@ -2,7 +2,8 @@
 
 Attention goes through ``attention``: ``F.scaled_dot_product_attention`` (flash / memory-efficient
 kernels on GPUs, the fused flash kernel for fp32 on CPU), except for bf16/fp16 on CPU, where two
-plain matmuls and a softmax are 1.5-7x faster than either CPU kernel (``benchmarks/attention_cpu.py``).
+plain matmuls and a softmax beat both CPU kernels (figures:
+``docs/benchmarks.md#cpu-attention-in-bf16``).
 Nothing here casts dtypes: under bf16 autocast the matmuls run in bf16 and the layer norms in fp32,
 as autocast decides.
 """
