@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal, Union
 
+from vltrain.data.images import MAX_IMAGE_PIXELS
 from vltrain.errors import ConfigError
 
 
@@ -61,7 +62,7 @@ class DataConfig:
     interpolation: Literal["bicubic", "bilinear"] = "bicubic"
     """Resize filter (antialiased, on uint8). Bicubic is within 0.5 grey levels of a Lanczos
     reference on photos, bilinear within 0.9 and ~15% cheaper (benchmarks/data_pipeline.py)."""
-    max_image_pixels: int = 89_478_485
+    max_image_pixels: int = MAX_IMAGE_PIXELS
     """Decompression-bomb guard: images with more pixels are rejected as bad samples."""
     tokenizer: str = ""
     """A tokenizer.json file, or a folder holding one (e.g. a local Hugging Face model folder)."""

@@ -32,6 +32,9 @@ except ImportError:  # optional at run time: Pillow decodes JPEGs too, a little 
 # decode_image wraps the read-only bytes of a decoded image and never writes to them.
 warnings.filterwarnings("ignore", message="The given buffer is not writable", module=__name__)
 
+MAX_IMAGE_PIXELS = 89_478_485
+"""Decompression-bomb guard: Pillow's own default limit (``PIL.Image.MAX_IMAGE_PIXELS``), the
+default of ``data.max_image_pixels``."""
 WHITE = (255, 255, 255, 255)
 ALPHA_MODES = ("RGBA", "LA", "PA", "RGBa", "La")
 SIXTEEN_BIT_MODES = ("I;16", "I;16L", "I;16B", "I;16N")
@@ -58,7 +61,7 @@ class ImageError(ValueError):
 
 
 def decode_image(
-    data: bytes, size: int, resize: str = "crop", max_pixels: int = 89_478_485, draft_ratio: float = 1.0,
+    data: bytes, size: int, resize: str = "crop", max_pixels: int = MAX_IMAGE_PIXELS, draft_ratio: float = 1.0,
     interpolation: str = "bicubic", jpeg_decoder: str = "auto",
 ) -> torch.Tensor:
     """Decode, orient, convert to RGB, resize to ``size`` x ``size``; uint8 CHW.
@@ -96,7 +99,7 @@ def image_problem(e: Exception, image: str | None) -> str:
 
 
 def load_rgb(
-    data: bytes, size: int, resize: str = "crop", max_pixels: int = 89_478_485, draft_ratio: float = 1.0
+    data: bytes, size: int, resize: str = "crop", max_pixels: int = MAX_IMAGE_PIXELS, draft_ratio: float = 1.0
 ) -> Image.Image:
     """The decoded, upright RGB image, at reduced scale when a JPEG is much larger than needed.
 
@@ -144,7 +147,9 @@ def _draft_size(wh: tuple[int, int], size: float, resize: str) -> tuple[int, int
     return (min(w, math.ceil(w * s)), min(h, math.ceil(h * s)))
 
 
-def load_jpeg(data: bytes, size: float, resize: str = "crop", max_pixels: int = 89_478_485) -> torch.Tensor | None:
+def load_jpeg(
+    data: bytes, size: float, resize: str = "crop", max_pixels: int = MAX_IMAGE_PIXELS
+) -> torch.Tensor | None:
     """The upright RGB pixels [H, W, 3] of a JPEG, decoded by simplejpeg at the smallest scale
     in JPEG_SCALES whose kept region still covers ``size`` on each side, so nothing is
     upsampled. The header is checked against ``max_pixels`` before any pixel is decoded.

@@ -14,7 +14,8 @@ from pathlib import Path
 
 import numpy as np
 
-from vltrain.data.images import DECODE_ERRORS, ImageError, decode_image, image_problem, open_image
+from vltrain.data.images import (DECODE_ERRORS, MAX_IMAGE_PIXELS, ImageError, decode_image, image_problem,
+                                 open_image)
 from vltrain.data.shards import shard_paths
 from vltrain.data.open import open_source
 from vltrain.data.sources import Problem, Source, is_shard_pattern
@@ -22,7 +23,6 @@ from vltrain.errors import DataError, UsageError, UserError
 
 CHECK_SIZE = 32
 """Images are fully decoded to this size: it catches truncation without the cost of a full resize."""
-MAX_PIXELS = 89_478_485
 
 
 @dataclass
@@ -58,7 +58,7 @@ def modality_counts(source: Source) -> tuple[int, int, int]:
     return int((has_image & has_text).sum()), int((~has_image).sum()), int((~has_text).sum())
 
 
-def check_rows(source: Source, start: int, stop: int, max_pixels: int = MAX_PIXELS) -> list[Problem]:
+def check_rows(source: Source, start: int, stop: int, max_pixels: int = MAX_IMAGE_PIXELS) -> list[Problem]:
     """Read and decode every image of rows ``start:stop``; the rows that fail, with why."""
     problems = []
     for i in range(start, stop):
@@ -173,7 +173,7 @@ def stats(paths: list[str], tokenizer_path: str | None, max_images: int) -> dict
     step = max(1, len(refs) // max_images) if max_images > 0 else len(refs) + 1
     for s, i in refs[::step][:max_images]:
         try:
-            w, h = open_image(s.read_image(i), MAX_PIXELS).size
+            w, h = open_image(s.read_image(i), MAX_IMAGE_PIXELS).size
         except (ImageError, *DECODE_ERRORS):
             unreadable += 1
             continue
