@@ -13,8 +13,10 @@ sys.path.insert(0, str(REPO / "src"))
 
 from vltrain.config import load_config  # noqa: E402
 from vltrain.demo import random_pairs  # noqa: E402
+from vltrain.build import build_task  # noqa: E402
 from vltrain.model import build_model  # noqa: E402
-from vltrain.step import ModelInputs  # noqa: E402
+from vltrain.task import Task  # noqa: E402
+from vltrain.data.batch import ModelInputs  # noqa: E402
 
 VOCAB, PAD, MASK = 512, 0, 4
 
@@ -27,6 +29,12 @@ def demo_model(cfg=None) -> torch.nn.Module:
     cfg = cfg or demo_config()
     return build_model(cfg.model, vocab_size=VOCAB, pad_id=PAD, mask_id=MASK,
                        image_size=cfg.data.image_size, max_text_length=cfg.data.max_text_length)
+
+
+def demo_task(cfg=None) -> Task:
+    """``demo_model`` with its objectives: what the trainer's step runs."""
+    cfg = cfg or demo_config()
+    return build_task(cfg, demo_model(cfg))
 
 
 def random_inputs(batch: int, cfg=None, seed: int = 0, offset: int = 0) -> ModelInputs:

@@ -83,6 +83,7 @@ def loopback_tx() -> int:
 
 
 def _model(name: str, variant: str):
+    from vltrain.build import build_task
     from vltrain.config import load_config
     from vltrain.model import build_model
 
@@ -90,11 +91,13 @@ def _model(name: str, variant: str):
     cfg = load_config(None, [f"model.preset={name}", *MODELS[name], f"model.loss.itm_negatives={negatives}",
                              f"model.loss.contrastive_impl={impl}", "data.max_text_length=77", "data.image_size=224"])
     torch.manual_seed(0)
-    return build_model(cfg.model, vocab_size=49408, pad_id=0, mask_id=4, image_size=224, max_text_length=77)
+    return build_task(cfg, build_model(cfg.model, vocab_size=49408, pad_id=0, mask_id=4, image_size=224,
+                                       max_text_length=77))
 
 
 def _encoded(model, b: int, width: int, rank: int):
     """Encoder outputs of the model's shapes, as leaves: the loss is all that runs on them."""
+    from vltrain.data.batch import ModelInputs
     from vltrain.model.model import Encoded
 
     g = torch.Generator().manual_seed(rank)
@@ -110,17 +113,18 @@ def _encoded(model, b: int, width: int, rank: int):
     )
     ones = torch.ones(b, dtype=torch.bool)
     ids = torch.arange(b) + 1000 * rank
-    return enc, torch.ones(b, width, dtype=torch.long), ones, ones.clone(), ids
+    mask = torch.ones(b, width, dtype=torch.long)
+    return enc, ModelInputs(torch.zeros(b, 0), mask, mask, ones, ones.clone(), ids)
 
 
-def _step(model, b: int, width: int, rank: int) -> tuple[int, float]:
+def _step(task, b: int, width: int, rank: int) -> tuple[int, float]:
     """One forward + backward of the objectives; returns (peak live bytes, seconds)."""
     import time
 
-    enc, mask, has_image, has_text, ids = _encoded(model, b, width, rank)
+    enc, inputs = _encoded(task.model, b, width, rank)
     start = time.perf_counter()
     with LiveBytes() as tracker:
-        out = model.objectives(enc, mask, mask, has_image, has_text, ids)
+        out = task.objectives.score(task.model, enc, inputs)
         out.loss.backward()
     return tracker.peak, time.perf_counter() - start
 

@@ -25,7 +25,7 @@ import torch
 
 
 def worker(args: argparse.Namespace) -> None:
-    from _demo_model import demo_config, demo_model, random_inputs
+    from _demo_model import demo_config, demo_task, random_inputs
     from vltrain.optim import build_optimizer
     from vltrain.parallelize import parallelize
     from vltrain.precision import Precision
@@ -35,9 +35,9 @@ def worker(args: argparse.Namespace) -> None:
     cfg = demo_config(f"train.precision={args.precision}", *([f"model.preset={args.preset}"] if args.preset else []))
     world = setup_world(threads=args.threads, device="cpu")
     torch.manual_seed(0)
-    model = demo_model(cfg)
-    wrapped = parallelize(model, cfg.train, world.device)
-    opt = build_optimizer(model, cfg.train)
+    task = demo_task(cfg)
+    wrapped = parallelize(task, cfg.train, world.device)
+    opt = build_optimizer(task.model, cfg.train)
     autocast = Precision(args.precision, world.device).autocast
     local = args.global_batch // world.world_size
     inputs = random_inputs(local, cfg, seed=world.rank, offset=world.rank * local)

@@ -24,10 +24,9 @@ import torch
 
 
 def worker(mode: str, global_batch: int, micro: int, precision: str) -> None:
-    from _demo_model import demo_config, demo_model, random_inputs
+    from _demo_model import demo_config, demo_task, random_inputs
     from vltrain.gradcache import gradcache_backward
     from vltrain.optim import build_optimizer
-    from vltrain.parallelize import Dispatch
     from vltrain.precision import Precision
     from vltrain.runtime import keep_freed_memory
     from vltrain.step import plain_backward
@@ -36,8 +35,8 @@ def worker(mode: str, global_batch: int, micro: int, precision: str) -> None:
     keep_freed_memory()  # as the trainer does on CPU
     cfg = demo_config(f"train.precision={precision}")
     torch.manual_seed(0)
-    model = demo_model(cfg)
-    wrapped, opt = Dispatch(model), build_optimizer(model, cfg.train)
+    wrapped = demo_task(cfg)
+    opt = build_optimizer(wrapped.model, cfg.train)
     autocast = Precision(precision, torch.device("cpu")).autocast
     n = global_batch // micro if mode == "gradcache" else 1
     batches = [random_inputs(micro, cfg, seed=i, offset=i * micro) for i in range(n)]

@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from vltrain.model import build_model, list_presets
+from vltrain.objectives import Objectives
 from vltrain.model.config import LossConfig, ModelConfig
 
 REFERENCE = {  # vocab, text length, image size
@@ -32,7 +33,7 @@ def main() -> None:
                 model = build_model(ModelConfig(preset=name, loss=loss), vocab_size=vocab, pad_id=0, mask_id=1,
                                     image_size=image, max_text_length=length)
             params = sum(p.numel() for p in model.parameters()) / 1e6
-            objectives = "+".join(model.weights)
+            objectives = "+".join(Objectives(loss, model).loss_weights)
             print(f"{name:<14} {objectives:<16} {image:>5} {length:>4} {params:>11.2f} {model.flops_per_sample() / 1e9:>19.2f}")
 
 

@@ -28,10 +28,9 @@ from collections import defaultdict
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from _demo_model import demo_config, demo_model, load_average, random_inputs
+from _demo_model import demo_config, demo_task, load_average, random_inputs
 from vltrain.metrics import measure_cpu_peak
 from vltrain.optim import build_optimizer
-from vltrain.parallelize import Dispatch
 from vltrain.precision import Precision
 from vltrain.runtime import keep_freed_memory
 from vltrain.step import plain_backward
@@ -60,8 +59,8 @@ def measure(precision: str, allocator: str, batch: int, steps: int, threads: int
         keep_freed_memory()
     cfg = demo_config(f"train.precision={precision}", *([f"model.preset={preset}"] if preset else []))
     torch.manual_seed(0)
-    model = demo_model(cfg)
-    wrapped, opt = Dispatch(model), build_optimizer(model, cfg.train)
+    wrapped = demo_task(cfg)
+    opt = build_optimizer(wrapped.model, cfg.train)
     autocast = Precision(precision, torch.device("cpu")).autocast
     inputs = random_inputs(batch, cfg)
 
@@ -81,7 +80,7 @@ def measure(precision: str, allocator: str, batch: int, steps: int, threads: int
             step()
     matmul = sum(s for name, s in timer.seconds.items() if name in MATMULS) / 3
     return {"step_s": times[len(times) // 2], "matmul_s": matmul,
-            "flops": model.flops_per_sample(cfg.data.max_text_length), "preset": cfg.model.preset}
+            "flops": wrapped.model.flops_per_sample(cfg.data.max_text_length), "preset": cfg.model.preset}
 
 
 def main() -> None:

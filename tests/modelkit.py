@@ -4,22 +4,31 @@ from __future__ import annotations
 
 import torch
 
-from vltrain.model import build_model
+from vltrain.data.batch import ModelInputs
+from vltrain.model import VLModel, build_model
 from vltrain.model.config import LossConfig, ModelConfig
+from vltrain.objectives import Objectives
+from vltrain.task import Task
 
 VOCAB, PAD, MASK, IMAGE, LENGTH = 50, 0, 1, 32, 8
 
 
-def small_model(preset: str = "tiny-clip", seed: int = 0, **loss) -> torch.nn.Module:
+def small_model(preset: str = "tiny-clip", seed: int = 0, **loss) -> VLModel:
     """A preset at 32 x 32 images, 8 tokens and a 50-token vocabulary: identical for a given seed."""
     torch.manual_seed(seed)
     cfg = ModelConfig(preset=preset, loss=LossConfig(**loss))
     return build_model(cfg, vocab_size=VOCAB, pad_id=PAD, mask_id=MASK, image_size=IMAGE, max_text_length=LENGTH)
 
 
-def make_batch(n: int, seed: int = 0, has_image=None, has_text=None, ids=None, weights: bool = False) -> dict:
-    """Model inputs as keyword arguments; rows without an image hold zero pixels, rows without text
-    hold padding only, as the collator makes them."""
+def small_task(preset: str = "tiny-clip", seed: int = 0, **loss) -> Task:
+    """``small_model`` with the objectives of ``loss``: ``task("all", batch)`` scores a batch."""
+    model = small_model(preset, seed, **loss)
+    return Task(model, Objectives(LossConfig(**loss), model))
+
+
+def make_batch(n: int, seed: int = 0, has_image=None, has_text=None, ids=None, weights: bool = False) -> ModelInputs:
+    """Model inputs; rows without an image hold zero pixels, rows without text hold padding only, as
+    the collator makes them; ``weights``: random row weights."""
     g = torch.Generator().manual_seed(seed)
     has_image = torch.ones(n, dtype=torch.bool) if has_image is None else torch.as_tensor(has_image, dtype=torch.bool)
     has_text = torch.ones(n, dtype=torch.bool) if has_text is None else torch.as_tensor(has_text, dtype=torch.bool)
@@ -27,18 +36,16 @@ def make_batch(n: int, seed: int = 0, has_image=None, has_text=None, ids=None, w
     lengths = torch.randint(2, LENGTH + 1, (n,), generator=g) * has_text
     attention_mask = (torch.arange(LENGTH)[None, :] < lengths[:, None]).long()
     input_ids = torch.randint(2, VOCAB, (n, LENGTH), generator=g) * attention_mask
-    batch = dict(
+    return ModelInputs(
         pixels=pixels, input_ids=input_ids, attention_mask=attention_mask, has_image=has_image, has_text=has_text,
         ids=torch.arange(n, dtype=torch.int64) if ids is None else torch.as_tensor(ids, dtype=torch.int64),
+        row_weights=torch.rand(n, generator=g) + 0.5 if weights else None,
     )
-    if weights:
-        batch["weights"] = torch.rand(n, generator=g) + 0.5
-    return batch
 
 
-def rows(batch: dict, index) -> dict:
+def rows(batch: ModelInputs, index) -> ModelInputs:
     """The same batch restricted to some rows (a slice or an index tensor)."""
-    return {k: v[index] for k, v in batch.items()}
+    return ModelInputs(**{k: None if v is None else v[index] for k, v in vars(batch).items()})
 
 
 def grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:

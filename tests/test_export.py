@@ -58,9 +58,9 @@ def test_export_then_embed_gives_the_trainers_embeddings(trained, tmp_path, cli)
     model = trainer.model.eval()
     with torch.no_grad():
         b = collate([dataset[i] for i in with_image])
-        images = model.encode(b.pixels(dc.mean, dc.std), b.input_ids, b.attention_mask, b.has_image, b.has_text)
+        images = model.encode(b.to_model_inputs("cpu", dc.mean, dc.std))
         b = collate([dataset[i] for i in texts])
-        text = model.encode(b.pixels(dc.mean, dc.std), b.input_ids, b.attention_mask, b.has_image, b.has_text)
+        text = model.encode(b.to_model_inputs("cpu", dc.mean, dc.std))
     want = torch.cat([images.image_embeds, text.text_embeds]).numpy()
     assert got.shape == want.shape
     np.testing.assert_allclose(np.linalg.norm(got, axis=1), 1.0, atol=1e-5)

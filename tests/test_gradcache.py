@@ -10,9 +10,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from vltrain.data.batch import ModelInputs
 from vltrain.gradcache import gradcache_backward
-from vltrain.parallelize import Dispatch
-from vltrain.step import ModelInputs, plain_backward
+from vltrain.step import plain_backward
+from vltrain.task import Task
 
 
 @dataclass
@@ -28,7 +29,7 @@ class Output:
 
 
 class StandIn(nn.Module):
-    """The model contract in miniature: encode / contrastive_loss / objectives / forward."""
+    """The model contract in miniature: ``encode(inputs)``; it dropout-encodes when asked to."""
 
     def __init__(self, dropout: float = 0.0):
         super().__init__()
@@ -38,26 +39,31 @@ class StandIn(nn.Module):
         self.itm = nn.Linear(16, 2)
         self.logit_scale = nn.Parameter(torch.tensor(1.5))
 
-    def encode(self, pixels, input_ids, attention_mask, has_image, has_text):
-        mask = attention_mask.unsqueeze(-1).float()
-        txt = (self.text(input_ids) * mask).sum(1) / mask.sum(1).clamp(min=1)
-        return Encoded(F.normalize(self.vision(pixels), dim=-1), F.normalize(self.text_proj(txt), dim=-1))
+    def encode(self, inputs: ModelInputs) -> Encoded:
+        mask = inputs.attention_mask.unsqueeze(-1).float()
+        txt = (self.text(inputs.input_ids) * mask).sum(1) / mask.sum(1).clamp(min=1)
+        return Encoded(F.normalize(self.vision(inputs.pixels), dim=-1), F.normalize(self.text_proj(txt), dim=-1))
 
-    def contrastive_loss(self, image_embeds, text_embeds, has_image, has_text, ids, weights=None):
-        logits = self.logit_scale.exp() * image_embeds @ text_embeds.T
+
+class StandInObjectives:
+    """The objectives contract in miniature: an in-batch contrastive term plus a per-row ITM term."""
+
+    def contrastive(self, model, image_embeds, text_embeds, rows):
+        logits = model.logit_scale.exp() * image_embeds @ text_embeds.T
         target = torch.arange(logits.shape[0])
         return (F.cross_entropy(logits, target) + F.cross_entropy(logits.T, target)) / 2
 
-    def objectives(self, enc, input_ids, attention_mask, has_image, has_text, ids, weights=None, contrastive=False):
+    def score(self, model, enc, inputs: ModelInputs, contrastive: bool = True) -> Output:
         pair = torch.cat([enc.image_embeds, enc.text_embeds], dim=-1)
-        itm = F.cross_entropy(self.itm(pair), has_text.long())
-        return Output(itm, {"itm": itm})
+        itm = F.cross_entropy(model.itm(pair), inputs.has_text.long())
+        if not contrastive:
+            return Output(itm, {"itm": itm})
+        itc = self.contrastive(model, enc.image_embeds, enc.text_embeds, inputs.rows())
+        return Output(itc + itm, {"itc": itc, "itm": itm})
 
-    def forward(self, pixels, input_ids, attention_mask, has_image, has_text, ids, weights=None):
-        enc = self.encode(pixels, input_ids, attention_mask, has_image, has_text)
-        itc = self.contrastive_loss(enc.image_embeds, enc.text_embeds, has_image, has_text, ids, weights)
-        other = self.objectives(enc, input_ids, attention_mask, has_image, has_text, ids)
-        return Output(itc + other.loss, {"itc": itc, **other.losses})
+
+def stand_in(dropout: float = 0.0) -> Task:
+    return Task(StandIn(dropout), StandInObjectives())
 
 
 def make_inputs(n: int, seed: int = 0) -> ModelInputs:
@@ -93,10 +99,10 @@ def rel_err(a: dict, b: dict) -> float:
 no_autocast = contextlib.nullcontext
 
 
-def big_batch_grads(model: StandIn, inputs: ModelInputs) -> tuple[dict, torch.Tensor]:
+def big_batch_grads(model: Task, inputs: ModelInputs) -> tuple[dict, torch.Tensor]:
     """The reference: contrastive loss over the whole batch + mean ITM, one backward."""
     model.zero_grad()
-    out = model(*inputs.encoder_args(), inputs.ids)
+    out = model("all", inputs)
     out.loss.backward()
     return grads(model), out.loss.detach()
 
@@ -104,22 +110,22 @@ def big_batch_grads(model: StandIn, inputs: ModelInputs) -> tuple[dict, torch.Te
 @pytest.mark.parametrize("parts", [2, 4])
 def test_gradcache_equals_one_big_batch(parts):
     torch.manual_seed(0)
-    model = StandIn()
+    model = stand_in()
     inputs = make_inputs(16)
     ref, ref_loss = big_batch_grads(model, inputs)
 
     model.zero_grad()
     # equal-size micro-batches: the mean of their ITM losses is the big batch's mean
-    res = gradcache_backward(Dispatch(model), split(inputs, parts), no_autocast, backward=lambda l: l.backward())
+    res = gradcache_backward(model, split(inputs, parts), no_autocast, backward=lambda l: l.backward())
     assert rel_err(grads(model), ref) <= 1e-5
-    assert model.logit_scale.grad is not None
+    assert model.model.logit_scale.grad is not None
     assert abs(res.loss.item() - ref_loss.item()) <= 1e-5
 
 
 def test_gradcache_replays_dropout():
     """With one micro-batch and dropout on, both passes must draw the same masks: the gradient
     equals a plain forward/backward from the same RNG state."""
-    model = StandIn(dropout=0.5)
+    model = stand_in(dropout=0.5)
     inputs = make_inputs(8)
     torch.manual_seed(123)
     ref, _ = big_batch_grads(model, inputs)
@@ -127,31 +133,31 @@ def test_gradcache_replays_dropout():
 
     model.zero_grad()
     torch.manual_seed(123)
-    gradcache_backward(Dispatch(model), [inputs], no_autocast, backward=lambda l: l.backward())
+    gradcache_backward(model, [inputs], no_autocast, backward=lambda l: l.backward())
     assert rel_err(grads(model), ref) <= 1e-6
     assert torch.equal(torch.rand(1), after_ref)  # the RNG stream continues as after one pass
 
 
 def test_plain_accumulation_is_mean_of_micro_batch_gradients():
     torch.manual_seed(0)
-    model = StandIn()
+    model = stand_in()
     inputs = make_inputs(16)
     micro = split(inputs, 2)
     expected = None
     for m in micro:
         model.zero_grad()
-        (model(*m.encoder_args(), m.ids).loss / 2).backward()
+        (model("all", m).loss / 2).backward()
         g = grads(model)
         expected = g if expected is None else {k: expected[k] + g[k] for k in g}
 
     model.zero_grad()
-    res = plain_backward(Dispatch(model), micro, no_autocast, backward=lambda l: l.backward())
+    res = plain_backward(model, micro, no_autocast, backward=lambda l: l.backward())
     assert rel_err(grads(model), expected) <= 1e-6
     assert set(res.losses) == {"itc", "itm"}
 
 
 def test_nan_loss_scale_poisons_the_step():
-    model = StandIn()
-    res = plain_backward(Dispatch(model), [make_inputs(4)], no_autocast, backward=lambda l: l.backward(),
+    model = stand_in()
+    res = plain_backward(model, [make_inputs(4)], no_autocast, backward=lambda l: l.backward(),
                          loss_scale=float("nan"))
     assert torch.isnan(res.loss)

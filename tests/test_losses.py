@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from modelkit import grads, make_batch, max_relative_error, rows, small_model
+from modelkit import grads, make_batch, max_relative_error, rows, small_task
 from multiproc import run_world
 from vltrain.losses import itc_loss, mask_tokens, mlm_loss, sample_negatives, siglip_loss
 
@@ -65,11 +65,11 @@ def test_rows_without_a_pair_change_nothing(objective):
     full = make_batch(8, seed=3, has_image=[1, 0, 1, 1, 1, 0, 1, 1], has_text=[1, 1, 1, 0, 1, 1, 0, 1])
     paired = rows(full, torch.tensor([0, 2, 4, 7]))
 
-    reference = small_model(**loss)
-    out = reference(**paired)
+    reference = small_task(**loss)
+    out = reference("all", paired)
     out.loss.backward()
-    mixed = small_model(**loss)
-    out_mixed = mixed(**full)
+    mixed = small_task(**loss)
+    out_mixed = mixed("all", full)
     out_mixed.loss.backward()
 
     torch.testing.assert_close(out_mixed.losses[objective], out.losses[objective], rtol=1e-6, atol=1e-7)
@@ -156,8 +156,8 @@ LOSSES = {
 def _equivalence_worker(rank, world):
     results = {}
     for name, (loss, split) in LOSSES.items():
-        model = small_model(**loss)
-        out = model(**rows(_global_batch(), slice(0, split) if rank == 0 else slice(split, 8)))
+        model = small_task(**loss)
+        out = model("all", rows(_global_batch(), slice(0, split) if rank == 0 else slice(split, 8)))
         out.loss.backward()
         g = grads(model)
         for v in g.values():  # what DDP does: average over ranks
@@ -179,8 +179,8 @@ def two_rank_results():
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("objective", LOSSES)
 def test_two_ranks_equal_one_process_with_the_global_batch(objective, two_rank_results):
-    model = small_model(**LOSSES[objective][0])
-    out = model(**_global_batch())
+    model = small_task(**LOSSES[objective][0])
+    out = model("all", _global_batch())
     out.loss.backward()
     expected = grads(model)
     for per_rank in two_rank_results:

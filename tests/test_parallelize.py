@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from modelkit import make_batch, small_model
+from modelkit import make_batch, small_model, small_task
 from vltrain.config import TrainConfig
 from vltrain.optim import build_optimizer
 from vltrain.parallelize import compile_blocks, parallelize
@@ -13,27 +13,27 @@ from vltrain.parallelize import compile_blocks, parallelize
 CPU = torch.device("cpu")
 
 
-def _towers(model):
-    return [t for t in (model.vision, model.text, model.fusion) if t is not None]
+def _towers(task):
+    return [t for t in (task.model.vision, task.model.text, task.model.fusion) if t is not None]
 
 
 def test_activation_checkpointing_follows_the_config():
-    plain = small_model()
+    plain = small_task()
     parallelize(plain, TrainConfig(), CPU)
     assert not any(t.checkpointing for t in _towers(plain))
-    ckpt = small_model()
+    ckpt = small_task()
     parallelize(ckpt, TrainConfig(activation_checkpointing=True), CPU)
     assert all(t.checkpointing for t in _towers(ckpt))
 
 
 def test_activation_checkpointing_recomputes_blocks_in_backward():
     """A checkpointed block runs twice per step (forward, then again in the backward)."""
-    model = small_model()
+    model = small_task()
     wrapped = parallelize(model, TrainConfig(activation_checkpointing=True), CPU)
     calls = []
-    block = model.vision.blocks[0]
+    block = model.model.vision.blocks[0]
     block.register_forward_pre_hook(lambda *_: calls.append(1))  # recomputation may stop early
-    wrapped(**make_batch(4)).loss.backward()
+    wrapped("all", make_batch(4)).loss.backward()
     assert len(calls) == 2
 
 
@@ -44,7 +44,7 @@ def _train(model, wrapped, steps: int) -> list[float]:
         # a different modality mix each step: the towers see a different number of rows
         has_image = [True] * 6 + [step % 2 == 0, False]
         has_text = [True] * 5 + [False, True, True]
-        out = wrapped(**make_batch(8, seed=step, has_image=has_image, has_text=has_text))
+        out = wrapped("all", make_batch(8, seed=step, has_image=has_image, has_text=has_text))
         opt.zero_grad(set_to_none=True)
         out.loss.backward()
         opt.step()
@@ -57,8 +57,8 @@ def _train(model, wrapped, steps: int) -> list[float]:
 def test_compiled_towers_train_like_eager():
     """Compiled blocks (inductor, dynamic shapes) give the eager loss curve within float tolerance."""
     torch._dynamo.reset()
-    eager = small_model(seed=3)
-    compiled = small_model(seed=3)
+    eager = small_task(seed=3)
+    compiled = small_task(seed=3)
     expected = _train(eager, parallelize(eager, TrainConfig(), CPU), steps=4)
     got = _train(compiled, parallelize(compiled, TrainConfig(compile=True), CPU), steps=4)
     assert got == pytest.approx(expected, rel=1e-4, abs=1e-5)

@@ -51,7 +51,7 @@ def random_pairs(batch: int, image_size: int, text_length: int, vocab: int, seed
     """``ModelInputs`` of ``batch`` random image-text pairs (ids from ``offset``), for timing steps."""
     import torch
 
-    from vltrain.step import ModelInputs
+    from vltrain.data.batch import ModelInputs
 
     g = torch.Generator().manual_seed(seed)
     ones = torch.ones(batch, dtype=torch.bool)
@@ -71,9 +71,9 @@ def measure_rate(cfg, vocab: int = TOKENIZER_VOCAB, steps: int = 3) -> float:
     import torch
 
     from vltrain.runtime import keep_freed_memory
+    from vltrain.build import build_task
     from vltrain.model import build_model
     from vltrain.optim import build_optimizer
-    from vltrain.parallelize import Dispatch
     from vltrain.precision import Precision
     from vltrain.step import plain_backward
 
@@ -82,12 +82,13 @@ def measure_rate(cfg, vocab: int = TOKENIZER_VOCAB, steps: int = 3) -> float:
     model = build_model(cfg.model, vocab_size=vocab, pad_id=0, mask_id=4, image_size=cfg.data.image_size,
                         max_text_length=cfg.data.max_text_length)
     optimizer, precision = build_optimizer(model, cfg.train), Precision(cfg.train.precision, torch.device("cpu"))
+    task = build_task(cfg, model)
     inputs = [random_pairs(cfg.data.batch_size, cfg.data.image_size, cfg.data.max_text_length, vocab)]
     for i in range(steps + 1):
         if i == 1:
             start = clock.perf_counter()
         optimizer.zero_grad(set_to_none=True)
-        plain_backward(Dispatch(model), inputs, precision.autocast, backward=lambda loss: loss.backward())
+        plain_backward(task, inputs, precision.autocast, backward=lambda loss: loss.backward())
         optimizer.step()
     return steps * cfg.data.batch_size / (clock.perf_counter() - start)
 

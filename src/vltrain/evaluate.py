@@ -14,13 +14,12 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from vltrain.build import build_model_for, build_tokenizer, build_val_loader
+from vltrain.build import build_model_for, build_task, build_tokenizer, build_val_loader
 from vltrain.checkpoint import find_checkpoint, load_model_weights
 from vltrain.config import load_config
 from vltrain.distributed import all_gather_no_grad, all_reduce_sum
 from vltrain.errors import UserError
 from vltrain.export import is_exported, load_exported
-from vltrain.parallelize import Dispatch
 from vltrain.precision import Precision
 from vltrain.runtime import setup_world
 
@@ -62,10 +61,6 @@ def gather_rows(x: torch.Tensor) -> torch.Tensor:
     return all_gather_no_grad(x)
 
 
-def _encode(model: nn.Module, pixels, input_ids, attention_mask, has_image, has_text):
-    return model.encode(pixels, input_ids, attention_mask, has_image, has_text)
-
-
 @torch.no_grad()
 def embed_pairs(wrapped: nn.Module, loader, data_cfg, device: torch.device, autocast, max_samples: int = 0):
     """Embeddings and ids of this rank's image-text pairs (rows missing either side are skipped).
@@ -74,16 +69,13 @@ def embed_pairs(wrapped: nn.Module, loader, data_cfg, device: torch.device, auto
     imgs, txts, ids = [], [], []
     seen = 0
     for batch in loader:
-        batch = batch.to(device, non_blocking=True)  # pinned by the loader on CUDA
-        keep = batch.has_image & batch.has_text
+        inputs = batch.to_model_inputs(device, data_cfg.mean, data_cfg.std)
+        keep = inputs.has_image & inputs.has_text
         with autocast():
-            enc = wrapped(
-                batch.pixels(data_cfg.mean, data_cfg.std), batch.input_ids, batch.attention_mask,
-                batch.has_image, batch.has_text, run=_encode,
-            )
+            enc = wrapped("encode", inputs)
         imgs.append(enc.image_embeds[keep].float())
         txts.append(enc.text_embeds[keep].float())
-        ids.append(batch.ids[keep])
+        ids.append(inputs.ids[keep])
         # every rank stops after the same batch (FSDP2 gathers parameters in each forward), once
         # the ranks together hold max_samples pairs
         if max_samples:
@@ -157,7 +149,7 @@ def evaluate_run(run_dir: Path, data: str | None = None, overrides: list[str] | 
             load_model_weights(ckpt, model)
         loader = build_val_loader(cfg, tokenizer, world)
         precision = Precision(cfg.train.precision, world.device)
-        metrics = evaluate(Dispatch(model), loader, cfg.data, world.device, precision.autocast, cfg.eval.max_samples)
+        metrics = evaluate(build_task(cfg, model), loader, cfg.data, world.device, precision.autocast, cfg.eval.max_samples)
         clean = True
         return metrics
     finally:

@@ -119,10 +119,9 @@ def embed(model, tokenizer, cfg: JobConfig, images: list[str | Path], texts: lis
     collate = Collator(tokenizer.pad_id, dc.max_text_length, dc.image_size)
     rows = []
     for start in range(0, len(samples), batch_size):
-        batch = collate(samples[start:start + batch_size]).to(device)
-        enc = model.encode(batch.pixels(dc.mean, dc.std), batch.input_ids, batch.attention_mask,
-                           batch.has_image, batch.has_text)
-        rows.append(torch.where(batch.has_image[:, None], enc.image_embeds, enc.text_embeds).float().cpu())
+        inputs = collate(samples[start:start + batch_size]).to_model_inputs(device, dc.mean, dc.std)
+        enc = model.encode(inputs)
+        rows.append(torch.where(inputs.has_image[:, None], enc.image_embeds, enc.text_embeds).float().cpu())
     if not rows:
         return np.zeros((0, 0), dtype=np.float32)
     return torch.cat(rows).numpy()

@@ -8,9 +8,8 @@ gradient while keeping only one micro-batch's activations:
 2. compute the contrastive loss over all cached embeddings, gathered across ranks, and take
    its gradient with respect to the embeddings only;
 3. re-run each micro-batch with autograd and back-propagate ``sum(embedding * cached grad)``
-   plus its non-contrastive objectives (ITM, MLM). For the last micro-batch the full
-   contrastive loss is rebuilt from the cache with the live slice in place instead, so that
-   the temperature gets its gradient exactly once, through the ordinary backward.
+   plus its non-contrastive objectives (ITM, MLM); the last micro-batch rebuilds the full loss
+   instead (:meth:`vltrain.task.ContrastiveCache.term`).
 
 Each micro-batch's RNG state is recorded before its encoding in step 1 and restored before
 its encoding in step 3, so dropout draws the same masks in both passes. The non-contrastive
@@ -25,41 +24,39 @@ from typing import Callable, ContextManager
 import torch
 from torch import nn
 
+from vltrain.data.batch import ModelInputs, Rows
 from vltrain.parallelize import gradient_sync
-from vltrain.step import ModelInputs, StepLosses, _add
+from vltrain.step import StepLosses
+from vltrain.task import ContrastiveCache, GeneratorState
 
 
-def _rng_state(device: torch.device) -> tuple:
-    cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
-    return torch.get_rng_state(), cuda
+def _cache(wrapped: nn.Module, micro: list[ModelInputs], autocast, loss_scale: float
+           ) -> tuple[ContrastiveCache, torch.Tensor, list[GeneratorState], GeneratorState]:
+    """Steps 1 and 2: the cache, the contrastive loss, each micro-batch's RNG state before its
+    encoding and the state after the last."""
+    device = micro[0].pixels.device
+    states, img_cache, txt_cache = [], [], []
+    with torch.no_grad():
+        for m in micro:
+            states.append(GeneratorState(device))
+            with autocast():
+                enc = wrapped("encode", m)
+            img_cache.append(enc.image_embeds.float())
+            txt_cache.append(enc.text_embeds.float())
+    after = GeneratorState(device)
 
-
-def _set_rng_state(state: tuple, device: torch.device) -> None:
-    cpu, cuda = state
-    torch.set_rng_state(cpu)
-    if cuda is not None:
-        torch.cuda.set_rng_state(cuda, device)
-
-
-def _cat(micro: list[ModelInputs], name: str) -> torch.Tensor | None:
-    parts = [getattr(m, name) for m in micro]
-    return None if parts[0] is None else torch.cat(parts)
-
-
-def _encode(model: nn.Module, m: ModelInputs):
-    return model.encode(*m.encoder_args())
-
-
-def _contrastive(model: nn.Module, img: torch.Tensor, txt: torch.Tensor, micro: list[ModelInputs]) -> torch.Tensor:
-    return model.contrastive_loss(
-        img, txt, _cat(micro, "has_image"), _cat(micro, "has_text"), _cat(micro, "ids"), _cat(micro, "weights")
-    )
-
-
-def _objectives(model: nn.Module, enc, m: ModelInputs):
-    return model.objectives(
-        enc, m.input_ids, m.attention_mask, m.has_image, m.has_text, m.ids, m.weights, contrastive=False
-    )
+    img_all = torch.cat(img_cache).requires_grad_(True)
+    txt_all = torch.cat(txt_cache).requires_grad_(True)
+    rows = Rows.cat([m.rows() for m in micro])
+    # gradients to the embeddings only; no parameter gradient is touched or reduced here
+    with gradient_sync(wrapped, False):
+        with autocast():
+            closs = wrapped("contrastive", img_all, txt_all, rows)
+        g_img, g_txt = torch.autograd.grad(closs.float() * loss_scale, [img_all, txt_all])
+    bounds = [0]
+    for m in micro:
+        bounds.append(bounds[-1] + len(m))
+    return ContrastiveCache(img_all, txt_all, g_img, g_txt, rows, bounds, loss_scale), closs, states, after
 
 
 def gradcache_backward(
@@ -72,55 +69,14 @@ def gradcache_backward(
     """Leave in ``.grad`` the gradient of (contrastive loss over the global batch + mean of the
     micro-batches' other objectives); return those losses."""
     n = len(micro)
-    device = micro[0].pixels.device
-    states, img_cache, txt_cache = [], [], []
-    with torch.no_grad():
-        for m in micro:
-            states.append(_rng_state(device))
-            with autocast():
-                enc = wrapped(m, run=_encode)
-            img_cache.append(enc.image_embeds.float())
-            txt_cache.append(enc.text_embeds.float())
-    after = _rng_state(device)
-
-    img_all = torch.cat(img_cache).requires_grad_(True)
-    txt_all = torch.cat(txt_cache).requires_grad_(True)
-    # gradients to the embeddings only; no parameter gradient is touched or reduced here
-    with gradient_sync(wrapped, False):
-        with autocast():
-            closs = wrapped(img_all, txt_all, micro, run=_contrastive)
-        g_img, g_txt = torch.autograd.grad(closs.float() * loss_scale, [img_all, txt_all])
-
-    bounds = [0]
-    for m in micro:
-        bounds.append(bounds[-1] + m.ids.shape[0])
-    losses: dict[str, torch.Tensor] = {"contrastive": closs.detach().float()}
-    total = closs.detach().float() * loss_scale
-    running = [after]  # the RNG stream the objectives draw from (ITM negatives, MLM masks)
+    cache, closs, states, running = _cache(wrapped, micro, autocast, loss_scale)
+    result = StepLosses(closs.detach().float() * loss_scale, {"contrastive": closs.detach().float()})
     for i, m in enumerate(micro):
-        last = i == n - 1
-        lo, hi = bounds[i], bounds[i + 1]
-
-        def run(model: nn.Module, m: ModelInputs = m, state: tuple = states[i]) -> tuple[torch.Tensor, object]:
-            _set_rng_state(state, device)  # the encoders draw what they drew in the first pass
-            enc = model.encode(*m.encoder_args())
-            _set_rng_state(running[0], device)
-            img, txt = enc.image_embeds.float(), enc.text_embeds.float()
-            if last:
-                full_img = torch.cat([img_all.detach()[:lo], img, img_all.detach()[hi:]])
-                full_txt = torch.cat([txt_all.detach()[:lo], txt, txt_all.detach()[hi:]])
-                contrastive = _contrastive(model, full_img, full_txt, micro).float() * loss_scale
-            else:
-                contrastive = (img * g_img[lo:hi]).sum() + (txt * g_txt[lo:hi]).sum()
-            other = _objectives(model, enc, m)
-            running[0] = _rng_state(device)
-            return contrastive, other
-
-        with gradient_sync(wrapped, last):
+        with gradient_sync(wrapped, i == n - 1):
             with autocast():
-                contrastive, other = wrapped(run=run)
+                contrastive, other, running = wrapped("replay", m, cache, i, states[i], running)
             other_loss = other.loss.float() * loss_scale / n
             backward(contrastive + other_loss)
-        total += other_loss.detach()
-        _add(losses, other.losses, 1.0 / n)
-    return StepLosses(total, losses)
+        result.loss += other_loss.detach()
+        result.add(other.losses, 1.0 / n)
+    return result

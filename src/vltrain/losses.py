@@ -1,4 +1,7 @@
-"""Objectives: contrastive (ITC, SigLIP), image-text matching (ITM) and masked language modelling.
+"""Loss functions: contrastive (ITC, SigLIP), image-text matching (ITM) and masked language modelling.
+
+Parameter-free arithmetic on tensors; :mod:`vltrain.objectives` decides which of them a step computes,
+on which rows and with which weights.
 
 The contrastive losses are exact across ranks without materializing the global N x N matrix: each
 rank scores only its own rows against every rank's columns (gathered with a gradient path), and the
@@ -19,7 +22,6 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 from vltrain.distributed import all_gather_no_grad, all_gather_with_grad, all_reduce_sum, exchange_shapes, world_info
 
@@ -200,27 +202,3 @@ def mlm_loss(logits: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor |
     w = w.flatten()
     total = w.sum()
     return (w * ce).sum() / torch.where(total > 0, total, torch.ones_like(total))
-
-
-# ---------------------------------------------------------------------------------------------
-# Thin modules
-
-
-class ITCLoss(nn.Module):
-    def forward(self, image_embeds, text_embeds, logit_scale, has_image, has_text, ids, weights=None):
-        return itc_loss(image_embeds, text_embeds, logit_scale, has_image, has_text, ids, weights)
-
-
-class SigLIPLoss(nn.Module):
-    def forward(self, image_embeds, text_embeds, logit_scale, logit_bias, has_image, has_text, ids, weights=None):
-        return siglip_loss(image_embeds, text_embeds, logit_scale, logit_bias, has_image, has_text, ids, weights)
-
-
-class ITMLoss(nn.Module):
-    def forward(self, logits, labels, weights):
-        return itm_loss(logits, labels, weights)
-
-
-class MLMLoss(nn.Module):
-    def forward(self, logits, labels, weights=None):
-        return mlm_loss(logits, labels, weights)

@@ -1,8 +1,7 @@
 """AdamW with the usual decay exemptions, warmup + cosine, and freezing a tower.
 
-Weight decay pulls weights towards zero; that is a regulariser for matrices but only harm for
-gains, biases, embeddings and the contrastive temperature (decaying ``logit_scale`` quietly
-raises the temperature every step). So those parameters go to a group without decay.
+The model names the parameters that take no weight decay (``no_weight_decay``, see
+:mod:`vltrain.model.protocol`); they go to a group of their own.
 """
 
 from __future__ import annotations
@@ -14,6 +13,7 @@ from torch import nn
 
 from vltrain.config import TrainConfig
 from vltrain.errors import ConfigError
+from vltrain.model.protocol import TrainableModel, default_no_weight_decay
 
 
 def freeze_towers(model: nn.Module, towers: list[str]) -> None:
@@ -26,25 +26,9 @@ def freeze_towers(model: nn.Module, towers: list[str]) -> None:
         tower.requires_grad_(False)
 
 
-def _exempt_names(model: nn.Module) -> set[str]:
-    """Parameter names that take no weight decay."""
-    names: set[str] = set()
-    declared = getattr(model, "no_weight_decay", None)
-    if callable(declared):
-        names.update(declared())
-    for mod_name, mod in model.named_modules():
-        if isinstance(mod, (nn.Embedding, nn.LayerNorm, nn.GroupNorm, nn.RMSNorm, nn.BatchNorm1d, nn.BatchNorm2d)):
-            names.update(f"{mod_name}.{p}" if mod_name else p for p, _ in mod.named_parameters(recurse=False))
-    for name, p in model.named_parameters():
-        # biases, gains, scalars (temperature) and learned positional tables
-        if p.ndim < 2 or "pos_embed" in name or "position" in name or name.endswith("logit_scale"):
-            names.add(name)
-    return names
-
-
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     """Two groups of trainable parameters: with and without decay (frozen ones are left out)."""
-    exempt = _exempt_names(model)
+    exempt = model.no_weight_decay() if isinstance(model, TrainableModel) else default_no_weight_decay(model)
     decay, no_decay = [], []
     for name, p in model.named_parameters():
         if not p.requires_grad:

@@ -1,15 +1,12 @@
-"""Data parallelism (DDP or FSDP2), activation checkpointing and compilation of a model.
+"""Data parallelism (DDP or FSDP2), activation checkpointing and compilation of a task's model.
 
-The model is first put inside :class:`Dispatch`, a module whose ``forward`` calls any of the
-model's methods. DDP and FSDP2 only see ``forward``: DDP prepares its gradient reduction
-there and FSDP2 gathers the root's parameters there. Gradient caching calls ``encode`` and
-``contrastive_loss`` separately, and those calls must pass the same gate.
+What gets wrapped is the :class:`vltrain.task.Task`: DDP and FSDP2 only see ``forward``, and every
+pass of a step (the whole step, or gradient caching's parts) goes through it by name.
 """
 
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -18,31 +15,11 @@ from torch.nn.parallel import DistributedDataParallel
 
 from vltrain.config import TrainConfig
 from vltrain.distributed import all_reduce_sum
+from vltrain.model.protocol import TrainableModel
+from vltrain.task import Task
 
 
-class Dispatch(nn.Module):
-    """``wrapped(*args)`` is ``model(*args)``; ``wrapped(*args, run=fn)`` is ``fn(model, *args)``.
-
-    ``run`` lets one step combine several of the model's methods in a single forward, so that
-    DDP prepares one reduction and FSDP2 gathers the root's parameters once.
-    """
-
-    def __init__(self, model: nn.Module):
-        super().__init__()
-        self.model = model
-
-    def forward(self, *args: Any, run: Callable[..., Any] | None = None, **kwargs: Any) -> Any:
-        if run is None:
-            return self.model(*args, **kwargs)
-        return run(self.model, *args, **kwargs)
-
-
-def _blocks(model: nn.Module) -> list[nn.Module]:
-    get = getattr(model, "blocks_for_sharding", None)
-    return list(get()) if callable(get) else []
-
-
-def compile_blocks(model: nn.Module, backend: str = "inductor") -> None:
+def compile_blocks(model: TrainableModel, backend: str = "inductor") -> None:
     """``torch.compile`` every transformer block of the towers, in place.
 
     Blocks, not the whole model: the model picks the rows that have an image (or text) before
@@ -51,21 +28,22 @@ def compile_blocks(model: nn.Module, backend: str = "inductor") -> None:
     serves every batch size and text length instead of recompiling for each. Blocks of one
     tower share their code, so the first block's compilation serves the others.
     """
-    for block in _blocks(model):
+    for block in model.blocks_for_sharding():
         block.compile(backend=backend, dynamic=True)
 
 
-def parallelize(model: nn.Module, cfg: TrainConfig, device: torch.device) -> nn.Module:
-    """Return the module the trainer calls: Dispatch(model), wrapped for the process group.
+def parallelize(task: Task, cfg: TrainConfig, device: torch.device) -> nn.Module:
+    """Return the module the trainer calls: the task, wrapped for the process group.
 
     Order matters: activation checkpointing and compilation act on blocks before sharding,
     so that FSDP2's per-block all-gathers wrap the compiled, checkpointed blocks.
     """
+    model = task.model
     if cfg.activation_checkpointing:
         model.set_activation_checkpointing(True)
     if cfg.compile:
         compile_blocks(model)
-    wrapped = Dispatch(model)
+    wrapped: nn.Module = task
     distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
     if cfg.parallelism == "fsdp":
         if dist.is_available() and dist.is_initialized():
@@ -74,7 +52,7 @@ def parallelize(model: nn.Module, cfg: TrainConfig, device: torch.device) -> nn.
             # FSDP2 cannot shard 0-dim parameters (the temperature): they stay replicated,
             # and reduce_replicated_grads averages their gradients
             scalars = {p for p in model.parameters() if p.ndim == 0}
-            for block in _blocks(model):
+            for block in model.blocks_for_sharding():
                 fully_shard(block)
             fully_shard(wrapped, ignored_params=scalars)
             wrapped.replicated_params = [p for p in scalars if p.requires_grad]
@@ -85,12 +63,6 @@ def parallelize(model: nn.Module, cfg: TrainConfig, device: torch.device) -> nn.
         # expensive unused-parameter search stays off
         return DistributedDataParallel(wrapped, device_ids=ids, find_unused_parameters=False)
     return wrapped
-
-
-def unwrap(wrapped: nn.Module) -> nn.Module:
-    """The model inside (for FSDP2 its parameters are the sharded DTensors)."""
-    inner = wrapped.module if isinstance(wrapped, DistributedDataParallel) else wrapped
-    return inner.model if isinstance(inner, Dispatch) else inner
 
 
 @contextlib.contextmanager

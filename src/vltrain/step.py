@@ -13,23 +13,8 @@ from typing import Callable, ContextManager
 import torch
 from torch import nn
 
+from vltrain.data.batch import ModelInputs
 from vltrain.parallelize import gradient_sync
-
-
-@dataclass
-class ModelInputs:
-    """What the model takes from a Batch, on the device, pixels normalized."""
-
-    pixels: torch.Tensor
-    input_ids: torch.Tensor
-    attention_mask: torch.Tensor
-    has_image: torch.Tensor
-    has_text: torch.Tensor
-    ids: torch.Tensor
-    weights: torch.Tensor | None = None
-
-    def encoder_args(self) -> tuple:
-        return (self.pixels, self.input_ids, self.attention_mask, self.has_image, self.has_text)
 
 
 @dataclass
@@ -38,11 +23,11 @@ class StepLosses:
     """The optimised total, detached; a 0-dim float tensor on the device."""
     losses: dict[str, torch.Tensor]
 
-
-def _add(acc: dict[str, torch.Tensor], new: dict[str, torch.Tensor], scale: float) -> None:
-    for k, v in new.items():
-        v = v.detach().float() * scale
-        acc[k] = acc[k] + v if k in acc else v
+    def add(self, new: dict[str, torch.Tensor], scale: float) -> None:
+        """Accumulate ``scale`` times each of ``new`` (detached, fp32) into ``losses``."""
+        for k, v in new.items():
+            v = v.detach().float() * scale
+            self.losses[k] = self.losses[k] + v if k in self.losses else v
 
 
 def plain_backward(
@@ -54,17 +39,17 @@ def plain_backward(
 ) -> StepLosses:
     """Mean of the micro-batches' losses; each micro-batch's contrastive loss sees only itself.
 
-    ``loss_scale`` multiplies the loss before backward (e.g. a fault-injection NaN).
+    ``wrapped`` is the (parallelized) :class:`vltrain.task.Task`. ``loss_scale`` multiplies the loss
+    before backward (e.g. a fault-injection NaN).
     """
     n = len(micro)
-    total = torch.zeros((), device=micro[0].pixels.device)
-    losses: dict[str, torch.Tensor] = {}
+    result = StepLosses(torch.zeros((), device=micro[0].pixels.device), {})
     for i, m in enumerate(micro):
         with gradient_sync(wrapped, i == n - 1):
             with autocast():
-                out = wrapped(*m.encoder_args(), m.ids, m.weights)
+                out = wrapped("all", m)
             loss = out.loss.float() * loss_scale / n
             backward(loss)
-        total += loss.detach()
-        _add(losses, out.losses, 1.0 / n)
-    return StepLosses(total, losses)
+        result.loss += loss.detach()
+        result.add(out.losses, 1.0 / n)
+    return result

@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from vltrain.build import build_model_for, build_tokenizer, build_train_loader_for, build_val_loader
+from vltrain.build import build_model_for, build_task, build_tokenizer, build_train_loader_for, build_val_loader
 from vltrain.checkpoint import Checkpointer, ModelState, OptimizerState, latest_checkpoint
 from vltrain.config import JobConfig, load_config
 from vltrain.data.batch import Batch
@@ -30,13 +30,13 @@ from vltrain.gradcache import gradcache_backward
 from vltrain.guards import NonFiniteGuard
 from vltrain.metrics import GpuUtilization, MetricsLogger, Throughput, peak_flops, peak_memory_bytes, plot_curves
 from vltrain.optim import build_optimizer, build_scheduler, freeze_towers
-from vltrain.parallelize import Dispatch, clip_grad_norm, parallelize, reduce_replicated_grads
+from vltrain.parallelize import clip_grad_norm, parallelize, reduce_replicated_grads
 from vltrain.precision import Precision
 from vltrain.preemption import EXIT_CODE as PREEMPTED_EXIT, Preempted, PreemptionWatch, clear_marker, write_marker
 from vltrain.rng import RngState
 from vltrain.runtime import setup_world
 from vltrain.spmd import RECORDER
-from vltrain.step import ModelInputs, StepLosses, plain_backward
+from vltrain.step import StepLosses, plain_backward
 
 class LoaderPosition:
     """The train loader's position as a Stateful that also takes a checkpoint of another world size.
@@ -83,7 +83,7 @@ class Trainer:
         self.precision = Precision(tc.precision, self.device)
 
         # parallelize
-        self.wrapped = parallelize(self.model, tc, self.device)
+        self.wrapped = parallelize(build_task(cfg, self.model), tc, self.device)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
 
         # optimizer, scheduler, gradient scaler, guard
@@ -210,20 +210,6 @@ class Trainer:
         micro = [next(self.loader) for _ in range(self.cfg.train.accumulation)]
         return micro, time.perf_counter() - start
 
-    def _inputs(self, batch: Batch) -> ModelInputs:
-        batch = batch.to(self.device, non_blocking=True)
-        w = self.cfg.data.modality_weights
-        weights = None
-        if (w.image_text, w.text_only, w.image_only) != (1.0, 1.0, 1.0):
-            both = batch.has_image & batch.has_text
-            weights = torch.where(both, w.image_text, torch.where(batch.has_text, w.text_only, w.image_only))
-            weights = weights.to(torch.float32)
-        return ModelInputs(
-            pixels=batch.pixels(self.cfg.data.mean, self.cfg.data.std),
-            input_ids=batch.input_ids, attention_mask=batch.attention_mask,
-            has_image=batch.has_image, has_text=batch.has_text, ids=batch.ids, weights=weights,
-        )
-
     def train_step(self, micro: list[Batch]) -> tuple[StepLosses, torch.Tensor, bool, int]:
         """Forward/backward over the micro-batches, agree on finiteness, step or skip.
 
@@ -231,7 +217,8 @@ class Trainer:
         applied, and the global number of samples in it.
         """
         tc = self.cfg.train
-        inputs = [self._inputs(b) for b in micro]
+        data = self.cfg.data
+        inputs = [b.to_model_inputs(self.device, data.mean, data.std, data.modality_weights) for b in micro]
         poison = self.step == tc.debug_nan_step and tc.debug_nan_rank in (-1, self.world.rank)
         backward_fn = gradcache_backward if tc.contrastive_accumulation == "gradcache" else plain_backward
         self.optimizer.zero_grad(set_to_none=True)
@@ -274,10 +261,7 @@ class Trainer:
 
     def _flops(self, micro: list[Batch]) -> float:
         """Model FLOPs of this rank's forward + backward (``flops_per_sample`` counts both)."""
-        per_sample = getattr(self.model, "flops_per_sample", None)
-        if not callable(per_sample):
-            return 0.0
-        return float(sum(len(b) * per_sample(b.input_ids.shape[1]) for b in micro))
+        return float(sum(len(b) * self.model.flops_per_sample(b.input_ids.shape[1]) for b in micro))
 
     def _log(self, result: StepLosses, grad_norm: torch.Tensor, finite: bool) -> None:
         values: dict[str, Any] = {
@@ -291,10 +275,8 @@ class Trainer:
             **self.throughput.read(),
             "peak_memory_gb": peak_memory_bytes(self.device) / 2**30,
         }
-        scale = self.model.logit_scale if hasattr(self.model, "logit_scale") else None
-        if isinstance(scale, torch.Tensor):
-            full = getattr(scale, "full_tensor", None)
-            values["logit_scale"] = float((full() if callable(full) else scale).detach().exp())
+        # FSDP2 leaves the 0-dim temperature replicated: a plain tensor on every rank
+        values["logit_scale"] = float(self.model.logit_scale.detach().exp())
         util = self.gpu_util.read()
         if util is not None:
             values["gpu_util"] = util

@@ -12,7 +12,10 @@ transformers = pytest.importorskip("transformers")
 from tokenizers import Tokenizer, models, pre_tokenizers  # noqa: E402
 
 from vltrain.errors import UserError  # noqa: E402
+from vltrain.data.batch import ModelInputs  # noqa: E402
 from vltrain.model import build_model, hf_tokenizer_file  # noqa: E402
+from vltrain.objectives import Objectives  # noqa: E402
+from vltrain.task import Task  # noqa: E402
 from vltrain.model.config import LossConfig, ModelConfig, TextConfig  # noqa: E402
 
 WORDS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "a", "red", "blue", "small", "large", "circle", "square"]
@@ -42,8 +45,8 @@ def _batch(folder, texts, length=8):
         ids[i, : len(enc)] = torch.tensor(enc)
     mask = (ids != 0).long()
     n = len(texts)
-    return dict(pixels=torch.randn(n, 3, 32, 32), input_ids=ids, attention_mask=mask,
-                has_image=torch.ones(n, dtype=torch.bool), has_text=mask.any(1), ids=torch.arange(n))
+    return ModelInputs(pixels=torch.randn(n, 3, 32, 32), input_ids=ids, attention_mask=mask,
+                       has_image=torch.ones(n, dtype=torch.bool), has_text=mask.any(1), ids=torch.arange(n))
 
 
 @pytest.mark.parametrize("preset", ["tiny-clip", "tiny-albef"])
@@ -53,7 +56,7 @@ def test_hf_text_tower_trains_every_parameter(bert_folder, preset):
     assert model.text.width == 32 and model.text.model.pooler is None
     assert all(m.p == 0 for m in model.text.modules() if isinstance(m, torch.nn.Dropout))
     batch = _batch(bert_folder, ["a red circle", "a large blue square", "small square", ""])
-    out = model(**batch)
+    out = Task(model, Objectives(cfg.loss, model))("all", batch)
     out.loss.backward()
     missing = [n for n, p in model.named_parameters() if p.grad is None]
     assert not missing
@@ -71,7 +74,7 @@ def test_hf_text_tower_checkpointing_is_exact(bert_folder):
         torch.manual_seed(0)
         model = build_model(cfg, vocab_size=len(WORDS), pad_id=0, mask_id=4, image_size=32, max_text_length=8)
         model.set_activation_checkpointing(enabled)
-        model(**batch).loss.backward()
+        Task(model, Objectives(cfg.loss, model))("all", batch).loss.backward()
         results.append(model.text.token_embedding.weight.grad.clone())
     torch.testing.assert_close(results[0], results[1])
 

@@ -1,12 +1,12 @@
-"""VLModel: gradients reach every parameter for any modality mix, the encode/objectives split
-reproduces forward and the exact gradient-cached gradient, and the trainer-facing helpers."""
+"""VLModel with its objectives: gradients reach every parameter for any modality mix, the task's
+parts reproduce the whole step and the exact gradient-cached gradient, and the model protocol."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from modelkit import grads, make_batch, max_relative_error, small_model
+from modelkit import grads, make_batch, max_relative_error, rows, small_model, small_task
 from multiproc import run_world
 
 MIXES = {
@@ -22,9 +22,9 @@ MODELS = {"clip": ("tiny-clip", dict(itc=1.0, siglip=0.5)), "albef": ("tiny-albe
 @pytest.mark.parametrize("mix", MIXES)
 def test_every_parameter_gets_a_finite_gradient(model_name, mix):
     preset, loss = MODELS[model_name]
-    model = small_model(preset, **loss)
+    model = small_task(preset, **loss)
     has_image, has_text = MIXES[mix]
-    out = model(**make_batch(4, has_image=has_image, has_text=has_text, weights=True))
+    out = model("all", make_batch(4, has_image=has_image, has_text=has_text, weights=True))
     out.loss.backward()
     for name, p in model.named_parameters():
         assert p.grad is not None, name
@@ -36,8 +36,8 @@ def test_every_parameter_gets_a_finite_gradient(model_name, mix):
 
 
 def test_output_fields():
-    model = small_model("tiny-albef", itm=1.0, mlm=1.0)
-    out = model(**make_batch(4, has_image=[1, 0, 1, 1]))
+    model = small_task("tiny-albef", itm=1.0, mlm=1.0)
+    out = model("all", make_batch(4, has_image=[1, 0, 1, 1]))
     assert set(out.losses) == {"itc", "itm", "mlm"}
     assert out.image_embeds.shape == out.text_embeds.shape == (4, 128)
     torch.testing.assert_close(out.text_embeds.norm(dim=1), torch.ones(4))
@@ -47,19 +47,19 @@ def test_output_fields():
 
 
 def test_dual_encoder_ignores_fusion_objectives():
-    model = small_model("tiny-clip", itm=1.0, mlm=1.0)
-    assert model.fusion is None and model.itm_head is None and model.mlm_head is None
-    assert set(model(**make_batch(2)).losses) == {"itc"}
+    task = small_task("tiny-clip", itm=1.0, mlm=1.0)
+    assert task.model.fusion is None and task.model.itm_head is None and task.model.mlm_head is None
+    assert set(task.objectives.loss_weights) == {"itc"}
+    assert set(task("all", make_batch(2)).losses) == {"itc"}
 
 
-def test_forward_equals_objectives_of_encode():
-    model = small_model("tiny-albef", itm=1.0)
+def test_all_equals_the_objectives_of_encode():
+    task = small_task("tiny-albef", itm=1.0)
     batch = make_batch(4, has_text=[1, 1, 0, 1])
     torch.manual_seed(5)
-    a = model(**batch)
+    a = task("all", batch)
     torch.manual_seed(5)
-    enc = model.encode(batch["pixels"], batch["input_ids"], batch["attention_mask"], batch["has_image"], batch["has_text"])
-    b = model.objectives(enc, batch["input_ids"], batch["attention_mask"], batch["has_image"], batch["has_text"], batch["ids"])
+    b = task.objectives.score(task.model, task("encode", batch), batch)
     assert torch.equal(a.loss, b.loss)
 
 
@@ -70,49 +70,44 @@ def test_gradient_cached_accumulation_is_exact(model_name):
     objectives."""
     preset, loss = MODELS[model_name]
     batch = make_batch(8, seed=4, has_image=[1, 1, 0, 1, 1, 1, 1, 1], weights=True)
-    keys = ("pixels", "input_ids", "attention_mask", "has_image", "has_text")
-    micro = [{k: v[i * 4 : (i + 1) * 4] for k, v in batch.items()} for i in range(2)]
+    micro = [rows(batch, slice(i * 4, (i + 1) * 4)) for i in range(2)]
 
     # reference: contrastive on the full batch, other objectives per micro-batch (as gradcache defines it)
-    model = small_model(preset, **loss)
-    encs = [model.encode(*(m[k] for k in keys)) for m in micro]
-    total = model.contrastive_loss(
-        torch.cat([e.image_embeds for e in encs]), torch.cat([e.text_embeds for e in encs]),
-        batch["has_image"], batch["has_text"], batch["ids"], batch["weights"],
-    )
+    task = small_task(preset, **loss)
+    encs = [task("encode", m) for m in micro]
+    total = task("contrastive", torch.cat([e.image_embeds for e in encs]), torch.cat([e.text_embeds for e in encs]),
+                 batch.rows())
     torch.manual_seed(1)
     for e, m in zip(encs, micro):
-        total = total + model.objectives(e, m["input_ids"], m["attention_mask"], m["has_image"], m["has_text"],
-                                         m["ids"], m["weights"], contrastive=False).loss
+        total = total + task.objectives.score(task.model, e, m, contrastive=False).loss
     total.backward()
-    expected = grads(model)
+    expected = grads(task)
 
     # gradcache: embeddings without a graph, contrastive gradient w.r.t. them, then replay per micro-batch
-    cached = small_model(preset, **loss)
+    cached = small_task(preset, **loss)
     with torch.no_grad():
-        encs = [cached.encode(*(m[k] for k in keys)) for m in micro]
+        encs = [cached("encode", m) for m in micro]
     img = torch.cat([e.image_embeds for e in encs]).requires_grad_()
     txt = torch.cat([e.text_embeds for e in encs]).requires_grad_()
-    cached.contrastive_loss(img, txt, batch["has_image"], batch["has_text"], batch["ids"], batch["weights"]).backward()
+    cached("contrastive", img, txt, batch.rows()).backward()
     torch.manual_seed(1)
     for i, m in enumerate(micro):
-        e = cached.encode(*(m[k] for k in keys))
+        e = cached("encode", m)
         surrogate = (e.image_embeds * img.grad[i * 4 : (i + 1) * 4]).sum() + (e.text_embeds * txt.grad[i * 4 : (i + 1) * 4]).sum()
-        out = cached.objectives(e, m["input_ids"], m["attention_mask"], m["has_image"], m["has_text"], m["ids"],
-                                m["weights"], contrastive=False)
+        out = cached.objectives.score(cached.model, e, m, contrastive=False)
         (surrogate + out.loss).backward()
     assert max_relative_error(grads(cached), expected) < 1e-5
 
 
 def test_activation_checkpointing_keeps_gradients():
     batch = make_batch(4, has_image=[1, 0, 1, 1])
-    plain = small_model("tiny-albef", itm=1.0)
+    plain = small_task("tiny-albef", itm=1.0)
     torch.manual_seed(0)
-    plain(**batch).loss.backward()
-    ckpt = small_model("tiny-albef", itm=1.0)
-    ckpt.set_activation_checkpointing(True)
+    plain("all", batch).loss.backward()
+    ckpt = small_task("tiny-albef", itm=1.0)
+    ckpt.model.set_activation_checkpointing(True)
     torch.manual_seed(0)
-    ckpt(**batch).loss.backward()
+    ckpt("all", batch).loss.backward()
     assert max_relative_error(grads(ckpt), grads(plain)) < 1e-6
 
 
@@ -149,17 +144,16 @@ def test_mlm_needs_a_mask_token():
 
 
 def _itm_worker(rank, world):
-    model = small_model("tiny-albef", itm=1.0)
+    task = small_task("tiny-albef", itm=1.0, itm_negatives="global")
     # ids repeat across ranks (0..3 on both) and within rank 1; rank 1 row 3 has no text
     ids = [[0, 1, 2, 3], [0, 1, 3, 3]][rank]
     batch = make_batch(4, seed=rank, ids=ids, has_text=[1, 1, 1, 1] if rank == 0 else [1, 1, 1, 0])
-    keys = ("pixels", "input_ids", "attention_mask", "has_image", "has_text")
-    enc = model.encode(*(batch[k] for k in keys))
+    enc = task("encode", batch)
     draws = []
     for _ in range(50):
-        pairs = model.itm_pairs(enc, batch["attention_mask"], batch["has_image"], batch["has_text"], batch["ids"])
-        draws.append((pairs.negative_text_ids, pairs.negative_image_ids, pairs.weights))
-    return batch["ids"], draws
+        pairs = task.objectives.itm_pairs(task.model, enc, batch)
+        draws.append((pairs.negative_text_ids, pairs.negative_image_ids, pairs.pair_weights))
+    return batch.ids, draws
 
 
 @pytest.mark.slow
@@ -179,9 +173,9 @@ def test_itm_negatives_never_share_the_id_across_ranks():
 @pytest.mark.parametrize("model_name", MODELS)
 def test_bf16_autocast(model_name):
     preset, loss = MODELS[model_name]
-    model = small_model(preset, **loss)
+    model = small_task(preset, **loss)
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        out = model(**make_batch(4, has_image=[1, 0, 1, 1], weights=True))
+        out = model("all", make_batch(4, has_image=[1, 0, 1, 1], weights=True))
     out.loss.backward()
     assert out.loss.dtype == torch.float32 and torch.isfinite(out.loss)
     assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters())

@@ -8,9 +8,12 @@ import pytest
 import torch
 
 import vltrain.model.presets as presets
+from vltrain.data.batch import ModelInputs
 from vltrain.errors import UserError
 from vltrain.model import build_model, count_parameters, list_presets
 from vltrain.model.config import LossConfig, ModelConfig
+from vltrain.objectives import Objectives
+from vltrain.task import Task
 
 
 def documented() -> dict[str, tuple[int, int, int, int]]:
@@ -51,8 +54,9 @@ def test_tiny_preset_builds_and_runs_on_cpu():
                         image_size=image, max_text_length=length)
     assert sum(p.numel() for p in model.parameters()) == params
     ids = torch.randint(1, vocab, (2, length))
-    out = model(torch.randn(2, 3, image, image), ids, torch.ones_like(ids), torch.ones(2, dtype=torch.bool),
-                torch.ones(2, dtype=torch.bool), torch.arange(2))
+    inputs = ModelInputs(torch.randn(2, 3, image, image), ids, torch.ones_like(ids), torch.ones(2, dtype=torch.bool),
+                         torch.ones(2, dtype=torch.bool), torch.arange(2))
+    out = Task(model, Objectives(LossConfig(), model))("all", inputs)
     assert out.loss.ndim == 0 and torch.isfinite(out.loss)
 
 

@@ -12,13 +12,13 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from modelkit import make_batch, small_model
+from modelkit import make_batch, small_task
 from multiproc import run_world
 
 STEPS = 4
 
 
-def _batch_for(rank: int, step: int) -> dict:
+def _batch_for(rank: int, step: int):
     text_only = (rank == 0) == (step < STEPS // 2)
     n = 4
     has_image = torch.zeros(n, dtype=torch.bool) if text_only else torch.ones(n, dtype=torch.bool)
@@ -31,13 +31,13 @@ MODELS = {"dual-encoder": ("tiny-clip", dict(itc=1.0, siglip=1.0)), "fusion": ("
 def _ddp_worker(rank, world):
     results = {}
     for name, (preset, loss) in MODELS.items():
-        model = small_model(preset, seed=rank, **loss)  # different init: DDP's broadcast must align them
+        model = small_task(preset, seed=rank, **loss)  # different init: DDP's broadcast must align them
         ddp = DistributedDataParallel(model, find_unused_parameters=False)
         opt = torch.optim.AdamW(ddp.parameters(), lr=1e-3)
         checks = []
         for step in range(STEPS):
             opt.zero_grad(set_to_none=True)
-            out = ddp(**_batch_for(rank, step))
+            out = ddp("all", _batch_for(rank, step))
             out.loss.backward()
             missing = [n for n, p in model.named_parameters() if p.grad is None]
             assert not missing, f"{name} step {step}: parameters without a gradient: {missing}"

@@ -1,10 +1,12 @@
-"""The batch every loader yields and every model takes."""
+"""The batch every loader yields (:class:`Batch`) and what the model takes from it (:class:`ModelInputs`)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
 
 import torch
+
+from vltrain.data.config import ModalityWeights
 
 
 @dataclass
@@ -46,6 +48,67 @@ class Batch:
     def pixels(self, mean: list[float], std: list[float], dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """Normalized float images, computed once per batch on the batch's device."""
         return normalize_pixels(self.pixel_values, mean, std, dtype)
+
+    def to_model_inputs(
+        self,
+        device: torch.device | str,
+        mean: list[float],
+        std: list[float],
+        modality_weights: ModalityWeights | None = None,
+    ) -> "ModelInputs":
+        """The batch on ``device`` with normalized pixels; ``modality_weights`` become per-row
+        weights unless they are all 1."""
+        batch = self.to(device, non_blocking=True)  # pinned by the loader on CUDA
+        row_weights = None
+        w = modality_weights or ModalityWeights()
+        if (w.image_text, w.text_only, w.image_only) != (1.0, 1.0, 1.0):
+            both_w, text_w, image_w = w.image_text, w.text_only, w.image_only
+            both = batch.has_image & batch.has_text
+            row_weights = torch.where(both, both_w, torch.where(batch.has_text, text_w, image_w)).to(torch.float32)
+        return ModelInputs(
+            pixels=batch.pixels(mean, std), input_ids=batch.input_ids, attention_mask=batch.attention_mask,
+            has_image=batch.has_image, has_text=batch.has_text, ids=batch.ids, row_weights=row_weights,
+        )
+
+
+@dataclass
+class ModelInputs:
+    """One micro-batch as the model and the objectives take it: on the device, pixels normalized."""
+
+    pixels: torch.Tensor
+    """float [B, 3, H, W]; zeros where there is no image."""
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    has_image: torch.Tensor
+    has_text: torch.Tensor
+    ids: torch.Tensor
+    """int64 [B] sample ids: a column with the row's id is never a negative."""
+    row_weights: torch.Tensor | None = None
+    """float [B] per-row weights in every objective (None: all 1)."""
+
+    def __len__(self) -> int:
+        return int(self.ids.shape[0])
+
+    def rows(self) -> "Rows":
+        return Rows(self.has_image, self.has_text, self.ids, self.row_weights)
+
+
+@dataclass
+class Rows:
+    """What the contrastive objectives need of a batch besides the embeddings: which rows have both
+    sides, their ids and weights."""
+
+    has_image: torch.Tensor
+    has_text: torch.Tensor
+    ids: torch.Tensor
+    row_weights: torch.Tensor | None = None
+
+    @staticmethod
+    def cat(parts: list["Rows"]) -> "Rows":
+        """Row-wise concatenation (the micro-batches of one step, for gradient caching)."""
+        weights = None if parts[0].row_weights is None else torch.cat([p.row_weights for p in parts])
+        return Rows(torch.cat([p.has_image for p in parts]), torch.cat([p.has_text for p in parts]),
+                    torch.cat([p.ids for p in parts]), weights)
 
 
 def normalize_pixels(

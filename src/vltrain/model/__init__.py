@@ -1,14 +1,13 @@
 """Vision-language models: towers, fusion, heads, presets and the composed ``VLModel``."""
 
-from vltrain.model.model import Encoded, ITMPairs, ModelOutput, VLModel
-from vltrain.model.presets import PRESETS, Architecture, build_model, count_parameters, list_presets
+from vltrain.model.builder import build_model, count_parameters
+from vltrain.model.model import Encoded, VLModel
+from vltrain.model.presets import PRESETS, Architecture, list_presets
 from vltrain.model.text import hf_tokenizer_file
 
 __all__ = [
     "Architecture",
     "Encoded",
-    "ITMPairs",
-    "ModelOutput",
     "PRESETS",
     "VLModel",
     "build_model",

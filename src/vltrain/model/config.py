@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from vltrain.errors import ConfigError
+from vltrain.model.presets import list_presets
+from vltrain.model.text import POOLINGS
 
 
 @dataclass
@@ -58,11 +60,11 @@ class ModelConfig:
     """0: the preset's."""
 
     def validate(self) -> None:
-        from vltrain.model.presets import list_presets
-
         if self.preset not in list_presets():
-            raise ConfigError(f"model.preset {self.preset!r} is unknown; choose one of {', '.join(list_presets())}")
-        if self.text.pooling not in ("", "first", "eos", "mean"):
-            raise ConfigError(f"model.text.pooling must be first, eos or mean, got {self.text.pooling!r}")
+            raise ConfigError(f"model.preset: unknown preset {self.preset!r}; choose one of {', '.join(list_presets())}")
+        if self.text.pooling not in ("", *POOLINGS):
+            raise ConfigError(
+                f"model.text.pooling must be {', '.join(POOLINGS[:-1])} or {POOLINGS[-1]}, got {self.text.pooling!r}"
+            )
         if self.embed_dim < 0:
             raise ConfigError(f"model.embed_dim must be >= 0, got {self.embed_dim}")

@@ -1,4 +1,4 @@
-"""Named architectures, and ``build_model`` which turns a ``ModelConfig`` into a ``VLModel``.
+"""Named architectures: the table ``model.preset`` chooses from (``build_model`` builds one).
 
 Parameter counts (``count_parameters``), at the reference vocabulary / text length / image size
 given in each row (the text tower's embedding and positions follow the tokenizer and data config,
@@ -25,18 +25,12 @@ adds a transform and a per-token bias: 30522 + 768 x 770 at the reference vocabu
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Callable
 
-import torch
-from torch import nn
-
-from vltrain.errors import UserError
-from vltrain.model.config import ModelConfig
-from vltrain.model.fusion import FusionConfig, FusionEncoder
-from vltrain.model.model import LossWeights, VLModel
-from vltrain.model.text import HFTextEncoder, TextTowerConfig, TextTransformer
-from vltrain.model.vision import VisionConfig, VisionTransformer
+from vltrain.model.fusion import FusionConfig
+from vltrain.model.text import TextTowerConfig
+from vltrain.model.vision import VisionConfig
 
 
 @dataclass
@@ -103,64 +97,3 @@ PRESETS: dict[str, Callable[[], Architecture]] = {
 
 def list_presets() -> list[str]:
     return list(PRESETS)
-
-
-def build_model(
-    model_cfg: ModelConfig,
-    *,
-    vocab_size: int,
-    pad_id: int,
-    mask_id: int | None,
-    image_size: int,
-    max_text_length: int,
-) -> VLModel:
-    """The preset's architecture at the data's image size and the tokenizer's vocabulary.
-
-    ``model.text.hf_path`` swaps the text tower for a local Hugging Face encoder; ``model.text.pooling``
-    and ``model.embed_dim`` override the preset's; objectives the architecture has no head for
-    (ITM, MLM on a dual encoder) are ignored.
-    """
-    if model_cfg.preset not in PRESETS:
-        raise UserError(f"model.preset: unknown preset {model_cfg.preset!r}; choose one of {', '.join(PRESETS)}")
-    arch = PRESETS[model_cfg.preset]()
-    if image_size % arch.vision.patch_size:
-        raise UserError(
-            f"image size {image_size} is not a multiple of {model_cfg.preset}'s patch size {arch.vision.patch_size}"
-        )
-    vision = VisionTransformer(replace(arch.vision, image_size=image_size))
-    pooling = model_cfg.text.pooling
-    if model_cfg.text.hf_path:
-        text: nn.Module = HFTextEncoder(model_cfg.text.hf_path, pooling or "first", max_text_length)
-        if vocab_size > text.token_embedding.num_embeddings:
-            raise UserError(
-                f"tokenizer vocabulary {vocab_size} exceeds {model_cfg.text.hf_path}'s embeddings "
-                f"{text.token_embedding.num_embeddings}; use the folder's own tokenizer.json"
-            )
-    else:
-        text_cfg = replace(arch.text, vocab_size=vocab_size, max_length=max_text_length, pooling=pooling or arch.text.pooling)
-        text = TextTransformer(text_cfg)
-    weights = LossWeights.from_config(model_cfg.loss, has_fusion=arch.fusion is not None)
-    fusion = None
-    if arch.fusion is not None and ("itm" in weights.weights or "mlm" in weights.weights):
-        fusion = FusionEncoder(arch.fusion, text.width, vision.width)
-    return VLModel(
-        vision,
-        text,
-        model_cfg.embed_dim or arch.embed_dim,
-        weights,
-        fusion=fusion,
-        vocab_size=vocab_size,
-        pad_id=pad_id,
-        mask_id=mask_id,
-        max_text_length=max_text_length,
-        siglip_bias=model_cfg.loss.siglip_bias,
-    )
-
-
-def count_parameters(model_cfg: ModelConfig, *, vocab_size: int, image_size: int, max_text_length: int) -> int:
-    """Parameters of a preset, built on the meta device (instant, no memory, even for ViT-L)."""
-    with torch.device("meta"):
-        model = build_model(
-            model_cfg, vocab_size=vocab_size, pad_id=0, mask_id=1, image_size=image_size, max_text_length=max_text_length
-        )
-    return sum(p.numel() for p in model.parameters())

@@ -16,9 +16,6 @@ from torch import nn
 from vltrain.errors import UserError
 from vltrain.model.blocks import Block, block_flops, key_padding_mask, run_blocks
 
-POOLINGS = ("first", "eos", "mean")
-
-
 @dataclass
 class TextTowerConfig:
     vocab_size: int = 49408
@@ -33,23 +30,28 @@ class TextTowerConfig:
     """Causal self-attention, as in CLIP's text tower (pair it with eos pooling)."""
 
 
+def _eos(tokens: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    last = (attention_mask.sum(dim=1) - 1).clamp(min=0)
+    return tokens[torch.arange(tokens.shape[0], device=tokens.device), last]
+
+
+def _mean(tokens: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    m = attention_mask.to(tokens.dtype).unsqueeze(-1)
+    return (tokens * m).sum(dim=1) / m.sum(dim=1).clamp(min=1)
+
+
+_POOL = {"first": lambda tokens, attention_mask: tokens[:, 0], "eos": _eos, "mean": _mean}
+POOLINGS = tuple(_POOL)
+"""The text poolings; ``model.text.pooling`` is checked against these when the config is loaded."""
+
+
 def pool(tokens: torch.Tensor, attention_mask: torch.Tensor, pooling: str) -> torch.Tensor:
-    if pooling == "first":
-        return tokens[:, 0]
-    if pooling == "eos":
-        last = (attention_mask.sum(dim=1) - 1).clamp(min=0)
-        return tokens[torch.arange(tokens.shape[0], device=tokens.device), last]
-    if pooling == "mean":
-        m = attention_mask.to(tokens.dtype).unsqueeze(-1)
-        return (tokens * m).sum(dim=1) / m.sum(dim=1).clamp(min=1)
-    raise ValueError(f"text pooling must be one of {POOLINGS}, got {pooling!r}")
+    return _POOL[pooling](tokens, attention_mask)
 
 
 class TextTransformer(nn.Module):
     def __init__(self, cfg: TextTowerConfig):
         super().__init__()
-        if cfg.pooling not in POOLINGS:
-            raise ValueError(f"text pooling must be one of {POOLINGS}, got {cfg.pooling!r}")
         self.cfg = cfg
         self.width = cfg.width
         self.token_embedding = nn.Embedding(cfg.vocab_size, cfg.width)
@@ -99,8 +101,6 @@ class HFTextEncoder(nn.Module):
             raise UserError("model.text.hf_path needs the transformers package: pip install 'vltrain[hf]'") from None
         if not Path(path, "config.json").is_file():
             raise UserError(f"model.text.hf_path {path}: no config.json there; give a saved Hugging Face model folder")
-        if pooling not in POOLINGS:
-            raise ValueError(f"text pooling must be one of {POOLINGS}, got {pooling!r}")
         self.model = AutoModel.from_pretrained(str(path))
         if getattr(self.model, "pooler", None) is not None:
             self.model.pooler = None

@@ -1,0 +1,96 @@
+"""``build_model``: a ``ModelConfig`` (preset, overrides, objectives) to a ``VLModel``.
+
+Which parts a model has is decided here and only here: a fusion encoder when the preset has one and
+ITM or MLM is on, an ITM or MLM head when its weight is > 0, a SigLIP bias when SigLIP is on. The
+objectives (:mod:`vltrain.objectives`) then run exactly the heads the model has.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+
+import torch
+from torch import nn
+
+from vltrain.errors import ConfigError, UserError
+from vltrain.model.config import ModelConfig
+from vltrain.model.fusion import FusionEncoder
+from vltrain.model.heads import ITMHead, MLMHead, Projection
+from vltrain.model.model import VLModel
+from vltrain.model.presets import PRESETS, Architecture
+from vltrain.model.text import HFTextEncoder, TextTransformer
+from vltrain.model.vision import VisionTransformer
+
+
+def _text_tower(model_cfg: ModelConfig, arch: Architecture, vocab_size: int, max_text_length: int) -> nn.Module:
+    pooling = model_cfg.text.pooling
+    if not model_cfg.text.hf_path:
+        pooling = pooling or arch.text.pooling
+        return TextTransformer(replace(arch.text, vocab_size=vocab_size, max_length=max_text_length, pooling=pooling))
+    text = HFTextEncoder(model_cfg.text.hf_path, pooling or "first", max_text_length)
+    if vocab_size > text.token_embedding.num_embeddings:
+        raise UserError(
+            f"tokenizer vocabulary {vocab_size} exceeds {model_cfg.text.hf_path}'s embeddings "
+            f"{text.token_embedding.num_embeddings}; use the folder's own tokenizer.json"
+        )
+    return text
+
+
+def build_model(
+    model_cfg: ModelConfig,
+    *,
+    vocab_size: int,
+    pad_id: int,
+    mask_id: int | None,
+    image_size: int,
+    max_text_length: int,
+) -> VLModel:
+    """The preset's architecture at the data's image size and the tokenizer's vocabulary.
+
+    ``model.text.hf_path`` swaps the text tower for a local Hugging Face encoder; ``model.text.pooling``
+    and ``model.embed_dim`` override the preset's; objectives the architecture has no head for
+    (ITM, MLM on a dual encoder) are ignored. Parts are created in a fixed order (towers, fusion,
+    projections, heads), so a seed gives the same initial weights.
+    """
+    model_cfg.validate()  # a config built in code has not been through load_config
+    arch = PRESETS[model_cfg.preset]()
+    if image_size % arch.vision.patch_size:
+        raise ConfigError(
+            f"image size {image_size} is not a multiple of {model_cfg.preset}'s patch size {arch.vision.patch_size}"
+        )
+    loss = model_cfg.loss
+    fused = arch.fusion is not None and (loss.itm > 0 or loss.mlm > 0)
+    if fused and loss.mlm > 0 and mask_id is None:
+        raise UserError("model.loss.mlm > 0 needs a tokenizer with a mask token; set model.loss.mlm=0 or use one")
+    vision = VisionTransformer(replace(arch.vision, image_size=image_size))
+    text = _text_tower(model_cfg, arch, vocab_size, max_text_length)
+    fusion = FusionEncoder(arch.fusion, text.width, vision.width) if fused else None
+    embed_dim = model_cfg.embed_dim or arch.embed_dim
+    image_proj = Projection(vision.width, embed_dim)
+    text_proj = Projection(text.width, embed_dim)
+    siglip_only = loss.siglip > 0 and loss.itc == 0
+    return VLModel(
+        vision,
+        text,
+        image_proj,
+        text_proj,
+        logit_scale=math.log(10.0) if siglip_only else math.log(1 / 0.07),
+        logit_bias=-10.0 if loss.siglip > 0 and loss.siglip_bias else None,
+        fusion=fusion,
+        itm_head=ITMHead(fusion.width) if fused and loss.itm > 0 else None,
+        mlm_head=MLMHead(text.width, text.token_embedding) if fused and loss.mlm > 0 else None,
+        vocab_size=vocab_size,
+        pad_id=pad_id,
+        mask_id=mask_id,
+        max_text_length=max_text_length,
+    )
+
+
+def count_parameters(model_cfg: ModelConfig, *, vocab_size: int, image_size: int, max_text_length: int) -> int:
+    """Parameters of a preset, built on the meta device (instant, no memory, even for ViT-L)."""
+    with torch.device("meta"):
+        model = build_model(
+            model_cfg, vocab_size=vocab_size, pad_id=0, mask_id=1, image_size=image_size, max_text_length=max_text_length
+        )
+    return sum(p.numel() for p in model.parameters())

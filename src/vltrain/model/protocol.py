@@ -1,0 +1,41 @@
+"""What the trainer asks of a model besides encoding, named once instead of probed with ``getattr``."""
+
+from __future__ import annotations
+
+from typing import Protocol, runtime_checkable
+
+from torch import nn
+
+NO_WEIGHT_DECAY = ("token_embedding", "pos_embed", "position", "cls_token", "logit_scale", "logit_bias",
+                   "embeddings")
+"""Parameter names (substrings) that take no weight decay, besides every parameter of fewer than 2
+dimensions (biases, gains) and every embedding or norm module's parameters."""
+
+_NORMS_AND_EMBEDDINGS = (nn.Embedding, nn.LayerNorm, nn.GroupNorm, nn.RMSNorm, nn.BatchNorm1d, nn.BatchNorm2d)
+
+
+def default_no_weight_decay(model: nn.Module) -> set[str]:
+    """Norms, biases, embeddings, positions, class tokens and the temperature/bias scalars.
+
+    Weight decay pulls weights towards zero: a regulariser for matrices, but only harm for these
+    (decaying ``logit_scale`` quietly raises the temperature every step)."""
+    names = {n for n, p in model.named_parameters() if p.ndim < 2 or any(s in n for s in NO_WEIGHT_DECAY)}
+    for mod_name, mod in model.named_modules():
+        if isinstance(mod, _NORMS_AND_EMBEDDINGS):
+            names.update(f"{mod_name}.{p}" if mod_name else p for p, _ in mod.named_parameters(recurse=False))
+    return names
+
+
+@runtime_checkable
+class TrainableModel(Protocol):
+    def flops_per_sample(self, text_len: int | None = None) -> float:
+        """Training FLOPs (forward + backward) of one sample whose caption has ``text_len`` tokens."""
+
+    def blocks_for_sharding(self) -> list[nn.Module]:
+        """Transformer blocks in forward order: FSDP2 shards each one, ``train.compile`` compiles each."""
+
+    def no_weight_decay(self) -> set[str]:
+        """Names of the parameters that take no weight decay (e.g. ``default_no_weight_decay(self)``)."""
+
+    def set_activation_checkpointing(self, enabled: bool) -> None:
+        """Recompute each block's activations in the backward instead of keeping them."""

@@ -1,0 +1,191 @@
+"""The objectives: given what the model encoded, which losses a step computes, on which rows, with
+which weights.
+
+Parameter-free. ITC and SigLIP score the towers' embeddings (:mod:`vltrain.losses`, or around a ring
+of ranks with :mod:`vltrain.ring`). ITM draws hard negatives from the similarity matrix and runs the
+model's fusion encoder and ITM head on positives and negatives; MLM masks captions, re-encodes them
+with the text tower and runs the fusion encoder and the MLM head. An objective runs only where the
+model has its head (``build_model`` decides that once).
+
+Splitting the contrastive term from the rest serves gradient-cached accumulation:
+``score(model, enc, inputs)`` equals the contrastive term plus ``score(..., contrastive=False)``, so
+(cached-embedding surrogate) + ``score(..., contrastive=False)`` has the exact gradient. ITM negative
+sampling and MLM masking draw from the default torch generator.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from vltrain.data.batch import ModelInputs, Rows
+from vltrain.distributed import all_gather_no_grad, all_gather_with_grad, exchange_shapes, pad_to
+from vltrain.losses import itc_loss, itm_loss, mask_tokens, mlm_loss, sample_negatives, scale_of, siglip_loss
+from vltrain.model.config import LossConfig
+from vltrain.model.model import Encoded, VLModel
+from vltrain.ring import itc_loss_ring, siglip_loss_ring
+
+
+@dataclass
+class ObjectiveOutput:
+    loss: torch.Tensor
+    """Weighted sum of ``losses`` (plus the zero-valued anchor)."""
+    losses: dict[str, torch.Tensor]
+    """Unweighted per-objective values: itc, siglip, itm, mlm (those the model has)."""
+    image_embeds: torch.Tensor
+    text_embeds: torch.Tensor
+    logit_scale: torch.Tensor
+    """exp(logit_scale), clamped: the inverse temperature in use."""
+    itm_logits: torch.Tensor | None = None
+
+
+@dataclass
+class ITMPairs:
+    """The 3B fusion inputs of one ITM step: B positives, B (image, hard negative text), B (hard
+    negative image, text)."""
+
+    text_tokens: torch.Tensor
+    attention_mask: torch.Tensor
+    image_tokens: torch.Tensor
+    labels: torch.Tensor
+    pair_weights: torch.Tensor
+    negative_text_ids: torch.Tensor
+    negative_image_ids: torch.Tensor
+
+
+@dataclass
+class _Columns:
+    """What ITM draws its negatives from: this rank's batch, or every rank's (rank order)."""
+
+    image_tokens: torch.Tensor
+    text_tokens: torch.Tensor
+    attention_mask: torch.Tensor
+    image_embeds: torch.Tensor
+    text_embeds: torch.Tensor
+    ids: torch.Tensor
+    has_image: torch.Tensor
+    has_text: torch.Tensor
+
+    @staticmethod
+    def gather(enc: Encoded, inputs: ModelInputs, global_: bool) -> "_Columns":
+        meta = torch.stack([inputs.ids, inputs.has_image.long(), inputs.has_text.long()], dim=1)
+        parts = (enc.image_tokens, enc.text_tokens, inputs.attention_mask, enc.image_embeds, enc.text_embeds, meta)
+        if global_:
+            shapes = exchange_shapes(*parts)  # one exchange; text widths differ between ranks
+            grad = (True, True, False, False, False, False)
+            parts = tuple((all_gather_with_grad if g else all_gather_no_grad)(x, s)
+                          for x, s, g in zip(parts, shapes, grad))
+        *tensors, meta = parts
+        return _Columns(*tensors, meta[:, 0], meta[:, 1].bool(), meta[:, 2].bool())
+
+
+class Objectives:
+    """The weighted objectives of one model: ``loss_weights`` holds those with weight > 0 that the
+    model has heads for."""
+
+    def __init__(self, loss: LossConfig, model: VLModel):
+        w = {"itc": loss.itc, "siglip": loss.siglip}
+        if model.itm_head is not None:
+            w["itm"] = loss.itm
+        if model.mlm_head is not None:
+            w["mlm"] = loss.mlm
+        self.loss_weights = {k: v for k, v in w.items() if v > 0}
+        self.mlm_probability = loss.mlm_probability
+        self.itm_negatives = loss.itm_negatives
+        self.ring = loss.contrastive_impl == "ring"
+
+    # -- contrastive --------------------------------------------------------------------------
+
+    def contrastive_losses(self, model: VLModel, image_embeds, text_embeds, rows: Rows) -> dict[str, torch.Tensor]:
+        out = {}
+        itc, siglip = (itc_loss_ring, siglip_loss_ring) if self.ring else (itc_loss, siglip_loss)
+        if "itc" in self.loss_weights:
+            out["itc"] = itc(image_embeds, text_embeds, model.logit_scale, rows.has_image, rows.has_text, rows.ids,
+                             rows.row_weights)
+        if "siglip" in self.loss_weights:
+            out["siglip"] = siglip(image_embeds, text_embeds, model.logit_scale, model.logit_bias, rows.has_image,
+                                   rows.has_text, rows.ids, rows.row_weights)
+        return out
+
+    def contrastive(self, model: VLModel, image_embeds, text_embeds, rows: Rows) -> torch.Tensor:
+        """The weighted ITC + SigLIP term on given (e.g. cached, concatenated) embeddings."""
+        losses = self.contrastive_losses(model, image_embeds, text_embeds, rows)
+        return sum(self.loss_weights[k] * v for k, v in losses.items())
+
+    # -- image-text matching ------------------------------------------------------------------
+
+    def itm_pairs(self, model: VLModel, enc: Encoded, inputs: ModelInputs) -> ITMPairs:
+        """Positives and hard negatives drawn from the similarity matrix of the rank's own batch
+        (``itm_negatives: local``) or of the global batch (``global``).
+
+        With global negatives the token features of every rank are gathered with a gradient path,
+        so a negative from another rank trains that rank's encoders exactly as in one process with
+        the global batch. Ranks pad their captions to their own longest, so the gathered text
+        tokens and masks are padded to the longest over ranks (masked, so the fusion ignores them),
+        and this rank's own rows with them.
+        """
+        ids = inputs.ids
+        b = ids.shape[0]
+        cols = _Columns.gather(enc, inputs, self.itm_negatives == "global")
+        text_tokens = pad_to(enc.text_tokens, (b, *cols.text_tokens.shape[1:]))
+        attention_mask = pad_to(inputs.attention_mask, (b, cols.attention_mask.shape[1]))
+        with torch.no_grad():
+            scale = scale_of(model.logit_scale)
+            sim_i2t = scale * enc.image_embeds.detach().float() @ cols.text_embeds.float().t()
+            sim_t2i = scale * enc.text_embeds.detach().float() @ cols.image_embeds.float().t()
+        neg_text, text_found = sample_negatives(sim_i2t, ids, cols.ids, cols.has_text)
+        neg_image, image_found = sample_negatives(sim_t2i, ids, cols.ids, cols.has_image)
+        valid = (inputs.has_image & inputs.has_text).float()
+        return ITMPairs(
+            text_tokens=torch.cat([text_tokens, cols.text_tokens[neg_text], text_tokens]),
+            attention_mask=torch.cat([attention_mask, cols.attention_mask[neg_text], attention_mask]),
+            image_tokens=torch.cat([enc.image_tokens, enc.image_tokens, cols.image_tokens[neg_image]]),
+            labels=torch.cat([torch.ones(b, dtype=torch.long, device=ids.device), ids.new_zeros(2 * b)]),
+            pair_weights=torch.cat([valid, valid * text_found, valid * image_found]),
+            negative_text_ids=cols.ids[neg_text],
+            negative_image_ids=cols.ids[neg_image],
+        )
+
+    def _itm(self, model: VLModel, enc: Encoded, inputs: ModelInputs) -> tuple[torch.Tensor, torch.Tensor]:
+        pairs = self.itm_pairs(model, enc, inputs)
+        logits = model.itm_head(model.fuse(pairs.text_tokens, pairs.attention_mask, pairs.image_tokens))
+        w = pairs.pair_weights
+        if inputs.row_weights is not None:
+            w = w * inputs.row_weights.float().repeat(3)
+        return itm_loss(logits, pairs.labels, w), logits
+
+    # -- masked language modelling ------------------------------------------------------------
+
+    def _mlm(self, model: VLModel, enc: Encoded, inputs: ModelInputs) -> torch.Tensor:
+        masked, labels = mask_tokens(
+            inputs.input_ids, inputs.attention_mask, mask_id=model.mask_id, vocab_size=model.vocab_size,
+            pad_id=model.pad_id, probability=self.mlm_probability,
+        )
+        labels = labels.masked_fill(~(inputs.has_image & inputs.has_text)[:, None], -100)
+        tokens = model.text_tokens(masked, inputs.attention_mask)
+        fused = model.fuse(tokens, inputs.attention_mask, enc.image_tokens)
+        return mlm_loss(model.mlm_head(fused), labels, inputs.row_weights)
+
+    # -- all of them --------------------------------------------------------------------------
+
+    def score(self, model: VLModel, enc: Encoded, inputs: ModelInputs, contrastive: bool = True) -> ObjectiveOutput:
+        """Every objective on one micro-batch; ``contrastive=False`` leaves out ITC and SigLIP (computed
+        elsewhere, over the cached global batch) but keeps their parameters in the graph."""
+        anchor = enc.anchor
+        losses: dict[str, torch.Tensor] = {}
+        if contrastive:
+            losses.update(self.contrastive_losses(model, enc.image_embeds, enc.text_embeds, inputs.rows()))
+        else:
+            anchor = anchor + 0.0 * model.logit_scale
+            if model.logit_bias is not None:
+                anchor = anchor + 0.0 * model.logit_bias
+        itm_logits = None
+        if "itm" in self.loss_weights:
+            losses["itm"], itm_logits = self._itm(model, enc, inputs)
+        if "mlm" in self.loss_weights:
+            losses["mlm"] = self._mlm(model, enc, inputs)
+        total = anchor + sum(self.loss_weights[k] * v for k, v in losses.items())
+        return ObjectiveOutput(
+            total, losses, enc.image_embeds, enc.text_embeds, scale_of(model.logit_scale).detach(), itm_logits
+        )
