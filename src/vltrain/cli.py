@@ -26,7 +26,14 @@ def _handler(target: str):
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="vltrain", description="Train vision-language models.")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    _model_commands(sub)
+    _data_commands(sub.add_parser("data", help="make, check and convert image-text data"))
+    _tokenizer_commands(sub.add_parser("tokenizer", help="train or inspect tokenizers"))
+    return p
 
+
+def _model_commands(sub) -> None:
+    """train, demo, eval, export, embed."""
     # vltrain train CONFIG [key=value ...]
     t = sub.add_parser("train", help="train a model from a YAML config (torchrun-aware)")
     t.add_argument("config", help="YAML config file")
@@ -59,8 +66,9 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--out", required=True, help=".npy file (images first, then texts)")
     m.set_defaults(func=_handler("vltrain.export:embed_cli"))
 
-    # vltrain data ...
-    data = sub.add_parser("data", help="make, check and convert image-text data")
+
+def _data_commands(data: argparse.ArgumentParser) -> None:
+    """vltrain data synth | validate | stats | shard | audit."""
     dsub = data.add_subparsers(dest="data_command", required=True, metavar="DATA_COMMAND")
 
     s = dsub.add_parser("synth", help="write the synthetic 'shapes' dataset (images + JSONL manifests)")
@@ -97,8 +105,9 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("run_dir")
     a.set_defaults(func=_handler("vltrain.data.audit:audit_cli"))
 
-    # vltrain tokenizer ...
-    tok = sub.add_parser("tokenizer", help="train or inspect tokenizers")
+
+def _tokenizer_commands(tok: argparse.ArgumentParser) -> None:
+    """vltrain tokenizer train."""
     tsub = tok.add_subparsers(dest="tokenizer_command", required=True, metavar="TOKENIZER_COMMAND")
     tt = tsub.add_parser("train", help="train a BPE or WordPiece tokenizer on a manifest's texts")
     tt.add_argument("sources", nargs="+")
@@ -106,7 +115,6 @@ def build_parser() -> argparse.ArgumentParser:
     tt.add_argument("--vocab-size", type=int, default=4096)
     tt.add_argument("--kind", choices=["bpe", "wordpiece"], default="bpe")
     tt.set_defaults(func=_handler("vltrain.data.text:train_tokenizer_cli"))
-    return p
 
 
 def _setup_logging() -> None:

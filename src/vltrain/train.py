@@ -93,11 +93,8 @@ class Trainer:
         self.guard = NonFiniteGuard(tc.max_nonfinite_steps)
         self.preemption, self.preempt_agreed = PreemptionWatch(), False
 
-        # data: from here on each rank draws its own random numbers (dropout, masking)
-        torch.manual_seed(tc.seed + 1 + self.world.rank)
-        np.random.seed((tc.seed + 1 + self.world.rank) % 2**32)
-        random.seed(tc.seed + 1 + self.world.rank)
-        self.rng = RngState()
+        # data: from here on each rank draws its own random numbers (ITM negatives, MLM masks)
+        self.rng = self._seed_rank(tc.seed + 1 + self.world.rank)
         self.loader = build_train_loader_for(cfg, self.tokenizer, self.world, self.run_dir)
         self.val_loader = build_val_loader(cfg, self.tokenizer, self.world, self.run_dir) if cfg.data.val else None
 
@@ -125,10 +122,21 @@ class Trainer:
             progress=tc.progress, start_step=self.step, wandb=cfg.metrics, config=cfg.to_dict(),
         )
         if self.restored is not None:
-            how = "exactly" if self.restored.exact else (
-                f"from world size {self.restored.world_size}: model and optimizer resharded, data continues "
-                "by samples seen (not bit-exact)")
-            self.metrics.write(f"resumed from {self.restored.path} at step {self.step} ({how})")
+            self._say_resumed()
+
+    @staticmethod
+    def _seed_rank(seed: int) -> RngState:
+        """Seed torch, numpy and random for this rank; the generators a checkpoint keeps."""
+        torch.manual_seed(seed)
+        np.random.seed(seed % 2**32)
+        random.seed(seed)
+        return RngState()
+
+    def _say_resumed(self) -> None:
+        how = "exactly" if self.restored.exact else (
+            f"from world size {self.restored.world_size}: model and optimizer resharded, data continues "
+            "by samples seen (not bit-exact)")
+        self.metrics.write(f"resumed from {self.restored.path} at step {self.step} ({how})")
 
     def _prepare_run_dir(self) -> None:
         """Rank 0: the run folder, its config.yaml, and no marker of an earlier preemption."""
@@ -320,8 +328,7 @@ class Trainer:
 
     def _checkpoint(self, final: bool) -> None:
         """The one place where state is saved (the run's last step always: ``vltrain eval`` reads it)."""
-        if self.checkpointer is not None:
-            self.checkpointer.maybe_save(self.step, final=final)
+        self.checkpointer.maybe_save(self.step, final=final)
 
     def _stop_preempted(self) -> None:
         """A rank got SIGTERM/SIGUSR1: every rank saves this step, then the run stops (exit 75)."""
