@@ -135,8 +135,7 @@ def seed_pipeline(rows, base, tokenizer, size, batch_size) -> tuple[int, int, in
 
 
 def vltrain_pipeline(cfg: DataConfig, tokenizer, ds, normalize: bool = False) -> tuple[int, int, int]:
-    collate = Collator(tokenizer.pad_id, cfg.max_text_length, cfg.image_size)
-    loader = build_train_loader(cfg, ds, rank=0, world_size=1, seed=0, run_dir=None, collate=collate)
+    loader = build_train_loader(cfg, ds, rank=0, world_size=1, seed=0, run_dir=None, pad_id=tokenizer.pad_id)
     n = positions = real = 0
     it = iter(loader)
     for _ in range(len(loader)):

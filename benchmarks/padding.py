@@ -108,16 +108,16 @@ def main() -> None:
     fixed = [np.asarray(b) for b in fixed]
     # Budget: the positions of a fixed batch of median-length rows (x4 headroom), up to 8x the rows.
     token_budget = max(bs * 4 * int(np.median(lens)), MAX_LEN)
-    m_fixed = DataConfig(batching="fixed").text_pad_multiple()
+    m_fixed = DataConfig(batching="fixed").resolve().pad_multiple
     results = [
         measure(f"fixed, pad to longest (multiple of {m_fixed})", fixed, table,
                 [batch_tokens(lens[b], m_fixed) // len(b) for b in fixed]),
         measure("fixed, pad to 512", fixed, table, [MAX_LEN] * len(fixed), args.timed_batches),
     ]
-    for multiple in (DataConfig(batching="budget").text_pad_multiple(), 8):
+    for multiple in (DataConfig(batching="budget").resolve().pad_multiple, 8):
         budget = [np.asarray(b) for b in DistributedBatchSampler(
-            table, batch_size=8 * bs, batching="budget", token_budget=token_budget, pad_multiple=multiple,
-            **common)]
+            table, batch_size=8 * bs, batching="budget", token_budget=token_budget, image_budget=8 * bs,
+            pad_multiple=multiple, **common)]
         results.append(measure(f"budget ({token_budget} positions, multiple of {multiple})", budget, table,
                                [batch_tokens(lens[b], multiple) // len(b) for b in budget]))
     print("\n| batching | batches/epoch | mean rows | padding ratio | samples/s |")

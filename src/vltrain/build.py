@@ -9,7 +9,6 @@ from pathlib import Path
 import torch
 
 from vltrain.config import JobConfig
-from vltrain.data.collate import Collator
 from vltrain.data.dataset import build_dataset, source_specs
 from vltrain.data.loader import TrainLoader, build_eval_loader, build_train_loader
 from vltrain.data.text import Tokenizer, load_tokenizer
@@ -51,15 +50,11 @@ def build_model_for(cfg: JobConfig, tokenizer: Tokenizer, device: torch.device |
     return model.to(device)
 
 
-def _collator(cfg: JobConfig, tokenizer: Tokenizer) -> Collator:
-    return Collator(tokenizer.pad_id, cfg.data.max_text_length, cfg.data.image_size)
-
-
 def build_train_loader_for(cfg: JobConfig, tokenizer: Tokenizer, world: World, run_dir: Path) -> TrainLoader:
     dataset = build_dataset(cfg.data, "train", tokenizer, run_dir=run_dir)
     return build_train_loader(
         cfg.data, dataset, rank=world.rank, world_size=world.world_size, seed=cfg.train.seed,
-        run_dir=run_dir, collate=_collator(cfg, tokenizer),
+        run_dir=run_dir, pad_id=tokenizer.pad_id,
     )
 
 
@@ -67,5 +62,5 @@ def build_val_loader(cfg: JobConfig, tokenizer: Tokenizer, world: World, run_dir
     dataset = build_dataset(cfg.data, "val", tokenizer, run_dir=run_dir)
     return build_eval_loader(
         cfg.data, dataset, rank=world.rank, world_size=world.world_size, batch_size=cfg.eval.batch_size,
-        collate=_collator(cfg, tokenizer),
+        pad_id=tokenizer.pad_id,
     )

@@ -10,10 +10,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from vltrain.data.batch import Batch
 from vltrain.data.collate import Collator
 from vltrain.data.config import DataConfig
-from vltrain.data.dataset import ImageTextDataset, build_dataset
+from vltrain.data.dataset import ImageTextDataset, Sample, build_dataset
 from vltrain.data.ids import stable_uid
 from vltrain.data.shards import write_shards
 from vltrain.data.open import open_source
@@ -44,7 +43,7 @@ def uid(i: int) -> int:
     return stable_uid(f"row-{i}")
 
 class TableDataset(torch.utils.data.Dataset):
-    """``ds[i]`` is a sample shaped by the table's row ``i``: text of ``text_len`` tokens, an image or not."""
+    """``ds[i]`` is a :class:`Sample` shaped by the table's row ``i``: text of ``text_len`` tokens, an image or not."""
 
     def __init__(self, t: SampleTable, image_size: int = 4) -> None:
         self.t, self.image_size = t, image_size
@@ -55,42 +54,16 @@ class TableDataset(torch.utils.data.Dataset):
     def table(self) -> SampleTable:
         return self.t
 
-    def __getitem__(self, i: int) -> dict:
+    def __getitem__(self, i: int) -> Sample:
         n = int(self.t.text_len[i])
-        return {
-            "id": uid(i),
-            "has_image": bool(self.t.has_image[i]),
-            "has_text": bool(self.t.has_text[i]),
-            "tokens": [5 + (i + k) % 50 for k in range(n)],
-            # Drawn from the global generator so tests can see per-sample seeding at work.
-            "noise": float(torch.rand(())),
-            "source": int(self.t.source[i]),
-        }
+        # Drawn from the global generator so tests can see per-sample seeding at work.
+        noise = int(float(torch.rand(())) * 255)
+        size = self.image_size
+        image = torch.full((3, size, size), noise, dtype=torch.uint8) if self.t.has_image[i] else None
+        return Sample(uid(i), f"row-{i}", image, [5 + (i + k) % 50 for k in range(n)], False, int(self.t.source[i]))
 
-def collate(samples: list[dict], image_size: int = 4) -> Batch:
-    """Pads text to the longest row rounded up to a multiple of 8, as the real collator does."""
-    b = len(samples)
-    longest = max(max(len(s["tokens"]) for s in samples), 1)
-    width = -(-longest // 8) * 8
-    ids = torch.zeros(b, width, dtype=torch.long)
-    mask = torch.zeros(b, width, dtype=torch.long)
-    for r, s in enumerate(samples):
-        ids[r, : len(s["tokens"])] = torch.tensor(s["tokens"], dtype=torch.long)
-        mask[r, : len(s["tokens"])] = 1
-    has_image = torch.tensor([s["has_image"] for s in samples])
-    pixels = torch.zeros(b, 3, image_size, image_size, dtype=torch.uint8)
-    for r, s in enumerate(samples):
-        if s["has_image"]:
-            pixels[r] = int(s["noise"] * 255)
-    return Batch(
-        ids=torch.tensor([s["id"] for s in samples], dtype=torch.long),
-        pixel_values=pixels,
-        has_image=has_image,
-        has_text=torch.tensor([s["has_text"] for s in samples]),
-        input_ids=ids,
-        attention_mask=mask,
-        source=torch.tensor([s["source"] for s in samples], dtype=torch.long),
-    )
+collate = Collator(pad_id=0, max_text_length=1 << 16, image_size=4)
+"""Pads text to the longest row rounded up to a multiple of 8 (the Collator's default)."""
 
 def fork_workers() -> None:
     """Ranks started by torchrun fork their DataLoader workers; spawned test ranks do the same."""

@@ -34,7 +34,7 @@ def make_loader(t, *, rank=0, world_size=1, workers=0, run_dir=None, **kw) -> Tr
 def real_loader(data_cfg, *, rank=0, world_size=1, run_dir=None) -> TrainLoader:
     ds, collator = open_data(data_cfg)
     return build_train_loader(data_cfg, ds, rank=rank, world_size=world_size, seed=7, run_dir=run_dir,
-                              collate=collator)
+                              pad_id=collator.pad_id)
 
 
 # -- one epoch on 2 ranks x 2 workers, from a manifest and from shards -----------------------
@@ -127,7 +127,7 @@ def _budget_rank(rank, world_size, data_cfg):
     for batching in ("fixed", "budget"):
         cfg = replace(data_cfg, batching=batching)  # everything else at the defaults
         loader = build_train_loader(cfg, ds, rank=rank, world_size=world_size, seed=1, run_dir=None,
-                                    collate=collator)
+                                    pad_id=collator.pad_id)
         steps = positions = real = worst = 0
         for _ in range(len(loader)):
             b = next(loader)
@@ -164,7 +164,7 @@ def _text_only_rank(rank, world_size, data_cfg):
     torch.manual_seed(0)
     ds, collator = open_data(data_cfg)
     loader = build_train_loader(data_cfg, ds, rank=rank, world_size=world_size, seed=7, run_dir=None,
-                                collate=collator)
+                                pad_id=collator.pad_id)
     model = build_model(ModelConfig(preset="tiny-clip"), vocab_size=ds.tokenizer.vocab_size, pad_id=ds.tokenizer.pad_id,
                         mask_id=ds.tokenizer.mask_id, image_size=data_cfg.image_size,
                         max_text_length=data_cfg.max_text_length)
@@ -204,8 +204,8 @@ def test_ninety_percent_text_only_budget_batching_trains_100_steps_without_hang(
 def test_eval_loader_contiguous_disjoint_slices_equal_batch_counts(n, world):
     t = table(shapes_lengths(n))
     cfg = DataConfig(num_workers=0, pin_memory=False)
-    loaders = [build_eval_loader(cfg, TableDataset(t), rank=r, world_size=world, batch_size=3, collate=collate)
-               for r in range(world)]
+    loaders = [build_eval_loader(cfg, TableDataset(t, cfg.image_size), rank=r, world_size=world, batch_size=3,
+                                 pad_id=0) for r in range(world)]
     assert len({len(x) for x in loaders}) == 1
     kept = []
     for x in loaders:
@@ -220,7 +220,8 @@ def test_build_train_loader_reads_batching_and_source_weights_from_config():
     t = table(shapes_lengths(n0 + n1), has_image=[True] * n0 + [False] * n1, source=[0] * n0 + [1] * n1)
     cfg = DataConfig(train=[SourceSpec("a.jsonl", 1.0), SourceSpec("b.jsonl", 3.0)], batching="budget",
                      batch_size=8, num_workers=0, pin_memory=False)
-    loader = build_train_loader(cfg, TableDataset(t), rank=0, world_size=1, seed=0, run_dir=None, collate=collate)
+    loader = build_train_loader(cfg, TableDataset(t, cfg.image_size), rank=0, world_size=1, seed=0, run_dir=None,
+                                pad_id=0)
     s = loader.sampler
     assert s.batching == "budget" and s.token_budget == 8 * 77 // 2 and s.image_budget == 8
     # weights are per-row rates: the 10 text-only rows are read 3x as often as the 30 others
@@ -232,7 +233,8 @@ def test_build_train_loader_reads_batching_and_source_weights_from_config():
 def test_equal_source_weights_read_every_row_once():
     t = table(shapes_lengths(25), source=[0] * 15 + [1] * 10)
     cfg = DataConfig(train=[SourceSpec("a.jsonl"), SourceSpec("b.jsonl")], batch_size=5, num_workers=0)
-    loader = build_train_loader(cfg, TableDataset(t), rank=0, world_size=1, seed=0, run_dir=None, collate=collate)
+    loader = build_train_loader(cfg, TableDataset(t, cfg.image_size), rank=0, world_size=1, seed=0, run_dir=None,
+                                pad_id=0)
     ids = [i for _ in range(len(loader)) for i in next(loader).ids.tolist()]
     assert sorted(ids) == sorted(uid(i) for i in range(25))
 
@@ -258,7 +260,7 @@ def test_a_data_error_in_an_eval_worker_is_plain_too(tmp_path):
     for image in (tmp_path / "images").rglob("*.png"):
         image.write_bytes(b"")
     ds, collator = open_data(data_cfg)
-    loader = build_eval_loader(data_cfg, ds, rank=0, world_size=1, batch_size=2, collate=collator)
+    loader = build_eval_loader(data_cfg, ds, rank=0, world_size=1, batch_size=2, pad_id=collator.pad_id)
     with pytest.raises(DataError, match=r"^bad sample .*empty file") as e:
         list(loader)
     assert "Traceback" not in str(e.value)

@@ -14,6 +14,7 @@ from vltrain.errors import UserError
 
 def samplers(t, world, **kw):
     kw.setdefault("batch_size", 4)
+    kw.setdefault("image_budget", kw["batch_size"])  # DataConfig.resolve()'s default
     kw.setdefault("seed", 3)
     return [DistributedBatchSampler(t, rank=r, world_size=world, **kw) for r in range(world)]
 

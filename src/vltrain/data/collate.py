@@ -16,7 +16,7 @@ class Collator:
 
     Padding to the longest row instead of ``max_text_length`` is most of the text-side saving:
     captions are short, so a fixed pad to 77 or 512 computes mostly padding. The budget packer
-    must round the same way (``DataConfig.text_pad_multiple``); the training loader sees to it.
+    must round the same way: the training loader gives both ``DataConfig.resolve().pad_multiple``.
     """
 
     def __init__(self, pad_id: int, max_text_length: int, image_size: int, pad_multiple: int = PAD_MULTIPLE):

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal, Union
 
+from vltrain.data.budget import PAD_MULTIPLE, padded_width
 from vltrain.data.images import MAX_IMAGE_PIXELS
 from vltrain.errors import ConfigError
 
@@ -35,6 +36,19 @@ class ModalityWeights:
     image_text: float = 1.0
     text_only: float = 1.0
     image_only: float = 1.0
+
+
+@dataclass(frozen=True)
+class ResolvedBatching:
+    """What the text padding and the batch budgets are once a config's zeros are resolved.
+
+    The sampler plans budget batches with these and the collator pads with the same multiple, so
+    a planned batch is exactly as wide as the one delivered: both take them from here.
+    """
+
+    pad_multiple: int
+    token_budget: int
+    image_budget: int
 
 
 @dataclass
@@ -88,7 +102,8 @@ class DataConfig:
     """Equal batch counts on every rank: pad the epoch by repeating samples, or drop the tail."""
     batching: Literal["fixed", "budget"] = "fixed"
     token_budget: int = 0
-    """Budget batching: the most padded text positions per batch (0: batch_size x max_text_length / 2)."""
+    """Budget batching: the most padded text positions per batch (0: batch_size x max_text_length / 2,
+    at least one padded caption of max_text_length)."""
     image_budget: int = 0
     """Budget batching: the most images per batch (0: batch_size)."""
     epoch_size: int = 0
@@ -97,9 +112,15 @@ class DataConfig:
     audit: bool = False
     """Record the ids every rank consumed to RUN_DIR/audit/rank{R}.jsonl."""
 
-    def text_pad_multiple(self) -> int:
-        """``pad_multiple`` with 0 resolved for this config's batching."""
-        return self.pad_multiple or (1 if self.batching == "budget" else 8)
+    def resolve(self) -> ResolvedBatching:
+        """``pad_multiple``, ``token_budget`` and ``image_budget`` with 0 resolved for this config.
+
+        The token budget is never below one padded caption of ``max_text_length``, so a default
+        budget always admits the longest row."""
+        multiple = self.pad_multiple or (1 if self.batching == "budget" else PAD_MULTIPLE)
+        token_budget = self.token_budget or max(self.batch_size * self.max_text_length // 2,
+                                                padded_width(self.max_text_length, multiple))
+        return ResolvedBatching(multiple, token_budget, self.image_budget or self.batch_size)
 
     def validate(self) -> None:
         if self.batch_size < 1:

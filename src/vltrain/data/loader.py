@@ -27,7 +27,6 @@ from torch.utils.data import DataLoader, Dataset, get_worker_info
 from vltrain.data.audit import AuditLog
 from vltrain.data.badlog import BadSampleLog
 from vltrain.data.batch import Batch
-from vltrain.data.budget import padded_width
 from vltrain.data.collate import Collator
 from vltrain.data.config import DataConfig, SourceSpec
 from vltrain.data.sampler import DistributedBatchSampler
@@ -245,17 +244,15 @@ def build_train_loader(
     world_size: int,
     seed: int,
     run_dir: str | None,
-    collate: Callable[[list], Batch],
+    pad_id: int,
 ) -> TrainLoader:
     """The trainer's loader: ``dataset`` must offer ``table() -> SampleTable`` and ``ds[i]``.
 
-    A :class:`Collator` is made to pad as the config says (``data.pad_multiple``), since the
-    budget packer plans each batch's width that way.
+    The sampler and the collator take the padding multiple from one ``data_cfg.resolve()``: the
+    budget packer plans each batch's width the way the collator pads it.
     """
     table = dataset.table()
-    multiple = data_cfg.text_pad_multiple()
-    if isinstance(collate, Collator) and collate.pad_multiple != multiple:
-        collate = Collator(collate.pad_id, collate.max_text_length, collate.image_size, multiple)
+    resolved = data_cfg.resolve()
     sampler = DistributedBatchSampler(
         table,
         batch_size=data_cfg.batch_size,
@@ -265,13 +262,13 @@ def build_train_loader(
         shuffle=data_cfg.shuffle,
         remainder=data_cfg.remainder,
         batching=data_cfg.batching,
-        token_budget=data_cfg.token_budget or max(data_cfg.batch_size * data_cfg.max_text_length // 2,
-                                                  padded_width(data_cfg.max_text_length, multiple)),
-        image_budget=data_cfg.image_budget or data_cfg.batch_size,
+        token_budget=resolved.token_budget,
+        image_budget=resolved.image_budget,
         source_weights=source_shares(data_cfg.train, table),
         epoch_size=data_cfg.epoch_size or None,
-        pad_multiple=multiple,
+        pad_multiple=resolved.pad_multiple,
     )
+    collate = Collator(pad_id, data_cfg.max_text_length, data_cfg.image_size, resolved.pad_multiple)
     # Without a run folder bad samples are still counted and capped, just not written down.
     bad_log = BadSampleLog(run_dir, data_cfg.max_bad_fraction)
     audit = AuditLog(run_dir, rank, world_size) if run_dir is not None and data_cfg.audit else None
@@ -336,8 +333,10 @@ def build_eval_loader(
     rank: int,
     world_size: int,
     batch_size: int,
-    collate: Callable[[list], Batch],
+    pad_id: int,
 ) -> EvalLoader:
+    """Evaluation batches are fixed and sequential, so their text pads as fixed batches do by
+    default: to a multiple of 8 (the ``Collator``'s own default)."""
     n = len(dataset)
     start, stop = rank * n // world_size, (rank + 1) * n // world_size
     longest = -(-n // world_size)
@@ -345,5 +344,6 @@ def build_eval_loader(
     batches = _Slice(start, stop - start, batch_size, steps)
     loader = DataLoader(dataset, batch_sampler=batches, num_workers=data_cfg.num_workers,
                         worker_init_fn=_own_process_group if data_cfg.num_workers else None,
-                        pin_memory=data_cfg.pin_memory and torch.cuda.is_available(), collate_fn=collate)
+                        pin_memory=data_cfg.pin_memory and torch.cuda.is_available(),
+                        collate_fn=Collator(pad_id, data_cfg.max_text_length, data_cfg.image_size))
     return EvalLoader(loader, start, stop - start)

@@ -96,11 +96,8 @@ class DistributedBatchSampler:
         self.batch_size = batch_size
         self.rank, self.world_size, self.seed = rank, world_size, seed
         self.shuffle, self.remainder, self.batching = shuffle, remainder, batching
-        # 0 means the config's defaults: half the positions of a full batch, one image per row.
-        self.pad_multiple = pad_multiple
-        widest = budget.padded_width(int(table.text_len.max()), pad_multiple)
-        self.token_budget = token_budget or max(batch_size * widest // 2, widest)
-        self.image_budget = image_budget or batch_size
+        # Budget batching packs under these as given: DataConfig.resolve() decides them.
+        self.pad_multiple, self.token_budget, self.image_budget = pad_multiple, token_budget, image_budget
         self.source_weights, self.epoch_size = source_weights, epoch_size
         self.epoch = 0
         self.consumed = 0

@@ -1,0 +1,35 @@
+"""DataConfig.resolve: the padding multiple and the budgets, decided once for sampler and collator."""
+
+from __future__ import annotations
+
+from sampler_fixtures import TableDataset, shapes_lengths, table
+from vltrain.data.config import DataConfig, ResolvedBatching
+from vltrain.data.loader import build_train_loader
+
+
+def test_zeros_resolve_per_batching():
+    assert DataConfig(batch_size=8).resolve() == ResolvedBatching(8, 8 * 77 // 2, 8)
+    assert DataConfig(batch_size=8, batching="budget").resolve() == ResolvedBatching(1, 8 * 77 // 2, 8)
+
+
+def test_the_default_token_budget_holds_one_padded_caption_of_max_length():
+    assert DataConfig(batch_size=1, max_text_length=77).resolve().token_budget == 80  # 77 rounded up to 8
+    assert DataConfig(batch_size=1, max_text_length=77, batching="budget").resolve().token_budget == 77
+
+
+def test_given_values_are_kept():
+    cfg = DataConfig(batching="budget", pad_multiple=16, token_budget=500, image_budget=3)
+    assert cfg.resolve() == ResolvedBatching(16, 500, 3)
+
+
+def test_the_train_loader_plans_and_pads_with_the_resolved_values():
+    t = table(shapes_lengths(40))
+    for batching in ("fixed", "budget"):
+        cfg = DataConfig(batching=batching, batch_size=8, num_workers=0, pin_memory=False, image_size=4)
+        loader = build_train_loader(cfg, TableDataset(t, 4), rank=0, world_size=1, seed=0, run_dir=None, pad_id=0)
+        resolved, s = cfg.resolve(), loader.sampler
+        assert (s.pad_multiple, s.token_budget, s.image_budget) == (
+            resolved.pad_multiple, resolved.token_budget, resolved.image_budget)
+        assert loader._loader.collate_fn.pad_multiple == resolved.pad_multiple
+        widths = {next(loader).input_ids.shape[1] for _ in range(len(loader))}
+        assert all(w % resolved.pad_multiple == 0 for w in widths)
