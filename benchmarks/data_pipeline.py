@@ -243,7 +243,7 @@ def main() -> None:
         bilinear = dataclasses.replace(cfg, interpolation="bilinear")
         pillow = dataclasses.replace(cfg, jpeg_decoder="pillow")
         configs = (("c", cfg), ("cp", pillow), ("c2", fast), ("cb", bilinear))
-        datasets = {k: build_dataset(c, "train", tokenizer) for k, c in configs}
+        datasets = {k: build_dataset(c, "train", tokenizer, plan_aware=True) for k, c in configs}
         for ds in datasets.values():
             ds.table()
         runs = {

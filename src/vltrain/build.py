@@ -51,7 +51,7 @@ def build_model_for(cfg: JobConfig, tokenizer: Tokenizer, device: torch.device |
 
 
 def build_train_loader_for(cfg: JobConfig, tokenizer: Tokenizer, world: World, run_dir: Path) -> TrainLoader:
-    dataset = build_dataset(cfg.data, "train", tokenizer, run_dir=run_dir)
+    dataset = build_dataset(cfg.data, "train", tokenizer, run_dir=run_dir, plan_aware=True)
     return build_train_loader(
         cfg.data, dataset, rank=world.rank, world_size=world.world_size, seed=cfg.train.seed,
         run_dir=run_dir, pad_id=tokenizer.pad_id,

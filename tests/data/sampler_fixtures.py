@@ -89,7 +89,7 @@ def synth_files(folder: Path, num: int, *, text_only_fraction: float = 0.0, shar
 
 def open_data(data_cfg: DataConfig) -> tuple[ImageTextDataset, Collator]:
     tok = load_tokenizer(data_cfg.tokenizer)
-    ds = build_dataset(data_cfg, "train", tok)
+    ds = build_dataset(data_cfg, "train", tok, plan_aware=True)
     return ds, Collator(tok.pad_id, data_cfg.max_text_length, data_cfg.image_size)
 
 def _pattern(folder: Path) -> str:

@@ -182,20 +182,38 @@ def test_text_edge_cases(tmp_path, tok):
     assert batch.has_text.tolist() == [True, True, False]
 
 
-def test_a_replacement_fits_the_plan_of_the_sample_it_replaces(tmp_path, tok):
-    """Budget batches are planned from the table: a replacement keeps the planned modalities and
-    at most the planned token count, so it cannot push a batch over its budget."""
+def one_bad_short_row(tmp_path) -> tuple[DataConfig, int]:
+    """Text-only and image-text rows with long captions, then one bad image-text row with a short one."""
     rows = [{"id": f"t{i}", "text": caption(i)} for i in range(20)]  # text-only, longer captions
     rows += [{"id": f"s{i}", "image": f"img/{i}.png", "text": caption(i) + " " + caption(i + 1)}
              for i in range(20)]  # image-text, longer captions
     for i in range(20):
         save(distinct_image(i), tmp_path / "img" / f"{i}.png")
     rows.append({"id": "short", "image": "img/missing.png", "text": "red"})  # bad, image + short caption
-    ds = build_dataset(cfg(str(write_jsonl(tmp_path / "m.jsonl", rows))), "train", tok)
+    return cfg(str(write_jsonl(tmp_path / "m.jsonl", rows))), len(rows) - 1
+
+
+def test_a_replacement_fits_the_plan_of_the_sample_it_replaces(tmp_path, tok):
+    """Budget batches are planned from the table: a replacement keeps the planned modalities and
+    at most the planned token count, so it cannot push a batch over its budget."""
+    c, planned = one_bad_short_row(tmp_path)
+    ds = build_dataset(c, "train", tok, plan_aware=True)
     t = ds.table()
-    planned = len(rows) - 1
     s = ds[planned]
     assert s.errors and s.errors[0][0] == "short"
     assert s.image is not None and s.key.startswith("s")  # same modalities as planned
     assert 0 < len(s.input_ids) <= t.text_len[planned] and s.truncated
     assert s.input_ids[-1] == tok.encode(caption(0), 16)[0][-1]  # the closing token is kept
+
+
+def test_plan_aware_replacement_is_an_argument_not_a_side_effect_of_table(tmp_path, tok):
+    c, planned = one_bad_short_row(tmp_path)
+    plain = build_dataset(c, "train", tok)
+    before = plain[planned]
+    plain.table()  # the training loader's first call: it no longer switches the dataset
+    after = plain[planned]
+    assert not plain.plan_aware
+    assert (after.key, after.input_ids, after.truncated) == (before.key, before.input_ids, before.truncated)
+    fitted = build_dataset(c, "train", tok, plan_aware=True)[planned]  # no table() call first
+    assert fitted.image is not None and fitted.key.startswith("s") and fitted.truncated
+    assert fitted.key != after.key

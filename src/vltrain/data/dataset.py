@@ -5,12 +5,12 @@ index, so every rank and every worker makes the same choice and batch sizes neve
 failure travels with the replacement into ``Batch.errors``. A source where every sample fails
 raises after a bounded number of tries: it never loops.
 
-Once the sample table exists (training), a replacement also fits the plan the sampler made for
-the sample it replaces: it has the same modalities and at most as many tokens (among
-``PROBES`` hashed candidates; a longer caption is cut to the planned length and counted as
-truncated). So budget batches stay within their token budget. Only a source where none of the
-candidates has the planned modality can put an image where none was planned: at most one
-image slot more per replaced row.
+A training dataset (``plan_aware=True``) also makes a replacement fit the plan the sampler made
+from the sample table for the sample it replaces: it has the same modalities and at most as many
+tokens (among ``PROBES`` hashed candidates; a longer caption is cut to the planned length and
+counted as truncated). So budget batches stay within their token budget. Only a source where
+none of the candidates has the planned modality can put an image where none was planned: at most
+one image slot more per replaced row.
 """
 
 from __future__ import annotations
@@ -68,6 +68,8 @@ class ImageTextDataset(torch.utils.data.Dataset):
         tokenizer: Tokenizer,
         cfg: DataConfig,
         weights: list[float] | None = None,
+        *,
+        plan_aware: bool = False,
     ):
         if not sources:
             raise DataError("no data sources given")
@@ -88,6 +90,8 @@ class ImageTextDataset(torch.utils.data.Dataset):
             if len(s) == 0:
                 raise DataError(f"{s.name}: no usable samples" + _problems_hint(s))
         self._table: SampleTable | None = None
+        self.plan_aware = plan_aware
+        """Replacements fit the sampler's plan (the sample table); off where nothing plans batches."""
 
     def __len__(self) -> int:
         return self._starts[-1]
@@ -108,7 +112,7 @@ class ImageTextDataset(torch.utils.data.Dataset):
             row = source.row(j)
             try:
                 sample = self._load(source, s, j, row, errors)
-                if errors and self._table is not None:
+                if errors and self.plan_aware:
                     self._fit_plan(sample, planned)
                 return sample
             except (ImageError, OSError) as e:
@@ -128,13 +132,13 @@ class ImageTextDataset(torch.utils.data.Dataset):
 
     def _replacement(self, s: int, planned: int, attempt: int) -> int:
         """A row of source ``s`` to load instead: same source, a position spread far from the
-        failed one (bad samples come in runs), with the planned modalities and length if the
-        table is known."""
+        failed one (bad samples come in runs), with the planned modalities and length when the
+        dataset is plan-aware."""
         n = len(self.sources[s])
         candidates = [stable_uid(f"{planned}:{attempt}:{k}") % n for k in range(PROBES)]
-        t = self._table
-        if t is None:
+        if not self.plan_aware:
             return candidates[0]
+        t = self.table()
         rows = self._starts[s] + np.asarray(candidates)
         same = (t.has_image[rows] == t.has_image[planned]) & (t.has_text[rows] == t.has_text[planned])
         fits = same & (t.text_len[rows] <= t.text_len[planned])
@@ -143,9 +147,10 @@ class ImageTextDataset(torch.utils.data.Dataset):
 
     def _fit_plan(self, sample: Sample, planned: int) -> None:
         """Cut a replacement's caption to the planned sample's token count (budget batching)."""
-        limit = int(self._table.text_len[planned])
+        t = self.table()
+        limit = int(t.text_len[planned])
         ids = sample.input_ids
-        if self._table.has_text[planned] and len(ids) > limit:
+        if t.has_text[planned] and len(ids) > limit:
             end = self.tokenizer.eos_id
             # Keep the closing special token, as the tokenizer's own truncation does.
             sample.input_ids = ids[: limit - 1] + ids[-1:] if end is not None and ids[-1] == end and limit > 1 \
@@ -194,9 +199,10 @@ def source_specs(spec: str | list) -> list[SourceSpec]:
 
 
 def build_dataset(
-    data_cfg: DataConfig, split: str, tokenizer: Tokenizer, run_dir: str | Path | None = None
+    data_cfg: DataConfig, split: str, tokenizer: Tokenizer, run_dir: str | Path | None = None, *,
+    plan_aware: bool = False,
 ) -> ImageTextDataset:
-    """The dataset of ``data.train`` or ``data.val``.
+    """The dataset of ``data.train`` or ``data.val``; ``plan_aware`` for the training loader's.
 
     With ``on_error: fail`` a malformed manifest row stops here; with ``skip`` it is dropped
     and logged. Shard indexes that cannot sit next to read-only shards go to
@@ -218,4 +224,4 @@ def build_dataset(
         if len(source.errors()) > 5:
             log.warning("%s: %d malformed rows skipped in all", source.name, len(source.errors()))
         sources.append(source)
-    return ImageTextDataset(sources, tokenizer, data_cfg, [s.weight for s in specs])
+    return ImageTextDataset(sources, tokenizer, data_cfg, [s.weight for s in specs], plan_aware=plan_aware)
