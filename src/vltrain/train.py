@@ -38,31 +38,6 @@ from vltrain.runtime import setup_world
 from vltrain.spmd import RECORDER
 from vltrain.step import StepLosses, plain_backward
 
-class LoaderPosition:
-    """The train loader's position as a Stateful that also takes a checkpoint of another world size.
-
-    Same world size: the exact position. Another: the same epoch with the same number of the
-    epoch's samples consumed, rounded down to a whole step. An epoch's sample order does not depend
-    on the world size, so the run continues where it was by samples seen; batches are composed
-    differently, so this is not bit-exact.
-    """
-
-    def __init__(self, loader, world_size: int):
-        self.loader = loader
-        self.world_size = world_size
-
-    def state_dict(self) -> dict[str, Any]:
-        return self.loader.state_dict()
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        sampler = state["sampler"]
-        saved_world = sampler["world_size"]
-        if saved_world != self.world_size:
-            consumed = sampler["consumed"] * saved_world // self.world_size
-            state = {**state, "sampler": {**sampler, "world_size": self.world_size, "consumed": consumed}}
-        self.loader.load_state_dict(state)
-
-
 class Trainer:
     def __init__(self, cfg: JobConfig):
         self.cfg = cfg
@@ -159,7 +134,7 @@ class Trainer:
             "optimizer": OptimizerState(self.model, self.optimizer),
             "scheduler": self.scheduler,
             "scaler": self.scaler,
-            "loader": LoaderPosition(self.loader, self.world.world_size),
+            "loader": self.loader,
             "trainer": self,
         }
 

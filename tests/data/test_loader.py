@@ -93,6 +93,18 @@ def test_state_restored_at_step_k_yields_the_same_sequence_with_workers(tmp_path
     assert head[0] != tail[0]
 
 
+def test_a_checkpoint_of_another_world_size_resumes_by_samples_seen():
+    t = table(shapes_lengths(40))
+    two = [make_loader(t, rank=r, world_size=2) for r in range(2)]
+    taken = {i for loader in two for _ in range(3) for i in next(loader).ids.tolist()}
+    one = make_loader(t)
+    one.load_state_dict(two[0].state_dict())
+    assert (one.epoch, one.step_in_epoch) == (0, 6)
+    assert one.state_dict()["sampler"]["world_size"] == 1
+    rest = {i for _ in range(len(one) - 6) for i in next(one).ids.tolist()}
+    assert taken.isdisjoint(rest) and len(taken | rest) == 40
+
+
 def test_per_sample_seeds_make_random_draws_independent_of_workers():
     t = table(shapes_lengths(30), has_image=np.arange(30) % 4 != 0)
     draws = [_take(make_loader(t, workers=w), 6) for w in (0, 2)]

@@ -214,8 +214,18 @@ class TrainLoader:
         return state
 
     def load_state_dict(self, state: dict) -> None:
-        """Position the loader; the next ``next()`` returns the first batch the saved run never took."""
-        self.sampler.load_state_dict(state["sampler"])
+        """Position the loader; the next ``next()`` returns the first batch the saved run never took.
+
+        A checkpoint of another world size resumes in the same epoch with the same number of the
+        epoch's samples consumed, rounded down to a whole step of this world. An epoch's sample
+        order does not depend on the world size, so the run continues where it was by samples
+        seen; batches are composed differently, so that resume is not bit-exact.
+        """
+        sampler, world = state["sampler"], self.sampler.world_size
+        saved_world = sampler["world_size"]
+        if saved_world != world:
+            sampler = {**sampler, "world_size": world, "consumed": sampler["consumed"] * saved_world // world}
+        self.sampler.load_state_dict(sampler)
         self.samples_seen = int(state["samples_seen"])
         if self.bad_log is not None and "bad_samples" in state:
             self.bad_log.load_state_dict(state["bad_samples"])
