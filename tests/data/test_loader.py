@@ -105,6 +105,15 @@ def test_a_checkpoint_of_another_world_size_resumes_by_samples_seen():
     assert taken.isdisjoint(rest) and len(taken | rest) == 40
 
 
+def test_closing_the_loader_closes_its_audit_file(tmp_path):
+    loader = make_loader(table(shapes_lengths(8)), run_dir=tmp_path)
+    next(loader)
+    loader.close()
+    assert loader.audit._f.closed
+    assert [json.loads(x)["kind"] for x in (tmp_path / "audit" / "rank0.jsonl").read_text().splitlines()] == [
+        "epoch", "batch"]
+
+
 def test_per_sample_seeds_make_random_draws_independent_of_workers():
     t = table(shapes_lengths(30), has_image=np.arange(30) % 4 != 0)
     draws = [_take(make_loader(t, workers=w), 6) for w in (0, 2)]

@@ -52,6 +52,8 @@ class AuditLog:
         })
 
     def close(self) -> None:
+        """Nothing is left to flush (the file is line-buffered, so a killed run keeps every whole
+        line); closing releases the file handle."""
         self._f.close()
 
 

@@ -200,12 +200,14 @@ class TrainLoader:
         return batch
 
     def close(self) -> None:
-        """Stop the worker processes now, through the loader's own shutdown."""
+        """Stop the worker processes now, through the loader's own shutdown; close the audit file."""
         it = getattr(self._loader, "_iterator", None) or self._it
         shutdown = getattr(it, "_shutdown_workers", None)
         if callable(shutdown):
             shutdown()
         self._it = None
+        if self.audit is not None:
+            self.audit.close()
 
     def state_dict(self) -> dict:
         state = {"sampler": self.sampler.state_dict(), "samples_seen": self.samples_seen}
