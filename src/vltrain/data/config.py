@@ -64,18 +64,19 @@ class DataConfig:
     std: list[float] = field(default_factory=lambda: [0.229, 0.224, 0.225])
     jpeg_draft_ratio: float = 1.0
     """JPEGs may be decoded at 1/2, 1/4 or 1/8 scale down to this fraction of image_size, then
-    upsampled: 1.0 never upsamples (exact); 0.8 decodes a 500x375 photo at 250x188 for 224 (about
-    2x faster to decode, slightly softer)."""
+    upsampled: 1.0 never upsamples (exact); 0.8 decodes a 500x375 photo at 250x188 for 224, a
+    faster decode for a slightly softer image (docs/benchmarks.md, "Data pipeline")."""
     jpeg_decoder: Literal["auto", "pillow"] = "auto"
     """auto: JPEGs are decoded by simplejpeg when it is installed, else by Pillow. simplejpeg
     decodes straight into one array and scales in the DCT by any of 1/8 .. 5/8 (Pillow: 1/2, 1/4,
-    1/8 only), so a 500x375 photo going to 224 is decoded at 313x235 instead of in full: the
-    loader delivers ~1.4x the samples/s, pixels within ~3 grey levels (mean) of Pillow's
-    (docs/benchmarks.md).
+    1/8 only), so a 500x375 photo going to 224 is decoded at 313x235 instead of in full: fewer
+    pixels decoded and resized, at the price of pixels close to Pillow's but not identical (the
+    speed and the distance: docs/benchmarks.md, "Data pipeline").
     pillow: always Pillow, for pixels identical to other Pillow-based pipelines."""
     interpolation: Literal["bicubic", "bilinear"] = "bicubic"
-    """Resize filter (antialiased, on uint8). Bicubic is within 0.5 grey levels of a Lanczos
-    reference on photos, bilinear within 0.9 and ~15% cheaper (benchmarks/data_pipeline.py)."""
+    """Resize filter (antialiased, on uint8). Bicubic is the filter CLIP-family checkpoints are
+    preprocessed with; bilinear is a little cheaper and further from a Lanczos reference
+    (docs/benchmarks.md, "Data pipeline")."""
     max_image_pixels: int = MAX_IMAGE_PIXELS
     """Decompression-bomb guard: images with more pixels are rejected as bad samples."""
     tokenizer: str = ""
@@ -86,7 +87,8 @@ class DataConfig:
     packer alike. 0 picks per batching: 8 with fixed batching (tensor-core friendly, few
     distinct widths to compile); 1 with budget batching, which groups rows by exact length and
     whose batches vary in rows anyway (so compiled code sees dynamic shapes either way), where
-    rounding short captions to 8 would cost ~10% more text positions for little gain."""
+    rounding short captions to 8 would cost text positions for little gain (docs/benchmarks.md,
+    "Padding and dynamic batching")."""
     csv: CsvConfig = field(default_factory=CsvConfig)
     cache_dir: str = ""
     """Where shard indexes go when a shard's folder is read-only (empty: RUN_DIR/cache)."""

@@ -2,8 +2,8 @@
 
 Normalization is not done here: it is one float op per batch where the batch lands
 (``Batch.pixels``), so workers move 4x fewer bytes and do no float math. The resize runs on
-the uint8 pixels with torch's antialiased bicubic kernel, which matches Pillow's bicubic to
-within 3 grey levels and is several times faster (benchmarks/data_pipeline.py).
+the uint8 pixels with torch's antialiased bicubic kernel, as close to a Lanczos reference as
+Pillow's bicubic and cheaper (docs/benchmarks.md, "Data pipeline", the resize table).
 
 JPEGs (most real data) are decoded by simplejpeg when it is installed: libjpeg-turbo writing
 straight into one numpy array, at the smallest M/8 scale that still covers the output (DCT
@@ -41,8 +41,8 @@ SIXTEEN_BIT_MODES = ("I;16", "I;16L", "I;16B", "I;16N")
 
 # The M of the M/8 scales simplejpeg may decode at. libjpeg-turbo's SIMD inverse DCTs are for
 # 1/8, 2/8, 4/8 and 8/8; the other scales run in plain C. 3/8 and 5/8 still pay through the
-# smaller resize; 6/8 and 7/8 measured slower than a full decode plus resize (a 500x375 photo to
-# 224: 1.41 and 1.79 ms against 1.43 in full, 1.29 at 5/8), so they are skipped.
+# smaller resize; 6/8 and 7/8 measured slower than a full decode plus resize, so they are skipped
+# (docs/benchmarks.md, "Data pipeline").
 JPEG_SCALES = (1, 2, 3, 4, 5, 8)
 JPEG_START = b"\xff\xd8"
 # EXIF orientation -> the flips/transposes that make an [H, W, C] array upright
@@ -157,9 +157,9 @@ def load_jpeg(
     read): Pillow then decodes it and, if it is broken, says why.
 
     At the scales Pillow's draft also uses (1/2, 1/4, 1/8, full) the pixels are Pillow's; at
-    3/8 and 5/8 the DCT scaling filters differently from the resize it saves, and the resized
-    result is within ~3 grey levels (mean) of Pillow's (tests/data/test_images.py,
-    docs/benchmarks.md)."""
+    3/8 and 5/8 the DCT scaling filters differently from the resize it saves, so the resized
+    result differs slightly from Pillow's (bounded per size by tests/data/test_images.py;
+    measured in docs/benchmarks.md, "Data pipeline")."""
     try:
         h, w, colorspace, _ = simplejpeg.decode_jpeg_header(data)
     except ValueError:
@@ -185,7 +185,7 @@ def load_jpeg(
 def _may_be_rotated(data: bytes) -> bool:
     """Whether a JPEG's header holds an APP1 segment (EXIF or XMP, where Pillow finds the
     orientation), found by walking the segment lengths: Pillow then reads the header, and files
-    without one (most web images) skip that parse, ~5% of the decode. Anything odd answers True."""
+    without one (most web images) skip that parse. Anything odd answers True."""
     pos = 2
     while pos + 4 <= len(data):
         if data[pos] != 0xFF or data[pos + 1] == 0xFF:

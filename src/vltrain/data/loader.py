@@ -41,7 +41,8 @@ def _batch_seeds(seed: int, rank: int, epoch: int, step: int, rows: int) -> list
 
 def _seed_all(seed: int) -> None:
     # Not torch.manual_seed: it also seeds every accelerator and records a stack trace for
-    # lazy device init (~100x slower). Workers draw on the CPU generator only.
+    # lazy device init, far slower (docs/benchmarks.md, "Data pipeline"). Workers draw on the CPU
+    # generator only.
     torch.default_generator.manual_seed(seed)
     random.seed(seed)
     np.random.seed(seed)
