@@ -1,5 +1,5 @@
-"""Builders shared by training, evaluation, export and the demo: the tokenizer, the model and the
-data loaders a config describes. Each is decided here once, so every command sees the same model
+"""Builders shared by training, evaluation, export and the demo: the tokenizer, the model, the task
+and the data loaders a config describes. Each is decided here once, so every command sees the same model
 and the same data pipeline."""
 
 from __future__ import annotations
@@ -15,6 +15,8 @@ from vltrain.data.text import Tokenizer, load_tokenizer
 from vltrain.distributed import World
 from vltrain.errors import ConfigError
 from vltrain.model import VLModel, build_model, hf_tokenizer_file
+from vltrain.objectives import Objectives
+from vltrain.task import Task
 
 
 def tokenizer_path(cfg: JobConfig) -> str:
@@ -48,6 +50,11 @@ def build_model_for(cfg: JobConfig, tokenizer: Tokenizer, device: torch.device |
         image_size=cfg.data.image_size, max_text_length=cfg.data.max_text_length,
     )
     return model.to(device)
+
+
+def build_task(cfg: JobConfig, model: VLModel) -> Task:
+    """The model with the objectives ``model.loss`` asks for (those the model has heads for)."""
+    return Task(model, Objectives(cfg.model.loss, model))
 
 
 def build_train_loader_for(cfg: JobConfig, tokenizer: Tokenizer, world: World, run_dir: Path) -> TrainLoader:

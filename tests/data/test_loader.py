@@ -19,7 +19,9 @@ from vltrain.data.loader import TrainLoader, build_eval_loader, build_train_load
 from vltrain.data.sampler import DistributedBatchSampler
 from vltrain.errors import DataError
 from vltrain.model import build_model
-from vltrain.model.config import ModelConfig
+from vltrain.model.config import LossConfig, ModelConfig
+from vltrain.objectives import Objectives
+from vltrain.task import Task
 
 
 def make_loader(t, *, rank=0, world_size=1, workers=0, run_dir=None, **kw) -> TrainLoader:
@@ -189,13 +191,12 @@ def _text_only_rank(rank, world_size, data_cfg):
     model = build_model(ModelConfig(preset="tiny-clip"), vocab_size=ds.tokenizer.vocab_size, pad_id=ds.tokenizer.pad_id,
                         mask_id=ds.tokenizer.mask_id, image_size=data_cfg.image_size,
                         max_text_length=data_cfg.max_text_length)
-    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    ddp = torch.nn.parallel.DistributedDataParallel(Task(model, Objectives(LossConfig(), model)))
     opt = torch.optim.SGD(ddp.parameters(), lr=0.01)
     sizes, text_only_batches = [], 0
     for _ in range(100):
         b = next(loader)
-        out = ddp(b.pixels(data_cfg.mean, data_cfg.std), b.input_ids, b.attention_mask, b.has_image,
-                  b.has_text, b.ids)
+        out = ddp("all", b.to_model_inputs("cpu", data_cfg.mean, data_cfg.std))
         opt.zero_grad()
         out.loss.backward()
         opt.step()
