@@ -70,11 +70,11 @@ def measure_rate(cfg, vocab: int = TOKENIZER_VOCAB, steps: int = 3) -> float:
 
     import torch
 
-    from vltrain.runtime import keep_freed_memory
     from vltrain.build import build_task
     from vltrain.model import build_model
     from vltrain.optim import build_optimizer
     from vltrain.precision import Precision
+    from vltrain.runtime import keep_freed_memory
     from vltrain.step import plain_backward
 
     keep_freed_memory()
