@@ -91,16 +91,64 @@ class TrainConfig:
 
 
 @dataclass
+class ZeroShotSet:
+    name: str = ""
+    """Metrics are written as zeroshot/NAME/top1, top5, mean_per_class."""
+    path: str = ""
+    """A folder with one sub-folder of images per class (class names from the folder names, or from
+    its classnames.txt), or a JSONL/CSV manifest with image and label columns."""
+    templates: str = ""
+    """A file of prompt templates, one per line with {} for the class name (empty: the built-in set)."""
+
+    def validate(self) -> None:
+        _check_set_name("eval.zeroshot", self.name, self.path)
+
+
+@dataclass
+class RetrievalSet:
+    name: str = ""
+    """Metrics are written as retrieval/NAME/i2t_r1 ... (and itm_i2t_r1 ... when re-ranked)."""
+    path: str = ""
+    """A COCO-style caption JSON: the Karpathy split file, or a captions_*.json with annotations."""
+    split: str = "test"
+    """The Karpathy file's split to evaluate (the annotations format has none: every image)."""
+    image_root: str = ""
+    """Folder the image paths are relative to (empty: the JSON's folder)."""
+
+    def validate(self) -> None:
+        _check_set_name("eval.retrieval", self.name, self.path)
+
+
+def _check_set_name(key: str, name: str, path: str) -> None:
+    if not name or "/" in name or not path:
+        raise ConfigError(f"each entry of {key} needs a name (no '/') and a path, got name={name!r} path={path!r}")
+
+
+@dataclass
 class EvalConfig:
     every: int = 0
-    """Evaluate on data.val every N steps (0: only at the end)."""
+    """Evaluate on data.val, eval.zeroshot and eval.retrieval every N steps (0: only at the end)."""
     batch_size: int = 256
     max_samples: int = 0
     early_stop_metric: str = ""
     early_stop_patience: int = 0
     early_stop_mode: Literal["max", "min"] = "max"
-    """Early stopping: stop when eval metric early_stop_metric (e.g. t2i_r1) has not improved
-    for early_stop_patience evaluations (0: never stop early)."""
+    """Early stopping: stop when eval metric early_stop_metric (e.g. t2i_r1 or zeroshot/NAME/top1)
+    has not improved for early_stop_patience evaluations (0: never stop early)."""
+    zeroshot: list[ZeroShotSet] = field(default_factory=list)
+    """Zero-shot classification sets: [{name, path, templates}]."""
+    retrieval: list[RetrievalSet] = field(default_factory=list)
+    """Multi-caption retrieval sets (COCO, Flickr30k): [{name, path, split}]."""
+    itm_rerank_k: int = 16
+    """Fusion models: re-score each query's top k candidates with the ITM head (0: off)."""
+
+    def validate(self) -> None:
+        if self.itm_rerank_k < 0:
+            raise ConfigError(f"eval.itm_rerank_k must be >= 0 (0: no re-ranking), got {self.itm_rerank_k}")
+        for key, sets in (("eval.zeroshot", self.zeroshot), ("eval.retrieval", self.retrieval)):
+            names = [s.name for s in sets]
+            if len(set(names)) != len(names):
+                raise ConfigError(f"{key}: names must differ, got {names}")
 
 
 @dataclass

@@ -8,7 +8,9 @@ so every pass that leads to a backward goes through ``Task.forward``, named by i
 - ``task("contrastive", image_embeds, text_embeds, rows)``: the weighted ITC + SigLIP term on given
   embeddings (gradient caching's loss over the cached global batch);
 - ``task("replay", inputs, cache, i, encode_rng, objectives_rng)``: gradient caching's second pass
-  over micro-batch ``i`` (see :mod:`vltrain.gradcache`).
+  over micro-batch ``i`` (see :mod:`vltrain.gradcache`);
+- ``task("itm", text_tokens, attention_mask, image_tokens)``: ITM logits [B, 2] of fused pairs
+  (evaluation's re-ranking: under FSDP2 the fusion encoder and the head are gathered only here).
 """
 
 from __future__ import annotations
@@ -87,10 +89,15 @@ class Task(nn.Module):
             return self.objectives.contrastive(self.model, *args)
         if part == "replay":
             return self.replay(*args)
+        if part == "itm":
+            return self.itm(*args)
         raise ValueError(f"unknown task part {part!r}")
 
     def all(self, inputs: ModelInputs) -> ObjectiveOutput:
         return self.objectives.score(self.model, self.model.encode(inputs), inputs)
+
+    def itm(self, text_tokens: torch.Tensor, attention_mask: torch.Tensor, image_tokens: torch.Tensor) -> torch.Tensor:
+        return self.model.itm_head(self.model.fuse(text_tokens, attention_mask, image_tokens))
 
     def replay(self, inputs: ModelInputs, cache: ContrastiveCache, i: int, encode_rng: GeneratorState,
                objectives_rng: GeneratorState) -> tuple[torch.Tensor, ObjectiveOutput, GeneratorState]:
