@@ -48,9 +48,15 @@ def _model_commands(sub) -> None:
     d.add_argument("overrides", nargs="*", help="dotted overrides of configs/demo.yaml")
     d.set_defaults(func=_handler("vltrain.demo:demo_cli"))
 
-    e = sub.add_parser("eval", help="retrieval metrics of a run's latest checkpoint or an exported model")
+    e = sub.add_parser("eval", help="retrieval and zero-shot metrics of a run's latest checkpoint or an exported model")
     e.add_argument("path", help="a run folder or an exported model folder")
     e.add_argument("--data", default=None, help="val source (default: the run's data.val)")
+    e.add_argument("--zeroshot", default=None, metavar="DIR",
+                   help="zero-shot classification on a class-per-folder image set (or a manifest with labels)")
+    e.add_argument("--templates", default=None, metavar="FILE", help="prompt templates, one per line with {}")
+    e.add_argument("--retrieval", default=None, metavar="FILE", help="COCO-style caption JSON (Karpathy split or annotations)")
+    e.add_argument("--split", default="test", help="the Karpathy split to evaluate (default test)")
+    e.add_argument("--json", action="store_true", help="print the metrics as JSON instead of a table")
     e.add_argument("overrides", nargs="*", help="dotted overrides")
     e.set_defaults(func=_handler("vltrain.evaluate:eval_cli"))
 
@@ -72,7 +78,10 @@ def _data_commands(data: argparse.ArgumentParser) -> None:
     dsub = data.add_subparsers(dest="data_command", required=True, metavar="DATA_COMMAND")
 
     s = dsub.add_parser("synth", help="write the synthetic 'shapes' dataset (images + JSONL manifests)")
-    s.add_argument("--out", required=True)
+    s.add_argument("--out", default=None, help="where the image-text pairs go")
+    s.add_argument("--classify", default=None, metavar="OUT",
+                   help="also (or only) write a class-per-folder set: one shape per image, class = shape kind")
+    s.add_argument("--per-class", type=int, default=50, help="images per class of --classify (default 50)")
     s.add_argument("--num", type=int, default=10000, help="training rows")
     s.add_argument("--val", type=int, default=1000, help="validation rows (image-text pairs)")
     s.add_argument("--text-only-fraction", type=float, default=0.0)

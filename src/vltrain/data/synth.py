@@ -223,6 +223,48 @@ def synthesize(
     return paths
 
 
+CLASSIFY_TEMPLATES = (
+    "a {}",
+    "a large {}",
+    "a small {}",
+    "there is a {}",
+    "a picture of a {}",
+    "an image with a {}",
+)
+"""Prompts in the captions' own wording, written beside a classify set as templates.txt."""
+
+
+def _classify_image(job: tuple[str, int, int, int, str]) -> None:
+    kind, i, seed, image_size, path = job
+    rng = random.Random(f"shapes-classify/{seed}/{kind}/{i}")
+    shape = Shape(kind=kind, color=rng.choice(sorted(COLORS)), size=rng.choice(sorted(SIZES)),
+                  cell=rng.choice(sorted(CELL_WORDS)), jitter=(0.0, 0.0))
+    render([shape], image_size, rng).save(path, optimize=False, compress_level=1)
+
+
+def synthesize_classify(out: str | Path, per_class: int, seed: int = 0, image_size: int = 48, workers: int = 0) -> Path:
+    """Write ``out/KIND/NNNN.png``: one shape per image (random colour, size and cell), one folder per
+    shape kind, a zero-shot classification set; and ``out/templates.txt``."""
+    if per_class < 1:
+        raise UserError(f"--per-class must be >= 1, got {per_class}")
+    if image_size < 12:
+        raise UserError(f"--image-size must be >= 12, got {image_size}")
+    out = Path(out)
+    jobs = []
+    for kind in KINDS:
+        (out / kind).mkdir(parents=True, exist_ok=True)
+        jobs += [(kind, i, seed, image_size, str(out / kind / f"{i:04d}.png")) for i in range(per_class)]
+    workers = workers or min(os.cpu_count() or 1, 8)
+    if workers > 1 and len(jobs) > 200:
+        with ProcessPoolExecutor(workers) as ex:
+            list(ex.map(_classify_image, jobs, chunksize=64))
+    else:
+        for job in jobs:
+            _classify_image(job)
+    (out / "templates.txt").write_text("\n".join(CLASSIFY_TEMPLATES) + "\n")
+    return out
+
+
 TOKENIZER_VOCAB = 512
 
 
@@ -237,6 +279,15 @@ def write_tokenizer(out: str | Path, vocab_size: int = TOKENIZER_VOCAB) -> Path:
 
 
 def synth_cli(args) -> int:
+    if args.classify:
+        out = synthesize_classify(args.classify, args.per_class, args.seed, args.image_size, args.workers)
+        print(f"classify: {out} ({len(KINDS)} classes x {args.per_class} images: {', '.join(KINDS)})")
+        print(f"templates: {out / 'templates.txt'}")
+        print(f"next: vltrain eval RUN_DIR --zeroshot {out} --templates {out / 'templates.txt'}")
+        if not args.out:
+            return 0
+    if not args.out:
+        raise UserError("give --out DIR (image-text pairs) and/or --classify DIR (a class-per-folder set)")
     paths = synthesize(
         args.out, args.num, args.val, args.text_only_fraction, args.seed, args.image_size, args.workers
     )
