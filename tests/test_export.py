@@ -67,7 +67,7 @@ def test_export_then_embed_gives_the_trainers_embeddings(trained, tmp_path, cli)
     np.testing.assert_allclose(got, want, atol=1e-5)
 
     # vltrain eval takes the exported folder
-    proc = cli("eval", out, "train.threads=1", "eval.batch_size=16", "--data", shapes / "val.jsonl")
+    proc = cli("eval", out, "train.threads=1", "eval.batch_size=16", "--data", shapes / "val.jsonl", "--json")
     assert proc.returncode == 0, proc.stderr
     assert 0.0 <= json.loads(proc.stdout)["t2i_r1"] <= 1.0
 

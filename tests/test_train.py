@@ -150,7 +150,7 @@ def test_gradcache_accumulation_matches_the_big_batch(shapes, tmp_path, nproc, p
 def test_eval_command_reproduces_the_final_evaluation(shapes, tmp_path, cli):
     run = tmp_path / "ev"
     train(shapes, run, **{"train.max_steps": 3, "eval.every": 0})
-    proc = cli("eval", run, "train.threads=1")
+    proc = cli("eval", run, "train.threads=1", "--json")
     assert proc.returncode == 0, proc.stderr[-3000:]
     printed = json.loads(proc.stdout)
     final = json.loads((run / "eval.json").read_text())[-1]

@@ -1,6 +1,8 @@
-"""Zero-shot retrieval: image->text and text->image recall@1/5/10 on held-out pairs.
+"""Evaluation: image->text and text->image recall@1/5/10 on held-out pairs (``data.val``), and the
+sets of ``eval.zeroshot`` (:mod:`vltrain.zeroshot`) and ``eval.retrieval`` (:mod:`vltrain.retrieval`),
+each with ITM re-ranking for fusion models; ``eval.json``; ``vltrain eval``.
 
-Every rank embeds its shard of the val set, the embeddings are gathered, and every rank
+Every rank embeds its shard of each set, the embeddings are gathered, and every rank
 computes the same metrics. Nobody waits at a barrier while rank 0 works alone (the way
 evaluation times out the other ranks' collectives in some trainers).
 """
@@ -9,6 +11,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -16,12 +20,16 @@ from torch import nn
 
 from vltrain.build import build_model_for, build_task, build_tokenizer, build_val_loader
 from vltrain.checkpoint import find_checkpoint, load_model_weights
-from vltrain.config import load_config
-from vltrain.distributed import all_gather_no_grad, all_reduce_sum
-from vltrain.errors import UserError
+from vltrain.config import JobConfig, load_config
+from vltrain.data.text import Tokenizer
+from vltrain.distributed import World, all_gather_no_grad, all_reduce_sum
+from vltrain.errors import ConfigError, UserError
+from vltrain.eval_embed import Embedded, cat_padded, eval_mode
 from vltrain.export import is_exported, load_exported
 from vltrain.precision import Precision
+from vltrain.retrieval import evaluate_retrieval, itm_rerank, multi_caption_recall, open_retrieval
 from vltrain.runtime import setup_world
+from vltrain.zeroshot import evaluate_zeroshot, open_zeroshot
 
 KS = (1, 5, 10)
 
@@ -61,48 +69,118 @@ def gather_rows(x: torch.Tensor) -> torch.Tensor:
     return all_gather_no_grad(x)
 
 
+@dataclass
+class Pairs:
+    """This rank's image-text pairs of the val set, or every rank's once gathered."""
+
+    images: Embedded
+    texts: Embedded
+    ids: torch.Tensor
+
+    def gathered(self) -> "Pairs":
+        return Pairs(self.images.gathered(), self.texts.gathered(), gather_rows(self.ids))
+
+    def select(self, rows: torch.Tensor) -> "Pairs":
+        def pick(e: Embedded) -> Embedded:
+            return Embedded(e.embeds[rows], e.present[rows], None if e.tokens is None else e.tokens[rows],
+                            None if e.mask is None else e.mask[rows])
+
+        return Pairs(pick(self.images), pick(self.texts), self.ids[rows])
+
+
 @torch.no_grad()
-def embed_pairs(wrapped: nn.Module, loader, data_cfg, device: torch.device, autocast, max_samples: int = 0):
-    """Embeddings and ids of this rank's image-text pairs (rows missing either side are skipped).
+def embed_pairs(wrapped: nn.Module, loader, data_cfg, device: torch.device, autocast, max_samples: int = 0,
+                keep_tokens: bool = False) -> Pairs:
+    """This rank's image-text pairs (rows missing either side are skipped), with their tokens for
+    ITM re-ranking when ``keep_tokens``.
 
     With ``max_samples``, stops once all ranks together hold that many pairs (or more)."""
-    imgs, txts, ids = [], [], []
+    parts: list[Pairs] = []
     seen = 0
     for batch in loader:
         inputs = batch.to_model_inputs(device, data_cfg.mean, data_cfg.std)
         keep = inputs.has_image & inputs.has_text
         with autocast():
             enc = wrapped("encode", inputs)
-        imgs.append(enc.image_embeds[keep].float())
-        txts.append(enc.text_embeds[keep].float())
-        ids.append(inputs.ids[keep])
+        images = Embedded(enc.image_embeds[keep].float(), keep[keep])
+        texts = Embedded(enc.text_embeds[keep].float(), keep[keep])
+        if keep_tokens:
+            images.tokens, texts.tokens, texts.mask = enc.image_tokens[keep], enc.text_tokens[keep], inputs.attention_mask[keep]
+        parts.append(Pairs(images, texts, inputs.ids[keep]))
         # every rank stops after the same batch (FSDP2 gathers parameters in each forward), once
         # the ranks together hold max_samples pairs
         if max_samples:
             seen += int(all_reduce_sum(keep.sum()))
             if seen >= max_samples:
                 break
-    return torch.cat(imgs), torch.cat(txts), torch.cat(ids)
+    return _cat_pairs(parts)
 
 
-def evaluate(wrapped: nn.Module, loader, data_cfg, device: torch.device, autocast, max_samples: int = 0) -> dict[str, float]:
-    """Retrieval metrics over the val set; the same dict on every rank."""
-    was_training = wrapped.training
-    wrapped.eval()
-    try:
-        img, txt, ids = embed_pairs(wrapped, loader, data_cfg, device, autocast, max_samples)
-    finally:
-        wrapped.train(was_training)
-    img, txt, ids = gather_rows(img), gather_rows(txt), gather_rows(ids)
+def _cat_pairs(parts: list[Pairs]) -> Pairs:
+    def cat(side: str, field: str):
+        xs = [getattr(getattr(p, side), field) for p in parts]
+        return None if xs[0] is None else cat_padded(xs)
+
+    sides = {side: Embedded(*(cat(side, f) for f in ("embeds", "present", "tokens", "mask"))) for side in ("images", "texts")}
+    return Pairs(sides["images"], sides["texts"], torch.cat([p.ids for p in parts]))
+
+
+def evaluate(wrapped: nn.Module, loader, data_cfg, device: torch.device, autocast, max_samples: int = 0,
+             rerank_k: int = 0, batch_size: int = 256) -> dict[str, float]:
+    """Retrieval metrics over the val set (one caption per image); the same dict on every rank.
+    With ``rerank_k`` (fusion models), also the ITM re-ranked recalls, as ``itm_i2t_r1`` ..."""
+    with eval_mode(wrapped):
+        pairs = embed_pairs(wrapped, loader, data_cfg, device, autocast, max_samples, keep_tokens=bool(rerank_k))
+    pairs = pairs.gathered()
     # an evenly split val set repeats a few samples on some ranks; count each pair once
-    order = torch.argsort(ids, stable=True)
-    ids = ids[order]
+    order = torch.argsort(pairs.ids, stable=True)
+    ids = pairs.ids[order]
     first = torch.ones_like(ids, dtype=torch.bool)
     first[1:] = ids[1:] != ids[:-1]
     keep = order[first]
     if max_samples:
         keep = keep[:max_samples]
-    return retrieval_metrics(img[keep], txt[keep])
+    pairs = pairs.select(keep)
+    out = retrieval_metrics(pairs.images.embeds, pairs.texts.embeds)
+    if rerank_k and len(keep):
+        one_each = torch.arange(len(keep), device=pairs.images.embeds.device)
+        rescored = itm_rerank(wrapped, pairs.images, pairs.texts, rerank_k, batch_size, autocast)
+        out.update(multi_caption_recall(pairs.images.embeds, pairs.texts.embeds, one_each, rescored, prefix="itm_"))
+    return out
+
+
+class Evaluator:
+    """Every evaluation a config names (``data.val``, ``eval.zeroshot``, ``eval.retrieval``), each set
+    opened once; :meth:`run` evaluates them all on every rank and returns one flat dict."""
+
+    def __init__(self, cfg: JobConfig, tokenizer: Tokenizer, world: World, run_dir: Path | None = None):
+        self.cfg = cfg
+        ec, kw = cfg.eval, {"rank": world.rank, "world_size": world.world_size, "batch_size": cfg.eval.batch_size}
+        self.val = build_val_loader(cfg, tokenizer, world, run_dir) if cfg.data.val else None
+        self.zeroshot = [open_zeroshot(z.name, z.path, z.templates, cfg.data, tokenizer, **kw) for z in ec.zeroshot]
+        self.retrieval = [open_retrieval(r.name, r.path, r.split, r.image_root, cfg.data, tokenizer, **kw)
+                          for r in ec.retrieval]
+
+    def __bool__(self) -> bool:
+        return self.val is not None or bool(self.zeroshot) or bool(self.retrieval)
+
+    def run(self, wrapped: nn.Module, model: nn.Module, device: torch.device, autocast) -> dict[str, float]:
+        ec, data = self.cfg.eval, self.cfg.data
+        rerank_k = ec.itm_rerank_k if getattr(model, "itm_head", None) is not None else 0
+        out: dict[str, float] = {}
+        if self.val is not None:
+            out.update(evaluate(wrapped, self.val, data, device, autocast, ec.max_samples, rerank_k, ec.batch_size))
+        for z in self.zeroshot:
+            out.update(evaluate_zeroshot(wrapped, z, data, device, autocast))
+        for r in self.retrieval:
+            out.update(evaluate_retrieval(wrapped, r, data, device, autocast, rerank_k, ec.batch_size))
+        return out
+
+
+def check_early_stop_metric(metric: str, metrics: dict[str, float]) -> None:
+    if metric and metric not in metrics:
+        raise ConfigError(f"eval.early_stop_metric {metric!r} is not among the evaluation's metrics: "
+                          + ", ".join(k for k in metrics if not k.rsplit("/", 1)[-1].startswith("num_")))
 
 
 def append_eval(run_dir: str | Path, step: int, metrics: dict[str, float]) -> None:
@@ -114,28 +192,70 @@ def append_eval(run_dir: str | Path, step: int, metrics: dict[str, float]) -> No
 
 
 def format_metrics(m: dict[str, float]) -> str:
-    keys = [f"i2t_r{k}" for k in KS] + [f"t2i_r{k}" for k in KS]
-    return "  ".join(f"{k}={m[k]:.3f}" for k in keys if k in m)
+    """One line: the val recalls (and re-ranked ones), then each set's headline figure."""
+    keys = [f"{p}{d}_r{k}" for p in ("", "itm_") for d in ("i2t", "t2i") for k in KS]
+    parts = [f"{k}={m[k]:.3f}" for k in keys if k in m]
+    parts += [f"{k}={v:.3f}" for k, v in m.items()
+              if k.startswith(("zeroshot/", "retrieval/")) and k.endswith(("/top1", "/t2i_r1", "/itm_t2i_r1"))]
+    return "  ".join(parts)
+
+
+def format_table(m: dict[str, float]) -> str:
+    """A table with a row per evaluated set (and re-ranking) and a column per metric."""
+    rows: dict[str, dict[str, float]] = {}
+    for key, value in m.items():
+        head, _, metric = key.rpartition("/")
+        if metric.startswith("itm_"):
+            head, metric = f"{head or 'val'} (ITM re-ranked)", metric[4:]
+        rows.setdefault(head or "val", {})[metric] = value
+    lines = []
+    for name, row in rows.items():
+        cols = list(row)
+        lines.append(f"{name}")
+        lines.append("  " + "  ".join(f"{c:>14}" for c in cols))
+        lines.append("  " + "  ".join(f"{row[c]:>14.4f}" if isinstance(row[c], float) else f"{row[c]:>14}"
+                                      for c in cols))
+    return "\n".join(lines)
 
 
 def eval_cli(args: argparse.Namespace) -> int:
-    """``vltrain eval RUN_DIR``: retrieval metrics of the run's weights on its (or another) val set."""
-    metrics = evaluate_run(Path(args.path), data=args.data, overrides=list(args.overrides or []))
-    print(json.dumps(metrics, indent=1))
+    """``vltrain eval RUN_DIR``: metrics of the run's weights on its val set and evaluation sets, or on
+    the sets the command line names."""
+    overrides = list(args.overrides or [])
+    if args.zeroshot:
+        name = Path(args.zeroshot).stem or "zeroshot"
+        overrides.append(f"eval.zeroshot=[{{name: {json.dumps(name)}, path: {json.dumps(str(args.zeroshot))}, "
+                         f"templates: {json.dumps(args.templates or '')}}}]")
+    if args.retrieval:
+        name = Path(args.retrieval).stem or "retrieval"
+        overrides.append(f"eval.retrieval=[{{name: {json.dumps(name)}, path: {json.dumps(str(args.retrieval))}, "
+                         f"split: {json.dumps(args.split)}}}]")
+    only_sets = bool(args.zeroshot or args.retrieval)
+    if only_sets:
+        overrides += [] if args.zeroshot else ["eval.zeroshot=[]"]
+        overrides += [] if args.retrieval else ["eval.retrieval=[]"]
+    metrics = evaluate_run(Path(args.path), data=args.data, overrides=overrides, val=args.data is not None or not only_sets)
+    if os.environ.get("RANK", "0") == "0":
+        print(json.dumps(metrics, indent=1) if args.json else format_table(metrics))
     return 0
 
 
-def evaluate_run(run_dir: Path, data: str | None = None, overrides: list[str] | None = None) -> dict[str, float]:
-    """Retrieval metrics of a run's latest checkpoint or of an exported model (``vltrain eval``)."""
+def evaluate_run(run_dir: Path, data: str | None = None, overrides: list[str] | None = None,
+                 val: bool = True) -> dict[str, float]:
+    """Metrics of a run's latest checkpoint or of an exported model (``vltrain eval``): its ``data.val``
+    (unless ``val`` is false) and its ``eval.zeroshot`` and ``eval.retrieval`` sets."""
     exported = is_exported(run_dir)
     config_path = run_dir / "config.yaml"
     if not exported and not config_path.exists():
         raise UserError(f"{run_dir} is neither a run folder (with config.yaml and checkpoints) "
                         "nor an exported model (vltrain export)")
     cfg = load_config(config_path, list(overrides or []) + ([f"data.val={data}"] if data else []))
+    if not val:
+        cfg.data.val = ""
     ckpt = None if exported else find_checkpoint(run_dir, cfg.checkpoint.folder)
-    if not cfg.data.val:
-        raise UserError(f"{config_path} names no data.val; pass --data VAL_MANIFEST")
+    if not (cfg.data.val or cfg.eval.zeroshot or cfg.eval.retrieval):
+        raise UserError(f"{config_path} names no data.val and no eval sets; pass --data VAL_MANIFEST, "
+                        "--zeroshot DIR or --retrieval FILE")
     world = setup_world(timeout_s=cfg.train.timeout_s, device=cfg.train.device, threads=cfg.train.threads,
                         tf32=cfg.train.tf32)
     clean = False
@@ -147,9 +267,9 @@ def evaluate_run(run_dir: Path, data: str | None = None, overrides: list[str] | 
             tokenizer = build_tokenizer(cfg)
             model = build_model_for(cfg, tokenizer, world.device)
             load_model_weights(ckpt, model)
-        loader = build_val_loader(cfg, tokenizer, world)
+        evaluator = Evaluator(cfg, tokenizer, world)
         precision = Precision(cfg.train.precision, world.device)
-        metrics = evaluate(build_task(cfg, model), loader, cfg.data, world.device, precision.autocast, cfg.eval.max_samples)
+        metrics = evaluator.run(build_task(cfg, model), model, world.device, precision.autocast)
         clean = True
         return metrics
     finally:

@@ -19,12 +19,12 @@ from typing import Any
 import numpy as np
 import torch
 
-from vltrain.build import build_model_for, build_task, build_tokenizer, build_train_loader_for, build_val_loader
+from vltrain.build import build_model_for, build_task, build_tokenizer, build_train_loader_for
 from vltrain.checkpoint import Checkpointer, ModelState, OptimizerState, latest_checkpoint
 from vltrain.config import JobConfig, load_config
 from vltrain.data.batch import Batch
 from vltrain.distributed import all_reduce_sum
-from vltrain.evaluate import append_eval, evaluate, format_metrics
+from vltrain.evaluate import Evaluator, append_eval, check_early_stop_metric, format_metrics
 from vltrain.faults import maybe_fail
 from vltrain.gradcache import gradcache_backward
 from vltrain.guards import NonFiniteGuard
@@ -71,7 +71,7 @@ class Trainer:
         # data: from here on each rank draws its own random numbers (ITM negatives, MLM masks)
         self.rng = self._seed_rank(tc.seed + 1 + self.world.rank)
         self.loader = build_train_loader_for(cfg, self.tokenizer, self.world, self.run_dir)
-        self.val_loader = build_val_loader(cfg, self.tokenizer, self.world, self.run_dir) if cfg.data.val else None
+        self.evaluator = Evaluator(cfg, self.tokenizer, self.world, self.run_dir)
 
         # counters (Stateful through this object)
         self.step = 0
@@ -173,7 +173,7 @@ class Trainer:
             self.metrics.advance()
             if self.step % tc.log_every == 0 or self.step == tc.max_steps or not finite:
                 self._log(result, grad_norm, finite)
-            if self.cfg.eval.every and self.step % self.cfg.eval.every == 0 and self.val_loader is not None:
+            if self.cfg.eval.every and self.step % self.cfg.eval.every == 0 and self.evaluator:
                 last_eval, evaluated_at = self.run_eval(), self.step
                 if self._should_stop(last_eval):
                     self.metrics.write(f"early stop at step {self.step}: {self.cfg.eval.early_stop_metric} "
@@ -183,7 +183,7 @@ class Trainer:
             self._checkpoint(final=False)
             if self.preempt_agreed:
                 self._stop_preempted()
-        if self.val_loader is not None and evaluated_at != self.step:
+        if self.evaluator and evaluated_at != self.step:
             last_eval = self.run_eval()
         self._checkpoint(final=True)
         return last_eval
@@ -273,15 +273,15 @@ class Trainer:
     # Evaluation, early stopping, checkpoints, the end
 
     def run_eval(self) -> dict[str, float]:
-        """Every rank embeds its shard and computes the same metrics; rank 0 writes eval.json."""
+        """Every rank embeds its shard of every set and computes the same metrics; rank 0 writes
+        eval.json and logs them (data.val's as eval/KEY, the sets' as zeroshot/NAME/KEY ...)."""
         start = time.perf_counter()
         RECORDER.begin(f"in the evaluation after step {self.step}")
-        metrics = evaluate(self.wrapped, self.val_loader, self.cfg.data, self.device, self.precision.autocast,
-                           self.cfg.eval.max_samples)
+        metrics = self.evaluator.run(self.wrapped, self.model, self.device, self.precision.autocast)
         RECORDER.end(self.device)
         if self.world.is_main:
             append_eval(self.run_dir, self.step, metrics)
-            self.metrics.log(self.step, {f"eval/{k}": v for k, v in metrics.items()})
+            self.metrics.log(self.step, {(k if "/" in k else f"eval/{k}"): v for k, v in metrics.items()})
             self.metrics.write(f"eval step {self.step}: {format_metrics(metrics)} "
                                f"({time.perf_counter() - start:.1f}s)")
         self.throughput.reset()  # evaluation time is not training throughput
@@ -291,6 +291,7 @@ class Trainer:
         ec = self.cfg.eval
         if not ec.early_stop_metric or not ec.early_stop_patience:
             return False
+        check_early_stop_metric(ec.early_stop_metric, metrics)
         value = metrics[ec.early_stop_metric]
         better = self.best_metric is None or (
             value > self.best_metric if ec.early_stop_mode == "max" else value < self.best_metric

@@ -1,0 +1,109 @@
+"""Embedding for evaluation: a list of images or texts, split over the ranks, embedded through the
+wrapped task without autograd, under the training's autocast, and gathered in order.
+
+Every list goes through :func:`vltrain.data.loader.build_eval_loader`: each rank reads a contiguous
+slice and every rank runs the same number of batches, so FSDP2's per-forward parameter gathers
+match and no rank waits idle for another. Gathering in rank order gives back the list's order.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Iterator
+
+import torch
+from torch import nn
+
+from vltrain.data.config import DataConfig
+from vltrain.data.labeled import TextListDataset
+from vltrain.data.loader import EvalLoader, build_eval_loader
+from vltrain.data.text import Tokenizer
+from vltrain.distributed import all_gather_no_grad, pad_to
+
+
+@dataclass
+class Embedded:
+    """Rows of one list (this rank's slice, or all of them once gathered)."""
+
+    embeds: torch.Tensor
+    """float32 [n, D], L2-normalized; zero rows where ``present`` is false."""
+    present: torch.Tensor
+    """bool [n]: the row's image could be read (always true for texts)."""
+    tokens: torch.Tensor | None = None
+    """[n, T, W] the tower's tokens (kept for ITM re-ranking only)."""
+    mask: torch.Tensor | None = None
+    """int64 [n, L] the texts' attention mask (text lists with tokens only)."""
+    errors: list[tuple[str, str]] = dataclasses.field(default_factory=list)
+    """(path, reason) of this rank's unreadable images."""
+
+    def gathered(self) -> "Embedded":
+        """Every rank's rows in list order (each tensor padded to the widest rank's shape)."""
+        def gather(x):
+            if x is None:
+                return None
+            # gloo gathers neither bool nor bfloat16: widen, gather, narrow
+            wide = x.to(torch.uint8) if x.dtype == torch.bool else x.float() if x.dtype == torch.bfloat16 else x
+            return all_gather_no_grad(wide).to(x.dtype)
+
+        return Embedded(gather(self.embeds), gather(self.present), gather(self.tokens), gather(self.mask),
+                        self.errors)
+
+
+def text_loader(texts: list[str], tokenizer: Tokenizer, data_cfg: DataConfig, rank: int, world_size: int,
+                batch_size: int) -> EvalLoader:
+    """Texts tokenized once, batched in this process (no worker start-up for a few prompts)."""
+    dataset = TextListDataset(texts, tokenizer, data_cfg.max_text_length)
+    return build_eval_loader(dataclasses.replace(data_cfg, num_workers=0), dataset, rank=rank,
+                             world_size=world_size, batch_size=batch_size, pad_id=tokenizer.pad_id)
+
+
+def cat_padded(parts: list[torch.Tensor]) -> torch.Tensor:
+    """Row-wise concatenation of batches whose second dimension (text width) may differ."""
+    if parts[0].dim() < 2:
+        return torch.cat(parts)
+    width = max(p.shape[1] for p in parts)
+    return torch.cat([pad_to(p, (p.shape[0], width, *p.shape[2:])) for p in parts])
+
+
+@torch.no_grad()
+def embed_list(wrapped: nn.Module, loader: EvalLoader, side: str, data_cfg: DataConfig, device: torch.device,
+               autocast, keep_tokens: bool = False) -> Embedded:
+    """This rank's rows of ``loader`` (``side``: "image" or "text"), in order, without padding rows."""
+    embeds, present, tokens, masks, errors = [], [], [], [], {}
+    for batch in loader:
+        inputs = batch.to_model_inputs(device, data_cfg.mean, data_cfg.std)
+        with autocast():
+            enc = wrapped("encode", inputs)
+        image = side == "image"
+        embeds.append((enc.image_embeds if image else enc.text_embeds).float())
+        present.append(inputs.has_image if image else inputs.has_text)
+        if keep_tokens:
+            tokens.append(enc.image_tokens if image else enc.text_tokens)
+            masks.append(inputs.attention_mask)
+        errors.update(dict(batch.errors))  # a padding row repeats the last row's error
+    n = loader.num_samples
+    out = Embedded(torch.cat(embeds)[:n], torch.cat(present)[:n], errors=list(errors.items()))
+    if keep_tokens:
+        out.tokens = (cat_padded(tokens) if side == "text" else torch.cat(tokens))[:n]
+        out.mask = cat_padded(masks)[:n] if side == "text" else None
+    return out
+
+
+@contextmanager
+def eval_mode(module: nn.Module) -> Iterator[None]:
+    was_training = module.training
+    module.eval()
+    try:
+        yield
+    finally:
+        module.train(was_training)
+
+
+def embed_gathered(wrapped: nn.Module, loader: EvalLoader, side: str, data_cfg: DataConfig, device: torch.device,
+                   autocast, keep_tokens: bool = False) -> Embedded:
+    """:func:`embed_list`, then every rank's rows (the whole list, in order) on every rank."""
+    with eval_mode(wrapped):
+        local = embed_list(wrapped, loader, side, data_cfg, device, autocast, keep_tokens)
+    return local.gathered()
