@@ -26,6 +26,7 @@ class Encoded:
 class Output:
     loss: torch.Tensor
     losses: dict
+    rows: dict
 
 
 class StandIn(nn.Module):
@@ -48,7 +49,7 @@ class StandIn(nn.Module):
 class StandInObjectives:
     """The objectives contract in miniature: an in-batch contrastive term plus a per-row ITM term."""
 
-    def contrastive(self, model, image_embeds, text_embeds, rows):
+    def contrastive(self, model, image_embeds, text_embeds, rows, row_losses=None):
         logits = model.logit_scale.exp() * image_embeds @ text_embeds.T
         target = torch.arange(logits.shape[0])
         return (F.cross_entropy(logits, target) + F.cross_entropy(logits.T, target)) / 2
@@ -57,9 +58,9 @@ class StandInObjectives:
         pair = torch.cat([enc.image_embeds, enc.text_embeds], dim=-1)
         itm = F.cross_entropy(model.itm(pair), inputs.has_text.long())
         if not contrastive:
-            return Output(itm, {"itm": itm})
+            return Output(itm, {"itm": itm}, {})
         itc = self.contrastive(model, enc.image_embeds, enc.text_embeds, inputs.rows())
-        return Output(itc + itm, {"itc": itc, "itm": itm})
+        return Output(itc + itm, {"itc": itc, "itm": itm}, {})
 
 
 def stand_in(dropout: float = 0.0) -> Task:

@@ -24,13 +24,14 @@ OBJECTIVES = {
     "itc+itm": ["model.preset=tiny-albef", "model.loss.itm=0.5", "model.loss.itm_negatives=global"],
     "itc+itm+mlm": ["model.preset=tiny-albef", "model.loss.itm=0.5", "model.loss.mlm=0.5",
                     "model.loss.itm_negatives=global"],
+    "itc+text_mlm+image_mim": ["model.preset=tiny-clip", "model.loss.text_mlm=0.5", "model.loss.image_mim=0.5"],
 }
 BATCHING = {"fixed": ["data.batching=fixed"], "budget": ["data.batching=budget"]}
 PARALLELISM = {"ddp": ["train.parallelism=ddp"], "fsdp": ["train.parallelism=fsdp"]}
 ACCUMULATION = {"1": ["train.accumulation=1"],
                 "2-gradcache": ["train.accumulation=2", "train.contrastive_accumulation=gradcache"]}
 FACTORS = (OBJECTIVES, BATCHING, PARALLELISM, ACCUMULATION)
-COMBINATIONS = list(itertools.product(*FACTORS))  # all 32
+COMBINATIONS = list(itertools.product(*FACTORS))  # all 40
 
 
 def _matrix_worker(rank: int, world: int, root: str, run_dir: str):

@@ -31,9 +31,9 @@ from vltrain.task import ContrastiveCache, GeneratorState
 
 
 def _cache(wrapped: nn.Module, micro: list[ModelInputs], autocast, loss_scale: float
-           ) -> tuple[ContrastiveCache, torch.Tensor, list[GeneratorState], GeneratorState]:
-    """Steps 1 and 2: the cache, the contrastive loss, each micro-batch's RNG state before its
-    encoding and the state after the last."""
+           ) -> tuple[ContrastiveCache, torch.Tensor, dict, list[GeneratorState], GeneratorState]:
+    """Steps 1 and 2: the cache, the contrastive loss and its per-row losses, each micro-batch's RNG
+    state before its encoding and the state after the last."""
     device = micro[0].pixels.device
     states, img_cache, txt_cache = [], [], []
     with torch.no_grad():
@@ -51,12 +51,13 @@ def _cache(wrapped: nn.Module, micro: list[ModelInputs], autocast, loss_scale: f
     # gradients to the embeddings only; no parameter gradient is touched or reduced here
     with gradient_sync(wrapped, False):
         with autocast():
-            closs = wrapped("contrastive", img_all, txt_all, rows)
+            closs, row_losses = wrapped("contrastive", img_all, txt_all, rows)
         g_img, g_txt = torch.autograd.grad(closs.float() * loss_scale, [img_all, txt_all])
     bounds = [0]
     for m in micro:
         bounds.append(bounds[-1] + len(m))
-    return ContrastiveCache(img_all, txt_all, g_img, g_txt, rows, bounds, loss_scale), closs, states, after
+    cache = ContrastiveCache(img_all, txt_all, g_img, g_txt, rows, bounds, loss_scale)
+    return cache, closs, row_losses, states, after
 
 
 def gradcache_backward(
@@ -69,8 +70,9 @@ def gradcache_backward(
     """Leave in ``.grad`` the gradient of (contrastive loss over the global batch + mean of the
     micro-batches' other objectives); return those losses."""
     n = len(micro)
-    cache, closs, states, running = _cache(wrapped, micro, autocast, loss_scale)
+    cache, closs, row_losses, states, running = _cache(wrapped, micro, autocast, loss_scale)
     result = StepLosses(closs.detach().float() * loss_scale, {"contrastive": closs.detach().float()})
+    result.rows.append((cache.rows.source, row_losses))
     for i, m in enumerate(micro):
         with gradient_sync(wrapped, i == n - 1):
             with autocast():
@@ -79,4 +81,5 @@ def gradcache_backward(
             backward(contrastive + other_loss)
         result.loss += other_loss.detach()
         result.add(other.losses, 1.0 / n)
+        result.rows.append((m.source, other.rows))
     return result

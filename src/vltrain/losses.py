@@ -80,8 +80,10 @@ def itc_loss(
     has_text: torch.Tensor,
     ids: torch.Tensor,
     weights: torch.Tensor | None = None,
+    rows_out: list | None = None,
 ) -> torch.Tensor:
-    """CLIP InfoNCE in both directions over the global batch; embeddings are L2-normalized [B, D]."""
+    """CLIP InfoNCE in both directions over the global batch; embeddings are L2-normalized [B, D].
+    ``rows_out`` receives each row's unweighted loss (detached; for per-source metrics)."""
     valid = has_image & has_text
     w = _row_weights(valid, weights)
     g = GlobalBatch.build(ids, valid, w, image_embeds, text_embeds)
@@ -96,6 +98,8 @@ def itc_loss(
     i2t = (scale * image_embeds.float() @ all_texts.t()).masked_fill(excluded, _MASKED)
     t2i = (scale * text_embeds.float() @ all_images.t()).masked_fill(excluded, _MASKED)
     per_row = F.cross_entropy(i2t, target, reduction="none") + F.cross_entropy(t2i, target, reduction="none")
+    if rows_out is not None:
+        rows_out.append(per_row.detach() / 2)
     return g.normalize((w * per_row).sum() / 2)
 
 
@@ -108,6 +112,7 @@ def siglip_loss(
     has_text: torch.Tensor,
     ids: torch.Tensor,
     weights: torch.Tensor | None = None,
+    rows_out: list | None = None,
 ) -> torch.Tensor:
     """Sigmoid loss: every (image, text) pair is a binary match / no-match decision.
 
@@ -124,6 +129,8 @@ def siglip_loss(
     labels = (ids[:, None] == g.ids[None, :]).float() * 2 - 1
     pairs = g.valid[None, :].float()
     per_row = -(F.logsigmoid(labels * logits) * pairs).sum(dim=1)
+    if rows_out is not None:
+        rows_out.append(per_row.detach())
     return g.normalize((w * per_row).sum())
 
 
@@ -157,9 +164,13 @@ def sample_negatives(
     return index, found
 
 
-def itm_loss(logits: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    """Weighted mean cross-entropy of matched (1) / not matched (0) over the pairs with weight > 0."""
+def itm_loss(logits: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor, rows_out: list | None = None
+             ) -> torch.Tensor:
+    """Weighted mean cross-entropy of matched (1) / not matched (0) over the pairs with weight > 0.
+    ``rows_out`` receives each pair's cross-entropy (detached)."""
     ce = F.cross_entropy(logits.float(), labels, reduction="none")
+    if rows_out is not None:
+        rows_out.append(ce.detach())
     total = weights.sum()
     return (weights * ce).sum() / torch.where(total > 0, total, torch.ones_like(total))
 
@@ -193,12 +204,43 @@ def mask_tokens(
     return masked, labels
 
 
-def mlm_loss(logits: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tensor:
-    """Cross-entropy over picked tokens, each weighted by its row's weight; zero when none is picked."""
+def mlm_loss(logits: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor | None = None,
+             rows_out: list | None = None) -> torch.Tensor:
+    """Cross-entropy over picked tokens, each weighted by its row's weight; zero when none is picked.
+    ``rows_out`` receives each row's mean over its picked tokens (detached; 0 where none)."""
     ce = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=-100, reduction="none")
+    if rows_out is not None:
+        picked = (labels != -100).float()
+        rows_out.append((ce.detach().view_as(picked) * picked).sum(dim=1) / picked.sum(dim=1).clamp(min=1))
     w = (labels != -100).float()
     if weights is not None:
         w = w * weights.float()[:, None]
     w = w.flatten()
     total = w.sum()
     return (w * ce).sum() / torch.where(total > 0, total, torch.ones_like(total))
+
+
+# ---------------------------------------------------------------------------------------------
+# Masked image modelling
+
+
+def patchify(pixels: torch.Tensor, patch_size: int) -> torch.Tensor:
+    """[B, 3, H, W] -> [B, patches, 3 x p x p], in the order the vision tower embeds patches."""
+    b, c, h, w = pixels.shape
+    p = patch_size
+    return pixels.reshape(b, c, h // p, p, w // p, p).permute(0, 2, 4, 1, 3, 5).reshape(b, -1, c * p * p)
+
+
+def mim_loss(prediction: torch.Tensor, target: torch.Tensor, patch_mask: torch.Tensor,
+             weights: torch.Tensor | None = None, rows_out: list | None = None) -> torch.Tensor:
+    """SimMIM's L1 between predicted and true pixels of the masked patches ([B, patches, 3pp] each),
+    a mean over masked patches weighted by their row's weight; zero when nothing is masked.
+    ``rows_out`` receives each row's mean over its masked patches (detached)."""
+    per_patch = (prediction.float() - target.float()).abs().mean(dim=-1)
+    m = patch_mask.float()
+    if rows_out is not None:
+        rows_out.append((per_patch.detach() * m).sum(dim=1) / m.sum(dim=1).clamp(min=1))
+    if weights is not None:
+        m = m * weights.float()[:, None]
+    total = m.sum()
+    return (m * per_patch).sum() / torch.where(total > 0, total, torch.ones_like(total))

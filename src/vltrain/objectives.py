@@ -15,13 +15,14 @@ sampling and MLM masking draw from the default torch generator.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 import torch
 
 from vltrain.data.batch import ModelInputs, Rows
 from vltrain.distributed import all_gather_no_grad, all_gather_with_grad, exchange_shapes, pad_to
-from vltrain.losses import itc_loss, itm_loss, mask_tokens, mlm_loss, sample_negatives, scale_of, siglip_loss
+from vltrain.losses import (itc_loss, itm_loss, mask_tokens, mim_loss, mlm_loss, patchify, sample_negatives, scale_of,
+                            siglip_loss)
 from vltrain.model.config import LossConfig
 from vltrain.model.model import Encoded, VLModel
 from vltrain.ring import itc_loss_ring, siglip_loss_ring
@@ -38,6 +39,27 @@ class ObjectiveOutput:
     logit_scale: torch.Tensor
     """exp(logit_scale), clamped: the inverse temperature in use."""
     itm_logits: torch.Tensor | None = None
+    rows: dict[str, "RowLosses"] = field(default_factory=dict)
+    """Each objective's unweighted loss per row, for per-source metrics."""
+
+
+@dataclass
+class RowLosses:
+    """One objective's loss on each row of a batch (detached), and the rows it applies to."""
+
+    values: torch.Tensor
+    applies: torch.Tensor
+
+
+def _present_rows(applies: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """The indices of the rows where ``applies`` (one host synchronization: their count)."""
+    index = applies.nonzero().squeeze(1)
+    return index, index.numel()
+
+
+def _scatter(values: torch.Tensor, index: torch.Tensor, n: int, b: int) -> torch.Tensor:
+    """Per-row values of the selected rows back at their rows of a batch of ``b`` (zeros elsewhere)."""
+    return values.new_zeros(b).index_copy(0, index, values[:n]) if n else values.new_zeros(b)
 
 
 @dataclass
@@ -90,27 +112,41 @@ class Objectives:
             w["itm"] = loss.itm
         if model.mlm_head is not None:
             w["mlm"] = loss.mlm
+        if model.text_mlm_head is not None:
+            w["text_mlm"] = loss.text_mlm
+        if model.mim_head is not None:
+            w["image_mim"] = loss.image_mim
         self.loss_weights = {k: v for k, v in w.items() if v > 0}
+        self.text_mlm_paired = loss.text_mlm_paired
+        self.image_mim_paired = loss.image_mim_paired
+        self.mim_ratio = loss.mim_ratio
         self.mlm_probability = loss.mlm_probability
         self.itm_negatives = loss.itm_negatives
         self.ring = loss.contrastive_impl == "ring"
 
     # -- contrastive --------------------------------------------------------------------------
 
-    def contrastive_losses(self, model: VLModel, image_embeds, text_embeds, rows: Rows) -> dict[str, torch.Tensor]:
+    def contrastive_losses(self, model: VLModel, image_embeds, text_embeds, rows: Rows,
+                           row_losses: dict[str, RowLosses] | None = None) -> dict[str, torch.Tensor]:
         out = {}
+        rows = rows.present()
         itc, siglip = (itc_loss_ring, siglip_loss_ring) if self.ring else (itc_loss, siglip_loss)
+        per_row: dict[str, list] = {k: [] for k in ("itc", "siglip")}
         if "itc" in self.loss_weights:
             out["itc"] = itc(image_embeds, text_embeds, model.logit_scale, rows.has_image, rows.has_text, rows.ids,
-                             rows.row_weights)
+                             rows.row_weights, per_row["itc"])
         if "siglip" in self.loss_weights:
             out["siglip"] = siglip(image_embeds, text_embeds, model.logit_scale, model.logit_bias, rows.has_image,
-                                   rows.has_text, rows.ids, rows.row_weights)
+                                   rows.has_text, rows.ids, rows.row_weights, per_row["siglip"])
+        if row_losses is not None:
+            paired = rows.has_image & rows.has_text
+            row_losses.update({k: RowLosses(v[0], paired) for k, v in per_row.items() if v})
         return out
 
-    def contrastive(self, model: VLModel, image_embeds, text_embeds, rows: Rows) -> torch.Tensor:
+    def contrastive(self, model: VLModel, image_embeds, text_embeds, rows: Rows,
+                    row_losses: dict[str, RowLosses] | None = None) -> torch.Tensor:
         """The weighted ITC + SigLIP term on given (e.g. cached, concatenated) embeddings."""
-        losses = self.contrastive_losses(model, image_embeds, text_embeds, rows)
+        losses = self.contrastive_losses(model, image_embeds, text_embeds, rows, row_losses)
         return sum(self.loss_weights[k] * v for k, v in losses.items())
 
     # -- image-text matching ------------------------------------------------------------------
@@ -147,25 +183,79 @@ class Objectives:
             negative_image_ids=cols.ids[neg_image],
         )
 
-    def _itm(self, model: VLModel, enc: Encoded, inputs: ModelInputs) -> tuple[torch.Tensor, torch.Tensor]:
+    def _itm(self, model: VLModel, enc: Encoded, inputs: ModelInputs, row_losses: dict[str, RowLosses]
+             ) -> tuple[torch.Tensor, torch.Tensor]:
         pairs = self.itm_pairs(model, enc, inputs)
         logits = model.itm_head(model.fuse(pairs.text_tokens, pairs.attention_mask, pairs.image_tokens))
         w = pairs.pair_weights
         if inputs.row_weights is not None:
             w = w * inputs.row_weights.float().repeat(3)
-        return itm_loss(logits, pairs.labels, w), logits
+        ce: list = []
+        loss = itm_loss(logits, pairs.labels, w, ce)
+        per_pair = pairs.pair_weights.view(3, -1)  # a row's positive and its two negatives
+        row_losses["itm"] = RowLosses((ce[0].view(3, -1) * per_pair).sum(0) / per_pair.sum(0).clamp(min=1),
+                                      per_pair.sum(0) > 0)
+        return loss, logits
 
     # -- masked language modelling ------------------------------------------------------------
 
-    def _mlm(self, model: VLModel, enc: Encoded, inputs: ModelInputs) -> torch.Tensor:
+    def _mask(self, model: VLModel, inputs: ModelInputs, applies: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         masked, labels = mask_tokens(
             inputs.input_ids, inputs.attention_mask, mask_id=model.mask_id, vocab_size=model.vocab_size,
             pad_id=model.pad_id, probability=self.mlm_probability,
         )
-        labels = labels.masked_fill(~(inputs.has_image & inputs.has_text)[:, None], -100)
+        return masked, labels.masked_fill(~applies[:, None], -100)
+
+    def _mlm(self, model: VLModel, enc: Encoded, inputs: ModelInputs, row_losses: dict[str, RowLosses]
+             ) -> torch.Tensor:
+        """MLM through the fusion encoder, on image-text rows."""
+        paired = inputs.has_image & inputs.has_text
+        masked, labels = self._mask(model, inputs, paired)
         tokens = model.text_tokens(masked, inputs.attention_mask)
         fused = model.fuse(tokens, inputs.attention_mask, enc.image_tokens)
-        return mlm_loss(model.mlm_head(fused), labels, inputs.row_weights)
+        per_row: list = []
+        loss = mlm_loss(model.mlm_head(fused), labels, inputs.row_weights, per_row)
+        row_losses["mlm"] = RowLosses(per_row[0], paired & (labels != -100).any(dim=1))
+        return loss
+
+    def _text_mlm(self, model: VLModel, inputs: ModelInputs, row_losses: dict[str, RowLosses]) -> torch.Tensor:
+        """MLM on the text tower alone, on text-only rows (and image-text rows with text_mlm_paired).
+
+        The tower runs on those rows only, or on one dummy row whose labels are all ignored, so
+        every rank runs the same modules whatever its batch holds."""
+        applies = inputs.has_text & (~inputs.has_image | self.text_mlm_paired)
+        masked, labels = self._mask(model, inputs, applies)
+        index, n = _present_rows(applies)
+        if n:
+            masked, mask, labels = masked[index], inputs.attention_mask[index], labels[index]
+        else:
+            masked, mask, labels = masked[:1], torch.ones_like(inputs.attention_mask[:1]), labels[:1]
+        weights = None if inputs.row_weights is None else (inputs.row_weights[index] if n else inputs.row_weights[:1])
+        per_row: list = []
+        loss = mlm_loss(model.text_mlm_head(model.text_tokens(masked, mask)), labels, weights, per_row)
+        picked = _scatter((labels != -100).any(dim=1).float(), index, n, len(inputs)) > 0
+        row_losses["text_mlm"] = RowLosses(_scatter(per_row[0], index, n, len(inputs)), picked)
+        return loss
+
+    def _image_mim(self, model: VLModel, inputs: ModelInputs, row_losses: dict[str, RowLosses]) -> torch.Tensor:
+        """SimMIM on the vision tower, on image-only rows (and image-text rows with image_mim_paired):
+        ``mim_ratio`` of each image's patches enter as the mask token and a linear head regresses
+        their pixels. The encoder sees every patch position (masked or not), so its shapes do not
+        depend on the mask and every rank runs the same graph; MAE's dropping of masked patches
+        would save compute but make the vision tower's token count a per-row, per-rank variable."""
+        applies = inputs.has_image & (~inputs.has_text | self.image_mim_paired)
+        index, n = _present_rows(applies)
+        pixels = inputs.pixels.index_select(0, index) if n else torch.zeros_like(inputs.pixels[:1])
+        vision = model.vision.cfg
+        patch_mask = torch.rand(pixels.shape[0], vision.num_patches, device=pixels.device) < self.mim_ratio
+        if not n:
+            patch_mask = torch.zeros_like(patch_mask)  # the dummy row: nothing to predict
+        prediction = model.mim_head(model.masked_patch_tokens(pixels, patch_mask))
+        weights = None if inputs.row_weights is None or not n else inputs.row_weights[index]
+        per_row: list = []
+        loss = mim_loss(prediction, patchify(pixels, vision.patch_size), patch_mask, weights, per_row)
+        row_losses["image_mim"] = RowLosses(_scatter(per_row[0], index, n, len(inputs)), applies)
+        return loss
 
     # -- all of them --------------------------------------------------------------------------
 
@@ -173,19 +263,25 @@ class Objectives:
         """Every objective on one micro-batch; ``contrastive=False`` leaves out ITC and SigLIP (computed
         elsewhere, over the cached global batch) but keeps their parameters in the graph."""
         anchor = enc.anchor
+        inputs = inputs.present()
         losses: dict[str, torch.Tensor] = {}
+        rows: dict[str, RowLosses] = {}
         if contrastive:
-            losses.update(self.contrastive_losses(model, enc.image_embeds, enc.text_embeds, inputs.rows()))
+            losses.update(self.contrastive_losses(model, enc.image_embeds, enc.text_embeds, inputs.rows(), rows))
         else:
             anchor = anchor + 0.0 * model.logit_scale
             if model.logit_bias is not None:
                 anchor = anchor + 0.0 * model.logit_bias
         itm_logits = None
         if "itm" in self.loss_weights:
-            losses["itm"], itm_logits = self._itm(model, enc, inputs)
+            losses["itm"], itm_logits = self._itm(model, enc, inputs, rows)
         if "mlm" in self.loss_weights:
-            losses["mlm"] = self._mlm(model, enc, inputs)
+            losses["mlm"] = self._mlm(model, enc, inputs, rows)
+        if "text_mlm" in self.loss_weights:
+            losses["text_mlm"] = self._text_mlm(model, inputs, rows)
+        if "image_mim" in self.loss_weights:
+            losses["image_mim"] = self._image_mim(model, inputs, rows)
         total = anchor + sum(self.loss_weights[k] * v for k, v in losses.items())
         return ObjectiveOutput(
-            total, losses, enc.image_embeds, enc.text_embeds, scale_of(model.logit_scale).detach(), itm_logits
+            total, losses, enc.image_embeds, enc.text_embeds, scale_of(model.logit_scale).detach(), itm_logits, rows
         )

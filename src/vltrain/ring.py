@@ -73,7 +73,7 @@ class _RingITC(torch.autograd.Function):
     """Both InfoNCE directions of this rank's rows against every rank's columns, block by block."""
 
     @staticmethod
-    def forward(ctx, img, txt, scale, ids, valid, coef, big):  # type: ignore[override]
+    def forward(ctx, img, txt, scale, ids, valid, coef, big, rows_out):  # type: ignore[override]
         rank, world = world_info()
         b = ids.shape[0]
         cols = [_pad_rows(img, big), _pad_rows(txt, big), _pad_rows(ids, big, -1), _pad_rows(valid, big, False)]
@@ -88,6 +88,8 @@ class _RingITC(torch.autograd.Function):
                 cols = ring_pass(cols)
         lse_i2t, lse_t2i = stats[0] + stats[1].log(), stats[2] + stats[3].log()
         positive = scale * (img * txt).sum(dim=1)
+        if rows_out is not None:
+            rows_out.append((lse_i2t - positive + lse_t2i - positive).detach() / 2)
         ctx.save_for_backward(img, txt, scale, ids, valid, coef, lse_i2t, lse_t2i)
         ctx.big = big
         return (coef * (lse_i2t - positive + lse_t2i - positive)).sum()
@@ -117,24 +119,29 @@ class _RingITC(torch.autograd.Function):
             if k < world - 1:
                 *cols, acc[0], acc[1] = ring_pass([*cols, *acc])
         home = ring_pass(acc)  # the last holder sends the gradients to their owner
-        return g_img + home[0][:b], g_txt + home[1][:b], g_scale, None, None, None, None
+        return g_img + home[0][:b], g_txt + home[1][:b], g_scale, None, None, None, None, None
 
 
 class _RingSigLIP(torch.autograd.Function):
     """This rank's images against every rank's texts, block by block, each pair a binary decision."""
 
     @staticmethod
-    def forward(ctx, img, txt, scale, bias, ids, valid, coef, big):  # type: ignore[override]
+    def forward(ctx, img, txt, scale, bias, ids, valid, coef, big, rows_out):  # type: ignore[override]
         world = world_info()[1]
         cols = [_pad_rows(txt, big), _pad_rows(ids, big, -1), _pad_rows(valid, big, False)]
         total = img.new_zeros(())
+        per_row = img.new_zeros(ids.shape[0])
         for k in range(world):
             c_txt, c_ids, c_valid = cols
             logits = scale * img @ c_txt.t() + bias
             labels = (ids[:, None] == c_ids[None, :]).float() * 2 - 1
             total = total - (coef[:, None] * F.logsigmoid(labels * logits) * c_valid[None, :].float()).sum()
+            if rows_out is not None:
+                per_row -= (F.logsigmoid(labels * logits) * c_valid[None, :].float()).sum(dim=1).detach()
             if k < world - 1:
                 cols = ring_pass(cols)
+        if rows_out is not None:
+            rows_out.append(per_row)
         ctx.save_for_backward(img, txt, scale, bias, ids, valid, coef)
         ctx.big = big
         return total
@@ -159,10 +166,11 @@ class _RingSigLIP(torch.autograd.Function):
             if k < world - 1:
                 *cols, acc = ring_pass([*cols, acc])
         (home,) = ring_pass([acc])
-        return g_img, home[: ids.shape[0]], g_scale, g_bias, None, None, None, None
+        return g_img, home[: ids.shape[0]], g_scale, g_bias, None, None, None, None, None
 
 
-def itc_loss_ring(image_embeds, text_embeds, logit_scale, has_image, has_text, ids, weights=None) -> torch.Tensor:
+def itc_loss_ring(image_embeds, text_embeds, logit_scale, has_image, has_text, ids, weights=None,
+                  rows_out: list | None = None) -> torch.Tensor:
     """``losses.itc_loss`` computed around the ring (same arguments, value and gradients)."""
     valid = has_image & has_text
     w = _row_weights(valid, weights)
@@ -170,11 +178,11 @@ def itc_loss_ring(image_embeds, text_embeds, logit_scale, has_image, has_text, i
     total = torch.where(g.weight_total > 0, g.weight_total, torch.ones_like(g.weight_total))
     coef = w * g.world / total / 2
     return _RingITC.apply(image_embeds.float(), text_embeds.float(), scale_of(logit_scale), ids, valid, coef,
-                          max(g.sizes))
+                          max(g.sizes), rows_out)
 
 
 def siglip_loss_ring(image_embeds, text_embeds, logit_scale, logit_bias, has_image, has_text, ids,
-                     weights=None) -> torch.Tensor:
+                     weights=None, rows_out: list | None = None) -> torch.Tensor:
     """``losses.siglip_loss`` computed around the ring (same arguments, value and gradients)."""
     valid = has_image & has_text
     w = _row_weights(valid, weights)
@@ -183,4 +191,4 @@ def siglip_loss_ring(image_embeds, text_embeds, logit_scale, logit_bias, has_ima
     coef = w * g.world / total
     bias = logit_bias.float() if logit_bias is not None else image_embeds.new_zeros((), dtype=torch.float32)
     return _RingSigLIP.apply(image_embeds.float(), text_embeds.float(), scale_of(logit_scale), bias, ids, valid,
-                             coef, max(g.sizes))
+                             coef, max(g.sizes), rows_out)

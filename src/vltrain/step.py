@@ -7,7 +7,7 @@ gradients of the whole step in ``.grad``, reduced across ranks by the last backw
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, ContextManager
 
 import torch
@@ -22,6 +22,9 @@ class StepLosses:
     loss: torch.Tensor
     """The optimised total, detached; a 0-dim float tensor on the device."""
     losses: dict[str, torch.Tensor]
+    rows: list[tuple[torch.Tensor | None, dict]] = field(default_factory=list)
+    """Per micro-batch (or, for gradcache's contrastive term, per step): each row's source and each
+    objective's per-row losses (``vltrain.objectives.RowLosses``), for per-source metrics."""
 
     def add(self, new: dict[str, torch.Tensor], scale: float) -> None:
         """Accumulate ``scale`` times each of ``new`` (detached, fp32) into ``losses``."""
@@ -52,4 +55,5 @@ def plain_backward(
             backward(loss)
         result.loss += loss.detach()
         result.add(out.losses, 1.0 / n)
+        result.rows.append((m.source, out.rows))
     return result

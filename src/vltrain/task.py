@@ -6,7 +6,7 @@ so every pass that leads to a backward goes through ``Task.forward``, named by i
 - ``task("all", inputs)``: encode and score every objective (plain accumulation, the demo);
 - ``task("encode", inputs)``: the embeddings only (evaluation, gradient caching's first pass);
 - ``task("contrastive", image_embeds, text_embeds, rows)``: the weighted ITC + SigLIP term on given
-  embeddings (gradient caching's loss over the cached global batch);
+  embeddings, and its per-row losses (gradient caching's loss over the cached global batch);
 - ``task("replay", inputs, cache, i, encode_rng, objectives_rng)``: gradient caching's second pass
   over micro-batch ``i`` (see :mod:`vltrain.gradcache`);
 - ``task("itm", text_tokens, attention_mask, image_tokens)``: ITM logits [B, 2] of fused pairs
@@ -86,7 +86,8 @@ class Task(nn.Module):
         if part == "encode":
             return self.model.encode(*args)
         if part == "contrastive":
-            return self.objectives.contrastive(self.model, *args)
+            row_losses: dict = {}
+            return self.objectives.contrastive(self.model, *args, row_losses), row_losses
         if part == "replay":
             return self.replay(*args)
         if part == "itm":

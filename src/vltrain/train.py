@@ -23,6 +23,7 @@ from vltrain.build import build_model_for, build_task, build_tokenizer, build_tr
 from vltrain.checkpoint import Checkpointer, ModelState, OptimizerState, latest_checkpoint
 from vltrain.config import JobConfig, load_config
 from vltrain.data.batch import Batch
+from vltrain.data.dataset import source_specs
 from vltrain.distributed import all_reduce_sum
 from vltrain.evaluate import Evaluator, append_eval, check_early_stop_metric, format_metrics
 from vltrain.faults import maybe_fail
@@ -34,6 +35,7 @@ from vltrain.parallelize import clip_grad_norm, parallelize, reduce_replicated_g
 from vltrain.precision import Precision
 from vltrain.preemption import EXIT_CODE as PREEMPTED_EXIT, Preempted, PreemptionWatch, clear_marker, write_marker
 from vltrain.rng import RngState
+from vltrain.source_metrics import SourceMeter
 from vltrain.runtime import setup_world
 from vltrain.spmd import RECORDER
 from vltrain.step import StepLosses, plain_backward
@@ -58,7 +60,8 @@ class Trainer:
         self.precision = Precision(tc.precision, self.device)
 
         # parallelize
-        self.wrapped = parallelize(build_task(cfg, self.model), tc, self.device)
+        task = build_task(cfg, self.model)
+        self.wrapped = parallelize(task, tc, self.device)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
 
         # optimizer, scheduler, gradient scaler, guard
@@ -70,12 +73,14 @@ class Trainer:
 
         # data: from here on each rank draws its own random numbers (ITM negatives, MLM masks)
         self.rng = self._seed_rank(tc.seed + 1 + self.world.rank)
+        self.sources = source_specs(cfg.data.train)
+        self.source_meter = SourceMeter([s.display_name() for s in self.sources], list(task.objectives.loss_weights),
+                                        self.device)
         self.loader = build_train_loader_for(cfg, self.tokenizer, self.world, self.run_dir)
         self.evaluator = Evaluator(cfg, self.tokenizer, self.world, self.run_dir)
 
         # counters (Stateful through this object)
-        self.step = 0
-        self.samples_seen = 0
+        self.step, self.samples_seen = 0, 0
         self.best_metric: float | None = None
         self.evals_without_improvement = 0
 
@@ -91,11 +96,8 @@ class Trainer:
         )
         self.restored = self.checkpointer.resume(tc.resume)
 
-        # metrics
-        self.metrics = MetricsLogger(
-            self.run_dir, enabled=self.world.is_main, total_steps=tc.max_steps,
-            progress=tc.progress, start_step=self.step, wandb=cfg.metrics, config=cfg.to_dict(),
-        )
+        self.metrics = MetricsLogger(self.run_dir, enabled=self.world.is_main, total_steps=tc.max_steps,
+                                     progress=tc.progress, start_step=self.step, wandb=cfg.metrics, config=cfg.to_dict())
         if self.restored is not None:
             self._say_resumed()
 
@@ -201,7 +203,8 @@ class Trainer:
         """
         tc = self.cfg.train
         data = self.cfg.data
-        inputs = [b.to_model_inputs(self.device, data.mean, data.std, data.modality_weights) for b in micro]
+        loss_weights = [s.loss_weight for s in self.sources]
+        inputs = [b.to_model_inputs(self.device, data.mean, data.std, data.modality_weights, loss_weights) for b in micro]
         poison = self.step == tc.debug_nan_step and tc.debug_nan_rank in (-1, self.world.rank)
         backward_fn = gradcache_backward if tc.contrastive_accumulation == "gradcache" else plain_backward
         self.optimizer.zero_grad(set_to_none=True)
@@ -239,12 +242,21 @@ class Trainer:
         # a skipped step still consumed its data: the schedule follows the step count
         self.scheduler.step()
         self.guard.record(self.step, finite)
+        self._meter_sources(inputs, result, finite)
         losses = StepLosses(packet[3], {k: packet[4 + i] for i, k in enumerate(names)})
         return losses, grad_norm, finite, int(packet[1].item())
 
     def _flops(self, micro: list[Batch]) -> float:
         """Model FLOPs of this rank's forward + backward (``flops_per_sample`` counts both)."""
         return float(sum(len(b) * self.model.flops_per_sample(b.input_ids.shape[1]) for b in micro))
+
+    def _meter_sources(self, inputs: list, result: StepLosses, finite: bool) -> None:
+        """Count each source's samples, and (if the step was applied) its per-row losses."""
+        for m in inputs:
+            self.source_meter.count(m.source)
+        if finite:
+            for source, row_losses in result.rows:
+                self.source_meter.add(source, row_losses)
 
     def _log(self, result: StepLosses, grad_norm: torch.Tensor, finite: bool) -> None:
         values: dict[str, Any] = {
@@ -256,6 +268,7 @@ class Trainer:
             "skipped_total": self.guard.total,
             "samples_seen": self.samples_seen,
             **self.throughput.read(),
+            **self.source_meter.read(),
             "peak_memory_gb": peak_memory_bytes(self.device) / 2**30,
         }
         # FSDP2 leaves the 0-dim temperature replicated: a plain tensor on every rank

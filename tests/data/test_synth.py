@@ -94,3 +94,17 @@ def test_a_missing_tokenizer_names_the_command_that_makes_it(cli, tmp_path):
     assert proc.returncode != 0 and "Traceback" not in proc.stderr
     assert "tokenizer not found: data/shapes/tokenizer.json" in proc.stderr
     assert "vltrain tokenizer train D/train.jsonl --out data/shapes/tokenizer.json" in proc.stderr
+
+
+def test_image_only_fraction_drops_captions_and_leaves_the_other_rows(tmp_path):
+    base = _rows(synth.synthesize(tmp_path / "a", num=300, val=20, text_only_fraction=0.2, seed=3, workers=1)["train"])
+    mixed = _rows(synth.synthesize(tmp_path / "b", num=300, val=20, text_only_fraction=0.2, seed=3, workers=1,
+                                   image_only_fraction=0.3)["train"])
+    image_only = [m for m in mixed if "text" not in m]
+    assert 60 <= len(image_only) <= 120  # 30% of 300, with sampling noise
+    assert all("image" in m for m in image_only)
+    # the same draw picks the modality: text-only rows stay, the rest only lose captions
+    for b, m in zip(base, mixed):
+        assert ("image" in b) == ("image" in m)
+        assert "text" not in m or m["text"] == b["text"]
+    assert _rows(tmp_path / "a" / "val.jsonl") == _rows(tmp_path / "b" / "val.jsonl")

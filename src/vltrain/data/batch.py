@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 
 import torch
 
@@ -55,9 +55,10 @@ class Batch:
         mean: list[float],
         std: list[float],
         modality_weights: ModalityWeights | None = None,
+        source_loss_weights: list[float] | None = None,
     ) -> "ModelInputs":
-        """The batch on ``device`` with normalized pixels; ``modality_weights`` become per-row
-        weights unless they are all 1."""
+        """The batch on ``device`` with normalized pixels. Per-row weights, unless all are 1: the
+        modality's weight (``data.modality_weights``) times the source's ``loss_weight``."""
         batch = self.to(device, non_blocking=True)  # pinned by the loader on CUDA
         row_weights = None
         w = modality_weights or ModalityWeights()
@@ -65,9 +66,13 @@ class Batch:
             both_w, text_w, image_w = w.image_text, w.text_only, w.image_only
             both = batch.has_image & batch.has_text
             row_weights = torch.where(both, both_w, torch.where(batch.has_text, text_w, image_w)).to(torch.float32)
+        if source_loss_weights is not None and any(x != 1.0 for x in source_loss_weights):
+            per_source = torch.tensor(source_loss_weights, dtype=torch.float32, device=batch.ids.device)[batch.source]
+            row_weights = per_source if row_weights is None else row_weights * per_source
         return ModelInputs(
             pixels=batch.pixels(mean, std), input_ids=batch.input_ids, attention_mask=batch.attention_mask,
             has_image=batch.has_image, has_text=batch.has_text, ids=batch.ids, row_weights=row_weights,
+            source=batch.source,
         )
 
 
@@ -84,13 +89,22 @@ class ModelInputs:
     ids: torch.Tensor
     """int64 [B] sample ids: a column with the row's id is never a negative."""
     row_weights: torch.Tensor | None = None
-    """float [B] per-row weights in every objective (None: all 1)."""
+    """float [B] per-row weights in every objective (None: all 1); a row of weight 0 is absent."""
+    source: torch.Tensor | None = None
+    """int64 [B] the index of each row's source in ``data.train`` (for per-source metrics)."""
 
     def __len__(self) -> int:
         return int(self.ids.shape[0])
 
     def rows(self) -> "Rows":
-        return Rows(self.has_image, self.has_text, self.ids, self.row_weights)
+        return Rows(self.has_image, self.has_text, self.ids, self.row_weights, self.source)
+
+    def present(self) -> "ModelInputs":
+        """Rows of weight 0 as if they had neither side: no objective sees them, not even as a negative."""
+        if self.row_weights is None:
+            return self
+        keep = self.row_weights > 0
+        return replace(self, has_image=self.has_image & keep, has_text=self.has_text & keep)
 
 
 @dataclass
@@ -102,13 +116,23 @@ class Rows:
     has_text: torch.Tensor
     ids: torch.Tensor
     row_weights: torch.Tensor | None = None
+    source: torch.Tensor | None = None
+
+    def present(self) -> "Rows":
+        """As :meth:`ModelInputs.present`."""
+        if self.row_weights is None:
+            return self
+        keep = self.row_weights > 0
+        return replace(self, has_image=self.has_image & keep, has_text=self.has_text & keep)
 
     @staticmethod
     def cat(parts: list["Rows"]) -> "Rows":
         """Row-wise concatenation (the micro-batches of one step, for gradient caching)."""
-        weights = None if parts[0].row_weights is None else torch.cat([p.row_weights for p in parts])
-        return Rows(torch.cat([p.has_image for p in parts]), torch.cat([p.has_text for p in parts]),
-                    torch.cat([p.ids for p in parts]), weights)
+        def cat(name: str) -> torch.Tensor | None:
+            first = getattr(parts[0], name)
+            return None if first is None else torch.cat([getattr(p, name) for p in parts])
+
+        return Rows(cat("has_image"), cat("has_text"), cat("ids"), cat("row_weights"), cat("source"))
 
 
 def normalize_pixels(

@@ -16,6 +16,17 @@ class SourceSpec:
 
     path: str = ""
     weight: float = 1.0
+    """Sampling rate per row, relative to the other sources."""
+    loss_weight: float = 1.0
+    """Scales this source's rows in every objective (0: its rows train nothing)."""
+    name: str = ""
+    """The name of its metrics (``source/<name>/...``); empty: the file name without extension."""
+
+    def display_name(self) -> str:
+        if self.name:
+            return self.name
+        stem = self.path.replace("\\", "/").rstrip("/").rsplit("/", 1)[-1]
+        return stem.split(".", 1)[0].split("{", 1)[0].rstrip("-_") or "source"
 
 
 @dataclass
@@ -144,5 +155,10 @@ class DataConfig:
         for key in ("token_budget", "image_budget", "epoch_size", "pad_multiple"):
             if getattr(self, key) < 0:
                 raise ConfigError(f"data.{key} must be >= 0 (0: the default), got {getattr(self, key)}")
-        if not isinstance(self.train, str) and any(s.weight < 0 for s in self.train):
-            raise ConfigError("data.train: source weights must be >= 0")
+        if not isinstance(self.train, str) and any(s.weight < 0 or s.loss_weight < 0 for s in self.train):
+            raise ConfigError("data.train: source weight and loss_weight must be >= 0")
+        if not isinstance(self.train, str):
+            names = [s.display_name() for s in self.train]
+            if len(set(names)) < len(names):
+                raise ConfigError(f"data.train: sources need distinct names for their metrics, got {names}; "
+                                  "give each a name: {path, weight, name}")

@@ -157,8 +157,10 @@ def _draw_shape(draw: ImageDraw.ImageDraw, kind: str, cx: float, cy: float, r: f
         raise ValueError(kind)
 
 
-def _make_rows(job: tuple[str, int, int, int, float, int, str]) -> list[dict]:
-    split, start, stop, seed, text_only_fraction, image_size, out = job
+def _make_rows(job: tuple[str, int, int, int, tuple[float, float], int, str]) -> list[dict]:
+    """One draw per row picks its modality: text-only below the text-only fraction, image-only in the
+    next ``image_only_fraction``, image-text above (so a fraction of 0 leaves the other rows as they were)."""
+    split, start, stop, seed, (text_only, image_only), image_size, out = job
     rows = []
     for i in range(start, stop):
         rng = _rng(seed, split, i)
@@ -166,16 +168,19 @@ def _make_rows(job: tuple[str, int, int, int, float, int, str]) -> list[dict]:
         text = describe(shapes, rng)
         key = f"shapes-{split}-{i:06d}"
         row: dict = {"id": key}
-        if rng.random() >= text_only_fraction:
+        draw = rng.random()
+        if draw >= text_only:
             rel = f"images/{split}/{i:06d}.png"
             render(shapes, image_size, rng).save(os.path.join(out, rel), optimize=False, compress_level=1)
             row["image"] = rel
-        row["text"] = text
+        if not text_only <= draw < text_only + image_only:
+            row["text"] = text
         rows.append(row)
     return rows
 
 
-def _write_split(out: Path, split: str, num: int, seed: int, frac: float, image_size: int, workers: int) -> Path:
+def _write_split(out: Path, split: str, num: int, seed: int, frac: tuple[float, float], image_size: int,
+                 workers: int) -> Path:
     (out / "images" / split).mkdir(parents=True, exist_ok=True)
     chunk = 500
     jobs = [(split, s, min(s + chunk, num), seed, frac, image_size, str(out)) for s in range(0, num, chunk)]
@@ -202,24 +207,29 @@ def synthesize(
     seed: int = 0,
     image_size: int = 48,
     workers: int = 0,
+    image_only_fraction: float = 0.0,
 ) -> dict[str, Path]:
     """Write ``out/train.jsonl`` (num rows), ``out/val.jsonl`` (val image-text rows) and their images.
 
     The same arguments always write the same files. Validation rows are all image-text pairs,
-    drawn from their own random stream, so the training fraction of text-only rows does not
-    change them.
+    drawn from their own random stream, so the training fractions of text-only and image-only
+    rows do not change them.
     """
     if num < 0 or val < 0:
         raise UserError(f"--num and --val must be >= 0, got {num} and {val}")
     if not 0.0 <= text_only_fraction < 1.0:
         raise UserError(f"--text-only-fraction must be in [0, 1), got {text_only_fraction}")
+    if not 0.0 <= image_only_fraction < 1.0 - text_only_fraction:
+        raise UserError(f"--image-only-fraction must be >= 0 and leave some image-text rows beside "
+                        f"--text-only-fraction {text_only_fraction}, got {image_only_fraction}")
     if image_size < 12:
         raise UserError(f"--image-size must be >= 12, got {image_size}")
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     workers = workers or min(os.cpu_count() or 1, 8)
-    paths = {"train": _write_split(out, "train", num, seed, text_only_fraction, image_size, workers)}
-    paths["val"] = _write_split(out, "val", val, seed, 0.0, image_size, workers)
+    paths = {"train": _write_split(out, "train", num, seed, (text_only_fraction, image_only_fraction), image_size,
+                                   workers)}
+    paths["val"] = _write_split(out, "val", val, seed, (0.0, 0.0), image_size, workers)
     return paths
 
 
@@ -289,7 +299,8 @@ def synth_cli(args) -> int:
     if not args.out:
         raise UserError("give --out DIR (image-text pairs) and/or --classify DIR (a class-per-folder set)")
     paths = synthesize(
-        args.out, args.num, args.val, args.text_only_fraction, args.seed, args.image_size, args.workers
+        args.out, args.num, args.val, args.text_only_fraction, args.seed, args.image_size, args.workers,
+        image_only_fraction=args.image_only_fraction,
     )
     for split, p in paths.items():
         print(f"{split}: {p}")

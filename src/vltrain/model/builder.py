@@ -16,7 +16,7 @@ from torch import nn
 from vltrain.errors import ConfigError, UserError
 from vltrain.model.config import ModelConfig
 from vltrain.model.fusion import FusionEncoder
-from vltrain.model.heads import ITMHead, MLMHead, Projection
+from vltrain.model.heads import ITMHead, MIMHead, MLMHead, Projection
 from vltrain.model.model import VLModel
 from vltrain.model.presets import PRESETS, Architecture
 from vltrain.model.text import HFTextEncoder, TextTransformer
@@ -61,8 +61,9 @@ def build_model(
         )
     loss = model_cfg.loss
     fused = arch.fusion is not None and (loss.itm > 0 or loss.mlm > 0)
-    if fused and loss.mlm > 0 and mask_id is None:
-        raise UserError("model.loss.mlm > 0 needs a tokenizer with a mask token; set model.loss.mlm=0 or use one")
+    for key, on in (("mlm", fused and loss.mlm > 0), ("text_mlm", loss.text_mlm > 0)):
+        if on and mask_id is None:
+            raise UserError(f"model.loss.{key} > 0 needs a tokenizer with a mask token; set model.loss.{key}=0 or use one")
     vision = VisionTransformer(replace(arch.vision, image_size=image_size))
     text = _text_tower(model_cfg, arch, vocab_size, max_text_length)
     fusion = FusionEncoder(arch.fusion, text.width, vision.width) if fused else None
@@ -80,6 +81,8 @@ def build_model(
         fusion=fusion,
         itm_head=ITMHead(fusion.width) if fused and loss.itm > 0 else None,
         mlm_head=MLMHead(text.width, text.token_embedding) if fused and loss.mlm > 0 else None,
+        text_mlm_head=MLMHead(text.width, text.token_embedding) if loss.text_mlm > 0 else None,
+        mim_head=MIMHead(vision.width, arch.vision.patch_size) if loss.image_mim > 0 else None,
         vocab_size=vocab_size,
         pad_id=pad_id,
         mask_id=mask_id,

@@ -35,9 +35,21 @@ class LossConfig:
     itm_negatives: str = "local"
     """Where ITM draws its hard negatives: local (the rank's own batch, as ALBEF) or global (every
     rank's batch: gathers every rank's token features, W times the bytes; docs/distributed.md)."""
+    text_mlm: float = 0.0
+    """Masked language modelling on the text tower alone (its own head, tied to the token embedding):
+    what text-only rows train. Any preset; needs a tokenizer with a mask token."""
+    text_mlm_paired: bool = False
+    """text_mlm on image-text rows too (by default only text-only rows)."""
+    image_mim: float = 0.0
+    """Masked image modelling on the vision tower (SimMIM: masked patches are replaced by a learned
+    token, a linear head regresses their pixels): what image-only rows train."""
+    image_mim_paired: bool = False
+    """image_mim on image-text rows too (by default only image-only rows)."""
+    mim_ratio: float = 0.6
+    """The share of an image's patches image_mim masks."""
 
     def validate(self) -> None:
-        for name in ("itc", "siglip", "itm", "mlm"):
+        for name in ("itc", "siglip", "itm", "mlm", "text_mlm", "image_mim"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"model.loss.{name} must be >= 0, got {getattr(self, name)}")
         if self.itc == 0 and self.siglip == 0:
@@ -46,6 +58,8 @@ class LossConfig:
             raise ConfigError(f"model.loss.contrastive_impl must be gather or ring, got {self.contrastive_impl!r}")
         if self.itm_negatives not in ("local", "global"):
             raise ConfigError(f"model.loss.itm_negatives must be local or global, got {self.itm_negatives!r}")
+        if not 0 < self.mim_ratio < 1:
+            raise ConfigError(f"model.loss.mim_ratio must be in (0, 1), got {self.mim_ratio}")
         if not 0 < self.mlm_probability < 1:
             raise ConfigError(f"model.loss.mlm_probability must be in (0, 1), got {self.mlm_probability}")
 

@@ -30,6 +30,19 @@ class ITMHead(nn.Module):
         return self.fc(fused[:, 0])
 
 
+class MIMHead(nn.Module):
+    """SimMIM's parts: a learned token that stands in for masked patches, and a linear decoder from
+    each patch token to its patch's pixels (3 x p x p values)."""
+
+    def __init__(self, width: int, patch_size: int):
+        super().__init__()
+        self.mask_token = nn.Parameter(torch.randn(width) * 0.02)
+        self.decoder = nn.Linear(width, 3 * patch_size * patch_size)
+
+    def forward(self, patch_tokens: torch.Tensor) -> torch.Tensor:
+        return self.decoder(patch_tokens)
+
+
 class MLMHead(nn.Module):
     """Transform + decoder whose weight is the text token embedding (tied), plus a per-token bias."""
 

@@ -22,7 +22,7 @@ from torch import nn
 
 from vltrain.data.batch import ModelInputs
 from vltrain.model.fusion import FusionEncoder
-from vltrain.model.heads import ITMHead, MLMHead, Projection
+from vltrain.model.heads import ITMHead, MIMHead, MLMHead, Projection
 from vltrain.model.protocol import default_no_weight_decay
 
 @dataclass
@@ -56,6 +56,8 @@ class VLModel(nn.Module):
         fusion: FusionEncoder | None = None,
         itm_head: ITMHead | None = None,
         mlm_head: MLMHead | None = None,
+        text_mlm_head: MLMHead | None = None,
+        mim_head: MIMHead | None = None,
         vocab_size: int,
         pad_id: int,
         mask_id: int | None = None,
@@ -72,6 +74,8 @@ class VLModel(nn.Module):
         self.fusion = fusion
         self.itm_head = itm_head
         self.mlm_head = mlm_head
+        self.text_mlm_head = text_mlm_head
+        self.mim_head = mim_head
         self.embed_dim = image_proj.proj.out_features
         self.vocab_size, self.pad_id, self.mask_id = vocab_size, pad_id, mask_id
         self.max_text_length = max_text_length
@@ -125,6 +129,12 @@ class VLModel(nn.Module):
         tokens, _ = self.text(input_ids, attention_mask)
         return tokens
 
+    def masked_patch_tokens(self, pixels: torch.Tensor, patch_mask: torch.Tensor) -> torch.Tensor:
+        """The vision tower's patch tokens [B, patches, W] with the masked patches replaced by the MIM
+        mask token (image_mim only)."""
+        tokens, _ = self.vision(pixels, patch_mask, self.mim_head.mask_token)
+        return tokens[:, 1:]
+
     def fuse(self, text_tokens: torch.Tensor, attention_mask: torch.Tensor, image_tokens: torch.Tensor) -> torch.Tensor:
         """Text tokens attending to image tokens through the fusion encoder (fusion models only)."""
         return self.fusion(text_tokens, attention_mask, image_tokens)
@@ -164,4 +174,9 @@ class VLModel(nn.Module):
             if self.mlm_head is not None:
                 w = self.text.width
                 f += self.text.flops(length) + self.fusion.flops(length, n) + 2 * length * (w * w + w * self.vocab_size)
+        if self.text_mlm_head is not None:
+            w = self.text.width
+            f += self.text.flops(length) + 2 * length * (w * w + w * self.vocab_size)
+        if self.mim_head is not None:
+            f += self.vision.flops() + 2 * self.vision.num_tokens * self.vision.width * self.mim_head.decoder.out_features
         return 3.0 * f

@@ -50,8 +50,13 @@ class VisionTransformer(nn.Module):
         self.norm = nn.LayerNorm(cfg.width)
         self.checkpointing = False
 
-    def forward(self, pixels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self, pixels: torch.Tensor, patch_mask: torch.Tensor | None = None, mask_token: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``patch_mask`` [B, patches] (bool): those patches enter as ``mask_token`` (masked image modelling)."""
         x = self.embed_patches(pixels)
+        if patch_mask is not None:
+            x = torch.where(patch_mask[..., None], mask_token.to(x.dtype), x)
         cls = self.cls_token.to(x.dtype).expand(x.shape[0], 1, -1)
         x = torch.cat([cls, x], dim=1) + self.pos_embed.to(x.dtype)
         x = run_blocks(self.blocks, self.norm_pre(x), checkpointing=self.checkpointing)

@@ -1,0 +1,45 @@
+"""Per-source metrics: how many samples each ``data.train`` source gave and each objective's mean
+loss on its rows, between two log lines, exact across ranks (sums and counts are all-reduced, then
+divided: not a mean of per-rank means)."""
+
+from __future__ import annotations
+
+import torch
+
+from vltrain.distributed import all_reduce_sum
+from vltrain.objectives import RowLosses
+
+
+class SourceMeter:
+    """Sums per source: [samples, then per objective: loss sum, rows]. ``read`` on every rank."""
+
+    def __init__(self, names: list[str], objectives: list[str], device: torch.device):
+        self.names = names
+        self.objectives = objectives
+        self.sums = torch.zeros(len(names), 1 + 2 * len(objectives), dtype=torch.float64, device=device)
+
+    def count(self, source: torch.Tensor) -> None:
+        self.sums[:, 0] += torch.bincount(source, minlength=len(self.names)).to(self.sums.dtype)
+
+    def add(self, source: torch.Tensor, row_losses: dict[str, RowLosses]) -> None:
+        for k, name in enumerate(self.objectives):
+            rows = row_losses.get(name)
+            if rows is None:
+                continue
+            src = source[rows.applies]
+            values = rows.values[rows.applies].to(self.sums.dtype)
+            self.sums[:, 1 + 2 * k] += torch.bincount(src, weights=values, minlength=len(self.names))
+            self.sums[:, 2 + 2 * k] += torch.bincount(src, minlength=len(self.names)).to(self.sums.dtype)
+
+    def read(self) -> dict[str, float]:
+        """``source/<name>/samples`` and ``source/<name>/loss/<objective>`` since the last read."""
+        sums = all_reduce_sum(self.sums).clone()
+        self.sums.zero_()
+        out: dict[str, float] = {}
+        for s, name in enumerate(self.names):
+            out[f"source/{name}/samples"] = float(sums[s, 0])
+            for k, objective in enumerate(self.objectives):
+                rows = float(sums[s, 2 + 2 * k])
+                if rows > 0:
+                    out[f"source/{name}/loss/{objective}"] = float(sums[s, 1 + 2 * k]) / rows
+        return out

@@ -1,0 +1,189 @@
+"""Unimodal objectives (text_mlm, image_mim), per-source loss weights and per-source metrics."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+
+from modelkit import grads, make_batch, max_relative_error, rows, small_task
+from multiproc import free_port
+from runkit import assert_identical, assert_resumed_exactly, final_state, ok, session_shapes, train
+from vltrain.data.batch import Batch
+from vltrain.losses import mim_loss, mlm_loss
+
+PAIRED, TEXT_ONLY, IMAGE_ONLY = slice(0, 4), slice(4, 7), slice(7, 10)
+
+
+def _batch():
+    """4 image-text rows, then 3 text-only and 3 image-only ones."""
+    return make_batch(10, seed=2, has_image=[1] * 4 + [0] * 3 + [1] * 3, has_text=[1] * 7 + [0] * 3)
+
+
+def _tower_grads(task, batch, tower: str) -> dict[str, torch.Tensor]:
+    task.zero_grad(set_to_none=True)
+    torch.manual_seed(0)
+    task("all", batch).loss.backward()
+    return {k: v for k, v in grads(task).items() if k.startswith(f"model.{tower}.")}
+
+
+def _changed(a: dict, b: dict) -> bool:
+    """Beyond float reordering (a tower that runs on more rows sums in another order)."""
+    error = max_relative_error(a, b)
+    assert error < 1e-5 or error > 1e-3, error  # either the same or clearly not
+    return error > 1e-3
+
+
+@pytest.mark.parametrize("objective,unpaired,tower", [("text_mlm", TEXT_ONLY, "text"), ("image_mim", IMAGE_ONLY, "vision")])
+def test_unpaired_rows_train_their_tower_only_through_their_objective(objective, unpaired, tower):
+    full = _batch()
+    keep = torch.cat([torch.arange(4), torch.arange(10)[IMAGE_ONLY if tower == "text" else TEXT_ONLY]])
+    without = rows(full, keep)  # the same batch without the unpaired rows this objective feeds on
+    off = small_task("tiny-clip")
+    assert not _changed(_tower_grads(off, full, tower), _tower_grads(off, without, tower))
+    on = small_task("tiny-clip", **{objective: 1.0})
+    assert _changed(_tower_grads(on, full, tower), _tower_grads(on, without, tower))
+    out = on("all", full)
+    assert out.losses[objective] > 0
+    applies = out.rows[objective].applies
+    assert applies.any() and not applies[[i for i in range(10) if i not in range(10)[unpaired]]].any()
+
+
+def test_unimodal_objectives_on_paired_rows_by_config():
+    task = small_task("tiny-clip", text_mlm=1.0, image_mim=1.0, text_mlm_paired=True, image_mim_paired=True)
+    out = task("all", _batch())
+    mim = out.rows["image_mim"].applies.tolist()
+    assert mim == [True] * 4 + [False] * 3 + [True] * 3
+    assert out.rows["text_mlm"].applies[:7].sum() >= 5  # rows with at least one masked token
+
+
+@pytest.mark.parametrize("has_image,has_text", [([0, 0, 0, 0], [1, 1, 1, 1]), ([1, 1, 1, 1], [0, 0, 0, 0]),
+                                                ([1, 1, 1, 1], [1, 1, 1, 1])])
+def test_every_parameter_gets_a_gradient_whatever_the_rows(has_image, has_text):
+    """A batch without rows for an objective still runs its modules (one dummy row): SPMD-safe."""
+    task = small_task("tiny-albef", itm=1.0, mlm=1.0, text_mlm=1.0, image_mim=1.0)
+    task("all", make_batch(4, has_image=has_image, has_text=has_text)).loss.backward()
+    missing = [n for n, p in task.named_parameters() if p.grad is None]
+    assert not missing
+    assert all(torch.isfinite(p.grad).all() for p in task.parameters())
+
+
+def test_a_source_with_loss_weight_zero_changes_no_gradient():
+    """Rows of weight 0 are absent from every objective: what they hold does not reach a gradient."""
+    batch = replace(_batch(), row_weights=torch.tensor([1.0, 1.0, 0.0, 1.0, 1.0, 0.0, 1.0, 1.0, 0.0, 1.0]))
+    other = replace(batch, pixels=batch.pixels.clone(), input_ids=batch.input_ids.clone())
+    other.pixels[[2, 8]] = torch.randn_like(other.pixels[[2, 8]])
+    other.input_ids[[2, 5]] = (other.input_ids[[2, 5]] + 7) % 50 * (other.input_ids[[2, 5]] > 0)
+    task = small_task("tiny-albef", itm=1.0, mlm=1.0, text_mlm=1.0, image_mim=1.0, siglip=0.5)
+    a = {k: v for k, v in _all_grads(task, batch).items()}
+    b = _all_grads(task, other)
+    assert not _changed(a, b)
+    # and the same rows with weight 1 do change it
+    ones = replace(batch, row_weights=torch.ones(10))
+    assert _changed(_all_grads(task, ones), _all_grads(task, replace(other, row_weights=torch.ones(10))))
+
+
+def _all_grads(task, batch) -> dict[str, torch.Tensor]:
+    task.zero_grad(set_to_none=True)
+    torch.manual_seed(0)
+    task("all", batch).loss.backward()
+    return grads(task)
+
+
+def test_loss_weight_two_counts_a_row_twice():
+    """For the per-row objectives a weight of 2 equals the row written twice."""
+    g = torch.Generator().manual_seed(0)
+    logits, labels = torch.randn(3, 5, 11, generator=g), torch.randint(0, 11, (3, 5), generator=g)
+    labels[0, :2] = -100
+    twice = torch.tensor([0, 1, 1, 2])
+    torch.testing.assert_close(mlm_loss(logits, labels, torch.tensor([1.0, 2.0, 1.0])),
+                               mlm_loss(logits[twice], labels[twice]))
+    pred, target = torch.randn(3, 4, 12, generator=g), torch.randn(3, 4, 12, generator=g)
+    mask = torch.rand(3, 4, generator=g) < 0.6
+    torch.testing.assert_close(mim_loss(pred, target, mask, torch.tensor([1.0, 2.0, 1.0])),
+                               mim_loss(pred[twice], target[twice], mask[twice]))
+
+
+def test_source_and_modality_weights_multiply_into_row_weights():
+    from vltrain.data.config import ModalityWeights
+
+    n = 4
+    batch = Batch(ids=torch.arange(n), pixel_values=torch.zeros(n, 3, 8, 8, dtype=torch.uint8),
+                  has_image=torch.tensor([1, 1, 0, 1], dtype=torch.bool), has_text=torch.tensor([1, 0, 1, 1], dtype=torch.bool),
+                  input_ids=torch.ones(n, 3, dtype=torch.long), attention_mask=torch.ones(n, 3, dtype=torch.long),
+                  source=torch.tensor([0, 1, 1, 0]))
+    inputs = batch.to_model_inputs("cpu", [0.5] * 3, [0.5] * 3, ModalityWeights(text_only=0.5, image_only=3.0), [2.0, 0.0])
+    assert inputs.row_weights.tolist() == [2.0, 0.0, 0.0, 2.0]
+    assert inputs.present().has_image.tolist() == [True, False, False, True]
+    assert batch.to_model_inputs("cpu", [0.5] * 3, [0.5] * 3).row_weights is None
+
+
+# -- through the trainer ----------------------------------------------------------------------
+
+
+def _two_sources(root: Path) -> Path:
+    """The session's shapes split into two sources; the second holds image-only rows too."""
+    rows_ = [json.loads(line) for line in (root / "train.jsonl").read_text().splitlines()]
+    for i, r in enumerate(rows_[32:]):
+        if i % 3 == 0 and "image" in r:
+            r.pop("text")
+    (root / "a.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows_[:32]))
+    (root / "b.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows_[32:]))
+    cfg = root / "two-sources.yaml"
+    cfg.write_text(f"data:\n  train:\n    - {{path: {root / 'a.jsonl'}, loss_weight: 2.0, name: first}}\n"
+                   f"    - {{path: {root / 'b.jsonl'}, name: second}}\n")
+    return cfg
+
+
+def _run(cfg: Path, shapes: Path, run_dir: Path, nproc: int, batch: int, *objectives: str) -> list[dict]:
+    launch = [sys.executable, "-m", "vltrain"] if nproc == 1 else [
+        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-addr", "127.0.0.1",
+        "--master-port", str(free_port()), "-m", "vltrain"]
+    overrides = [f"run.dir={run_dir}", f"data.tokenizer={shapes / 'tokenizer.json'}", "data.val=''",
+                 "data.image_size=32", "data.max_text_length=16", f"data.batch_size={batch}", "data.num_workers=0",
+                 "model.preset=tiny-clip", *objectives, "train.max_steps=4", "train.log_every=2", "train.threads=1", "train.precision=fp32",
+                 "train.progress=false", "eval.every=0"]
+    proc = subprocess.run([*launch, "train", str(cfg), *overrides], capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if '"loss"' in line]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_per_source_metrics_over_two_ranks_equal_one_process(tmp_path_factory, tmp_path):
+    shapes = session_shapes(tmp_path_factory)
+    cfg = _two_sources(shapes)
+    # the global-batch objectives: the same per-row values on any world size
+    one = _run(cfg, shapes, tmp_path / "one", 1, 8, "model.loss.siglip=0.5")
+    two = _run(cfg, shapes, tmp_path / "two", 2, 4, "model.loss.siglip=0.5")
+    assert len(one) == len(two) == 2
+    for a, b in zip(one, two):
+        for name in ("first", "second"):
+            assert a[f"source/{name}/samples"] == b[f"source/{name}/samples"] > 0
+            for objective in ("itc", "siglip"):
+                key = f"source/{name}/loss/{objective}"
+                assert key in a and key in b
+                assert a[key] == pytest.approx(b[key], rel=1e-5)
+        assert sum(a[f"source/{n}/samples"] for n in ("first", "second")) == 8 * 2  # two steps a log line
+    unimodal = _run(cfg, shapes, tmp_path / "unimodal", 2, 4, "model.loss.text_mlm=0.5", "model.loss.image_mim=0.5")
+    assert any("source/second/loss/image_mim" in r for r in unimodal)
+    assert any("source/first/loss/text_mlm" in r for r in unimodal)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_unimodal_objectives_resume_bit_identical(tmp_path_factory, tmp_path):
+    """The masking draws are part of the checkpointed generator state."""
+    shapes = session_shapes(tmp_path_factory)
+    extra = {"model__loss__text_mlm": 0.5, "model__loss__image_mim": 0.5, "model__loss__image_mim_paired": True}
+    ref, run = tmp_path / "ref", tmp_path / "run"
+    ok(train(shapes, ref, **extra))
+    assert train(shapes, run, fault="kill:at=step:step=6", **extra).returncode != 0
+    resumed = ok(train(shapes, run, **extra))
+    assert_resumed_exactly(resumed, run, 4)
+    assert_identical(final_state(ref), final_state(run))
