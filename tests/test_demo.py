@@ -26,6 +26,8 @@ def test_demo_trains_to_a_falling_loss(cli, tmp_path):
     assert evals[-1]["step"] == 40 and evals[-1]["num_pairs"] == 100
     assert (run / "curves.png").exists() and (run / "config.yaml").exists()
     assert "text->image R@1" in proc.stdout and "curves.png" in proc.stdout
+    assert "zero-shot shape kind (180 images, 6 classes)" in proc.stdout and "(chance: 0.167)" in proc.stdout
+    assert evals[-1]["zeroshot/shapes/num_images"] == 180
 
 
 def test_step_count_fits_the_time_budget_within_bounds():

@@ -1,7 +1,8 @@
-"""``vltrain demo``: synthetic shapes -> tokenizer -> training -> retrieval metrics -> plot.
+"""``vltrain demo``: synthetic shapes -> tokenizer -> training -> retrieval and zero-shot metrics -> plot.
 
 One command that shows the whole product learning something real on a laptop CPU: 10,000
-training rows (a fifth of them text-only), 1,000 held-out pairs, the demo config.
+training rows (a fifth of them text-only), 1,000 held-out pairs, the demo config, and a small
+class-per-folder set (one shape per image) classified zero-shot by shape kind.
 
 CPUs differ widely in training speed (bf16 matmuls above all: AMX, AVX-512 bf16, neither), so
 the demo does not fix its step count: it times a few training steps of its model on random pairs
@@ -20,9 +21,11 @@ from pathlib import Path
 
 from vltrain.config import load_config
 from vltrain.errors import ConfigError
-from vltrain.data.synth import TOKENIZER_VOCAB
+from vltrain.data.synth import KINDS, TOKENIZER_VOCAB
 
 NUM_TRAIN, NUM_VAL, TEXT_ONLY_FRACTION = 10_000, 1_000, 0.2
+CLASSIFY_PER_CLASS = 30
+"""The zero-shot set: one shape per image, 30 of each of the 6 kinds (a second or two per evaluation)."""
 TRAIN_SECONDS, MIN_STEPS, MAX_STEPS, STEP_QUANTUM = 170.0, 600, 1000, 100
 
 
@@ -39,11 +42,13 @@ def demo_config_path() -> Path:
 
 def prepare_data(data: Path, num: int = NUM_TRAIN, val: int = NUM_VAL, seed: int = 0) -> Path:
     """Write the shapes and a tokenizer trained on their texts, unless already there."""
-    from vltrain.data.synth import synthesize, write_tokenizer
+    from vltrain.data.synth import synthesize, synthesize_classify, write_tokenizer
 
     if not ((data / "train.jsonl").exists() and (data / "val.jsonl").exists()):
         print(f"writing {num:,} training rows and {val:,} held-out pairs to {data}", flush=True)
         synthesize(data, num, val, text_only_fraction=TEXT_ONLY_FRACTION, seed=seed)
+    if not (data / "classify" / "templates.txt").exists():
+        synthesize_classify(data / "classify", CLASSIFY_PER_CLASS, seed=seed)
     return write_tokenizer(data)
 
 
@@ -127,12 +132,13 @@ def run_demo(run_dir: Path, data: Path, overrides: list[str], num: int = NUM_TRA
         f"data.train={data / 'train.jsonl'}",
         f"data.val={data / 'val.jsonl'}",
         f"data.tokenizer={tokenizer}",
+        f"eval.zeroshot=[{{name: shapes, path: '{data / 'classify'}', templates: '{data / 'classify' / 'templates.txt'}'}}]",
         *overrides,
     ]
     cfg = load_config(demo_config_path(), given)
     pinned = any(o.startswith("train.max_steps=") for o in overrides)
     if not pinned and cfg.train.device != "cuda" and not _cuda():
-        cfg = load_config(demo_config_path(), given[:4] + _step_overrides(cfg) + list(overrides))
+        cfg = load_config(demo_config_path(), given[:5] + _step_overrides(cfg) + list(overrides))
     trainer = Trainer(cfg)
     clean = False
     try:
@@ -153,8 +159,12 @@ def demo_cli(args: argparse.Namespace) -> int:
         minutes = (time.perf_counter() - start) / 60
         print(f"\ndone in {minutes:.1f} min, {trainer.step} steps, {trainer.samples_seen:,} samples")
         if metrics:
-            print(f"held-out retrieval ({metrics['num_pairs']} pairs): {format_metrics(metrics)}")
+            pairs = {k: v for k, v in metrics.items() if "/" not in k}
+            print(f"held-out retrieval ({metrics['num_pairs']} pairs): {format_metrics(pairs)}")
             print(f"text->image R@1 = {metrics['t2i_r1']:.3f} (chance: {1 / max(metrics['num_pairs'], 1):.3f})")
+        if "zeroshot/shapes/top1" in metrics:
+            print(f"zero-shot shape kind ({metrics['zeroshot/shapes/num_images']} images, {len(KINDS)} classes): "
+                  f"top-1 = {metrics['zeroshot/shapes/top1']:.3f} (chance: {1 / len(KINDS):.3f})")
         print(f"run:     {run_dir}  (metrics.jsonl, eval.json, tb/ for TensorBoard)")
         print(f"curves:  {run_dir / 'curves.png'}")
     return 0
