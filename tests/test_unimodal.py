@@ -140,11 +140,12 @@ def _two_sources(root: Path) -> Path:
     return cfg
 
 
-def _run(cfg: Path, shapes: Path, run_dir: Path, nproc: int, batch: int, *objectives: str) -> list[dict]:
+def _run(cfg: Path, shapes: Path, run_dir: Path, nproc: int, batch: int, *objectives: str, val: bool = False
+         ) -> list[dict]:
     launch = [sys.executable, "-m", "vltrain"] if nproc == 1 else [
         sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-addr", "127.0.0.1",
         "--master-port", str(free_port()), "-m", "vltrain"]
-    overrides = [f"run.dir={run_dir}", f"data.tokenizer={shapes / 'tokenizer.json'}", "data.val=''",
+    overrides = [f"run.dir={run_dir}", f"data.tokenizer={shapes / 'tokenizer.json'}", *([] if val else ["data.val=''"]),
                  "data.image_size=32", "data.max_text_length=16", f"data.batch_size={batch}", "data.num_workers=0",
                  "model.preset=tiny-clip", *objectives, "train.max_steps=4", "train.log_every=2", "train.threads=1", "train.precision=fp32",
                  "train.progress=false", "eval.every=0"]
@@ -187,3 +188,32 @@ def test_unimodal_objectives_resume_bit_identical(tmp_path_factory, tmp_path):
     resumed = ok(train(shapes, run, **extra))
     assert_resumed_exactly(resumed, run, 4)
     assert_identical(final_state(ref), final_state(run))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_eval_reports_each_validation_source(tmp_path_factory, tmp_path):
+    """With two sources in data.val, each gets its own recalls, equal to evaluating it alone."""
+    shapes = session_shapes(tmp_path_factory)
+    val = [json.loads(line) for line in (shapes / "val.jsonl").read_text().splitlines()]
+    (tmp_path / "va.jsonl").write_text("".join(json.dumps({**r, "image": str(shapes / r["image"])}) + "\n" for r in val[:8]))
+    (tmp_path / "vb.jsonl").write_text("".join(json.dumps({**r, "image": str(shapes / r["image"])}) + "\n" for r in val[8:]))
+    cfg = tmp_path / "val.yaml"
+    cfg.write_text(f"data:\n  train: {shapes / 'train.jsonl'}\n  val:\n    - {{path: {tmp_path / 'va.jsonl'}, name: va}}\n"
+                   f"    - {{path: {tmp_path / 'vb.jsonl'}, name: vb}}\n")
+    run = tmp_path / "run"
+    _run(cfg, shapes, run, 1, 8, val=True)
+    common = [sys.executable, "-m", "vltrain", "eval", str(run), "train.threads=1"]
+
+    def evaluate(*extra: str) -> dict:
+        proc = subprocess.run([*common, *extra, "--json"], capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        return json.loads(proc.stdout)
+
+    both = evaluate()
+    assert both["num_pairs"] == len(val)
+    for name, n in (("va", 8), ("vb", len(val) - 8)):
+        alone = evaluate("--data", str(tmp_path / f"{name}.jsonl"))
+        assert both[f"val/{name}/num_pairs"] == alone["num_pairs"] == n
+        assert both[f"val/{name}/t2i_r1"] == pytest.approx(alone["t2i_r1"])
+        assert both[f"val/{name}/i2t_r5"] == pytest.approx(alone["i2t_r5"])

@@ -21,6 +21,7 @@ from torch import nn
 from vltrain.build import build_model_for, build_task, build_tokenizer, build_val_loader
 from vltrain.checkpoint import find_checkpoint, load_model_weights
 from vltrain.config import JobConfig, load_config
+from vltrain.data.dataset import source_specs
 from vltrain.data.text import Tokenizer
 from vltrain.distributed import World, all_gather_no_grad, all_reduce_sum
 from vltrain.errors import ConfigError, UserError
@@ -76,16 +77,18 @@ class Pairs:
     images: Embedded
     texts: Embedded
     ids: torch.Tensor
+    source: torch.Tensor
+    """The index of each pair's source in ``data.val``."""
 
     def gathered(self) -> "Pairs":
-        return Pairs(self.images.gathered(), self.texts.gathered(), gather_rows(self.ids))
+        return Pairs(self.images.gathered(), self.texts.gathered(), gather_rows(self.ids), gather_rows(self.source))
 
     def select(self, rows: torch.Tensor) -> "Pairs":
         def pick(e: Embedded) -> Embedded:
             return Embedded(e.embeds[rows], e.present[rows], None if e.tokens is None else e.tokens[rows],
                             None if e.mask is None else e.mask[rows])
 
-        return Pairs(pick(self.images), pick(self.texts), self.ids[rows])
+        return Pairs(pick(self.images), pick(self.texts), self.ids[rows], self.source[rows])
 
 
 @torch.no_grad()
@@ -106,7 +109,7 @@ def embed_pairs(wrapped: nn.Module, loader, data_cfg, device: torch.device, auto
         texts = Embedded(enc.text_embeds[keep].float(), keep[keep])
         if keep_tokens:
             images.tokens, texts.tokens, texts.mask = enc.image_tokens[keep], enc.text_tokens[keep], inputs.attention_mask[keep]
-        parts.append(Pairs(images, texts, inputs.ids[keep]))
+        parts.append(Pairs(images, texts, inputs.ids[keep], inputs.source[keep]))
         # every rank stops after the same batch (FSDP2 gathers parameters in each forward), once
         # the ranks together hold max_samples pairs
         if max_samples:
@@ -122,13 +125,15 @@ def _cat_pairs(parts: list[Pairs]) -> Pairs:
         return None if xs[0] is None else cat_padded(xs)
 
     sides = {side: Embedded(*(cat(side, f) for f in ("embeds", "present", "tokens", "mask"))) for side in ("images", "texts")}
-    return Pairs(sides["images"], sides["texts"], torch.cat([p.ids for p in parts]))
+    return Pairs(sides["images"], sides["texts"], torch.cat([p.ids for p in parts]), torch.cat([p.source for p in parts]))
 
 
 def evaluate(wrapped: nn.Module, loader, data_cfg, device: torch.device, autocast, max_samples: int = 0,
-             rerank_k: int = 0, batch_size: int = 256) -> dict[str, float]:
+             rerank_k: int = 0, batch_size: int = 256, source_names: list[str] | None = None) -> dict[str, float]:
     """Retrieval metrics over the val set (one caption per image); the same dict on every rank.
-    With ``rerank_k`` (fusion models), also the ITM re-ranked recalls, as ``itm_i2t_r1`` ..."""
+    With ``rerank_k`` (fusion models), also the ITM re-ranked recalls, as ``itm_i2t_r1`` ...; with
+    several ``source_names`` (``data.val`` lists several sources), each source's own recalls too, as
+    ``val/NAME/t2i_r1`` ... (each source's pairs searched among themselves)."""
     with eval_mode(wrapped):
         pairs = embed_pairs(wrapped, loader, data_cfg, device, autocast, max_samples, keep_tokens=bool(rerank_k))
     pairs = pairs.gathered()
@@ -142,6 +147,11 @@ def evaluate(wrapped: nn.Module, loader, data_cfg, device: torch.device, autocas
         keep = keep[:max_samples]
     pairs = pairs.select(keep)
     out = retrieval_metrics(pairs.images.embeds, pairs.texts.embeds)
+    for s, name in enumerate(source_names if source_names and len(source_names) > 1 else []):
+        mine = pairs.source == s
+        if mine.any():
+            per = retrieval_metrics(pairs.images.embeds[mine], pairs.texts.embeds[mine])
+            out.update({f"val/{name}/{k}": v for k, v in per.items()})
     if rerank_k and len(keep):
         one_each = torch.arange(len(keep), device=pairs.images.embeds.device)
         rescored = itm_rerank(wrapped, pairs.images, pairs.texts, rerank_k, batch_size, autocast)
@@ -169,7 +179,9 @@ class Evaluator:
         rerank_k = ec.itm_rerank_k if getattr(model, "itm_head", None) is not None else 0
         out: dict[str, float] = {}
         if self.val is not None:
-            out.update(evaluate(wrapped, self.val, data, device, autocast, ec.max_samples, rerank_k, ec.batch_size))
+            names = [s.display_name() for s in source_specs(data.val)]
+            out.update(evaluate(wrapped, self.val, data, device, autocast, ec.max_samples, rerank_k, ec.batch_size,
+                                names))
         for z in self.zeroshot:
             out.update(evaluate_zeroshot(wrapped, z, data, device, autocast))
         for r in self.retrieval:

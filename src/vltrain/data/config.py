@@ -157,8 +157,8 @@ class DataConfig:
                 raise ConfigError(f"data.{key} must be >= 0 (0: the default), got {getattr(self, key)}")
         if not isinstance(self.train, str) and any(s.weight < 0 or s.loss_weight < 0 for s in self.train):
             raise ConfigError("data.train: source weight and loss_weight must be >= 0")
-        if not isinstance(self.train, str):
-            names = [s.display_name() for s in self.train]
+        for split in ("train", "val"):
+            names = [s.display_name() for s in getattr(self, split)] if not isinstance(getattr(self, split), str) else []
             if len(set(names)) < len(names):
-                raise ConfigError(f"data.train: sources need distinct names for their metrics, got {names}; "
+                raise ConfigError(f"data.{split}: sources need distinct names for their metrics, got {names}; "
                                   "give each a name: {path, weight, name}")
