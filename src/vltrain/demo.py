@@ -20,8 +20,9 @@ import time
 from pathlib import Path
 
 from vltrain.config import load_config
-from vltrain.errors import ConfigError
 from vltrain.data.synth import KINDS, TOKENIZER_VOCAB
+from vltrain.errors import ConfigError
+from vltrain.runtime import cpu_has_bf16_matmul
 
 NUM_TRAIN, NUM_VAL, TEXT_ONLY_FRACTION = 10_000, 1_000, 0.2
 CLASSIFY_PER_CLASS = 30
@@ -136,9 +137,15 @@ def run_demo(run_dir: Path, data: Path, overrides: list[str], num: int = NUM_TRA
         *overrides,
     ]
     cfg = load_config(demo_config_path(), given)
-    pinned = any(o.startswith("train.max_steps=") for o in overrides)
-    if not pinned and cfg.train.device != "cuda" and not _cuda():
-        cfg = load_config(demo_config_path(), given[:5] + _step_overrides(cfg) + list(overrides))
+    on_cpu = cfg.train.device != "cuda" and not _cuda()
+    if on_cpu and cfg.train.precision == "bf16" and not any(o.startswith("train.precision=") for o in overrides):
+        if not cpu_has_bf16_matmul():
+            print("this CPU has no bf16 matrix instructions (AVX-512 BF16 or AMX): the demo trains in fp32, "
+                  "several times faster here (train.precision=bf16 forces bf16)", flush=True)
+            given.insert(len(given) - len(overrides), "train.precision=fp32")
+            cfg = load_config(demo_config_path(), given)
+    if on_cpu and not any(o.startswith("train.max_steps=") for o in overrides):
+        cfg = load_config(demo_config_path(), given + _step_overrides(cfg) + list(overrides))
     trainer = Trainer(cfg)
     clean = False
     try:

@@ -1,0 +1,18 @@
+"""Runtime settings that depend on the machine."""
+
+from __future__ import annotations
+
+from vltrain.runtime import cpu_has_bf16_matmul
+
+
+def _cpuinfo(tmp_path, flags: str):
+    path = tmp_path / "cpuinfo"
+    path.write_text(f"processor\t: 0\nvendor_id\t: AuthenticAMD\nflags\t\t: fpu sse2 avx2 {flags}\n\nprocessor\t: 1\n")
+    return str(path)
+
+
+def test_bf16_matmul_needs_avx512_bf16_or_amx(tmp_path):
+    assert not cpu_has_bf16_matmul(_cpuinfo(tmp_path, "fma avx512f"))  # AVX-512 alone emulates bf16
+    assert cpu_has_bf16_matmul(_cpuinfo(tmp_path, "avx512f avx512_bf16"))
+    assert cpu_has_bf16_matmul(_cpuinfo(tmp_path, "amx_bf16 amx_tile"))
+    assert cpu_has_bf16_matmul(str(tmp_path / "missing"))  # unknown: keep the config's choice
