@@ -101,10 +101,8 @@ class ModelInputs:
 
     def present(self) -> "ModelInputs":
         """Rows of weight 0 as if they had neither side: no objective sees them, not even as a negative."""
-        if self.row_weights is None:
-            return self
-        keep = self.row_weights > 0
-        return replace(self, has_image=self.has_image & keep, has_text=self.has_text & keep)
+        rows = self.rows().present()
+        return replace(self, has_image=rows.has_image, has_text=rows.has_text)
 
 
 @dataclass
@@ -119,7 +117,7 @@ class Rows:
     source: torch.Tensor | None = None
 
     def present(self) -> "Rows":
-        """As :meth:`ModelInputs.present`."""
+        """Rows of weight 0 as if they had neither side."""
         if self.row_weights is None:
             return self
         keep = self.row_weights > 0
