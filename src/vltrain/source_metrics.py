@@ -19,17 +19,17 @@ class SourceMeter:
         self.sums = torch.zeros(len(names), 1 + 2 * len(objectives), dtype=torch.float64, device=device)
 
     def count(self, source: torch.Tensor) -> None:
-        self.sums[:, 0] += torch.bincount(source, minlength=len(self.names)).to(self.sums.dtype)
+        self.sums[:, 0].index_add_(0, source, torch.ones_like(source, dtype=self.sums.dtype))
 
     def add(self, source: torch.Tensor, row_losses: dict[str, RowLosses]) -> None:
+        """Accumulate on the device, without a host synchronization (no boolean indexing)."""
         for k, name in enumerate(self.objectives):
             rows = row_losses.get(name)
             if rows is None:
                 continue
-            src = source[rows.applies]
-            values = rows.values[rows.applies].to(self.sums.dtype)
-            self.sums[:, 1 + 2 * k] += torch.bincount(src, weights=values, minlength=len(self.names))
-            self.sums[:, 2 + 2 * k] += torch.bincount(src, minlength=len(self.names)).to(self.sums.dtype)
+            applies = rows.applies.to(self.sums.dtype)
+            self.sums[:, 1 + 2 * k].index_add_(0, source, rows.values.to(self.sums.dtype) * applies)
+            self.sums[:, 2 + 2 * k].index_add_(0, source, applies)
 
     def read(self) -> dict[str, float]:
         """``source/<name>/samples`` and ``source/<name>/loss/<objective>`` since the last read."""
