@@ -135,9 +135,9 @@ class _RingSigLIP(torch.autograd.Function):
             c_txt, c_ids, c_valid = cols
             logits = scale * img @ c_txt.t() + bias
             labels = (ids[:, None] == c_ids[None, :]).float() * 2 - 1
-            total = total - (coef[:, None] * F.logsigmoid(labels * logits) * c_valid[None, :].float()).sum()
-            if rows_out is not None:
-                per_row -= (F.logsigmoid(labels * logits) * c_valid[None, :].float()).sum(dim=1).detach()
+            pair_losses = F.logsigmoid(labels * logits) * c_valid[None, :].float()  # x 0/1: exact either order
+            total = total - (coef[:, None] * pair_losses).sum()
+            per_row -= pair_losses.sum(dim=1)
             if k < world - 1:
                 cols = ring_pass(cols)
         if rows_out is not None:
