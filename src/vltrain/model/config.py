@@ -72,6 +72,9 @@ class ModelConfig:
     loss: LossConfig = field(default_factory=LossConfig)
     embed_dim: int = 0
     """0: the preset's."""
+    init: str = ""
+    """Start from pretrained weights: a Hugging Face CLIPModel/SiglipModel folder or an OpenCLIP
+    checkpoint file. Empty: random initialization from the seed."""
 
     def validate(self) -> None:
         if self.preset not in list_presets():
