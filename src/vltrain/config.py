@@ -55,6 +55,13 @@ class TrainConfig:
     """On CUDA, let fp32 matmuls use TF32 tensor cores (Ampere and newer); false for full fp32."""
     freeze: list[str] = field(default_factory=list)
     """Towers to freeze (LiT-style), e.g. ["vision"]."""
+    unlock_last: Union[int, dict[str, int]] = 0
+    """Of each tower in train.freeze, this many last blocks (and the tower's final norm) still
+    train; or per tower, e.g. {vision: 2}. 0: the frozen towers are frozen whole."""
+    layer_decay: float = 1.0
+    """Layer-wise lr decay, in (0, 1]: a parameter in layer l of a stack of n blocks trains at
+    lr x layer_decay^(n + 1 - l), embeddings being layer 0 and block i layer i + 1; the final norms,
+    projections, temperature and heads at lr. 1.0: every parameter at lr (docs/checkpoints.md#fine-tuning)."""
     resume: str = "auto"
     """auto (latest complete checkpoint of run.dir) | never | a checkpoint path."""
     log_every: int = 10
@@ -88,6 +95,22 @@ class TrainConfig:
             raise ConfigError(f"train.betas must hold two numbers, got {self.betas}")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ConfigError(f"train.device must be auto, cpu or cuda, got {self.device!r}")
+        if not 0 < self.layer_decay <= 1:
+            raise ConfigError(f"train.layer_decay must be in (0, 1] (1.0: off; fine-tuning uses ~0.65-0.75), "
+                              f"got {self.layer_decay}")
+        self._validate_unlock()
+
+    def _validate_unlock(self) -> None:
+        counts = self.unlock_last if isinstance(self.unlock_last, dict) else {t: self.unlock_last for t in self.freeze}
+        if any(n < 0 for n in counts.values()):
+            raise ConfigError(f"train.unlock_last must be >= 0 blocks, got {self.unlock_last}")
+        if not self.freeze and self.unlock_last:
+            raise ConfigError("train.unlock_last unlocks blocks of the towers in train.freeze, which is empty; "
+                              "set train.freeze (e.g. [vision]) or leave unlock_last at 0")
+        stray = [t for t in counts if t not in self.freeze]
+        if stray:
+            raise ConfigError(f"train.unlock_last names {', '.join(stray)}, not in train.freeze {self.freeze}: "
+                              "a tower that is not frozen trains whole")
 
 
 @dataclass
@@ -161,6 +184,9 @@ class CheckpointConfig:
     """Write tensors in the background (DCP async save); the next save or the run's end commits them."""
     folder: str = "checkpoints"
     """Relative to run.dir, or an absolute path."""
+    save_initial: Literal["auto", "always", "never"] = "auto"
+    """Write the weights the run starts from to RUN_DIR/init.safetensors, for `vltrain export
+    --interpolate` (WiSE-FT). auto: when model.init is set (a fine-tune); always; never."""
 
     def validate(self) -> None:
         if self.every < 0:
