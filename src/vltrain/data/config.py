@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal, Union
+from typing import Any, Literal, Union
 
 from vltrain.data.budget import PAD_MULTIPLE, padded_width
 from vltrain.data.images import MAX_IMAGE_PIXELS
@@ -102,7 +102,14 @@ class DataConfig:
     "Padding and dynamic batching")."""
     csv: CsvConfig = field(default_factory=CsvConfig)
     cache_dir: str = ""
-    """Where shard indexes go when a shard's folder is read-only (empty: RUN_DIR/cache)."""
+    """Where shard indexes go when a shard's folder is read-only, and where remote shards
+    (s3://, gs://, https://) are downloaded to, whole, before they are read (empty: RUN_DIR/cache).
+    Workers and ranks on one node may share it."""
+    cache_limit_gb: float = 50.0
+    """Remote shards kept in cache_dir: past this many GB the least recently used are deleted."""
+    storage_options: dict[str, Any] = field(default_factory=dict)
+    """Passed to fsspec for remote URLs, over the defaults (e.g. {endpoint_url: ..., anon: true});
+    credentials otherwise come from the usual variables (AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID, ...)."""
     num_workers: int = 2
     prefetch_factor: int = 2
     persistent_workers: bool = True
@@ -146,6 +153,8 @@ class DataConfig:
             raise ConfigError(f"data.std must be positive, got {self.std}")
         if not 0 <= self.max_bad_fraction <= 1:
             raise ConfigError(f"data.max_bad_fraction must be in [0, 1], got {self.max_bad_fraction}")
+        if not self.cache_limit_gb > 0:
+            raise ConfigError(f"data.cache_limit_gb must be > 0, got {self.cache_limit_gb}")
         if self.num_workers < 0:
             raise ConfigError(f"data.num_workers must be >= 0, got {self.num_workers}")
         if not 0.1 <= self.jpeg_draft_ratio <= 1.0:
