@@ -63,3 +63,39 @@ def test_split_to_multiple_gives_up_only_when_nothing_splits():
     assert budget.split_to_multiple(one, 2) == one
     out = budget.split_to_multiple([np.arange(5), np.arange(5, 7)], 4)
     assert len(out) == 4 and sorted(np.concatenate(out).tolist()) == list(range(7))
+
+
+def _greedy_by_row(rows, lens, imgs, batch_size, token_budget, image_budget, multiple):
+    """The packing rule stated row by row: close the batch when one more row would not fit."""
+    batches, start, longest, images = [], 0, 0, 0
+    for i in range(len(rows)):
+        longest_with = max(longest, int(lens[i]))
+        count = i - start + 1
+        fits = (count <= batch_size and images + int(imgs[i]) <= image_budget
+                and count * budget.padded_width(longest_with, multiple) <= token_budget)
+        if not fits and i > start:
+            batches.append(rows[start:i])
+            start, longest_with, images = i, int(lens[i]), 0
+        longest = longest_with
+        images += int(imgs[i])
+    if start < len(rows):
+        batches.append(rows[start:])
+    return batches
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.data())
+def test_pack_sorted_equals_the_row_by_row_rule(data):
+    n = data.draw(st.integers(0, 200))
+    multiple = data.draw(st.sampled_from([1, 2, 8]))
+    lens = np.array(data.draw(st.lists(st.integers(0, 90), min_size=n, max_size=n)), dtype=np.int64)
+    lens = lens[np.argsort(budget._widths(lens, multiple), kind="stable")]
+    imgs = np.array(data.draw(st.lists(st.booleans(), min_size=n, max_size=n)), dtype=bool)
+    widest = budget.padded_width(int(lens.max()) if n else 0, multiple)
+    batch_size = data.draw(st.integers(1, 64))
+    token_budget = data.draw(st.integers(widest, 700))
+    image_budget = data.draw(st.integers(1, 40))
+    rows = np.arange(n) + 1000
+    want = _greedy_by_row(rows, lens, imgs, batch_size, token_budget, image_budget, multiple)
+    got = budget._pack_sorted(rows, lens, imgs, batch_size, token_budget, image_budget, multiple)
+    assert [b.tolist() for b in got] == [b.tolist() for b in want]

@@ -44,24 +44,38 @@ def modality(table: SampleTable, rows: np.ndarray) -> np.ndarray:
 
 def _pack_sorted(rows: np.ndarray, lens: np.ndarray, imgs: np.ndarray, batch_size: int,
                  token_budget: int, image_budget: int, multiple: int) -> list[np.ndarray]:
-    """Greedy packing of rows already sorted by length; closes a batch when one more row would not fit."""
-    batches, start, longest, images = [], 0, 0, 0
-    for i in range(len(rows)):
-        cand_longest = max(longest, int(lens[i]))
-        count = i - start + 1
-        fits = (
-            count <= batch_size
-            and images + int(imgs[i]) <= image_budget
-            and count * padded_width(cand_longest, multiple) <= token_budget
-        )
-        if not fits and i > start:
-            batches.append(rows[start:i])
-            start, cand_longest, images = i, int(lens[i]), 0
-        longest = cand_longest
-        images += int(imgs[i])
-    if start < len(rows):
-        batches.append(rows[start:])
-    return batches
+    """Greedy packing of rows already sorted by padded width: a batch closes when one more row
+    would not fit (a single row always fits).
+
+    Each batch is found in one step rather than row by row. Widths only grow along the rows, so
+    for a batch starting at row ``a`` the rows that fit form a prefix, ended by the first of: the
+    row count, the image count (a search in the running image sum) and, per run of one width
+    ``w``, the first row past ``a + token_budget // w - 1``. Runs of one width are few (about
+    ``max_text_length / multiple``), so packing costs O(batches x runs), not a Python step per row.
+    """
+    n = len(rows)
+    if n == 0:
+        return []
+    widths = _widths(np.asarray(lens, dtype=np.int64), multiple)
+    run_starts = np.flatnonzero(np.r_[True, widths[1:] != widths[:-1]])
+    run_caps = token_budget // widths[run_starts]  # rows of that width a batch may hold
+    run_ends = np.r_[run_starts[1:], n]
+    images = np.r_[0, np.cumsum(np.asarray(imgs, dtype=np.int64))]
+    bounds, a, run = [0], 0, 0
+    while a < n:
+        while run_ends[run] <= a:
+            run += 1
+        end = min(n, a + batch_size, int(np.searchsorted(images, images[a] + image_budget, side="right")) - 1)
+        r = run
+        while r < len(run_starts) and run_starts[r] < end:
+            stop = max(int(run_starts[r]), a + int(run_caps[r]))  # first row of this run that overflows
+            if stop < min(end, int(run_ends[r])):
+                end = stop
+                break
+            r += 1
+        a = max(end, a + 1)
+        bounds.append(a)
+    return np.split(rows, bounds[1:-1])
 
 
 def pack(
