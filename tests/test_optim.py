@@ -102,3 +102,119 @@ def test_fused_adamw_only_when_every_parameter_is_cuda_floating_point():
     assert implementation([{"params": [cpu]}]) == {"foreach": True}
     opt = build_optimizer(Towers(), TrainConfig())
     assert opt.defaults["foreach"] and not opt.defaults["fused"]
+
+
+# ---------------------------------------------------------------------------------------------
+# Layer-wise lr decay and partial unlocking (fine-tuning)
+
+
+def lrs_by_name(model, opt) -> dict[str, float]:
+    return {n: g["lr"] for g in opt.param_groups for n in names_of(model, g)}
+
+
+def test_layer_decay_scales_each_stack_from_its_own_depth():
+    from modelkit import small_model
+
+    # vision: 3 blocks (top layer 4); text: 3 blocks + 1 fusion block on top (top layer 5)
+    model = small_model("tiny-albef", itm=1.0)
+    opt = build_optimizer(model, TrainConfig(lr=2.0, layer_decay=0.5))
+    got = lrs_by_name(model, opt)
+
+    def want(name: str) -> float:
+        parts = name.split(".")
+        if parts[0] in ("vision", "text") and parts[1] == "blocks":
+            return 2.0 * 0.5 ** ((4 if parts[0] == "vision" else 5) - (int(parts[2]) + 1))
+        if parts[0] == "fusion" and parts[1] == "blocks":
+            return 2.0 * 0.5 ** (5 - 4)
+        if parts[0] == "vision" and parts[1] != "norm":  # patch embedding, class token, positions, pre-norm
+            return 2.0 * 0.5**4
+        if parts[0] == "text" and parts[1] != "norm":  # token embedding, positions
+            return 2.0 * 0.5**5
+        return 2.0  # final norms, projections, temperature, ITM head
+
+    assert got.keys() == {n for n, _ in model.named_parameters()}
+    assert {n: lr for n, lr in got.items() if lr != want(n)} == {}
+    assert got["vision.patch_embed.weight"] == 0.125 and got["text.token_embedding.weight"] == 0.0625
+    assert got["vision.blocks.2.attn.qkv.weight"] == 1.0 and got["fusion.blocks.0.cross.q.weight"] == 1.0
+    exempt = model.no_weight_decay()
+    for g in opt.param_groups:
+        assert {n in exempt for n in names_of(model, g)} == {g["weight_decay"] == 0.0}
+        assert g["lr"] == 2.0 * g["lr_scale"]
+    assert opt.param_groups[0]["lr_scale"] == 1.0  # the logged lr is the full one
+
+
+def test_scheduler_multiplies_each_scaled_groups_lr():
+    from modelkit import small_model
+
+    cfg = TrainConfig(lr=1.0, layer_decay=0.5, warmup_steps=4, max_steps=20)
+    opt = build_optimizer(small_model("tiny-clip"), cfg)
+    sched = build_scheduler(opt, cfg)
+    for _ in range(6):
+        opt.step()
+        sched.step()
+    factor = WarmupCosine(4, 20)(6)
+    assert [g["lr"] for g in opt.param_groups] == [g["lr_scale"] * factor for g in opt.param_groups]
+    assert {g["lr_scale"] for g in opt.param_groups} == {1.0, 0.5, 0.25, 0.125, 0.0625}  # 3 blocks a tower
+
+
+def test_layer_decay_one_keeps_the_two_plain_groups():
+    from modelkit import small_model
+
+    model = small_model("tiny-clip")
+    plain = param_groups(model, 0.1)
+    assert [sorted(g) for g in plain] == [["params", "weight_decay"]] * 2
+    assert [len(g["params"]) for g in plain] == [len(g["params"]) for g in param_groups(model, 0.1, 1.0)]
+
+
+def test_layer_decay_needs_a_model_that_names_its_layers():
+    with pytest.raises(ConfigError, match="layer_decay needs a model that names its layers"):
+        build_optimizer(Towers(), TrainConfig(layer_decay=0.7))
+
+
+def trainable(model) -> set[str]:
+    return {n for n, p in model.named_parameters() if p.requires_grad}
+
+
+def test_unlock_last_blocks_of_a_frozen_tower():
+    from modelkit import small_model
+
+    model = small_model("tiny-clip")
+    freeze_towers(model, ["vision"], 2)
+    vision = {n for n in trainable(model) if n.startswith("vision.")}
+    assert {n.split(".")[1] + (n.split(".")[2] if n.startswith("vision.blocks.") else "") for n in vision} == {
+        "blocks1", "blocks2", "norm"}
+    assert all(p.requires_grad for p in model.text.parameters())
+
+    model = small_model("tiny-clip")
+    freeze_towers(model, ["vision", "text"], {"text": 1})
+    assert not any(n.startswith("vision.") for n in trainable(model))
+    assert {n.split(".")[1] for n in trainable(model) if n.startswith("text.")} == {"blocks", "norm"}
+    assert all(n.startswith("text.blocks.2.") for n in trainable(model) if n.startswith("text.blocks."))
+
+    model = small_model("tiny-clip")
+    freeze_towers(model, ["vision"], 0)
+    assert not any(n.startswith("vision.") for n in trainable(model))
+
+
+def test_unlock_more_blocks_than_a_tower_has_is_a_config_error():
+    from modelkit import small_model
+
+    with pytest.raises(ConfigError, match="last 4 blocks of 'vision', which has 3; give at most 3"):
+        freeze_towers(small_model("tiny-clip"), ["vision"], 4)
+    with pytest.raises(ConfigError, match="which has 0"):
+        freeze_towers(small_model("tiny-clip"), ["image_proj"], 1)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["train.layer_decay=0"], r"train.layer_decay must be in \(0, 1\]"),
+    (["train.layer_decay=1.5"], r"train.layer_decay must be in \(0, 1\]"),
+    (["train.unlock_last=2"], "train.freeze, which is empty"),
+    (["train.freeze=[vision]", "train.unlock_last=-1"], "must be >= 0 blocks"),
+    (["train.freeze=[vision]", "train.unlock_last={text: 1}"], "names text, not in train.freeze"),
+    (["checkpoint.save_initial=yes"], "checkpoint.save_initial"),
+])
+def test_fine_tuning_keys_are_checked_when_loaded(overrides, message):
+    from vltrain.config import load_config
+
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, overrides)

@@ -1,7 +1,8 @@
-"""AdamW with the usual decay exemptions, warmup + cosine, and freezing a tower.
+"""AdamW with the usual decay exemptions, warmup + cosine, layer-wise lr decay, and freezing a tower.
 
-The model names the parameters that take no weight decay (``no_weight_decay``, see
-:mod:`vltrain.model.protocol`); they go to a group of their own.
+The model names the parameters that take no weight decay (``no_weight_decay``) and the layer each
+tower parameter sits in (``layer_ids``, see :mod:`vltrain.model.protocol`); parameters go to one
+group per (lr scale, weight decay).
 """
 
 from __future__ import annotations
@@ -16,32 +17,73 @@ from vltrain.errors import ConfigError
 from vltrain.model.protocol import TrainableModel, default_no_weight_decay
 
 
-def freeze_towers(model: nn.Module, towers: list[str]) -> None:
-    """LiT-style locking: a named tower (``vision``, ``text``, ...) keeps its weights."""
+def freeze_towers(model: nn.Module, towers: list[str], unlock_last: int | dict[str, int] = 0) -> None:
+    """LiT-style locking: a named tower (``vision``, ``text``, ...) keeps its weights.
+
+    ``unlock_last`` (a count for every named tower, or per tower) leaves the last blocks of a
+    frozen tower and its final norm training: the top of a pretrained tower adapts, the bottom
+    keeps its general features.
+    """
     for name in towers:
         tower = getattr(model, name, None)
         if not isinstance(tower, nn.Module):
             children = [n for n, _ in model.named_children()]
             raise ConfigError(f"train.freeze names {name!r}, which is not a tower of the model (towers: {children})")
         tower.requires_grad_(False)
+        n = unlock_last.get(name, 0) if isinstance(unlock_last, dict) else unlock_last
+        if n:
+            _unlock(name, tower, n)
 
 
-def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
-    """Two groups of trainable parameters: with and without decay (frozen ones are left out)."""
+def _unlock(name: str, tower: nn.Module, n: int) -> None:
+    blocks = list(getattr(tower, "blocks", []))
+    if n > len(blocks):
+        raise ConfigError(f"train.unlock_last asks for the last {n} blocks of {name!r}, which has "
+                          f"{len(blocks)}; give at most {len(blocks)}")
+    for block in blocks[len(blocks) - n:]:
+        block.requires_grad_(True)
+    final = getattr(tower, "norm", None)
+    if isinstance(final, nn.Module):
+        final.requires_grad_(True)
+
+
+def lr_scales(model: nn.Module, layer_decay: float) -> dict[str, float]:
+    """Each tower parameter's lr multiplier, ``layer_decay ** (top - layer)``; others train at 1."""
+    if not isinstance(model, TrainableModel):
+        raise ConfigError(f"train.layer_decay needs a model that names its layers ({type(model).__name__} does not)")
+    return {name: layer_decay ** (top - layer) for name, (layer, top) in model.layer_ids().items()}
+
+
+def param_groups(model: nn.Module, weight_decay: float, layer_decay: float = 1.0) -> list[dict]:
+    """Trainable parameters (frozen ones are left out) grouped by weight decay and lr scale.
+
+    Without layer decay: two groups, with and without weight decay. With it: one group per
+    (lr scale, with or without weight decay), the largest scale first (its lr is the one logged),
+    each holding its ``lr_scale``.
+    """
     exempt = model.no_weight_decay() if isinstance(model, TrainableModel) else default_no_weight_decay(model)
-    decay, no_decay = [], []
+    scales = lr_scales(model, layer_decay) if layer_decay != 1.0 else {}
+    found: dict[tuple[float, bool], list[nn.Parameter]] = {}  # (lr scale, decayed) -> parameters
     for name, p in model.named_parameters():
-        if not p.requires_grad:
-            continue
-        (no_decay if name in exempt else decay).append(p)
-    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+        if p.requires_grad:
+            found.setdefault((scales.get(name, 1.0), name not in exempt), []).append(p)
+    keys = [(1.0, True), (1.0, False)] if layer_decay == 1.0 else sorted(found, key=lambda k: (-k[0], not k[1]))
+    groups = [{"params": found.get(k, []), "weight_decay": weight_decay if k[1] else 0.0} for k in keys]
+    if layer_decay != 1.0:
+        for g, (scale, _) in zip(groups, keys):
+            g["lr_scale"] = scale
     return [g for g in groups if g["params"]]
 
 
 def build_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
-    groups = param_groups(model, cfg.weight_decay)
+    """AdamW over :func:`param_groups`; a scaled group's lr is ``train.lr x lr_scale``, which the
+    scheduler's multiplier then scales (LambdaLR keeps each group's initial lr)."""
+    groups = param_groups(model, cfg.weight_decay, cfg.layer_decay)
     if not groups:
         raise ConfigError("every parameter is frozen (train.freeze): there is nothing to train")
+    for g in groups:
+        if "lr_scale" in g:
+            g["lr"] = cfg.lr * g["lr_scale"]
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, **implementation(groups))
 
 

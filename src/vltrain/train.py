@@ -56,7 +56,7 @@ class Trainer:
         torch.manual_seed(tc.seed)
         self.tokenizer = build_tokenizer(cfg)
         self.model = build_model_for(cfg, self.tokenizer, self.device)
-        freeze_towers(self.model, tc.freeze)
+        freeze_towers(self.model, tc.freeze, tc.unlock_last)
         self.precision = Precision(tc.precision, self.device)
 
         # parallelize

@@ -158,6 +158,30 @@ class VLModel(nn.Module):
         blocks = list(self.vision.blocks) + list(self.text.blocks)
         return blocks + (list(self.fusion.blocks) if self.fusion is not None else [])
 
+    def layer_ids(self) -> dict[str, tuple[int, int]]:
+        """``name -> (layer, top)`` of every tower parameter, for layer-wise learning-rate decay.
+
+        Two stacks, each counted from its own input: the vision tower; the text tower with the
+        fusion blocks on top (ALBEF's text and fusion layers are the two halves of one BERT). In a
+        stack of n blocks, the embeddings (patch or token embedding, positions, class token, pre-norm)
+        are layer 0, block i is layer i + 1, and top = n + 1 is the layer of every parameter the map
+        leaves out: the towers' final norms, the projections, the temperature, the heads.
+        """
+        layers: dict[int, tuple[int, int]] = {}
+        for stack in ((self.vision,), (self.text, self.fusion)):
+            towers = [t for t in stack if t is not None]
+            top = sum(len(t.blocks) for t in towers) + 1
+            offset = 0
+            for k, tower in enumerate(towers):
+                for i, block in enumerate(tower.blocks):
+                    layers.update({id(p): (offset + i + 1, top) for p in block.parameters()})
+                offset += len(tower.blocks)
+                final = getattr(tower, "norm", None)
+                skip = {id(p) for p in final.parameters()} if final is not None else set()
+                if k == 0:  # the stack's input side: what is neither a block nor the final norm
+                    layers.update({id(p): (0, top) for p in tower.parameters() if id(p) not in layers and id(p) not in skip})
+        return {n: layers[id(p)] for n, p in self.named_parameters() if id(p) in layers}
+
     def flops_per_sample(self, text_len: int | None = None) -> float:
         """Training FLOPs of one image-text sample: 3 x the forward matmul FLOPs (backward ~ 2x forward).
 

@@ -37,5 +37,8 @@ class TrainableModel(Protocol):
     def no_weight_decay(self) -> set[str]:
         """Names of the parameters that take no weight decay (e.g. ``default_no_weight_decay(self)``)."""
 
+    def layer_ids(self) -> dict[str, tuple[int, int]]:
+        """``name -> (layer, top)`` for layer-wise lr decay; a parameter left out is at the top."""
+
     def set_activation_checkpointing(self, enabled: bool) -> None:
         """Recompute each block's activations in the backward instead of keeping them."""
