@@ -10,21 +10,19 @@ sample ``i`` is then one seek and one read.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import glob
 import hashlib
 import io
 import json
 import os
-import socket
 import sys
 import tarfile
-import time
 from bisect import bisect_right
 from pathlib import Path
 
 import numpy as np
 
+from vltrain.data.lock import build_once, private_tmp
 from vltrain.data.sources import (Problem, Row, Source, expand_braces, is_shard_pattern, is_unicode,
                                   open_manifest)
 from vltrain.errors import DataError, UserError
@@ -117,63 +115,26 @@ def index_path(shard: Path, cache_dir: str | os.PathLike | None) -> Path:
 
 BUILDS = 0
 """Indexes this process built (rather than read); the index race test counts them."""
-LOCK_STALE_S = 600.0
-"""A lock file this old whose builder cannot be checked is taken to be left by a crash."""
 
 
 def load_index(shard: Path, cache_dir: str | os.PathLike | None = None, wait_s: float = 1800.0) -> dict:
-    """The cached index of ``shard``, rebuilt when missing or when the shard changed.
-
-    Many ranks open the same shards at once on a shared file system. One of them takes a lock
-    file (created with O_EXCL, which works on network file systems where flock may not) and
-    builds the index; the others wait for it and read it. A lock left by a process that died is
-    taken over: at once when its owner ran on this host and is gone, else after LOCK_STALE_S.
-    """
-    global BUILDS
+    """The cached index of ``shard``, rebuilt when missing or when the shard changed; built by one
+    process while the others wait (``vltrain.data.lock``)."""
     path = index_path(shard, cache_dir)
     st = shard.stat()
-    index = _read_fresh(path, st)
-    if index is not None:
+
+    def build() -> dict:
+        global BUILDS
+        index = build_index(shard)
+        index.update(version=INDEX_VERSION, size=st.st_size, mtime_ns=st.st_mtime_ns)
+        tmp = private_tmp(path)
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump(index, f, ensure_ascii=False, separators=(",", ":"))
+        os.replace(tmp, path)
+        BUILDS += 1
         return index
-    path.parent.mkdir(parents=True, exist_ok=True)
-    lock = path.with_name(path.name + ".lock")
-    deadline = time.monotonic() + wait_s
-    delay = 0.02
-    while True:
-        try:
-            fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
-        except FileExistsError:
-            index = _read_fresh(path, st)
-            if index is not None:
-                return index
-            if _stale(lock):
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(lock)
-                continue
-            if time.monotonic() > deadline:
-                raise DataError(
-                    f"waited {wait_s:.0f}s for another process to index {shard} (lock {lock}); "
-                    "if no vltrain process is running, delete the lock file"
-                ) from None
-            time.sleep(delay)
-            delay = min(delay * 2, 0.5)
-            continue
-        try:
-            os.write(fd, f"{socket.gethostname()} {os.getpid()}".encode())
-            os.close(fd)
-            index = _read_fresh(path, st)  # finished by another process between our read and our lock
-            if index is None:
-                index = build_index(shard)
-                index.update(version=INDEX_VERSION, size=st.st_size, mtime_ns=st.st_mtime_ns)
-                tmp = path.with_name(f"{path.name}.{socket.gethostname()}.{os.getpid()}.tmp")
-                with open(tmp, "w", encoding="utf-8") as f:
-                    json.dump(index, f, ensure_ascii=False, separators=(",", ":"))
-                os.replace(tmp, path)
-                BUILDS += 1
-            return index
-        finally:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(lock)
+
+    return build_once(path, lambda: _read_fresh(path, st), build, what=f"index {shard}", wait_s=wait_s)
 
 
 def _read_fresh(path: Path, st: os.stat_result) -> dict | None:
@@ -187,23 +148,6 @@ def _read_fresh(path: Path, st: os.stat_result) -> dict | None:
         INDEX_VERSION, st.st_size, st.st_mtime_ns
     )
     return index if fresh else None
-
-
-def _stale(lock: Path) -> bool:
-    try:
-        owner = lock.read_text().split()
-        age = time.time() - lock.stat().st_mtime
-    except (OSError, ValueError):
-        return False  # just released, or being written: look again
-    if len(owner) == 2 and owner[0] == socket.gethostname() and owner[1].isdigit():
-        try:
-            os.kill(int(owner[1]), 0)
-        except ProcessLookupError:
-            return True
-        except PermissionError:
-            pass
-        return False
-    return age > LOCK_STALE_S
 
 
 def build_index(shard: Path) -> dict:
