@@ -125,38 +125,13 @@ class ManifestSource(Source):
 
     def _add(self, line: int, fields: dict, id_key: str, image_keys, text_keys) -> None:
         """Check one row's fields and append it, or record why it is malformed."""
-        where = f"{self.path.name}:{line}"
-        image, why = _pick_string(fields, image_keys, "image")
-        if why:
-            return self._problem(where, why)
-        text, why = _pick_string(fields, text_keys, "text")
-        if why:
-            return self._problem(where, why)
-        blank_image = image is not None and not image.strip()
-        blank_text = text is not None and not text.strip()
-        image = None if blank_image else image
-        text = None if blank_text else text
-        if image is None and text is None:
-            return self._problem(
-                where, f"no image ({'|'.join(image_keys)}) and no text ({'|'.join(text_keys)})"
-            )
-        if blank_image:
-            self.problems.append(Problem(where, "empty image path (row used as text-only)", "warning"))
-        if blank_text:
-            self.problems.append(Problem(where, "empty text (row used as image-only)", "warning"))
-        given = fields.get(id_key)
-        if given is None or given == "":
-            key = derived_key(self.path.name, line, image, text)
-        elif isinstance(given, (str, int)) and not isinstance(given, bool):
-            key = str(given)
-            if not is_unicode(key):
-                return self._problem(where, "id is not valid UTF-8")
-        else:
-            return self._problem(where, f"'{id_key}' must be a string or an integer, got {type(given).__name__}")
-        self._keys.append(key)
-        self._images.append(image)
-        self._texts.append(text)
-        self._lines.append(line)
+        row, problems = check_row(fields, id_key, image_keys, text_keys, self.path.name, line)
+        self.problems.extend(problems)
+        if row is not None:
+            self._keys.append(row[0])
+            self._images.append(row[1])
+            self._texts.append(row[2])
+            self._lines.append(line)
 
     def _problem(self, where: str, reason: str) -> None:
         self.problems.append(Problem(where, reason))
@@ -166,57 +141,87 @@ class ManifestSource(Source):
             for line, raw in enumerate(f, start=1):
                 if not raw.strip():
                     continue
-                where = f"{self.path.name}:{line}"
-                try:
-                    obj = json.loads(raw.decode("utf-8"))
-                except UnicodeDecodeError as e:
-                    self._problem(where, f"not valid UTF-8 (byte {e.start} of the line)")
+                fields, why = json_fields(raw)
+                if why:
+                    self._problem(f"{self.path.name}:{line}", why)
                     continue
-                except json.JSONDecodeError as e:
-                    self._problem(where, f"not JSON ({e.msg}, column {e.colno})")
-                    continue
-                if not isinstance(obj, dict):
-                    self._problem(where, f"not a JSON object (got {type(obj).__name__})")
-                    continue
-                self._add(line, obj, "id", IMAGE_KEYS, TEXT_KEYS)
+                self._add(line, fields, "id", IMAGE_KEYS, TEXT_KEYS)
 
     def _read_csv(self, cfg: CsvConfig) -> None:
-        sep = cfg.separator or ("\t" if self.path.suffix.lower() == ".tsv" else ",")
+        sep = csv_separator(self.path, cfg)
         # surrogateescape keeps undecodable bytes visible, so a bad line is reported, not fatal.
         with open(self.path, newline="", encoding="utf-8", errors="surrogateescape") as f:
             reader = csv.reader(f, delimiter=sep)
             header = next(reader, None)
             if header is None:
                 raise DataError(f"{self.path}: empty file (a header row is needed)")
-            image_col = _column(header, cfg.image_key, IMAGE_KEYS)
-            text_col = _column(header, cfg.text_key, TEXT_KEYS)
-            if image_col is None and text_col is None:
-                raise DataError(
-                    f"{self.path}: header {header} has no image column ({cfg.image_key!r} or one of "
-                    f"{IMAGE_KEYS}) and no text column ({cfg.text_key!r} or one of {TEXT_KEYS}); "
-                    "set data.csv.image_key / data.csv.text_key / data.csv.separator"
-                )
-            id_col = cfg.id_key if cfg.id_key in header else None
+            image_col, text_col, id_col = csv_columns(header, cfg, self.path)
             start = reader.line_num + 1
             for values in reader:
                 line, start = start, reader.line_num + 1
                 if not values:
                     continue
-                where = f"{self.path.name}:{line}"
-                if len(values) != len(header):
-                    self._problem(where, f"{len(values)} fields, the header has {len(header)}")
+                fields, why = csv_fields(values, header)
+                if why:
+                    self._problem(f"{self.path.name}:{line}", why)
                     continue
-                if not all(is_unicode(v) for v in values):
-                    self._problem(where, "not valid UTF-8")
-                    continue
-                fields = {k: (v if v != "" else None) for k, v in zip(header, values)}
-                self._add(
-                    line,
-                    fields,
-                    id_col or "",
-                    (image_col,) if image_col else (),
-                    (text_col,) if text_col else (),
-                )
+                self._add(line, fields, id_col, (image_col,) if image_col else (), (text_col,) if text_col else ())
+
+
+def check_row(fields: dict, id_key: str, image_keys, text_keys, file_name: str,
+              line: int) -> tuple[tuple[str, str | None, str | None] | None, list[Problem]]:
+    """A manifest row's (key, image, text), or None when it is malformed; and its problems.
+
+    The one definition of a usable row, shared by the parsing source and the sample index."""
+    where = f"{file_name}:{line}"
+    image, why = _pick_string(fields, image_keys, "image")
+    if not why:
+        text, why = _pick_string(fields, text_keys, "text")
+    if why:
+        return None, [Problem(where, why)]
+    blank_image = image is not None and not image.strip()
+    blank_text = text is not None and not text.strip()
+    image = None if blank_image else image
+    text = None if blank_text else text
+    if image is None and text is None:
+        return None, [Problem(where, f"no image ({'|'.join(image_keys)}) and no text ({'|'.join(text_keys)})")]
+    problems = []
+    if blank_image:
+        problems.append(Problem(where, "empty image path (row used as text-only)", "warning"))
+    if blank_text:
+        problems.append(Problem(where, "empty text (row used as image-only)", "warning"))
+    given = fields.get(id_key)
+    if given is None or given == "":
+        key = derived_key(file_name, line, image, text)
+    elif isinstance(given, (str, int)) and not isinstance(given, bool):
+        key = str(given)
+        if not is_unicode(key):
+            return None, problems + [Problem(where, "id is not valid UTF-8")]
+    else:
+        return None, problems + [Problem(where, f"'{id_key}' must be a string or an integer, got {type(given).__name__}")]
+    return (key, image, text), problems
+
+
+def json_fields(raw: bytes) -> tuple[dict | None, str | None]:
+    """One JSONL line's object, or why it is not one."""
+    try:
+        obj = json.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError as e:
+        return None, f"not valid UTF-8 (byte {e.start} of the line)"
+    except json.JSONDecodeError as e:
+        return None, f"not JSON ({e.msg}, column {e.colno})"
+    if not isinstance(obj, dict):
+        return None, f"not a JSON object (got {type(obj).__name__})"
+    return obj, None
+
+
+def csv_fields(values: list[str], header: list[str]) -> tuple[dict | None, str | None]:
+    """One CSV record as {column: value or None}, or why it is malformed."""
+    if len(values) != len(header):
+        return None, f"{len(values)} fields, the header has {len(header)}"
+    if not all(is_unicode(v) for v in values):
+        return None, "not valid UTF-8"
+    return {k: (v if v != "" else None) for k, v in zip(header, values)}, None
 
 
 def _pick_string(fields: dict, keys, what: str) -> tuple[str | None, str | None]:
@@ -231,6 +236,23 @@ def _pick_string(fields: dict, keys, what: str) -> tuple[str | None, str | None]
             return None, f"{what} is not valid UTF-8 / Unicode"
         return v, None
     return None, None
+
+
+def csv_separator(path: Path, cfg: CsvConfig) -> str:
+    return cfg.separator or ("\t" if path.suffix.lower() == ".tsv" else ",")
+
+
+def csv_columns(header: list[str], cfg: CsvConfig, path) -> tuple[str | None, str | None, str]:
+    """The image, text and id columns of a CSV header ("" for no id column)."""
+    image_col = _column(header, cfg.image_key, IMAGE_KEYS)
+    text_col = _column(header, cfg.text_key, TEXT_KEYS)
+    if image_col is None and text_col is None:
+        raise DataError(
+            f"{path}: header {header} has no image column ({cfg.image_key!r} or one of "
+            f"{IMAGE_KEYS}) and no text column ({cfg.text_key!r} or one of {TEXT_KEYS}); "
+            "set data.csv.image_key / data.csv.text_key / data.csv.separator"
+        )
+    return image_col, text_col, cfg.id_key if cfg.id_key in header else ""
 
 
 def _column(header: list[str], configured: str, aliases: tuple[str, ...]) -> str | None:
