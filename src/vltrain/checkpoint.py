@@ -52,6 +52,7 @@ from vltrain.checkpoint_storage import (
     split_tensors,
     tensor_keys,
     write_atomic,
+    write_weights,
 )
 from vltrain.config import CheckpointConfig
 from vltrain.distributed import all_gather_object, barrier, broadcast_object, is_initialized, world_info
@@ -60,6 +61,8 @@ from vltrain.faults import maybe_fail
 
 STATE_FILE = "state.json"
 CONFIG_FILE = "config.yaml"
+INITIAL_FILE = "init.safetensors"
+"""RUN_DIR's copy of the weights the run started from (``checkpoint.save_initial``)."""
 LATEST_FILE = "latest"
 TMP_PREFIX = ".tmp-"
 FORMAT_VERSION = 1
@@ -201,6 +204,15 @@ def load_model_weights(ckpt: Path, model: torch.nn.Module) -> None:
         raise UserError(f"checkpoint {ckpt} holds no model state")
     targets = {f"model.{k}": v for k, v in model.state_dict().items()}
     _read_fitting(ckpt, targets, tensor_keys(state["states"]["model"]), no_dist=True)
+
+
+def save_initial_weights(run_dir: Path, model: torch.nn.Module) -> None:
+    """RUN_DIR/init.safetensors: the full weights a run starts from, for ``vltrain export
+    --interpolate``. Written once: a resumed run keeps its first start's. Called on one rank,
+    before any sharding, while the model is whole."""
+    path = Path(run_dir) / INITIAL_FILE
+    if not path.is_file():
+        write_weights(path, model.state_dict(), {"format": "pt"})
 
 
 # ---------------------------------------------------------------------------------------------

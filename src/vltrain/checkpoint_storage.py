@@ -179,6 +179,19 @@ def write_atomic(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
+def write_weights(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None) -> None:
+    """Full tensors by name to a safetensors file (tensors only: reading it runs no code), atomically."""
+    from safetensors.torch import save_file
+
+    # clone: tied weights share storage, which safetensors refuses; each key gets its own copy
+    tensors = {k: v.detach().cpu().contiguous().clone() for k, v in tensors.items()}
+    tmp = path.with_name(path.name + PART_SUFFIX)
+    save_file(tensors, str(tmp), metadata=metadata)
+    with open(tmp, "rb") as f:
+        os.fsync(f.fileno())
+    rename_durably(tmp, path)
+
+
 def rename_durably(src: Path, dst: Path) -> None:
     """Rename ``src`` to ``dst`` and make the rename reach the disk."""
     os.rename(src, dst)

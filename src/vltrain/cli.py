@@ -63,6 +63,8 @@ def _model_commands(sub) -> None:
     x = sub.add_parser("export", help="write model.safetensors, the tokenizer and the config")
     x.add_argument("run_dir")
     x.add_argument("--out", required=True)
+    x.add_argument("--interpolate", type=float, default=None, metavar="ALPHA",
+                   help="WiSE-FT: (1-ALPHA) x the run's initial weights + ALPHA x the trained ones (0..1)")
     x.set_defaults(func=_handler("vltrain.export:export_cli"))
 
     m = sub.add_parser("embed", help="normalized embeddings of images and texts from an exported model")

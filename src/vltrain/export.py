@@ -8,6 +8,8 @@
 
 safetensors holds tensors only, so loading an exported model runs no code from the file. The
 folder is what :func:`load_exported` reads, for ``vltrain embed`` and ``vltrain eval``.
+``--interpolate ALPHA`` writes (1 - ALPHA) x the run's initial weights + ALPHA x the trained ones
+(WiSE-FT's weight-space ensemble; ALPHA 0 is the initial model, 1 the fine-tuned one).
 Embeddings use the training pipeline itself (``decode_image``, the tokenizer, the collator,
 ``Batch.pixels``), so an image is seen exactly as it was in training.
 """
@@ -21,7 +23,8 @@ import numpy as np
 import torch
 
 from vltrain.build import build_model_for
-from vltrain.checkpoint import CONFIG_FILE, check_shapes, find_checkpoint, load_model_weights
+from vltrain.checkpoint import CONFIG_FILE, INITIAL_FILE, check_shapes, find_checkpoint, load_model_weights
+from vltrain.checkpoint_storage import write_weights
 from vltrain.config import JobConfig, load_config
 from vltrain.data.text import load_tokenizer
 from vltrain.errors import UserError
@@ -44,27 +47,62 @@ def _checkpoint_of(source: Path) -> Path:
     return find_checkpoint(source, folder)
 
 
-def export_model(source: str | Path, out: str | Path) -> Path:
-    """Write ``out``/{model.safetensors, tokenizer.json, config.yaml} from a run or checkpoint folder."""
-    from safetensors.torch import save_file
-
-    ckpt = _checkpoint_of(Path(source))
+def export_model(source: str | Path, out: str | Path, interpolate: float | None = None) -> Path:
+    """Write ``out``/{model.safetensors, tokenizer.json, config.yaml} from a run or checkpoint folder;
+    ``interpolate``: blend the trained weights with the run's initial ones (:func:`interpolate_weights`)."""
+    source = Path(source)
+    if interpolate is not None and not 0.0 <= interpolate <= 1.0:
+        raise UserError(f"--interpolate must be in [0, 1] (0: the initial weights, 1: the fine-tuned ones), "
+                        f"got {interpolate}")
+    ckpt = _checkpoint_of(source)
     if not (ckpt / CONFIG_FILE).is_file():
         raise UserError(f"checkpoint {ckpt} has no {CONFIG_FILE}; it cannot be exported")
     cfg = load_config(ckpt / CONFIG_FILE)
     tokenizer_path = ckpt / TOKENIZER_FILE if (ckpt / TOKENIZER_FILE).is_file() else Path(cfg.data.tokenizer)
     model, tokenizer = _build(cfg, tokenizer_path)
     load_model_weights(ckpt, model)
+    metadata = {"format": "pt", "checkpoint": ckpt.name}
+    if interpolate is not None:
+        interpolate_weights(model, _initial_weights_of(source, ckpt), interpolate)
+        metadata["interpolate"] = repr(interpolate)
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    # clone: tied weights share storage, which safetensors refuses; each key gets its own copy
-    tensors = {k: v.detach().cpu().contiguous().clone() for k, v in model.state_dict().items()}
-    save_file(tensors, str(out / WEIGHTS_FILE), metadata={"format": "pt", "checkpoint": ckpt.name})
+    write_weights(out / WEIGHTS_FILE, model.state_dict(), metadata)
     tokenizer.save(out / TOKENIZER_FILE)
     cfg.data.tokenizer = TOKENIZER_FILE
     cfg.save(out / CONFIG_FILE)
     return out
+
+
+def _initial_weights_of(source: Path, ckpt: Path) -> Path:
+    """The run's init.safetensors: in the folder given, or in the run folder of its checkpoint."""
+    for run_dir in (source, ckpt.parent.parent):
+        if (run_dir / INITIAL_FILE).is_file():
+            return run_dir / INITIAL_FILE
+    raise UserError(f"--interpolate blends a run's initial weights ({INITIAL_FILE} in the run folder) with the "
+                    f"trained ones, and {source} has none: a run writes them when model.init is set or with "
+                    "checkpoint.save_initial=always")
+
+
+@torch.no_grad()
+def interpolate_weights(model: torch.nn.Module, initial_path: Path, alpha: float) -> None:
+    """In place: each floating-point tensor <- (1 - alpha) x initial + alpha x its value.
+
+    ``torch.lerp`` is exact at both ends (alpha 0 gives the initial tensor, 1 the trained one), and a
+    tensor that did not change (a frozen tower) stays bit for bit what it was.
+    """
+    from safetensors.torch import load_file
+
+    initial = load_file(str(initial_path))
+    state = model.state_dict()
+    check_shapes(f"initial weights {initial_path}", {k: tuple(v.shape) for k, v in initial.items()},
+                 {k: tuple(v.shape) for k, v in state.items()})
+    done: set[int] = set()  # tied weights are one tensor under two names: blend it once
+    for key, value in state.items():
+        if value.is_floating_point() and value.data_ptr() not in done:
+            done.add(value.data_ptr())
+            value.copy_(torch.lerp(initial[key].to(value.device, value.dtype), value, alpha))
 
 
 def is_exported(path: str | Path) -> bool:
@@ -128,9 +166,11 @@ def embed(model, tokenizer, cfg: JobConfig, images: list[str | Path], texts: lis
 
 
 def export_cli(args: argparse.Namespace) -> int:
-    """``vltrain export RUN_DIR --out DIR``."""
-    out = export_model(args.run_dir, args.out)
-    print(f"exported to {out}: {WEIGHTS_FILE}, {TOKENIZER_FILE}, {CONFIG_FILE}")
+    """``vltrain export RUN_DIR --out DIR [--interpolate ALPHA]``."""
+    alpha = args.interpolate
+    out = export_model(args.run_dir, args.out, interpolate=alpha)
+    blend = "" if alpha is None else f" (weights: {1 - alpha:g} x initial + {alpha:g} x fine-tuned)"
+    print(f"exported to {out}: {WEIGHTS_FILE}, {TOKENIZER_FILE}, {CONFIG_FILE}{blend}")
     return 0
 
 

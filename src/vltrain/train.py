@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from vltrain.build import build_model_for, build_task, build_tokenizer, build_train_loader_for
-from vltrain.checkpoint import Checkpointer, ModelState, OptimizerState, latest_checkpoint
+from vltrain.checkpoint import Checkpointer, ModelState, OptimizerState, latest_checkpoint, save_initial_weights
 from vltrain.config import JobConfig, load_config
 from vltrain.data.batch import Batch
 from vltrain.data.dataset import source_specs
@@ -57,6 +57,7 @@ class Trainer:
         self.tokenizer = build_tokenizer(cfg)
         self.model = build_model_for(cfg, self.tokenizer, self.device)
         freeze_towers(self.model, tc.freeze, tc.unlock_last)
+        self._save_initial()
         self.precision = Precision(tc.precision, self.device)
 
         # parallelize
@@ -114,6 +115,13 @@ class Trainer:
             f"from world size {self.restored.world_size}: model and optimizer resharded, data continues "
             "by samples seen (not bit-exact)")
         self.metrics.write(f"resumed from {self.restored.path} at step {self.step} ({how})")
+
+    def _save_initial(self) -> None:
+        """Rank 0 keeps the weights the run starts from (``checkpoint.save_initial``), before
+        parallelize shards them: ``vltrain export --interpolate`` blends them with the trained ones."""
+        when = self.cfg.checkpoint.save_initial
+        if self.world.is_main and (when == "always" or (when == "auto" and self.cfg.model.init)):
+            save_initial_weights(self.run_dir, self.model)
 
     def _prepare_run_dir(self) -> None:
         """Rank 0: the run folder, its config.yaml, and no marker of an earlier preemption."""
