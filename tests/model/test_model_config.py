@@ -11,7 +11,7 @@ from vltrain import config, errors
     "override,message",
     [
         ("model.preset=clip-vit-b99", "clip-vit-b32"),
-        ("model.text.pooling=max", "first, eos or mean"),
+        ("model.text.pooling=max", "first, eos, mean or last"),
         ("model.loss.itm=-1", "model.loss.itm"),
         ("model.loss.mlm_probability=1.5", "mlm_probability"),
     ],

@@ -16,6 +16,20 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 
+def quick_gelu(x: torch.Tensor) -> torch.Tensor:
+    """x * sigmoid(1.702 x): the activation OpenAI's CLIP weights were trained with."""
+    return x * torch.sigmoid(1.702 * x)
+
+
+def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    return F.gelu(x, approximate="tanh")
+
+
+ACTIVATIONS = {"gelu": F.gelu, "gelu_tanh": _gelu_tanh, "quick_gelu": quick_gelu}
+"""The MLP activations a tower may use: exact GELU (our presets, OpenCLIP), its tanh approximation
+(SigLIP) and QuickGELU (OpenAI's CLIP)."""
+
+
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
     """softmax(q k^T / sqrt(d) masked) v over [B, heads, L, d]; ``mask`` is boolean, True = may attend."""
     if q.device.type != "cpu" or q.dtype == torch.float32:
@@ -65,24 +79,32 @@ class CrossAttention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, width: int, hidden: int):
+    def __init__(self, width: int, hidden: int, act: str = "gelu"):
         super().__init__()
+        if act not in ACTIVATIONS:
+            raise ValueError(f"activation must be one of {', '.join(ACTIVATIONS)}, got {act!r}")
         self.fc = nn.Linear(width, hidden)
         self.proj = nn.Linear(hidden, width)
+        self.act = ACTIVATIONS[act]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.proj(F.gelu(self.fc(x)))
+        return self.proj(self.act(self.fc(x)))
+
+
+def mlp_width(width: int, mlp_ratio: float) -> int:
+    """The MLP's hidden width; rounded, so a ratio read from a checkpoint (4304 / 1152) gives its width back."""
+    return round(width * mlp_ratio)
 
 
 class Block(nn.Module):
     """x + attn(norm(x)), then x + mlp(norm(x))."""
 
-    def __init__(self, width: int, heads: int, mlp_ratio: float = 4.0):
+    def __init__(self, width: int, heads: int, mlp_ratio: float = 4.0, act: str = "gelu", eps: float = 1e-5):
         super().__init__()
-        self.norm1 = nn.LayerNorm(width)
+        self.norm1 = nn.LayerNorm(width, eps=eps)
         self.attn = SelfAttention(width, heads)
-        self.norm2 = nn.LayerNorm(width)
-        self.mlp = MLP(width, int(width * mlp_ratio))
+        self.norm2 = nn.LayerNorm(width, eps=eps)
+        self.mlp = MLP(width, mlp_width(width, mlp_ratio), act)
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
         x = x + self.attn(self.norm1(x), mask)
@@ -101,7 +123,7 @@ class CrossBlock(nn.Module):
         self.norm2 = nn.LayerNorm(width)
         self.cross = CrossAttention(width, heads, image_width)
         self.norm3 = nn.LayerNorm(width)
-        self.mlp = MLP(width, int(width * mlp_ratio))
+        self.mlp = MLP(width, mlp_width(width, mlp_ratio))
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor | None, image: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.norm1(x), mask)
@@ -136,7 +158,7 @@ def key_padding_mask(attention_mask: torch.Tensor, causal: bool = False) -> torc
 
 def block_flops(tokens: int, width: int, mlp_ratio: float = 4.0, context: int = 0, context_width: int = 0) -> float:
     """Forward matmul FLOPs of one (cross) block over ``tokens`` queries (2 FLOPs per multiply-add)."""
-    hidden = int(width * mlp_ratio)
+    hidden = mlp_width(width, mlp_ratio)
     f = 2 * tokens * (4 * width * width + 2 * width * hidden)  # qkv, out, mlp
     f += 2 * 2 * tokens * tokens * width  # scores and weighted sum
     if context:

@@ -7,16 +7,30 @@ import torch.nn.functional as F
 from torch import nn
 
 
-class Projection(nn.Module):
-    """Linear map to the shared embedding size, then L2 normalization (cosine similarities)."""
+PROJECTIONS = ("linear", "linear_bias", "none")
 
-    def __init__(self, width: int, embed_dim: int):
+
+class Projection(nn.Module):
+    """Linear map to the shared embedding size, then L2 normalization (cosine similarities).
+
+    ``kind``: linear (no bias: CLIP), linear_bias (SigLIP's text head) or none (the pooled vector
+    itself: SigLIP's image side, whose attention-pool head ends at the embedding size)."""
+
+    def __init__(self, width: int, embed_dim: int, kind: str = "linear"):
         super().__init__()
-        self.proj = nn.Linear(width, embed_dim, bias=False)
-        nn.init.normal_(self.proj.weight, std=width**-0.5)
+        if kind not in PROJECTIONS:
+            raise ValueError(f"projection must be one of {PROJECTIONS}, got {kind!r}")
+        if kind == "none" and width != embed_dim:
+            raise ValueError(f"projection none needs the tower width {width} to equal the embedding size {embed_dim}")
+        self.kind = kind
+        self.embed_dim = embed_dim
+        self.proj = None
+        if kind != "none":
+            self.proj = nn.Linear(width, embed_dim, bias=kind == "linear_bias")
+            nn.init.normal_(self.proj.weight, std=width**-0.5)
 
     def forward(self, pooled: torch.Tensor) -> torch.Tensor:
-        return F.normalize(self.proj(pooled), dim=-1)
+        return F.normalize(pooled if self.proj is None else self.proj(pooled), dim=-1)
 
 
 class ITMHead(nn.Module):

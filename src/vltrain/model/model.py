@@ -76,7 +76,7 @@ class VLModel(nn.Module):
         self.mlm_head = mlm_head
         self.text_mlm_head = text_mlm_head
         self.mim_head = mim_head
-        self.embed_dim = image_proj.proj.out_features
+        self.embed_dim = image_proj.embed_dim
         self.vocab_size, self.pad_id, self.mask_id = vocab_size, pad_id, mask_id
         self.max_text_length = max_text_length
 
@@ -133,7 +133,7 @@ class VLModel(nn.Module):
         """The vision tower's patch tokens [B, patches, W] with the masked patches replaced by the MIM
         mask token (image_mim only)."""
         tokens, _ = self.vision(pixels, patch_mask, self.mim_head.mask_token)
-        return tokens[:, 1:]
+        return tokens[:, self.vision.num_prefix:]
 
     def fuse(self, text_tokens: torch.Tensor, attention_mask: torch.Tensor, image_tokens: torch.Tensor) -> torch.Tensor:
         """Text tokens attending to image tokens through the fusion encoder (fusion models only)."""

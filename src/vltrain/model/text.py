@@ -11,10 +11,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from vltrain.errors import UserError
 from vltrain.model.blocks import Block, block_flops, key_padding_mask, run_blocks
+
 
 @dataclass
 class TextTowerConfig:
@@ -25,9 +27,19 @@ class TextTowerConfig:
     heads: int = 8
     mlp_ratio: float = 4.0
     pooling: str = "eos"
-    """first (token 0, e.g. [CLS]) | eos (the last non-padding token) | mean (of non-padding tokens)."""
+    """first (token 0, e.g. [CLS]) | eos (the last non-padding token) | mean (of non-padding tokens)
+    | last (the last position, padding or not: SigLIP)."""
     causal: bool = False
     """Causal self-attention, as in CLIP's text tower (pair it with eos pooling)."""
+    act: str = "gelu"
+    """MLP activation: gelu | gelu_tanh | quick_gelu (``vltrain.model.blocks.ACTIVATIONS``)."""
+    norm_eps: float = 1e-5
+    pad_to_max_length: bool = False
+    """Encode every text padded with ``pad_id`` to ``max_length``, every position attending to every
+    other (SigLIP: trained on fixed-length text, it pools the last position). The tower pads itself,
+    so no collator or tokenizer setting can get it wrong."""
+    pad_id: int = 0
+    """The padding token of ``pad_to_max_length`` (the checkpoint's own)."""
 
 
 def _eos(tokens: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
@@ -40,7 +52,8 @@ def _mean(tokens: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
     return (tokens * m).sum(dim=1) / m.sum(dim=1).clamp(min=1)
 
 
-_POOL = {"first": lambda tokens, attention_mask: tokens[:, 0], "eos": _eos, "mean": _mean}
+_POOL = {"first": lambda tokens, attention_mask: tokens[:, 0], "eos": _eos, "mean": _mean,
+         "last": lambda tokens, attention_mask: tokens[:, -1]}
 POOLINGS = tuple(_POOL)
 """The text poolings; ``model.text.pooling`` is checked against these when the config is loaded."""
 
@@ -56,21 +69,35 @@ class TextTransformer(nn.Module):
         self.width = cfg.width
         self.token_embedding = nn.Embedding(cfg.vocab_size, cfg.width)
         self.pos_embed = nn.Parameter(torch.randn(cfg.max_length, cfg.width) * 0.01)
-        self.blocks = nn.ModuleList(Block(cfg.width, cfg.heads, cfg.mlp_ratio) for _ in range(cfg.depth))
-        self.norm = nn.LayerNorm(cfg.width)
+        self.blocks = nn.ModuleList(
+            Block(cfg.width, cfg.heads, cfg.mlp_ratio, cfg.act, cfg.norm_eps) for _ in range(cfg.depth)
+        )
+        self.norm = nn.LayerNorm(cfg.width, eps=cfg.norm_eps)
         nn.init.normal_(self.token_embedding.weight, std=0.02)
         self.checkpointing = False
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.cfg.pad_to_max_length:
+            return self._forward_fixed_length(input_ids, attention_mask)
         n = input_ids.shape[1]
         x = self.token_embedding(input_ids) + self.pos_embed[:n]
         mask = key_padding_mask(attention_mask, self.cfg.causal)
         x = self.norm(run_blocks(self.blocks, x, mask, checkpointing=self.checkpointing))
         return x, pool(x, attention_mask, self.cfg.pooling)
 
+    def _forward_fixed_length(self, input_ids: torch.Tensor, attention_mask: torch.Tensor):
+        """Every row padded with ``pad_id`` to ``max_length`` and attended in full; the tokens come
+        back at the batch's own width."""
+        n, c = input_ids.shape[1], self.cfg
+        ids = F.pad(torch.where(attention_mask.bool(), input_ids, c.pad_id), (0, c.max_length - n), value=c.pad_id)
+        mask = F.pad(attention_mask, (0, c.max_length - n))
+        x = self.token_embedding(ids) + self.pos_embed
+        x = self.norm(run_blocks(self.blocks, x, None, checkpointing=self.checkpointing))
+        return x[:, :n], pool(x, mask, c.pooling)
+
     def flops(self, length: int) -> float:
         c = self.cfg
-        return c.depth * block_flops(length, c.width, c.mlp_ratio)
+        return c.depth * block_flops(c.max_length if c.pad_to_max_length else length, c.width, c.mlp_ratio)
 
 
 def hf_tokenizer_file(hf_path: str | Path) -> Path:

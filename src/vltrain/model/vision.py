@@ -1,4 +1,9 @@
-"""Vision tower: a pre-norm ViT with the layout of OpenCLIP's, so its sizes compare like with like."""
+"""Vision tower: a pre-norm ViT with the layout of OpenCLIP's, so its sizes compare like with like.
+
+The fields after ``pooling`` describe imported architectures (``model.init``): SigLIP's ViT has no
+class token, no norm before the blocks, a bias on the patch embedding and an attention-pool head.
+Their defaults build exactly the modules (and parameter names) of the presets.
+"""
 
 from __future__ import annotations
 
@@ -8,7 +13,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from vltrain.model.blocks import Block, block_flops, run_blocks
+from vltrain.model.blocks import MLP, Block, CrossAttention, block_flops, mlp_width, run_blocks
+
+VISION_POOLINGS = ("cls", "mean", "map")
 
 
 @dataclass
@@ -20,7 +27,15 @@ class VisionConfig:
     heads: int = 12
     mlp_ratio: float = 4.0
     pooling: str = "cls"
-    """cls (the class token) | mean (of the patch tokens)."""
+    """cls (the class token) | mean (of the patch tokens) | map (a learned probe attends over the
+    tokens, then a residual MLP: SigLIP's multihead attention pooling head)."""
+    act: str = "gelu"
+    """MLP activation: gelu | gelu_tanh | quick_gelu (``vltrain.model.blocks.ACTIVATIONS``)."""
+    norm_eps: float = 1e-5
+    class_token: bool = True
+    pre_norm: bool = True
+    """A layer norm after the position embedding, before the blocks (CLIP's ln_pre)."""
+    patch_bias: bool = False
 
     @property
     def num_patches(self) -> int:
@@ -38,16 +53,21 @@ class VisionTransformer(nn.Module):
         super().__init__()
         if cfg.image_size % cfg.patch_size:
             raise ValueError(f"image size {cfg.image_size} is not a multiple of patch size {cfg.patch_size}")
-        if cfg.pooling not in ("cls", "mean"):
-            raise ValueError(f"vision pooling must be cls or mean, got {cfg.pooling!r}")
+        if cfg.pooling not in VISION_POOLINGS or (cfg.pooling == "cls" and not cfg.class_token):
+            raise ValueError(f"vision pooling must be one of {VISION_POOLINGS} (cls needs the class token), "
+                             f"got {cfg.pooling!r}")
         self.cfg = cfg
         self.width = cfg.width
-        self.patch_embed = nn.Conv2d(3, cfg.width, cfg.patch_size, stride=cfg.patch_size, bias=False)
-        self.cls_token = nn.Parameter(torch.randn(cfg.width) * cfg.width**-0.5)
-        self.pos_embed = nn.Parameter(torch.randn(cfg.num_patches + 1, cfg.width) * cfg.width**-0.5)
-        self.norm_pre = nn.LayerNorm(cfg.width)
-        self.blocks = nn.ModuleList(Block(cfg.width, cfg.heads, cfg.mlp_ratio) for _ in range(cfg.depth))
-        self.norm = nn.LayerNorm(cfg.width)
+        self.num_prefix = int(cfg.class_token)
+        self.patch_embed = nn.Conv2d(3, cfg.width, cfg.patch_size, stride=cfg.patch_size, bias=cfg.patch_bias)
+        self.cls_token = nn.Parameter(torch.randn(cfg.width) * cfg.width**-0.5) if cfg.class_token else None
+        self.pos_embed = nn.Parameter(torch.randn(cfg.num_patches + self.num_prefix, cfg.width) * cfg.width**-0.5)
+        self.norm_pre = nn.LayerNorm(cfg.width, eps=cfg.norm_eps) if cfg.pre_norm else None
+        self.blocks = nn.ModuleList(
+            Block(cfg.width, cfg.heads, cfg.mlp_ratio, cfg.act, cfg.norm_eps) for _ in range(cfg.depth)
+        )
+        self.norm = nn.LayerNorm(cfg.width, eps=cfg.norm_eps)
+        self.head = AttentionPool(cfg) if cfg.pooling == "map" else None
         self.checkpointing = False
 
     def forward(
@@ -57,12 +77,22 @@ class VisionTransformer(nn.Module):
         x = self.embed_patches(pixels)
         if patch_mask is not None:
             x = torch.where(patch_mask[..., None], mask_token.to(x.dtype), x)
-        cls = self.cls_token.to(x.dtype).expand(x.shape[0], 1, -1)
-        x = torch.cat([cls, x], dim=1) + self.pos_embed.to(x.dtype)
-        x = run_blocks(self.blocks, self.norm_pre(x), checkpointing=self.checkpointing)
+        if self.cls_token is not None:
+            cls = self.cls_token.to(x.dtype).expand(x.shape[0], 1, -1)
+            x = torch.cat([cls, x], dim=1)
+        x = x + self.pos_embed.to(x.dtype)
+        if self.norm_pre is not None:
+            x = self.norm_pre(x)
+        x = run_blocks(self.blocks, x, checkpointing=self.checkpointing)
         x = self.norm(x)
-        pooled = x[:, 0] if self.cfg.pooling == "cls" else x[:, 1:].mean(dim=1)
-        return x, pooled
+        return x, self.pool(x)
+
+    def pool(self, x: torch.Tensor) -> torch.Tensor:
+        if self.cfg.pooling == "cls":
+            return x[:, 0]
+        if self.cfg.pooling == "mean":
+            return x[:, self.num_prefix:].mean(dim=1)
+        return self.head(x)
 
     def embed_patches(self, pixels: torch.Tensor) -> torch.Tensor:
         """[B, 3, H, W] -> [B, patches, width]: the stride-p convolution written as one matmul over
@@ -71,14 +101,38 @@ class VisionTransformer(nn.Module):
         b, c, h, w = pixels.shape
         p = self.cfg.patch_size
         patches = pixels.reshape(b, c, h // p, p, w // p, p).permute(0, 2, 4, 1, 3, 5).reshape(b, -1, c * p * p)
-        return F.linear(patches, self.patch_embed.weight.flatten(1))
+        return F.linear(patches, self.patch_embed.weight.flatten(1), self.patch_embed.bias)
 
     @property
     def num_tokens(self) -> int:
-        return self.cfg.num_patches + 1
+        return self.cfg.num_patches + self.num_prefix
 
     def flops(self) -> float:
         """Forward matmul FLOPs for one image."""
         c = self.cfg
         patch = 2 * c.num_patches * 3 * c.patch_size**2 * c.width
-        return patch + c.depth * block_flops(self.num_tokens, c.width, c.mlp_ratio)
+        return patch + c.depth * block_flops(self.num_tokens, c.width, c.mlp_ratio) + self._head_flops()
+
+    def _head_flops(self) -> float:
+        """The attention-pool head: one query (q, out, MLP) over every token's keys and values."""
+        if self.head is None:
+            return 0.0
+        c, n = self.cfg, self.num_tokens
+        hidden = mlp_width(c.width, c.mlp_ratio)
+        return 2.0 * (2 * c.width**2 + 2 * n * c.width**2 + 2 * n * c.width + 2 * c.width * hidden)
+
+
+class AttentionPool(nn.Module):
+    """Multihead attention pooling (SigLIP's head): a learned probe attends over every token, then a
+    residual MLP; the probe's output is the pooled vector."""
+
+    def __init__(self, cfg: VisionConfig):
+        super().__init__()
+        self.probe = nn.Parameter(torch.randn(1, 1, cfg.width) * cfg.width**-0.5)
+        self.attn = CrossAttention(cfg.width, cfg.heads, cfg.width)
+        self.norm = nn.LayerNorm(cfg.width, eps=cfg.norm_eps)
+        self.mlp = MLP(cfg.width, mlp_width(cfg.width, cfg.mlp_ratio), cfg.act)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.attn(self.probe.to(x.dtype).expand(x.shape[0], -1, -1), x)
+        return (h + self.mlp(self.norm(h)))[:, 0]
