@@ -146,3 +146,25 @@ def test_interpolate_refuses_without_initial_weights_or_outside_0_1(finetuned, t
     assert proc.returncode != 0 and "Traceback" not in proc.stderr
     assert "init.safetensors" in proc.stderr and "checkpoint.save_initial=always" in proc.stderr
     assert not (tmp_path / "y").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_fsdp_run_interpolates_from_its_consolidated_weights(tmp_path_factory, tmp_path):
+    """Two FSDP2 ranks with layer decay and an unlocked block of the frozen vision tower: the initial
+    weights are written whole before sharding, and export blends them with the consolidated shards."""
+    from runkit import ok, train
+    from vltrain.export import export_model
+
+    shapes = session_shapes(tmp_path_factory)
+    run = tmp_path / "fsdp"
+    ok(train(shapes, run, train__parallelism="fsdp", train__max_steps=3, checkpoint__every=0,
+             train__layer_decay=0.7, train__freeze="[vision]", train__unlock_last=1,
+             checkpoint__save_initial="always"))
+    initial = load_file(str(run / INITIAL_FILE))
+    final = {k.removeprefix("model."): v for k, v in final_state(run).items() if k.startswith("model.")}
+    assert torch.equal(initial["vision.blocks.0.norm1.weight"], final["vision.blocks.0.norm1.weight"])
+    assert not torch.equal(initial["vision.blocks.2.norm1.weight"], final["vision.blocks.2.norm1.weight"])
+    for alpha, want in ((0.0, initial), (1.0, final)):
+        got = load_file(str(export_model(run, tmp_path / f"a{alpha}", interpolate=alpha) / "model.safetensors"))
+        assert all(torch.equal(got[k], want[k]) for k in want), alpha
