@@ -54,7 +54,7 @@ def test_table_matches_samples(tmp_path, tok):
     assert t.has_text.tolist() == [True, True, True, False]
     assert t.text_len.tolist() == [len(ds[i].input_ids) for i in range(4)]
     assert t.text_len[2] == 16 and ds[2].truncated
-    assert t.source.dtype == np.int16 and t.text_len.dtype == np.int32
+    assert t.source.dtype == np.int16 and t.text_len.dtype == np.uint16  # the sample index column
 
 
 def test_mixture_of_manifest_csv_and_shards(tmp_path, tok):

@@ -28,6 +28,7 @@ def padded_width(max_len: int, multiple: int = PAD_MULTIPLE) -> int:
 
 
 def _widths(text_len: np.ndarray, multiple: int = PAD_MULTIPLE) -> np.ndarray:
+    text_len = np.asarray(text_len, dtype=np.int64)  # the index stores uint16, which cannot be negated
     return np.maximum(multiple, -(-text_len // multiple) * multiple)
 
 

@@ -16,6 +16,7 @@ one image slot more per replaced row.
 from __future__ import annotations
 
 import logging
+import os
 from bisect import bisect_right
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,7 +27,8 @@ import torch
 from vltrain.data.config import DataConfig, SourceSpec
 from vltrain.data.ids import stable_uid
 from vltrain.data.images import ImageError, decode_image, image_problem
-from vltrain.data.open import open_source
+from vltrain.data.index import IndexedSource
+from vltrain.data.index_build import open_indexed
 from vltrain.data.sources import Row, Source, refuse_malformed
 from vltrain.data.table import SampleTable
 from vltrain.data.text import Tokenizer
@@ -169,7 +171,21 @@ class ImageTextDataset(torch.utils.data.Dataset):
         return Sample(stable_uid(row.key), row.key, image, ids, truncated, s, errors)
 
     def table(self) -> SampleTable:
-        """Modalities and capped token counts of every sample, for samplers (computed once)."""
+        """Modalities and capped token counts of every sample, for samplers (computed once).
+
+        From sample indexes, one source's table is its memory-mapped columns (no copy); several
+        sources' are concatenated (6 bytes per sample)."""
+        if self._table is None and all(isinstance(s, IndexedSource) for s in self.sources):
+            one = len(self.sources) == 1
+            join = (lambda parts: parts[0]) if one else np.concatenate
+            self._table = SampleTable(
+                has_image=join([s.has_image() for s in self.sources]),
+                has_text=join([s.has_text() for s in self.sources]),
+                text_len=join([s.text_len() for s in self.sources]),
+                source=np.broadcast_to(np.int16(0), (len(self),)) if one else np.concatenate(
+                    [np.full(len(src), k, dtype=np.int16) for k, src in enumerate(self.sources)]
+                ),
+            )
         if self._table is None:
             texts = [t for s in self.sources for t in s.texts()]
             lengths = self.tokenizer.token_lengths(texts, self.max_text_length)
@@ -188,7 +204,7 @@ def _problems_hint(source: Source) -> str:
     errors = source.errors()
     if not errors:
         return ""
-    return f" ({len(errors)} malformed row(s) dropped, first: {errors[0]})"
+    return f" ({source.error_count()} malformed row(s) dropped, first: {errors[0]})"
 
 
 def source_specs(spec: str | list) -> list[SourceSpec]:
@@ -216,12 +232,13 @@ def build_dataset(
     cache_dir = data_cfg.cache_dir or (Path(run_dir) / "cache" if run_dir else None)
     sources = []
     for spec in specs:
-        source = open_source(spec.path, data_cfg.csv, cache_dir)
+        source = open_indexed(spec.path, tokenizer, data_cfg.max_text_length, data_cfg.csv, cache_dir,
+                              workers=os.cpu_count() or 1)
         if data_cfg.on_error == "fail":
             refuse_malformed(source)
         for p in source.errors()[:5]:
             log.warning("skipping malformed row %s", p)
-        if len(source.errors()) > 5:
-            log.warning("%s: %d malformed rows skipped in all", source.name, len(source.errors()))
+        if source.error_count() > 5:
+            log.warning("%s: %d malformed rows skipped in all", source.name, source.error_count())
         sources.append(source)
     return ImageTextDataset(sources, tokenizer, data_cfg, [s.weight for s in specs], plan_aware=plan_aware)

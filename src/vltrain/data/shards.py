@@ -152,6 +152,13 @@ def _read_fresh(path: Path, st: os.stat_result) -> dict | None:
 
 def build_index(shard: Path) -> dict:
     """Scan a tar once: ``samples`` [key, id, [offset, size, member] | None, text | None]."""
+    samples, problems = scan_samples(shard)
+    return {"samples": [s[:4] for s in samples], "problems": problems}
+
+
+def scan_samples(shard: Path) -> tuple[list[list], list[list[str]]]:
+    """Every usable sample of a tar as [key, id, image ref, text, start, end], where [start, end)
+    is the byte span of the sample's members (headers included); and the problems found."""
     groups: dict[str, dict[str, tarfile.TarInfo]] = {}
     problems: list[list[str]] = []
     try:
@@ -165,10 +172,36 @@ def build_index(shard: Path) -> dict:
                 stem, ext = base.split(".", 1)
                 key = info.name[: len(info.name) - len(base)] + stem
                 groups.setdefault(key, {})[ext.lower()] = info
-            samples = [_sample(tar, key, members, problems) for key, members in groups.items()]
+            samples = []
+            for key, members in groups.items():
+                sample = _sample(tar, key, members, problems)
+                if sample is not None:
+                    start = min(m.offset for m in members.values())
+                    end = max(m.offset_data + -(-m.size // tarfile.BLOCKSIZE) * tarfile.BLOCKSIZE
+                              for m in members.values())
+                    samples.append(sample + [start, end])
     except (tarfile.TarError, OSError) as e:
         raise DataError(f"{shard}: not a readable tar file ({e})") from e
-    return {"samples": [s for s in samples if s is not None], "problems": problems}
+    return samples, problems
+
+
+def span_members(buf: bytes) -> tuple[str, dict[str, bytes]]:
+    """The key and the members ({extension: bytes}) of one sample's span of a tar."""
+    members: dict[str, bytes] = {}
+    key = None
+    with tarfile.open(fileobj=io.BytesIO(buf), mode="r:") as tar:
+        for info in tar:
+            base = info.name.rsplit("/", 1)[-1]
+            if not info.isfile() or "." not in base:
+                continue
+            stem, ext = base.split(".", 1)
+            name = info.name[: len(info.name) - len(base)] + stem
+            key = name if key is None else key
+            if name == key:
+                members[ext.lower()] = tar.extractfile(info).read()
+    if key is None:
+        raise OSError("no tar member where the index says a sample starts (the shard changed?)")
+    return key, members
 
 
 def _sample(tar: tarfile.TarFile, key: str, members: dict, problems: list) -> list | None:

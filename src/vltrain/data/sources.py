@@ -80,7 +80,12 @@ class Source(ABC):
         return (self.row(i) for i in range(len(self)))
 
     def errors(self) -> list[Problem]:
+        """The malformed rows held in memory (a large indexed source holds the first ones)."""
         return [p for p in self.problems if p.level == "error"]
+
+    def error_count(self) -> int:
+        """Malformed rows in all."""
+        return len(self.errors())
 
 
 class ManifestSource(Source):
@@ -310,12 +315,12 @@ def open_manifest(path: str | os.PathLike, csv_cfg: CsvConfig | None = None) -> 
 
 def refuse_malformed(source: Source, limit: int = 5) -> None:
     """Raise if ``source`` dropped malformed rows: a strict run trains on every row or none."""
-    errors = source.errors()
-    if errors:
+    errors, total = source.errors(), source.error_count()
+    if total:
         shown = "\n  ".join(str(p) for p in errors[:limit])
-        more = f"\n  ... and {len(errors) - limit} more" if len(errors) > limit else ""
+        more = f"\n  ... and {total - limit} more" if total > limit else ""
         raise DataError(
-            f"{source.name}: {len(errors)} malformed row(s):\n  {shown}{more}\n"
+            f"{source.name}: {total} malformed row(s):\n  {shown}{more}\n"
             f"Fix them (see `vltrain data validate {source.name}`), or set data.on_error: skip "
             "to train without them."
         )

@@ -18,7 +18,7 @@ class SampleTable:
 
     has_image: np.ndarray  # bool [n]
     has_text: np.ndarray  # bool [n]
-    text_len: np.ndarray  # int32 [n], tokens incl. special tokens, capped at max_text_length; 0 if no text
+    text_len: np.ndarray  # int [n] (uint16 from a sample index), tokens incl. special tokens, capped; 0 if no text
     source: np.ndarray  # int16 [n], index of the source in a mixture (0 for a single source)
 
     def __len__(self) -> int:

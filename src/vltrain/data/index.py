@@ -1,0 +1,206 @@
+"""The compact sample index of a source, and the source that reads rows through it.
+
+A billion-row dataset cannot be parsed into Python lists by every rank and every loader worker
+at start-up. So each source is scanned once (``vltrain data index``, or automatically on first
+use: ``index_build.py``) into a folder of numpy columns, a few bytes per sample::
+
+    INDEX/meta.json        what was indexed (files, sizes, mtimes, tokenizer, text length, counts)
+    INDEX/problems.jsonl   every malformed (dropped) or suspicious (kept) row, with file and line
+    INDEX/offset.npy  uint64   manifests: byte offset of the row;  shards: of the sample's span
+    INDEX/length.npy  uint32   bytes of the row / of the span (headers and members)
+    INDEX/line.npy    uint32   manifests: the row's line;          shards: the sample's shard
+    INDEX/text_len.npy uint16  the caption's tokens (with special tokens, capped), 0 without text
+    INDEX/has_image.npy, has_text.npy  bool
+
+20 bytes per sample, memory-mapped read-only: every rank and worker on a node shares the same
+pages, and opening the index costs milliseconds whatever its size. Texts, ids and images are
+read when a sample is loaded: one ``pread`` of the manifest row, or of the sample's tar span.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+
+from vltrain.data.shards import IMAGE_EXTS, span_members
+from vltrain.data.sources import IMAGE_KEYS, TEXT_KEYS, Problem, Row, Source, check_row, csv_fields, json_fields
+
+INDEX_VERSION = 1
+COLUMNS = {"offset": np.uint64, "length": np.uint32, "line": np.uint32, "text_len": np.uint16,
+           "has_image": np.bool_, "has_text": np.bool_}
+BYTES_PER_SAMPLE = sum(np.dtype(t).itemsize for t in COLUMNS.values())
+PROBLEMS_KEPT = 1000
+"""Problems held in memory (the first ones); all of them are in problems.jsonl."""
+
+
+def read_meta(index_dir: Path) -> dict | None:
+    try:
+        with open(index_dir / "meta.json", encoding="utf-8") as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
+
+
+def load_columns(index_dir: Path) -> dict[str, np.ndarray]:
+    """The columns, memory-mapped read-only (an empty source has plain empty arrays)."""
+    out = {}
+    for name, dtype in COLUMNS.items():
+        path = index_dir / f"{name}.npy"
+        out[name] = np.load(path, mmap_mode="r") if path.stat().st_size > 128 else np.zeros(0, dtype)
+    return out
+
+
+def load_problems(index_dir: Path, limit: int = PROBLEMS_KEPT) -> list[Problem]:
+    problems = []
+    with open(index_dir / "problems.jsonl", encoding="utf-8") as f:
+        for line in f:
+            if len(problems) >= limit:
+                break
+            where, reason, level = json.loads(line)
+            problems.append(Problem(where, reason, level))
+    return problems
+
+
+class IndexedSource(Source):
+    """A manifest or shard source whose rows are located through its sample index.
+
+    ``local(name)`` maps a file the index names (a manifest, a shard, or an image a manifest
+    points to) to a local path: the file itself, or its copy in the shard cache for remote data.
+    """
+
+    def __init__(self, name: str, index_dir: Path, meta: dict, local=None):
+        self.name = name
+        self.index_dir = index_dir
+        self.meta = meta
+        self.kind = meta["kind"]
+        self.files: list[str] = [f["path"] for f in meta["files"]]
+        self.columns = load_columns(index_dir)
+        self.problems = load_problems(index_dir)
+        self.error_total = int(meta["errors"])
+        self._local = local or _same_path
+        self._fds: dict[str, int] = {}
+        self._pid = os.getpid()
+        self._span: tuple[int, dict[str, bytes], str] | None = None
+        if self.kind == "manifest" and meta.get("csv"):
+            self._csv = meta["csv"]
+
+    def __len__(self) -> int:
+        return int(self.meta["count"])
+
+    def error_count(self) -> int:
+        return self.error_total
+
+    # -- columns --------------------------------------------------------------------------------
+
+    def has_image(self) -> np.ndarray:
+        return self.columns["has_image"]
+
+    def has_text(self) -> np.ndarray:
+        return self.columns["has_text"]
+
+    def text_len(self) -> np.ndarray:
+        return self.columns["text_len"]
+
+    def texts(self) -> list[str | None]:
+        """Every row's text, read row by row (for tools; training never needs them all)."""
+        return [self.row(i).text for i in range(len(self))]
+
+    # -- rows -----------------------------------------------------------------------------------
+
+    def _read(self, file: str, offset: int, length: int) -> bytes:
+        if os.getpid() != self._pid:  # a forked loader worker opens its own descriptors
+            self._fds, self._pid = {}, os.getpid()
+        fd = self._fds.get(file)
+        if fd is None:
+            if len(self._fds) >= 64:
+                os.close(self._fds.pop(next(iter(self._fds))))
+            fd = self._fds[file] = os.open(self._local(file), os.O_RDONLY)
+        data = os.pread(fd, length, offset)
+        if len(data) != length:
+            raise OSError(f"{file} ends early: wanted {length} bytes at offset {offset}, got {len(data)} "
+                          "(the file changed after it was indexed?)")
+        return data
+
+    def row(self, i: int) -> Row:
+        c = self.columns
+        offset, length, line = int(c["offset"][i]), int(c["length"][i]), int(c["line"][i])
+        if self.kind == "manifest":
+            return self._manifest_row(offset, length, line)
+        return self._shard_row(i, offset, length, line)[0]
+
+    def _manifest_row(self, offset: int, length: int, line: int) -> Row:
+        file = self.files[0]
+        raw = self._read(file, offset, length)
+        if self.kind == "manifest" and self.meta.get("csv"):
+            spec = self._csv
+            values = next(csv.reader([raw.decode("utf-8", "surrogateescape")], delimiter=spec["separator"]))
+            fields, why = csv_fields(values, spec["header"])
+            keys = (spec["id_col"], _one(spec["image_col"]), _one(spec["text_col"]))
+        else:
+            fields, why = json_fields(raw)
+            keys = ("id", IMAGE_KEYS, TEXT_KEYS)
+        name = Path(file).name
+        row, problems = (None, []) if why else check_row(fields, *keys, name, line)
+        if row is None:
+            raise OSError(f"{name}:{line} no longer holds the row that was indexed (the manifest changed?)")
+        return Row(row[0], row[1], row[2], f"{name}:{line}")
+
+    def _shard_row(self, i: int, offset: int, length: int, shard: int) -> tuple[Row, dict[str, bytes]]:
+        file = self.files[shard]
+        if self._span is None or self._span[0] != i:
+            key, members = span_members(self._read(file, offset, length))
+            self._span = (i, members, key)
+        _, members, key = self._span
+        image_ext = next((e for e in IMAGE_EXTS if e in members), None)
+        text = members["txt"].decode("utf-8") if "txt" in members else None
+        sid = None
+        if "json" in members:
+            meta = json.loads(members["json"].decode("utf-8"))
+            given = meta.get("id") if isinstance(meta, dict) else None
+            if given is not None and not isinstance(given, bool) and isinstance(given, (str, int)):
+                sid = str(given)
+        name = Path(file).name
+        image = None if image_ext is None else f"{file}:{key}.{image_ext}"
+        text = text if text is not None and text.strip() else None
+        return Row(sid if sid is not None else key, image, text, f"{name}:{key}"), members
+
+    def read_image(self, i: int) -> bytes:
+        c = self.columns
+        offset, length, line = int(c["offset"][i]), int(c["length"][i]), int(c["line"][i])
+        if self.kind == "manifest":
+            row = self._manifest_row(offset, length, line)
+            if row.image is None:
+                raise ValueError(f"row {i} of {self.name} has no image")
+            return self._read_image_file(row.image)
+        _, members = self._shard_row(i, offset, length, line)
+        ext = next((e for e in IMAGE_EXTS if e in members), None)
+        if ext is None:
+            raise ValueError(f"row {i} of {self.name} has no image")
+        return members[ext]
+
+    def _read_image_file(self, image: str) -> bytes:
+        base = self.files[0].rsplit("/", 1)[0] if "/" in self.files[0] else "."
+        path = image if os.path.isabs(image) or "://" in image else f"{base}/{image}"
+        with open(self._local(path), "rb") as f:
+            return f.read()
+
+    def __getstate__(self) -> dict:
+        state = dict(self.__dict__)
+        state.update(_fds={}, _span=None, columns=None)
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self.columns = load_columns(self.index_dir)
+
+
+def _same_path(path: str) -> str:
+    return path
+
+
+def _one(column: str | None) -> tuple[str, ...]:
+    return (column,) if column else ()
