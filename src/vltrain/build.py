@@ -4,6 +4,7 @@ and the same data pipeline."""
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import torch
@@ -15,6 +16,8 @@ from vltrain.data.text import Tokenizer, load_tokenizer
 from vltrain.distributed import World
 from vltrain.errors import ConfigError
 from vltrain.model import VLModel, build_model, hf_tokenizer_file
+from vltrain.model.presets import Architecture
+from vltrain.model.pretrained import Pretrained, load_pretrained, open_pretrained
 from vltrain.objectives import Objectives
 from vltrain.task import Task
 
@@ -43,13 +46,87 @@ def build_tokenizer(cfg: JobConfig) -> Tokenizer:
     return load_tokenizer(tokenizer_path(cfg))
 
 
-def build_model_for(cfg: JobConfig, tokenizer: Tokenizer, device: torch.device | str = "cpu") -> VLModel:
-    """The (unwrapped) model a config describes, sized for the tokenizer and the data, on ``device``."""
+PREPROCESSING_KEYS = ("image_size", "mean", "std", "resize", "interpolation", "max_text_length")
+"""The ``data.*`` values ``model.init`` fills in from the checkpoint where the config sets none."""
+log = logging.getLogger("vltrain")
+
+
+def resolve_init(cfg: JobConfig) -> Pretrained | None:
+    """``model.init``: the checkpoint's architecture (into ``model.arch``) and, for every preprocessing
+    value the config does not set, the checkpoint's (its tokenizer, if ``data.tokenizer`` is empty;
+    SigLIP's objective, if ``model.loss`` sets neither itc nor siglip). Returns the opened checkpoint."""
+    mc = cfg.model
+    if not mc.init:
+        return None
+    if mc.text.hf_path:
+        raise ConfigError("model.init and model.text.hf_path both give the text tower: set one of them")
+    source = open_pretrained(mc.init, mc.preset if cfg.was_set("model.preset") else "", mc.quick_gelu)
+    pp = source.preprocessing
+    for key in PREPROCESSING_KEYS:
+        if not cfg.was_set(f"data.{key}"):
+            setattr(cfg.data, key, getattr(pp, key))
+    if not cfg.data.tokenizer and pp.tokenizer:
+        cfg.data.tokenizer = pp.tokenizer
+    if pp.objective == "siglip" and not (cfg.was_set("model.loss.itc") or cfg.was_set("model.loss.siglip")):
+        mc.loss.itc, mc.loss.siglip = 0.0, 1.0
+    mc.arch = source.arch.to_dict()
+    return source
+
+
+def describe_preprocessing(cfg: JobConfig, source: Pretrained) -> str:
+    """The resolved preprocessing, printed once when a run starts from ``model.init``."""
+    d, text = cfg.data, source.arch.text
+    padding = (f"fixed to {text.max_length} with id {text.pad_id} (the tower pads)" if text.pad_to_max_length
+               else "to the batch's longest caption")
+    lines = [
+        f"model.init {source.path} ({source.kind}, architecture {source.arch_from})",
+        f"  images: {d.image_size} px, resize {d.resize} ({d.interpolation}), mean {d.mean}, std {d.std}",
+        f"  text: tokenizer {d.tokenizer or '(none)'}, at most {d.max_text_length} tokens, padded {padding}",
+        f"  objective: itc {cfg.model.loss.itc:g}, siglip {cfg.model.loss.siglip:g}",
+    ]
+    return "\n".join(lines + [f"  note: {n}" for n in source.preprocessing.notes])
+
+
+def build_model_for(cfg: JobConfig, tokenizer: Tokenizer, device: torch.device | str = "cpu",
+                    load_init: bool = True) -> VLModel:
+    """The (unwrapped) model a config describes, sized for the tokenizer and the data, on ``device``.
+
+    With ``model.init`` (resolved by :func:`resolve_init`) the architecture and its vocabulary and
+    positions are the checkpoint's, and its weights are loaded unless ``load_init`` is false (the
+    caller loads a vltrain checkpoint over them)."""
+    vocab_size, max_text_length, arch = tokenizer.vocab_size, cfg.data.max_text_length, None
+    if cfg.model.init or cfg.model.arch:
+        if not cfg.model.arch:
+            raise ConfigError("model.init is set but not resolved: call vltrain.build.resolve_init(cfg) first")
+        arch = Architecture.from_dict(cfg.model.arch)
+        vocab_size, max_text_length = _check_fits_init(cfg, tokenizer, arch)
     model = build_model(
-        cfg.model, vocab_size=tokenizer.vocab_size, pad_id=tokenizer.pad_id, mask_id=tokenizer.mask_id,
-        image_size=cfg.data.image_size, max_text_length=cfg.data.max_text_length,
+        cfg.model, vocab_size=vocab_size, pad_id=tokenizer.pad_id, mask_id=tokenizer.mask_id,
+        image_size=cfg.data.image_size, max_text_length=max_text_length,
     )
+    if cfg.model.init and load_init:
+        source = open_pretrained(cfg.model.init, quick_gelu=cfg.model.quick_gelu)
+        source.arch = arch  # the resolved one (with model.preset's head counts)
+        for note in load_pretrained(model, source):
+            log.info("model.init: %s", note)
     return model.to(device)
+
+
+def _check_fits_init(cfg: JobConfig, tokenizer: Tokenizer, arch: Architecture) -> tuple[int, int]:
+    """The checkpoint's vocabulary and positions, once the data and tokenizer fit them."""
+    where = cfg.model.init or "model.arch"
+    if cfg.data.image_size != arch.vision.image_size:
+        raise ConfigError(f"data.image_size {cfg.data.image_size} differs from {where}'s {arch.vision.image_size} "
+                          "(its position embedding is for that size); leave data.image_size unset")
+    if cfg.data.max_text_length > arch.text.max_length:
+        raise ConfigError(f"data.max_text_length {cfg.data.max_text_length} exceeds {where}'s "
+                          f"{arch.text.max_length} positions")
+    if tokenizer.vocab_size > arch.text.vocab_size:
+        raise ConfigError(f"the tokenizer ({tokenizer.path}) has {tokenizer.vocab_size} tokens but {where}'s "
+                          f"embedding {arch.text.vocab_size}: use the checkpoint's own tokenizer.json")
+    if cfg.model.embed_dim not in (0, arch.embed_dim):
+        raise ConfigError(f"model.embed_dim {cfg.model.embed_dim} differs from {where}'s {arch.embed_dim}; leave it 0")
+    return arch.text.vocab_size, arch.text.max_length
 
 
 def build_task(cfg: JobConfig, model: VLModel) -> Task:

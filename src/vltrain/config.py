@@ -230,6 +230,16 @@ class JobConfig:
     def save(self, path: str | Path) -> None:
         Path(path).write_text(self.to_yaml())
 
+    def was_set(self, key: str) -> bool:
+        """Whether dotted ``key`` was given (in the YAML file or an override) or differs from its
+        default: what ``model.init`` leaves alone when it fills in the checkpoint's preprocessing."""
+        if key in getattr(self, "given", ()):
+            return True
+        node, default = self, JobConfig()
+        for part in key.split("."):
+            node, default = getattr(node, part), getattr(default, part)
+        return node != default
+
 
 # ---------------------------------------------------------------------------------------------
 # Loading and validation
@@ -250,7 +260,19 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
             raise ConfigError(f"{p}: the top level must be a mapping of sections, got {type(raw).__name__}")
     for item in overrides or []:
         apply_override(raw, item)
-    return from_dict(JobConfig, raw)
+    cfg = from_dict(JobConfig, raw)
+    cfg.given = frozenset(_dotted_keys(raw))
+    return cfg
+
+
+def _dotted_keys(raw: dict[str, Any], prefix: str = "") -> list[str]:
+    """Every key path of a nested mapping: ``data``, ``data.image_size``, ..."""
+    out = []
+    for k, v in raw.items():
+        out.append(prefix + str(k))
+        if isinstance(v, dict):
+            out.extend(_dotted_keys(v, f"{prefix}{k}."))
+    return out
 
 
 def apply_override(raw: dict[str, Any], item: str) -> None:

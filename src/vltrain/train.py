@@ -19,7 +19,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from vltrain.build import build_model_for, build_task, build_tokenizer, build_train_loader_for
+from vltrain.build import (build_model_for, build_task, build_tokenizer, build_train_loader_for, describe_preprocessing,
+                           resolve_init)
 from vltrain.checkpoint import Checkpointer, ModelState, OptimizerState, latest_checkpoint, save_initial_weights
 from vltrain.config import JobConfig, load_config
 from vltrain.data.batch import Batch
@@ -50,6 +51,7 @@ class Trainer:
         self.world = setup_world(timeout_s=tc.timeout_s, device=tc.device, threads=tc.threads, tf32=tc.tf32,
                                  debug_spmd=tc.debug_spmd)
         self.device = self.world.device
+        self._resolve_init()
         self._prepare_run_dir()
 
         # model: the same initial weights on every rank
@@ -122,6 +124,13 @@ class Trainer:
         when = self.cfg.checkpoint.save_initial
         if self.world.is_main and (when == "always" or (when == "auto" and self.cfg.model.init)):
             save_initial_weights(self.run_dir, self.model)
+
+    def _resolve_init(self) -> None:
+        """``model.init``: the checkpoint's architecture and preprocessing enter the config before it
+        is saved with the run; rank 0 says what they are."""
+        source = resolve_init(self.cfg)
+        if source is not None and self.world.is_main:
+            print(describe_preprocessing(self.cfg, source), flush=True)
 
     def _prepare_run_dir(self) -> None:
         """Rank 0: the run folder, its config.yaml, and no marker of an earlier preemption."""

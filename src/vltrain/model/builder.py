@@ -46,7 +46,8 @@ def build_model(
     image_size: int,
     max_text_length: int,
 ) -> VLModel:
-    """The preset's architecture at the data's image size and the tokenizer's vocabulary.
+    """The preset's architecture (or ``model.arch``, the one ``model.init`` read from its checkpoint)
+    at the data's image size and the tokenizer's vocabulary.
 
     ``model.text.hf_path`` swaps the text tower for a local Hugging Face encoder; ``model.text.pooling``
     and ``model.embed_dim`` override the preset's; objectives the architecture has no head for
@@ -54,7 +55,7 @@ def build_model(
     projections, heads), so a seed gives the same initial weights.
     """
     model_cfg.validate()  # a config built in code has not been through load_config
-    arch = PRESETS[model_cfg.preset]()
+    arch = Architecture.from_dict(model_cfg.arch) if model_cfg.arch else PRESETS[model_cfg.preset]()
     if image_size % arch.vision.patch_size:
         raise ConfigError(
             f"image size {image_size} is not a multiple of {model_cfg.preset}'s patch size {arch.vision.patch_size}"
@@ -68,8 +69,8 @@ def build_model(
     text = _text_tower(model_cfg, arch, vocab_size, max_text_length)
     fusion = FusionEncoder(arch.fusion, text.width, vision.width) if fused else None
     embed_dim = model_cfg.embed_dim or arch.embed_dim
-    image_proj = Projection(vision.width, embed_dim)
-    text_proj = Projection(text.width, embed_dim)
+    image_proj = Projection(vision.width, embed_dim, arch.image_proj)
+    text_proj = Projection(text.width, embed_dim, arch.text_proj)
     siglip_only = loss.siglip > 0 and loss.itc == 0
     return VLModel(
         vision,

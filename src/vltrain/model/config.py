@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from vltrain.errors import ConfigError
 from vltrain.model.presets import list_presets
@@ -75,6 +76,12 @@ class ModelConfig:
     init: str = ""
     """Start from pretrained weights: a Hugging Face CLIPModel/SiglipModel folder or an OpenCLIP
     checkpoint file. Empty: random initialization from the seed."""
+    quick_gelu: bool = False
+    """An OpenCLIP checkpoint of OpenAI's weights (or one trained as ``*-quickgelu``) needs QuickGELU;
+    tensor shapes cannot tell. A Hugging Face folder says so in its config.json."""
+    arch: dict[str, Any] = field(default_factory=dict)
+    """The architecture ``model.init`` describes, filled in from the checkpoint so that the run's
+    saved config rebuilds the model without it; leave it out of configs."""
 
     def validate(self) -> None:
         if self.preset not in list_presets():

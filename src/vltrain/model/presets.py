@@ -25,9 +25,10 @@ adds a transform and a per-token bias: 30522 + 768 x 770 at the reference vocabu
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Callable
+from dataclasses import asdict, dataclass, fields
+from typing import Any, Callable
 
+from vltrain.errors import UserError
 from vltrain.model.fusion import FusionConfig
 from vltrain.model.text import TextTowerConfig
 from vltrain.model.vision import VisionConfig
@@ -39,6 +40,25 @@ class Architecture:
     text: TextTowerConfig
     embed_dim: int
     fusion: FusionConfig | None = None
+    image_proj: str = "linear"
+    """linear | linear_bias | none (``vltrain.model.heads.Projection``)."""
+    text_proj: str = "linear"
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "Architecture":
+        """The inverse of ``to_dict`` (``model.arch``, which ``model.init`` fills in)."""
+        parts = {"vision": VisionConfig, "text": TextTowerConfig, "fusion": FusionConfig}
+        try:
+            kw = {k: (parts[k](**v) if k in parts and v is not None else v) for k, v in d.items()}
+            arch = cls(**kw)
+        except TypeError as e:
+            known = ", ".join(f.name for f in fields(cls))
+            raise UserError(f"model.arch is not an architecture ({e}); it holds {known}, and model.init fills it "
+                            "in: leave it out of configs") from None
+        return arch
 
 
 def tiny_clip() -> Architecture:

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from vltrain.model.blocks import MLP, Block, CrossAttention, block_flops, mlp_width, run_blocks
+from vltrain.model.blocks import MLP, Block, attention, block_flops, mlp_width, run_blocks
 
 VISION_POOLINGS = ("cls", "mean", "map")
 
@@ -124,15 +124,25 @@ class VisionTransformer(nn.Module):
 
 class AttentionPool(nn.Module):
     """Multihead attention pooling (SigLIP's head): a learned probe attends over every token, then a
-    residual MLP; the probe's output is the pooled vector."""
+    residual MLP; the probe's output is the pooled vector. ``qkv`` holds the query, key and value
+    projections in one matrix, as ``nn.MultiheadAttention``'s in_proj does (the query third applies
+    to the probe, the rest to the tokens)."""
 
     def __init__(self, cfg: VisionConfig):
         super().__init__()
+        self.heads = cfg.heads
         self.probe = nn.Parameter(torch.randn(1, 1, cfg.width) * cfg.width**-0.5)
-        self.attn = CrossAttention(cfg.width, cfg.heads, cfg.width)
+        self.qkv = nn.Linear(cfg.width, 3 * cfg.width)
+        self.out = nn.Linear(cfg.width, cfg.width)
         self.norm = nn.LayerNorm(cfg.width, eps=cfg.norm_eps)
         self.mlp = MLP(cfg.width, mlp_width(cfg.width, cfg.mlp_ratio), cfg.act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.attn(self.probe.to(x.dtype).expand(x.shape[0], -1, -1), x)
-        return (h + self.mlp(self.norm(h)))[:, 0]
+        b, n, w = x.shape
+        h, d = self.heads, w // self.heads
+        wq, wkv = self.qkv.weight.split([w, 2 * w])
+        bq, bkv = self.qkv.bias.split([w, 2 * w])
+        q = F.linear(self.probe.to(x.dtype), wq, bq).expand(b, 1, w).reshape(b, 1, h, d).transpose(1, 2)
+        k, v = F.linear(x, wkv, bkv).view(b, n, 2, h, d).permute(2, 0, 3, 1, 4)
+        y = self.out(attention(q, k, v).transpose(1, 2).reshape(b, 1, w))
+        return (y + self.mlp(self.norm(y)))[:, 0]

@@ -1,0 +1,174 @@
+"""``model.init``: start from a Hugging Face CLIPModel / SiglipModel folder or an OpenCLIP checkpoint.
+
+:func:`open_pretrained` reads what a checkpoint describes (its architecture and preprocessing)
+without loading its weights; :func:`load_pretrained` then fills a model built for that architecture.
+Every tensor the model's towers, projections and temperature need comes from the checkpoint, and
+every tensor of the checkpoint goes somewhere: anything else is an error naming the tensor. Heads
+the checkpoint has no weights for (ITM, MLM, MIM) start fresh, and are listed.
+
+Files are read without running code: safetensors, or ``torch.load(weights_only=True)``, whose
+refusal of a pickle that holds code becomes a plain error.
+"""
+
+from __future__ import annotations
+
+import pickle
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from vltrain.errors import UserError
+import vltrain.model.hf_clip as hf_clip
+import vltrain.model.openclip as openclip
+from vltrain.model.convert import Link, Preprocessing, convert_in, leftover
+from vltrain.model.presets import PRESETS, Architecture
+
+CHECKPOINT_SUFFIXES = (".pt", ".pth", ".bin", ".safetensors")
+HF_WEIGHTS = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin")
+TOWER_PREFIXES = ("vision.", "text.", "image_proj.", "text_proj.", "logit_scale")
+
+
+@dataclass
+class Pretrained:
+    """A checkpoint ``model.init`` names: what it describes, and where its weights are."""
+
+    path: Path
+    kind: str
+    """hf-clip | hf-siglip | openclip"""
+    arch: Architecture
+    preprocessing: Preprocessing
+    arch_from: str
+    """Where the architecture came from, for messages ("in .../config.json", "inferred from ...")."""
+
+    def weights_file(self) -> Path:
+        if self.kind == "openclip":
+            return self.path
+        found = next((self.path / n for n in HF_WEIGHTS if (self.path / n).is_file()), None)
+        if found is None:
+            raise UserError(f"{self.path} holds no weights ({', '.join(HF_WEIGHTS)}); save the model with "
+                            "save_pretrained(folder)")
+        return found
+
+    def links(self, keys) -> list[Link]:
+        if self.kind == "openclip":
+            return openclip.links(self.arch, keys)
+        return hf_clip.links(self.arch, self.kind.removeprefix("hf-"))
+
+    def ignored(self) -> tuple[str, ...]:
+        return openclip.IGNORED if self.kind == "openclip" else hf_clip.IGNORED
+
+
+def is_pretrained(path: str | Path) -> bool:
+    """Whether ``path`` looks like something ``model.init`` takes (for commands that take any model)."""
+    p = Path(path).expanduser()
+    if p.is_file():
+        return p.suffix in CHECKPOINT_SUFFIXES
+    return (p / "config.json").is_file() and not (p / "config.yaml").is_file()
+
+
+def open_pretrained(path: str | Path, preset: str = "", quick_gelu: bool = False) -> Pretrained:
+    """The architecture and preprocessing of a checkpoint (``preset``: OpenCLIP's head counts)."""
+    p = Path(path).expanduser()
+    if p.is_dir():
+        if not (p / "config.json").is_file():
+            raise UserError(f"model.init {p}: no config.json there; give a Hugging Face CLIPModel or SiglipModel "
+                            "folder (save_pretrained) or an OpenCLIP checkpoint file")
+        config = hf_clip.read_json(p / "config.json")
+        family = hf_clip.family_of(config, p)
+        arch = hf_clip.architecture(p, config)
+        return Pretrained(p, f"hf-{family}", arch, hf_clip.preprocessing(p, config, arch), f"in {p}/config.json")
+    if not p.is_file():
+        raise UserError(f"model.init {p} does not exist (give a Hugging Face folder or an OpenCLIP checkpoint file)")
+    if p.suffix not in CHECKPOINT_SUFFIXES:
+        raise UserError(f"model.init {p}: an OpenCLIP checkpoint ends in {', '.join(CHECKPOINT_SUFFIXES)}")
+    shapes = read_shapes(p)
+    arch = openclip.infer(shapes, str(p), quick_gelu)
+    arch_from = "inferred from its tensor shapes"
+    if preset:
+        arch = openclip.with_preset(arch, PRESETS[preset](), preset, str(p))
+        arch_from = f"of model.preset {preset}"
+    return Pretrained(p, "openclip", arch, openclip.preprocessing(p, arch, "logit_bias" in shapes), arch_from)
+
+
+def _torch_load(path: Path) -> dict:
+    try:
+        try:
+            return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        except RuntimeError as e:
+            if "mmap" not in str(e):
+                raise
+            return torch.load(path, map_location="cpu", weights_only=True)  # the legacy (non-zip) format
+    except pickle.UnpicklingError as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        raise UserError(f"{path} was refused: it is a pickle that holds more than tensors (code would run to load "
+                        f"it), and vltrain loads weights only. Convert it to safetensors where you trust it. ({first})"
+                        ) from None
+    except (RuntimeError, OSError, EOFError) as e:
+        raise UserError(f"cannot read {path}: {e}") from None
+
+
+def _unwrap(obj, path: Path) -> dict[str, torch.Tensor]:
+    """A state dict from a saved state dict or an OpenCLIP training checkpoint ({"state_dict": ...},
+    keys prefixed "module." by DDP)."""
+    if isinstance(obj, dict) and isinstance(obj.get("state_dict"), dict):
+        obj = obj["state_dict"]
+    if not isinstance(obj, dict):
+        raise UserError(f"{path} holds a {type(obj).__name__}, not a state dict of tensors")
+    state = {k: v for k, v in obj.items() if isinstance(v, torch.Tensor)}
+    if state and all(k.startswith("module.") for k in state):
+        state = {k.removeprefix("module."): v for k, v in state.items()}
+    return state
+
+
+def read_state_dict(path: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a weights file (safetensors, a shard index, or a torch file)."""
+    if path.name.endswith(".index.json"):
+        shards = sorted(set(hf_clip.read_json(path).get("weight_map", {}).values()))
+        return {k: v for shard in shards for k, v in read_state_dict(path.parent / shard).items()}
+    if path.suffix == ".safetensors":
+        from safetensors.torch import load_file
+
+        try:
+            return load_file(str(path))
+        except Exception as e:  # safetensors raises its own error type on a bad header
+            raise UserError(f"cannot read {path}: {e}") from None
+    return _unwrap(_torch_load(path), path)
+
+
+def read_shapes(path: Path) -> dict[str, tuple[int, ...]]:
+    """Tensor shapes, read from the header alone for safetensors."""
+    if path.suffix == ".safetensors":
+        from safetensors import safe_open
+
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                return {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
+        except Exception as e:
+            raise UserError(f"cannot read {path}: {e}") from None
+    return {k: tuple(v.shape) for k, v in read_state_dict(path).items()}
+
+
+def load_pretrained(model: torch.nn.Module, source: Pretrained) -> list[str]:
+    """Fill ``model`` (built for ``source.arch``) from the checkpoint; returns notes for the user."""
+    file = source.weights_file()
+    state = read_state_dict(file)
+    links = source.links(state.keys())
+    wanted = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    tensors = convert_in(links, state, wanted, str(file), source.arch_from)
+    notes = []
+    unused = leftover([link for link in links if link.ours in wanted], state, source.ignored())
+    if "logit_bias" in unused:
+        unused.remove("logit_bias")
+        notes.append("the checkpoint's logit_bias is not used: model.loss.siglip is 0")
+    if unused:
+        raise UserError(f"{file} holds {len(unused)} tensor(s) this architecture has no place for, e.g. "
+                        f"{', '.join(repr(k) for k in unused[:3])}: not a plain {source.kind} ViT model")
+    uncovered = [k for k in wanted if k.startswith(TOWER_PREFIXES) and k not in tensors]
+    if uncovered:
+        raise UserError(f"{file} has no weights for {uncovered[0]!r} ({len(uncovered)} in all)")
+    fresh = sorted({k.split(".", 1)[0] for k in wanted if k not in tensors})
+    if fresh:
+        notes.append(f"initialized fresh (not in the checkpoint): {', '.join(fresh)}")
+    model.load_state_dict(tensors, strict=False)
+    return notes

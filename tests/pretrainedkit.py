@@ -1,0 +1,103 @@
+"""Tiny random Hugging Face CLIPModel / SiglipModel folders, made with transformers' own classes and
+saved as a user would have them (config.json, model.safetensors, tokenizer.json,
+preprocessor_config.json), and the helpers that compare vltrain's embeddings with transformers'."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, processors
+
+WORDS = ["a", "red", "blue", "green", "small", "large", "circle", "square", "triangle", "photo", "of", "dog", "cat"]
+TEXTS = ["a photo of a dog", "A RED circle", "large blue square of a green triangle", "cat"]
+IMAGE, PATCH, POSITIONS = 32, 8, 16
+
+
+def clip_tokenizer(folder: Path) -> Tokenizer:
+    """CLIP's conventions: lower-cased, <|startoftext|> ... <|endoftext|>, end-of-text the highest id
+    (what legacy configs' argmax pooling relies on), padded with <|endoftext|>."""
+    vocab = {w: i for i, w in enumerate(["<unk>", *WORDS, "<|startoftext|>", "<|endoftext|>"])}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.normalizer = normalizers.Lowercase()
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    bos, eos = vocab["<|startoftext|>"], vocab["<|endoftext|>"]
+    tok.post_processor = processors.TemplateProcessing(
+        single="<|startoftext|> $A <|endoftext|>", special_tokens=[("<|startoftext|>", bos), ("<|endoftext|>", eos)])
+    tok.save(str(folder / "tokenizer.json"))
+    return tok
+
+
+def siglip_tokenizer(folder: Path) -> Tokenizer:
+    """SigLIP's conventions: <pad> 0, </s> 1 (its padding token), text then </s>."""
+    vocab = {w: i for i, w in enumerate(["<pad>", "</s>", "<unk>", *WORDS])}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.normalizer = normalizers.Lowercase()
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.post_processor = processors.TemplateProcessing(single="$A </s>", special_tokens=[("</s>", 1)])
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text('{"pad_token": "</s>", "eos_token": "</s>", "unk_token": "<unk>"}')
+    return tok
+
+
+def _towers(vocab: int, **text) -> tuple[dict, dict]:
+    tower = dict(hidden_size=64, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2)
+    return ({**tower, "vocab_size": vocab, "max_position_embeddings": POSITIONS, **text},
+            {**tower, "image_size": IMAGE, "patch_size": PATCH})
+
+
+def make_clip(folder: Path, seed: int = 0, legacy_eos: bool = False, hidden_act: str = "quick_gelu"):
+    """A tiny CLIPModel; ``legacy_eos``: eos_token_id 2, as configs saved before transformers#24773."""
+    import transformers
+
+    folder.mkdir(parents=True, exist_ok=True)
+    tok = clip_tokenizer(folder)
+    eos, bos = tok.token_to_id("<|endoftext|>"), tok.token_to_id("<|startoftext|>")
+    text, vision = _towers(tok.get_vocab_size(), bos_token_id=bos, eos_token_id=2 if legacy_eos else eos,
+                           pad_token_id=eos, hidden_act=hidden_act)
+    config = transformers.CLIPConfig(text_config=text, vision_config={**vision, "hidden_act": hidden_act},
+                                     projection_dim=32)
+    torch.manual_seed(seed)
+    model = transformers.CLIPModel(config).eval()
+    _randomize_norms(model)
+    model.save_pretrained(folder)
+    transformers.CLIPImageProcessor(size={"shortest_edge": IMAGE}, crop_size={"height": IMAGE, "width": IMAGE}
+                                    ).save_pretrained(folder)
+    return model
+
+
+def make_siglip(folder: Path, seed: int = 0):
+    import transformers
+
+    folder.mkdir(parents=True, exist_ok=True)
+    tok = siglip_tokenizer(folder)
+    text, vision = _towers(tok.get_vocab_size(), pad_token_id=1, bos_token_id=None, eos_token_id=1)
+    config = transformers.SiglipConfig(text_config=text, vision_config=vision)
+    torch.manual_seed(seed)
+    model = transformers.SiglipModel(config).eval()
+    _randomize_norms(model)
+    model.save_pretrained(folder)
+    transformers.SiglipImageProcessor(size={"height": IMAGE, "width": IMAGE}).save_pretrained(folder)
+    return model
+
+
+@torch.no_grad()
+def _randomize_norms(model) -> None:
+    """Layer norms start at (1, 0) and some biases at 0: random values make a swapped tensor show."""
+    for name, p in model.named_parameters():
+        if p.ndim == 1 or name.endswith(("logit_scale", "logit_bias")):
+            p.add_(torch.randn_like(p) * 0.1)
+
+
+def image_file(path: Path, seed: int = 0, size: int = IMAGE) -> Path:
+    from PIL import Image
+
+    pixels = np.random.RandomState(seed).randint(0, 256, (size, size, 3), dtype=np.uint8)
+    Image.fromarray(pixels).save(path)
+    return path
+
+
+def normalized(x: torch.Tensor) -> np.ndarray:
+    out = getattr(x, "pooler_output", x)  # transformers 5 returns the pooling output
+    return torch.nn.functional.normalize(out, dim=-1).detach().numpy()
