@@ -51,7 +51,6 @@ class Trainer:
         self.world = setup_world(timeout_s=tc.timeout_s, device=tc.device, threads=tc.threads, tf32=tc.tf32,
                                  debug_spmd=tc.debug_spmd)
         self.device = self.world.device
-        self._resolve_init()
         self._prepare_run_dir()
 
         # model: the same initial weights on every rank
@@ -133,7 +132,9 @@ class Trainer:
             print(describe_preprocessing(self.cfg, source), flush=True)
 
     def _prepare_run_dir(self) -> None:
-        """Rank 0: the run folder, its config.yaml, and no marker of an earlier preemption."""
+        """``model.init`` resolved into the config; rank 0: the run folder, its config.yaml, and no
+        marker of an earlier preemption."""
+        self._resolve_init()
         if self.world.is_main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             self.cfg.save(self.run_dir / "config.yaml")
