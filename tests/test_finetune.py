@@ -168,3 +168,18 @@ def test_fsdp_run_interpolates_from_its_consolidated_weights(tmp_path_factory, t
     for alpha, want in ((0.0, initial), (1.0, final)):
         got = load_file(str(export_model(run, tmp_path / f"a{alpha}", interpolate=alpha) / "model.safetensors"))
         assert all(torch.equal(got[k], want[k]) for k in want), alpha
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_layer_decayed_run_resumes_exactly(tmp_path_factory, tmp_path):
+    """The scaled parameter groups (lr, lr_scale) go through the checkpoint: stopped after step 5
+    and resumed from step 4, the run ends bit-identical to one never stopped."""
+    from runkit import assert_identical, assert_resumed_exactly, ok, train
+
+    shapes = session_shapes(tmp_path_factory)
+    knobs = dict(nproc=1, train__max_steps=6, train__layer_decay=0.7, train__freeze="[vision]", train__unlock_last=1)
+    ok(train(shapes, tmp_path / "whole", **knobs))
+    assert train(shapes, tmp_path / "stopped", fault="raise:at=step:step=5", **knobs).returncode != 0
+    assert_resumed_exactly(ok(train(shapes, tmp_path / "stopped", **knobs)), tmp_path / "stopped", 4)
+    assert_identical(final_state(tmp_path / "whole"), final_state(tmp_path / "stopped"))
