@@ -41,20 +41,21 @@ def siglip_tokenizer(folder: Path) -> Tokenizer:
     return tok
 
 
-def _towers(vocab: int, **text) -> tuple[dict, dict]:
-    tower = dict(hidden_size=64, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2)
+def _towers(vocab: int, width: int = 64, **text) -> tuple[dict, dict]:
+    tower = dict(hidden_size=width, intermediate_size=4 * width, num_hidden_layers=2, num_attention_heads=2)
     return ({**tower, "vocab_size": vocab, "max_position_embeddings": POSITIONS, **text},
             {**tower, "image_size": IMAGE, "patch_size": PATCH})
 
 
-def make_clip(folder: Path, seed: int = 0, legacy_eos: bool = False, hidden_act: str = "quick_gelu"):
-    """A tiny CLIPModel; ``legacy_eos``: eos_token_id 2, as configs saved before transformers#24773."""
+def make_clip(folder: Path, seed: int = 0, legacy_eos: bool = False, hidden_act: str = "quick_gelu", width: int = 64):
+    """A tiny CLIPModel; ``legacy_eos``: eos_token_id 2, as configs saved before transformers#24773;
+    ``width`` 128 has OpenCLIP's 64-wide heads."""
     import transformers
 
     folder.mkdir(parents=True, exist_ok=True)
     tok = clip_tokenizer(folder)
     eos, bos = tok.token_to_id("<|endoftext|>"), tok.token_to_id("<|startoftext|>")
-    text, vision = _towers(tok.get_vocab_size(), bos_token_id=bos, eos_token_id=2 if legacy_eos else eos,
+    text, vision = _towers(tok.get_vocab_size(), width, bos_token_id=bos, eos_token_id=2 if legacy_eos else eos,
                            pad_token_id=eos, hidden_act=hidden_act)
     config = transformers.CLIPConfig(text_config=text, vision_config={**vision, "hidden_act": hidden_act},
                                      projection_dim=32)
