@@ -185,6 +185,8 @@ class ImageTextDataset(torch.utils.data.Dataset):
                 source=np.broadcast_to(np.int16(0), (len(self),)) if one else np.concatenate(
                     [np.full(len(src), k, dtype=np.int16) for k, src in enumerate(self.sources)]
                 ),
+                blocks=np.unique(np.concatenate(
+                    [start + s.blocks() for start, s in zip(self._starts, self.sources)])),
             )
         if self._table is None:
             texts = [t for s in self.sources for t in s.texts()]

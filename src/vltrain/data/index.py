@@ -27,6 +27,7 @@ from pathlib import Path
 import numpy as np
 
 from vltrain.data.shards import IMAGE_EXTS, span_members
+from vltrain.data.window import default_blocks
 from vltrain.data.sources import IMAGE_KEYS, TEXT_KEYS, Problem, Row, Source, check_row, csv_fields, json_fields
 
 INDEX_VERSION = 1
@@ -104,6 +105,12 @@ class IndexedSource(Source):
 
     def text_len(self) -> np.ndarray:
         return self.columns["text_len"]
+
+    def blocks(self) -> np.ndarray:
+        """Starts of the rows read together (each shard's samples; runs of manifest rows), then n."""
+        if self.kind == "shards":
+            return np.searchsorted(self.columns["line"], np.arange(len(self.files) + 1)).astype(np.int64)
+        return default_blocks(len(self))
 
     def texts(self) -> list[str | None]:
         """Every row's text, read row by row (for tools; training never needs them all)."""

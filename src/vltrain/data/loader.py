@@ -280,6 +280,7 @@ def build_train_loader(
         source_weights=source_shares(data_cfg.train, table),
         epoch_size=data_cfg.epoch_size or None,
         pad_multiple=resolved.pad_multiple,
+        window=data_cfg.shuffle_window,
     )
     collate = Collator(pad_id, data_cfg.max_text_length, data_cfg.image_size, resolved.pad_multiple)
     # Without a run folder bad samples are still counted and capped, just not written down.

@@ -31,6 +31,7 @@ import numpy as np
 
 from vltrain.data import budget, mixing
 from vltrain.data.table import SampleTable
+from vltrain.data.window import LazyBatches, LazyRepeats, WindowedOrder, default_blocks
 from vltrain.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -42,9 +43,9 @@ _TAG_BATCHES = 2
 class EpochPlan:
     """One rank's batches for one epoch, and what the epoch left out or repeated (for the audit)."""
 
-    batches: list[np.ndarray]
-    """This rank's batches of dataset indices, in step order."""
-    repeats: list[np.ndarray]
+    batches: list[np.ndarray] | LazyBatches
+    """This rank's batches of dataset indices, in step order (computed one by one when lazy)."""
+    repeats: list[np.ndarray] | LazyRepeats
     """Per batch, bool per row: the sample already occurs earlier in the epoch (on any rank)."""
     distinct: int
     """Distinct samples the epoch's schedule holds over all ranks."""
@@ -85,6 +86,7 @@ class DistributedBatchSampler:
         source_weights: list[float] | None = None,
         epoch_size: int | None = None,
         pad_multiple: int = budget.PAD_MULTIPLE,
+        window: int = 0,
     ) -> None:
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} outside world of {world_size}")
@@ -99,6 +101,8 @@ class DistributedBatchSampler:
         # Budget batching packs under these as given: DataConfig.resolve() decides them.
         self.pad_multiple, self.token_budget, self.image_budget = pad_multiple, token_budget, image_budget
         self.source_weights, self.epoch_size = source_weights, epoch_size
+        self.window = int(window)
+        """Blocks per window of the windowed shuffle (vltrain.data.window); 0: a full permutation."""
         self.epoch = 0
         self.consumed = 0
         """Batches of the current epoch the trainer has consumed; iteration resumes after them."""
@@ -113,11 +117,35 @@ class DistributedBatchSampler:
             self._plan = (e, self._compute(e))
         return self._plan[1]
 
+    def _windowed(self, epoch: int) -> WindowedOrder:
+        blocks = self.table.blocks if self.table.blocks is not None else default_blocks(len(self.table))
+        return WindowedOrder(blocks, seed=self.seed, epoch=epoch, window=self.window, shuffle=self.shuffle)
+
+    def _lazy_plan(self, epoch: int) -> EpochPlan:
+        """Fixed batches of the windowed order, each computed when the loader asks for it."""
+        order = self._windowed(epoch)
+        n, step = len(order), self.world_size * self.batch_size
+        steps = n // step if self.remainder == "drop" else -(-n // step)
+        if steps == 0:
+            raise UserError(
+                f"data.remainder=drop leaves no batch: {n} samples per epoch for {self.world_size} ranks "
+                f"x batch_size {self.batch_size}; use data.remainder=pad or a smaller batch"
+            )
+        dropped, padded = max(0, n - steps * step), max(0, steps * step - n)
+        batches = LazyBatches(order, rank=self.rank, world_size=self.world_size, batch_size=self.batch_size,
+                              steps=steps)
+        return EpochPlan(batches, LazyRepeats(batches), n - dropped, dropped, padded)
+
     def _compute(self, epoch: int) -> EpochPlan:
-        order = mixing.epoch_order(
-            self.table.source, seed=self.seed, epoch=epoch, shuffle=self.shuffle,
-            weights=self.source_weights, epoch_size=self.epoch_size,
-        )
+        if self.window and self.source_weights is None:
+            if self.batching == "fixed":
+                return self._lazy_plan(epoch)
+            order = self._windowed(epoch).all()
+        else:
+            order = mixing.epoch_order(
+                self.table.source, seed=self.seed, epoch=epoch, shuffle=self.shuffle,
+                weights=self.source_weights, epoch_size=self.epoch_size,
+            )
         if self.batching == "budget":
             rng = mixing.rng_for(self.seed, _TAG_BATCHES, epoch) if self.shuffle else None
             batches = budget.pack(order, self.table, batch_size=self.batch_size,
@@ -169,8 +197,8 @@ class DistributedBatchSampler:
 
     def __iter__(self) -> Iterator[list[int]]:
         plan, start = self.plan(), self.consumed
-        for batch in plan.batches[start:]:
-            yield batch.tolist()
+        for k in range(start, len(plan.batches)):
+            yield plan.batches[k].tolist()
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch, self.consumed = int(epoch), 0
@@ -181,7 +209,8 @@ class DistributedBatchSampler:
     def _identity(self) -> dict:
         """What the schedule depends on besides the position: a resume must match all of it."""
         return {"seed": self.seed, "world_size": self.world_size, "batching": self.batching,
-                "batch_size": self.batch_size, "num_samples": len(self.table), "pad_multiple": self.pad_multiple}
+                "batch_size": self.batch_size, "num_samples": len(self.table), "pad_multiple": self.pad_multiple,
+                "shuffle_window": self.window}
 
     def state_dict(self) -> dict:
         return {"epoch": self.epoch, "consumed": self.consumed, **self._identity()}

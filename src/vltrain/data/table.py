@@ -20,6 +20,9 @@ class SampleTable:
     has_text: np.ndarray  # bool [n]
     text_len: np.ndarray  # int [n] (uint16 from a sample index), tokens incl. special tokens, capped; 0 if no text
     source: np.ndarray  # int16 [n], index of the source in a mixture (0 for a single source)
+    blocks: np.ndarray | None = None
+    """Starts of the rows that are read together (a tar shard), then n: the windowed shuffle's
+    unit (``data.shuffle_window``). None: runs of manifest rows."""
 
     def __len__(self) -> int:
         return int(self.has_image.shape[0])

@@ -1,0 +1,124 @@
+"""A shuffle that reads a few shards at a time, and an epoch plan computed batch by batch.
+
+A full permutation of a billion rows costs every rank 8 GB and sends every loader worker to a
+random shard for every sample: with remote shards, a whole-shard download per sample. The
+windowed shuffle is the usual answer (WebDataset's shard shuffle plus a sample buffer), made
+exact and lazy:
+
+- the epoch's **blocks** (a tar shard, or ``MANIFEST_BLOCK`` consecutive manifest rows) are put
+  in a random order;
+- consecutive runs of ``window`` blocks form a **window**, whose samples are shuffled fully;
+- the epoch order is the windows one after another.
+
+So position ``p`` of the epoch is found from the block order (one entry per block) and the one
+window that holds it: a rank computes only the windows of its own batches, and memory is
+O(blocks + one window), not O(samples). Batch-mates come from ``window`` blocks rather than from
+the whole dataset; ``benchmarks/data_scale.py`` measures what that costs in mixing.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+MANIFEST_BLOCK = 4096
+"""Rows of a manifest that count as one block of the windowed shuffle."""
+_TAG_WINDOW = 3
+
+
+def _rng(seed: int, *keys: int) -> np.random.Generator:
+    return np.random.default_rng([int(seed) & 0xFFFF_FFFF, _TAG_WINDOW, *(int(k) for k in keys)])
+
+
+class WindowedOrder:
+    """The windowed-shuffle order of one epoch over ``blocks`` (block starts, then the row count)."""
+
+    def __init__(self, blocks: np.ndarray, *, seed: int, epoch: int, window: int, shuffle: bool = True):
+        self.blocks = np.asarray(blocks, dtype=np.int64)
+        self.seed, self.epoch, self.window, self.shuffle = seed, epoch, max(1, int(window)), shuffle
+        count = len(self.blocks) - 1
+        self.block_order = _rng(seed, epoch).permutation(count) if shuffle else np.arange(count)
+        sizes = np.diff(self.blocks)[self.block_order]
+        self.window_sizes = np.add.reduceat(sizes, np.arange(0, count, self.window)) if count else sizes
+        self.window_starts = np.r_[0, np.cumsum(self.window_sizes)]
+        self._cached: tuple[int, np.ndarray] | None = None
+
+    def __len__(self) -> int:
+        return int(self.window_starts[-1])
+
+    def window_rows(self, w: int) -> np.ndarray:
+        """The rows of window ``w``, in the epoch's order."""
+        if self._cached is not None and self._cached[0] == w:
+            return self._cached[1]
+        picked = self.block_order[w * self.window : (w + 1) * self.window]
+        rows = np.concatenate([np.arange(self.blocks[b], self.blocks[b + 1]) for b in picked]) \
+            if len(picked) else np.empty(0, dtype=np.int64)
+        if self.shuffle:
+            rows = rows[_rng(self.seed, self.epoch, w + 1).permutation(len(rows))]
+        self._cached = (w, rows)
+        return rows
+
+    def take(self, start: int, stop: int) -> np.ndarray:
+        """Rows at positions ``start .. stop`` of the epoch (within ``0 .. len``)."""
+        parts = []
+        w = int(np.searchsorted(self.window_starts, start, side="right")) - 1
+        while start < stop:
+            lo = int(self.window_starts[w])
+            hi = min(stop, int(self.window_starts[w + 1]))
+            if hi > start:
+                parts.append(self.window_rows(w)[start - lo : hi - lo])
+                start = hi
+            w += 1
+        return np.concatenate(parts) if parts else np.empty(0, dtype=np.int64)
+
+    def all(self) -> np.ndarray:
+        return self.take(0, len(self))
+
+
+class LazyBatches:
+    """A read-only sequence of one rank's fixed-size batches, each computed when asked for."""
+
+    def __init__(self, order: WindowedOrder, *, rank: int, world_size: int, batch_size: int, steps: int):
+        self.order, self.rank, self.world, self.b, self.steps = order, rank, world_size, batch_size, steps
+
+    def __len__(self) -> int:
+        return self.steps
+
+    def positions(self, k: int) -> tuple[int, int]:
+        g = k * self.world + self.rank
+        return g * self.b, (g + 1) * self.b
+
+    def __getitem__(self, k):
+        if isinstance(k, slice):
+            return [self[i] for i in range(*k.indices(self.steps))]
+        if not -self.steps <= k < self.steps:
+            raise IndexError(k)
+        lo, hi = self.positions(k % self.steps)
+        n = len(self.order)
+        if hi <= n:
+            return self.order.take(lo, hi)
+        # past the end: the epoch's first samples again (remainder=pad), as np.resize repeats them
+        if lo >= n or hi - n > n:
+            return self.order.all()[np.arange(lo, hi) % n]  # tiny epochs only
+        return np.concatenate([self.order.take(lo, n), self.order.take(0, hi - n)])
+
+    def repeats(self, k: int) -> np.ndarray:
+        lo, hi = self.positions(k)
+        return np.arange(lo, hi) >= len(self.order)
+
+
+class LazyRepeats:
+    """Per batch of :class:`LazyBatches`, which rows repeat an earlier sample of the epoch."""
+
+    def __init__(self, batches: LazyBatches):
+        self.batches = batches
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+    def __getitem__(self, k: int) -> np.ndarray:
+        return self.batches.repeats(k)
+
+
+def default_blocks(n: int) -> np.ndarray:
+    """Block starts (then ``n``) of a source without shards: runs of ``MANIFEST_BLOCK`` rows."""
+    return np.r_[np.arange(0, n, MANIFEST_BLOCK, dtype=np.int64), n]

@@ -1,0 +1,102 @@
+"""The windowed shuffle and the lazy epoch plan: every promise of the full-permutation sampler."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from sampler_fixtures import TableDataset, collate, shapes_lengths, table
+from vltrain.data import budget
+from vltrain.data.audit import AuditLog, audit_run
+from vltrain.data.loader import TrainLoader
+from vltrain.data.sampler import DistributedBatchSampler
+from vltrain.data.window import WindowedOrder
+
+N = 103
+
+
+def blocked_table(n=N, block=10):
+    t = table(shapes_lengths(n))
+    t.blocks = np.r_[np.arange(0, n, block), n]
+    return t
+
+
+def test_windowed_order_is_a_permutation_reading_few_blocks_at_a_time():
+    blocks = np.r_[np.arange(0, N, 10), N]
+    windowed = WindowedOrder(blocks, seed=3, epoch=1, window=2)
+    order = windowed.all()
+    assert sorted(order.tolist()) == list(range(N))
+    spans = np.diff(windowed.window_starts)
+    assert len(spans) == 6 and np.array_equal(np.concatenate([windowed.window_rows(w) for w in range(6)]), order)
+    for w in range(6):  # a window reads two blocks, and mixes them
+        rows = windowed.window_rows(w)
+        assert len(np.unique(rows // 10)) <= 2
+        assert not np.array_equal(rows, np.sort(rows))
+    again = WindowedOrder(blocks, seed=3, epoch=1, window=2)
+    assert np.array_equal(again.take(17, 61), order[17:61])
+    other = WindowedOrder(blocks, seed=3, epoch=2, window=2).all()
+    assert not np.array_equal(order, other)
+
+
+@pytest.mark.parametrize("world,remainder", [(1, "pad"), (2, "pad"), (3, "drop"), (2, "drop")])
+def test_lazy_fixed_plan_equal_steps_disjoint_and_complete(world, remainder):
+    t = blocked_table()
+    samplers = [DistributedBatchSampler(t, batch_size=4, rank=r, world_size=world, seed=0, remainder=remainder,
+                                        window=3) for r in range(world)]
+    plans = [s.plan(epoch=1) for s in samplers]
+    assert len({len(p) for p in plans}) == 1
+    rows, repeated = [], []
+    for p in plans:
+        for k in range(len(p)):
+            assert len(p.batches[k]) == 4
+            rows += p.batches[k][~p.repeats[k]].tolist()
+            repeated += p.batches[k][p.repeats[k]].tolist()
+    assert len(rows) == len(set(rows)) == plans[0].distinct
+    assert plans[0].distinct + plans[0].dropped == N
+    assert len(repeated) == plans[0].padded and set(repeated) <= set(rows)
+    # the lazy batches are the windowed order cut into world x batch steps, as the full plan cuts its order
+    order = WindowedOrder(t.blocks, seed=0, epoch=1, window=3).all()
+    order = np.resize(order, len(plans[0]) * world * 4)
+    for r, p in enumerate(plans):
+        for k in range(len(p)):
+            g = k * world + r
+            assert p.batches[k].tolist() == order[g * 4 : (g + 1) * 4].tolist()
+
+
+def test_lazy_plan_resumes_exactly():
+    t = blocked_table()
+    a = DistributedBatchSampler(t, batch_size=4, rank=1, world_size=2, seed=5, window=2)
+    whole = list(a)
+    a.mark_consumed(5)
+    b = DistributedBatchSampler(t, batch_size=4, rank=1, world_size=2, seed=5, window=2)
+    b.load_state_dict(a.state_dict())
+    assert list(b) == whole[5:]
+    c = DistributedBatchSampler(t, batch_size=4, rank=1, world_size=2, seed=5, window=0)
+    with pytest.raises(Exception, match="shuffle_window"):
+        c.load_state_dict(a.state_dict())
+
+
+def test_budget_batches_over_the_windowed_order_cover_every_row_once():
+    t = blocked_table()
+    samplers = [DistributedBatchSampler(t, batch_size=8, rank=r, world_size=2, seed=0, batching="budget",
+                                        token_budget=96, image_budget=8, window=2) for r in range(2)]
+    plans = [s.plan() for s in samplers]
+    assert len(plans[0]) == len(plans[1])
+    rows = [i for p in plans for b in p.batches for i in b.tolist()]
+    assert sorted(rows) == list(range(N))
+    for p in plans:
+        for b in p.batches:
+            assert budget.batch_tokens(t.text_len[b]) <= 96 and len(b) <= 8
+
+
+def test_audit_passes_over_epochs_of_the_lazy_plan(tmp_path):
+    t = blocked_table()
+    for rank in range(2):
+        s = DistributedBatchSampler(t, batch_size=4, rank=rank, world_size=2, seed=0, window=2)
+        loader = TrainLoader(TableDataset(t), s, collate=collate, audit=AuditLog(tmp_path, rank, 2))
+        for _ in range(30):  # 13 steps per epoch: two whole epochs and part of a third
+            next(loader)
+        loader.audit.close()
+    report = audit_run(tmp_path)
+    assert report.ok, report.problems
+    assert report.complete_epochs == 2
