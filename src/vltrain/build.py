@@ -65,7 +65,11 @@ def resolve_init(cfg: JobConfig) -> Pretrained | None:
     for key in PREPROCESSING_KEYS:
         if not cfg.was_set(f"data.{key}"):
             setattr(cfg.data, key, getattr(pp, key))
-    if not cfg.data.tokenizer and pp.tokenizer:
+    if not cfg.data.tokenizer:
+        if not pp.tokenizer:
+            raise ConfigError(f"model.init {mc.init}: no tokenizer.json beside it; set data.tokenizer to the "
+                              "tokenizer the checkpoint was trained with (a tokenizer.json, e.g. from the matching "
+                              "Hugging Face folder)")
         cfg.data.tokenizer = pp.tokenizer
     if pp.objective == "siglip" and not (cfg.was_set("model.loss.itc") or cfg.was_set("model.loss.siglip")):
         mc.loss.itc, mc.loss.siglip = 0.0, 1.0

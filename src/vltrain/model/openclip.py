@@ -84,12 +84,10 @@ def preprocessing(path: Path, arch: Architecture, has_bias: bool) -> Preprocessi
     """OpenCLIP's default: OpenAI's statistics, the shorter side resized (bicubic) and the centre
     square cropped; the tokenizer.json beside the checkpoint, if there is one."""
     tokenizer = path.parent / "tokenizer.json"
-    notes = [] if tokenizer.is_file() else [f"no tokenizer.json beside {path.name}: set data.tokenizer"]
     return Preprocessing(
         image_size=arch.vision.image_size, mean=list(OPENAI_MEAN), std=list(OPENAI_STD), resize="crop",
         interpolation="bicubic", max_text_length=arch.text.max_length,
         tokenizer=str(tokenizer) if tokenizer.is_file() else "", objective="siglip" if has_bias else "itc",
-        notes=notes,
     )
 
 
