@@ -49,7 +49,8 @@ def _model_commands(sub) -> None:
     d.set_defaults(func=_handler("vltrain.demo:demo_cli"))
 
     e = sub.add_parser("eval", help="retrieval and zero-shot metrics of a run's latest checkpoint or an exported model")
-    e.add_argument("path", help="a run folder or an exported model folder")
+    e.add_argument("path", help="a run folder, an exported model folder, a Hugging Face CLIPModel/SiglipModel "
+                                "folder or an OpenCLIP checkpoint")
     e.add_argument("--data", default=None, help="val source (default: the run's data.val)")
     e.add_argument("--zeroshot", default=None, metavar="DIR",
                    help="zero-shot classification on a class-per-folder image set (or a manifest with labels)")
@@ -63,12 +64,18 @@ def _model_commands(sub) -> None:
     x = sub.add_parser("export", help="write model.safetensors, the tokenizer and the config")
     x.add_argument("run_dir")
     x.add_argument("--out", required=True)
+    x.add_argument("--format", choices=["native", "hf"], default="native",
+                   help="native (vltrain's, the default) or hf (a folder transformers' CLIPModel/SiglipModel loads)")
     x.add_argument("--interpolate", type=float, default=None, metavar="ALPHA",
                    help="WiSE-FT: (1-ALPHA) x the run's initial weights + ALPHA x the trained ones (0..1)")
     x.set_defaults(func=_handler("vltrain.export:export_cli"))
 
     m = sub.add_parser("embed", help="normalized embeddings of images and texts from an exported model")
-    m.add_argument("model_dir")
+    m.add_argument("model_dir", help="an exported model folder, a run folder, a Hugging Face CLIPModel/SiglipModel "
+                                     "folder or an OpenCLIP checkpoint")
+    m.add_argument("--tokenizer", default=None, help="tokenizer.json (an OpenCLIP checkpoint without one beside it)")
+    m.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="a config value, e.g. model.preset=clip-vit-b16 or model.quick_gelu=true (repeatable)")
     m.add_argument("--images", nargs="*", default=[])
     m.add_argument("--texts", nargs="*", default=[])
     m.add_argument("--out", required=True, help=".npy file (images first, then texts)")

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from vltrain.build import build_model_for, build_task, build_tokenizer, build_val_loader
+from vltrain.build import build_model_for, build_task, build_tokenizer, build_val_loader, resolve_init
 from vltrain.checkpoint import find_checkpoint, load_model_weights
 from vltrain.config import JobConfig, load_config
 from vltrain.data.dataset import source_specs
@@ -27,6 +27,7 @@ from vltrain.distributed import World, all_gather_no_grad, all_reduce_sum
 from vltrain.errors import ConfigError, UserError
 from vltrain.eval_embed import Embedded, cat_padded, eval_mode
 from vltrain.export import is_exported, load_exported
+from vltrain.model.pretrained import is_pretrained
 from vltrain.precision import Precision
 from vltrain.retrieval import evaluate_retrieval, itm_rerank, multi_caption_recall, open_retrieval
 from vltrain.runtime import setup_world
@@ -254,19 +255,25 @@ def eval_cli(args: argparse.Namespace) -> int:
 
 def evaluate_run(run_dir: Path, data: str | None = None, overrides: list[str] | None = None,
                  val: bool = True) -> dict[str, float]:
-    """Metrics of a run's latest checkpoint or of an exported model (``vltrain eval``): its ``data.val``
+    """Metrics of a run's latest checkpoint, an exported model or a pretrained checkpoint (a Hugging
+    Face folder or an OpenCLIP file, as ``model.init`` takes) (``vltrain eval``): its ``data.val``
     (unless ``val`` is false) and its ``eval.zeroshot`` and ``eval.retrieval`` sets."""
-    exported = is_exported(run_dir)
+    exported, pretrained = is_exported(run_dir), is_pretrained(run_dir)
     config_path = run_dir / "config.yaml"
-    if not exported and not config_path.exists():
-        raise UserError(f"{run_dir} is neither a run folder (with config.yaml and checkpoints) "
-                        "nor an exported model (vltrain export)")
-    cfg = load_config(config_path, list(overrides or []) + ([f"data.val={data}"] if data else []))
+    if not (exported or pretrained or config_path.exists()):
+        raise UserError(f"{run_dir} is neither a run folder (with config.yaml and checkpoints), an exported model "
+                        "(vltrain export), a Hugging Face CLIPModel/SiglipModel folder nor an OpenCLIP checkpoint")
+    overrides = list(overrides or []) + ([f"data.val={data}"] if data else [])
+    if pretrained:
+        cfg = load_config(None, [f"model.init={run_dir}", *overrides])
+        resolve_init(cfg)
+    else:
+        cfg = load_config(config_path, overrides)
     if not val:
         cfg.data.val = ""
-    ckpt = None if exported else find_checkpoint(run_dir, cfg.checkpoint.folder)
+    ckpt = None if exported or pretrained else find_checkpoint(run_dir, cfg.checkpoint.folder)
     if not (cfg.data.val or cfg.eval.zeroshot or cfg.eval.retrieval):
-        raise UserError(f"{config_path} names no data.val and no eval sets; pass --data VAL_MANIFEST, "
+        raise UserError(f"{run_dir} names no data.val and no eval sets; pass --data VAL_MANIFEST, "
                         "--zeroshot DIR or --retrieval FILE")
     world = setup_world(timeout_s=cfg.train.timeout_s, device=cfg.train.device, threads=cfg.train.threads,
                         tf32=cfg.train.tf32)
@@ -277,8 +284,9 @@ def evaluate_run(run_dir: Path, data: str | None = None, overrides: list[str] | 
             cfg.data.tokenizer = exported_cfg.data.tokenizer
         else:
             tokenizer = build_tokenizer(cfg)
-            model = build_model_for(cfg, tokenizer, world.device)
-            load_model_weights(ckpt, model)
+            model = build_model_for(cfg, tokenizer, world.device, load_init=pretrained)
+            if ckpt is not None:
+                load_model_weights(ckpt, model)
         evaluator = Evaluator(cfg, tokenizer, world)
         precision = Precision(cfg.train.precision, world.device)
         metrics = evaluator.run(build_task(cfg, model), model, world.device, precision.autocast)

@@ -8,34 +8,42 @@
 
 safetensors holds tensors only, so loading an exported model runs no code from the file. The
 folder is what :func:`load_exported` reads, for ``vltrain embed`` and ``vltrain eval``.
+``--format hf`` writes a Hugging Face CLIPModel / SiglipModel folder instead (:mod:`vltrain.export_hf`).
 ``--interpolate ALPHA`` writes (1 - ALPHA) x the run's initial weights + ALPHA x the trained ones
 (WiSE-FT's weight-space ensemble; ALPHA 0 is the initial model, 1 the fine-tuned one).
 Embeddings use the training pipeline itself (``decode_image``, the tokenizer, the collator,
-``Batch.pixels``), so an image is seen exactly as it was in training.
+``Batch.pixels``), so an image is seen exactly as it was in training. :func:`load_any` opens
+whatever a user may name: an exported folder, a run or checkpoint folder, a Hugging Face folder or
+an OpenCLIP checkpoint.
 """
 
 from __future__ import annotations
 
 import argparse
+import logging
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from vltrain.build import build_model_for
+from vltrain.build import build_model_for, build_tokenizer, resolve_init
 from vltrain.checkpoint import CONFIG_FILE, INITIAL_FILE, check_shapes, find_checkpoint, load_model_weights
 from vltrain.checkpoint_storage import write_weights
 from vltrain.config import JobConfig, load_config
 from vltrain.data.text import load_tokenizer
 from vltrain.errors import UserError
+from vltrain.export_hf import hf_family, write_hf
+from vltrain.model.pretrained import is_pretrained
 
+log = logging.getLogger("vltrain")
 WEIGHTS_FILE = "model.safetensors"
 TOKENIZER_FILE = "tokenizer.json"
 
 
 def _build(cfg: JobConfig, tokenizer_path: Path | str):
+    """The model to load saved weights into (not model.init's: they would be overwritten)."""
     tokenizer = load_tokenizer(str(tokenizer_path))
-    return build_model_for(cfg, tokenizer), tokenizer
+    return build_model_for(cfg, tokenizer, load_init=False), tokenizer
 
 
 def _checkpoint_of(source: Path) -> Path:
@@ -47,9 +55,10 @@ def _checkpoint_of(source: Path) -> Path:
     return find_checkpoint(source, folder)
 
 
-def export_model(source: str | Path, out: str | Path, interpolate: float | None = None) -> Path:
+def export_model(source: str | Path, out: str | Path, interpolate: float | None = None, fmt: str = "native") -> Path:
     """Write ``out``/{model.safetensors, tokenizer.json, config.yaml} from a run or checkpoint folder;
-    ``interpolate``: blend the trained weights with the run's initial ones (:func:`interpolate_weights`)."""
+    ``interpolate``: blend the trained weights with the run's initial ones (:func:`interpolate_weights`);
+    ``fmt`` "hf": a Hugging Face CLIPModel / SiglipModel folder instead (:mod:`vltrain.export_hf`)."""
     source = Path(source)
     if interpolate is not None and not 0.0 <= interpolate <= 1.0:
         raise UserError(f"--interpolate must be in [0, 1] (0: the initial weights, 1: the fine-tuned ones), "
@@ -60,6 +69,7 @@ def export_model(source: str | Path, out: str | Path, interpolate: float | None 
     cfg = load_config(ckpt / CONFIG_FILE)
     tokenizer_path = ckpt / TOKENIZER_FILE if (ckpt / TOKENIZER_FILE).is_file() else Path(cfg.data.tokenizer)
     model, tokenizer = _build(cfg, tokenizer_path)
+    family = hf_family(model, tokenizer, str(ckpt)) if fmt == "hf" else ""  # refused before any loading
     load_model_weights(ckpt, model)
     metadata = {"format": "pt", "checkpoint": ckpt.name}
     if interpolate is not None:
@@ -68,6 +78,10 @@ def export_model(source: str | Path, out: str | Path, interpolate: float | None 
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
+    if family:
+        for note in write_hf(model, tokenizer, cfg, out, family, metadata):
+            log.info("export: %s", note)
+        return out
     write_weights(out / WEIGHTS_FILE, model.state_dict(), metadata)
     tokenizer.save(out / TOKENIZER_FILE)
     cfg.data.tokenizer = TOKENIZER_FILE
@@ -133,6 +147,29 @@ def load_exported(path: str | Path, device: str | torch.device = "cpu"):
     return model.to(device).eval(), tokenizer, cfg
 
 
+def load_any(path: str | Path, overrides: list[str] | None = None, device: str | torch.device = "cpu"):
+    """``(model, tokenizer, cfg)`` from an exported folder, a run or checkpoint folder, a Hugging Face
+    CLIPModel / SiglipModel folder or an OpenCLIP checkpoint (``overrides``: dotted config values,
+    e.g. data.tokenizer for an OpenCLIP file without one beside it); the model in eval mode."""
+    p = Path(path).expanduser()
+    overrides = list(overrides or [])
+    if is_exported(p):
+        if overrides:
+            raise UserError(f"{p} is an exported model: its config is fixed ({', '.join(overrides)} cannot apply)")
+        return load_exported(p, device)
+    if is_pretrained(p):
+        cfg = load_config(None, [f"model.init={p}", *overrides])
+        resolve_init(cfg)
+        tokenizer = build_tokenizer(cfg)
+        return build_model_for(cfg, tokenizer, device).eval(), tokenizer, cfg
+    ckpt = _checkpoint_of(p)
+    cfg = load_config(ckpt / CONFIG_FILE, overrides)
+    tokenizer_path = ckpt / TOKENIZER_FILE if (ckpt / TOKENIZER_FILE).is_file() else Path(cfg.data.tokenizer)
+    model, tokenizer = _build(cfg, tokenizer_path)
+    load_model_weights(ckpt, model)
+    return model.to(device).eval(), tokenizer, cfg
+
+
 @torch.no_grad()
 def embed(model, tokenizer, cfg: JobConfig, images: list[str | Path], texts: list[str],
           batch_size: int = 64, device: str | torch.device = "cpu") -> np.ndarray:
@@ -146,7 +183,8 @@ def embed(model, tokenizer, cfg: JobConfig, images: list[str | Path], texts: lis
     for i, path in enumerate(images):
         try:
             pixels = torch.as_tensor(decode_image(Path(path).read_bytes(), dc.image_size, dc.resize,
-                                                  dc.max_image_pixels))
+                                                  dc.max_image_pixels, dc.jpeg_draft_ratio, dc.interpolation,
+                                                  dc.jpeg_decoder))
         except (OSError, ImageError) as e:
             raise UserError(f"cannot read image {path}: {e}") from None
         samples.append(Sample(uid=i, key=str(path), image=pixels, input_ids=[], truncated=False, source=0))
@@ -168,18 +206,20 @@ def embed(model, tokenizer, cfg: JobConfig, images: list[str | Path], texts: lis
 def export_cli(args: argparse.Namespace) -> int:
     """``vltrain export RUN_DIR --out DIR [--interpolate ALPHA]``."""
     alpha = args.interpolate
-    out = export_model(args.run_dir, args.out, interpolate=alpha)
+    out = export_model(args.run_dir, args.out, interpolate=alpha, fmt=args.format)
     blend = "" if alpha is None else f" (weights: {1 - alpha:g} x initial + {alpha:g} x fine-tuned)"
-    print(f"exported to {out}: {WEIGHTS_FILE}, {TOKENIZER_FILE}, {CONFIG_FILE}{blend}")
+    files = ", ".join(sorted(p.name for p in out.iterdir() if p.is_file()))
+    print(f"exported to {out} ({args.format}): {files}{blend}")
     return 0
 
 
 def embed_cli(args: argparse.Namespace) -> int:
-    """``vltrain embed DIR --images a.jpg b.png --texts "..." --out emb.npy``."""
+    """``vltrain embed PATH --images a.jpg b.png --texts "..." --out emb.npy``."""
     if not args.images and not args.texts:
         raise UserError("nothing to embed: give --images and/or --texts")
     torch.set_grad_enabled(False)
-    model, tokenizer, cfg = load_exported(args.model_dir)
+    overrides = list(args.set or []) + ([f"data.tokenizer={args.tokenizer}"] if args.tokenizer else [])
+    model, tokenizer, cfg = load_any(args.model_dir, overrides)
     emb = embed(model, tokenizer, cfg, args.images, args.texts)
     np.save(args.out, emb)
     print(f"wrote {args.out}: {len(args.images)} image and {len(args.texts)} text embeddings of size "
