@@ -55,6 +55,34 @@ def test_recipes_optimizer_on_the_preset():
     assert lr["text_proj.proj.weight"] == lr["logit_scale"] == lr["vision.norm.weight"] == 1e-5
 
 
+def test_users_command_on_a_hugging_face_clip(tmp_path_factory, tmp_path, cli):
+    """`vltrain train configs/finetune-clip.yaml model.init=HF_FOLDER data.train=...` (a tiny random
+    CLIPModel): the pretrained weights are kept as init.safetensors, and --interpolate 0 exports them."""
+    pytest.importorskip("transformers")
+    from pretrainedkit import make_clip
+    from vltrain.build import build_model_for, build_tokenizer, resolve_init
+    from vltrain.export import export_model
+
+    shapes = session_shapes(tmp_path_factory)
+    make_clip(tmp_path / "clip")
+    run = tmp_path / "run"
+    small = ["train.max_steps=2", "train.warmup_steps=1", "train.precision=fp32", "train.threads=1",
+             "train.progress=false", "data.batch_size=4", "data.num_workers=0", "checkpoint.every=0",
+             "train.freeze=[vision]", "train.unlock_last=1"]
+    proc = cli("train", RECIPE, f"model.init={tmp_path / 'clip'}", f"data.train={shapes / 'train.jsonl'}",
+               f"run.dir={run}", *small)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+    cfg = load_config(run / "config.yaml")
+    resolve_init(cfg)
+    pretrained = build_model_for(cfg, build_tokenizer(cfg)).state_dict()
+    initial = load_file(str(run / INITIAL_FILE))
+    assert initial.keys() == pretrained.keys()
+    assert all(torch.equal(initial[k], v) for k, v in pretrained.items())
+    got = load_file(str(export_model(run, tmp_path / "a0", interpolate=0.0) / "model.safetensors"))
+    assert all(torch.equal(got[k], v) for k, v in initial.items())
+
+
 def _fake_trainer(run_dir: Path, save_initial: str, init: str, main: bool = True, seed: int = 0):
     from modelkit import small_model
 
