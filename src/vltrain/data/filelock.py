@@ -1,5 +1,8 @@
 """A lock file for work that one process of many should do (build an index, download a shard).
 
+Many ranks and their loader workers open the same data at once; what is derived from it once
+(a shard's member index, a source's sample index, a downloaded shard) is made by one of them.
+
 The lock is a file created with O_EXCL, which works on network file systems where flock may not.
 It names its owner (host and pid), so a lock left by a process that died is taken over: at once
 when the owner ran on this host and is gone, else once the file is ``stale_s`` old. An owner doing
@@ -13,11 +16,12 @@ import os
 import socket
 import time
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable, Iterator, TypeVar
 
 from vltrain.errors import DataError
 
 STALE_S = 600.0
+T = TypeVar("T")
 
 
 @contextlib.contextmanager
@@ -77,3 +81,30 @@ def stale(lock: Path, stale_s: float = STALE_S) -> bool:
             pass
         return False
     return age > stale_s
+
+
+def build_once(path: Path, read_fresh: Callable[[], T | None], build: Callable[[], T], *,
+               what: str, wait_s: float = 1800.0) -> T:
+    """``read_fresh()`` if it finds a result, else ``build()`` by exactly one process while the
+    others wait and then read it. ``build`` writes its result atomically (``private_tmp``, then
+    ``os.replace``), so a waiter sees either nothing or the whole result."""
+    found = read_fresh()
+    if found is not None:
+        return found
+    path.parent.mkdir(parents=True, exist_ok=True)
+    box: list = []
+
+    def done() -> bool:
+        box[:] = [read_fresh()]
+        return box[0] is not None
+
+    with exclusive(path.with_name(path.name + ".lock"), wait_s, done, what) as mine:
+        if not mine:
+            return box[0]
+        found = read_fresh()  # finished by another process between our read and our lock
+        return found if found is not None else build()
+
+
+def private_tmp(path: Path) -> Path:
+    """A temporary name beside ``path`` that no other process (on any host) writes."""
+    return path.with_name(f"{path.name}.{socket.gethostname()}.{os.getpid()}.tmp")

@@ -28,7 +28,7 @@ import numpy as np
 
 from vltrain.data.config import CsvConfig
 from vltrain.data.index import COLUMNS, INDEX_VERSION, IndexedSource, read_meta
-from vltrain.data.lock import build_once, private_tmp
+from vltrain.data.filelock import build_once, private_tmp
 from vltrain.data.shards import default_cache_dir, scan_samples, shard_paths
 from vltrain.data.sources import (IMAGE_KEYS, MANIFEST_SUFFIXES, TEXT_KEYS, check_row, csv_columns, csv_fields,
                                   csv_separator, is_shard_pattern, json_fields)
@@ -98,11 +98,16 @@ def open_indexed(spec: str, tokenizer: Tokenizer, max_text_length: int, csv_cfg:
         same = meta is not None and all(meta.get(k) == v for k, v in identity.items())
         return meta if same else None
 
+    built = []
+
     def build() -> dict:
+        built.append(True)
         return _build(index_dir, identity, tokenizer, workers)
 
     meta = build_once(index_dir, fresh, build, what=f"index {spec}")
-    return IndexedSource(spec, index_dir, meta)
+    source = IndexedSource(spec, index_dir, meta)
+    source.built_now = bool(built)
+    return source
 
 
 def _csv_spec(path: str, cfg: CsvConfig) -> dict:
@@ -253,14 +258,12 @@ def _build(index_dir: Path, identity: dict, tokenizer: Tokenizer, workers: int) 
     parts_dir = index_dir.with_name(index_dir.name + ".parts")
     parts_dir.mkdir(parents=True, exist_ok=True)
     _run_parts(parts_dir, parts, tokenizer, identity["max_text_length"], workers)
-    meta = _merge(index_dir, parts_dir, parts, identity)
-    meta["build_s"] = round(time.monotonic() - started, 3)
-    (index_dir / "meta.json").write_text(json.dumps(meta, indent=1))  # the timing only; same identity
+    meta = _merge(index_dir, parts_dir, parts, identity, started)
     shutil.rmtree(parts_dir, ignore_errors=True)
     return meta
 
 
-def _merge(index_dir: Path, parts_dir: Path, parts: list[dict], identity: dict) -> dict:
+def _merge(index_dir: Path, parts_dir: Path, parts: list[dict], identity: dict, started: float) -> dict:
     infos = [json.loads((parts_dir / f"part-{k:06d}.json").read_text()) for k in range(len(parts))]
     total = sum(i["count"] for i in infos)
     tmp = private_tmp(index_dir)
@@ -286,9 +289,44 @@ def _merge(index_dir: Path, parts_dir: Path, parts: list[dict], identity: dict) 
     for array in out.values():
         array.flush()
     del out
-    meta = {**identity, "count": total, "errors": errors, "warnings": warnings}
+    meta = {**identity, "count": total, "errors": errors, "warnings": warnings,
+            "build_s": round(time.monotonic() - started, 3)}
     (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
     if index_dir.exists():
         shutil.rmtree(index_dir)  # stale: described other files (a fresh one is never rebuilt)
     os.replace(tmp, index_dir)
     return meta
+
+
+def index_cli(args) -> int:
+    """``vltrain data index SOURCES... --tokenizer T``: build (or find) each source's sample index.
+
+    Exit 0 clean, 1 when rows were dropped as malformed (they are listed in the index's
+    problems.jsonl), 2 on a usage error."""
+    tokenizer_path, max_len, csv_cfg, cache_dir = args.tokenizer, args.max_text_length, CsvConfig(), args.cache_dir
+    if args.config:
+        from vltrain.config import load_config  # the job config sits above the data layer
+
+        cfg = load_config(args.config)
+        tokenizer_path = tokenizer_path or cfg.data.tokenizer
+        max_len = max_len or cfg.data.max_text_length
+        csv_cfg, cache_dir = cfg.data.csv, cache_dir or cfg.data.cache_dir
+    if not tokenizer_path:
+        raise DataError("give --tokenizer TOKENIZER.json (or --config CONFIG whose data.tokenizer names one): "
+                        "the index stores each caption's token count")
+    tokenizer = load_tokenizer(tokenizer_path)
+    workers = args.workers or os.cpu_count() or 1
+    dropped = 0
+    for spec in args.sources:
+        started = time.monotonic()
+        source = open_indexed(spec, tokenizer, max_len or 77, csv_cfg, cache_dir or None, workers=workers)
+        took = time.monotonic() - started
+        meta = source.meta
+        how = (f"built in {took:.1f} s ({len(source) / max(took, 1e-9):,.0f} rows/s, {workers} process(es))"
+               if source.built_now else "up to date")
+        print(f"{spec}: {len(source):,} samples, {meta['errors']} malformed row(s) dropped, "
+              f"{meta['warnings']} warning(s); index {how}\n  {source.index_dir}")
+        for p in source.errors()[:5]:
+            print(f"  dropped {p}")
+        dropped += meta["errors"]
+    return 1 if dropped else 0

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-from vltrain.data.lock import build_once, private_tmp
+from vltrain.data.filelock import build_once, private_tmp
 from vltrain.data.sources import (Problem, Row, Source, expand_braces, is_shard_pattern, is_unicode,
                                   open_manifest)
 from vltrain.errors import DataError, UserError
@@ -119,7 +119,7 @@ BUILDS = 0
 
 def load_index(shard: Path, cache_dir: str | os.PathLike | None = None, wait_s: float = 1800.0) -> dict:
     """The cached index of ``shard``, rebuilt when missing or when the shard changed; built by one
-    process while the others wait (``vltrain.data.lock``)."""
+    process while the others wait (``vltrain.data.filelock``)."""
     path = index_path(shard, cache_dir)
     st = shard.stat()
 
