@@ -43,6 +43,28 @@ def finetuned(request, tmp_path_factory):
     return root / "run", original, family
 
 
+def test_a_run_from_model_init_says_and_saves_its_preprocessing(finetuned, capsys, tmp_path):
+    run, _, family = finetuned
+    saved = load_config(run / "config.yaml")
+    pretrained = run.parent / "pretrained"
+    assert saved.data.tokenizer == str(pretrained / "tokenizer.json") and saved.data.mean == [0.4, 0.5, 0.6]
+    embed_dim = 32 if family == "clip" else 64  # SigLIP's image side has no projection: its width
+    assert saved.data.resize == ("crop" if family == "clip" else "squash") and saved.model.arch["embed_dim"] == embed_dim
+    assert (saved.model.loss.siglip, saved.model.loss.itc) == ((1.0, 0.0) if family == "siglip" else (0.0, 1.0))
+    from vltrain.build import describe_preprocessing, resolve_init
+
+    cfg = load_config(None, [f"model.init={pretrained}"])
+    text = describe_preprocessing(cfg, resolve_init(cfg))
+    assert "32 px" in text and "lower-cased" in text and f"hf-{family}" in text
+    assert ("fixed to 16 with id 1" in text) == (family == "siglip")
+    # the run's config rebuilds the model without the checkpoint it started from
+    pretrained.rename(run.parent / "moved")
+    try:
+        assert load_any(run)[0].embed_dim == embed_dim
+    finally:
+        (run.parent / "moved").rename(pretrained)
+
+
 def test_exported_folder_loads_in_transformers_with_vltrains_embeddings(finetuned, tmp_path):
     run, original, family = finetuned
     out = export_model(run, tmp_path / "hf", fmt="hf")

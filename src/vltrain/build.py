@@ -85,7 +85,8 @@ def describe_preprocessing(cfg: JobConfig, source: Pretrained) -> str:
     lines = [
         f"model.init {source.path} ({source.kind}, architecture {source.arch_from})",
         f"  images: {d.image_size} px, resize {d.resize} ({d.interpolation}), mean {d.mean}, std {d.std}",
-        f"  text: tokenizer {d.tokenizer or '(none)'}, at most {d.max_text_length} tokens, padded {padding}",
+        f"  text: tokenizer {d.tokenizer} ({'lower-cased' if load_tokenizer(d.tokenizer).lowercases() else 'cased'}), "
+        f"at most {d.max_text_length} tokens, padded {padding}",
         f"  objective: itc {cfg.model.loss.itc:g}, siglip {cfg.model.loss.siglip:g}",
     ]
     return "\n".join(lines + [f"  note: {n}" for n in source.preprocessing.notes])

@@ -76,6 +76,19 @@ class Tokenizer:
                 lengths[i] = len(ids)
         return lengths
 
+    def lowercases(self) -> bool:
+        """Whether the tokenizer's normalizer lower-cases text (CLIP's do; some SigLIP conversions not)."""
+        import json
+
+        def found(node) -> bool:
+            if isinstance(node, dict):
+                if node.get("type") == "Lowercase" or (node.get("type") == "BertNormalizer" and node.get("lowercase")):
+                    return True
+                return any(found(v) for v in node.values())
+            return isinstance(node, list) and any(found(v) for v in node)
+
+        return found(json.loads(self.hf.to_str()).get("normalizer"))
+
     def decode(self, ids: list[int]) -> str:
         return self.hf.decode(ids)
 
