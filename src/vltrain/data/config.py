@@ -118,8 +118,9 @@ class DataConfig:
     max_bad_fraction: float = 0.01
     # sampling and batching
     shuffle: bool = True
-    shuffle_window: int = 0
-    """0: each epoch is a full permutation of the samples (exact mixing; every rank holds 8 bytes
+    shuffle_window: int = -1
+    """-1: 0 for local data, REMOTE_WINDOW (16) when a training source is remote.
+    0: each epoch is a full permutation of the samples (exact mixing; every rank holds 8 bytes
     per sample). N > 0: the windowed shuffle (vltrain.data.window): blocks (tar shards, or runs of
     4096 manifest rows) in a random order, N blocks at a time shuffled together, so a loader reads
     a few shards at a time and a rank holds O(one window). For remote shards and datasets of
@@ -167,7 +168,9 @@ class DataConfig:
             raise ConfigError(f"data.jpeg_draft_ratio must be in [0.1, 1], got {self.jpeg_draft_ratio}")
         if self.max_text_length < 2:
             raise ConfigError(f"data.max_text_length must be >= 2, got {self.max_text_length}")
-        for key in ("token_budget", "image_budget", "epoch_size", "pad_multiple", "shuffle_window"):
+        if self.shuffle_window < -1:
+            raise ConfigError(f"data.shuffle_window must be >= 0 (-1: automatic), got {self.shuffle_window}")
+        for key in ("token_budget", "image_budget", "epoch_size", "pad_multiple"):
             if getattr(self, key) < 0:
                 raise ConfigError(f"data.{key} must be >= 0 (0: the default), got {getattr(self, key)}")
         if not isinstance(self.train, str) and any(s.weight < 0 or s.loss_weight < 0 for s in self.train):

@@ -111,20 +111,22 @@ class ImageTextDataset(torch.utils.data.Dataset):
         planned = int(index)
         errors: list[tuple[str, str]] = []
         for attempt in range(MAX_TRIES):
-            row = source.row(j)
+            row = None
             try:
+                row = source.row(j)  # reads the manifest row or the tar span of an indexed source
                 sample = self._load(source, s, j, row, errors)
                 if errors and self.plan_aware:
                     self._fit_plan(sample, planned)
                 return sample
             except (ImageError, OSError) as e:
-                reason = image_problem(e, row.image)
+                key, where = (row.key, row.where) if row else (f"{source.name}#{j}", f"row {j} of {source.name}")
+                reason = image_problem(e, row.image) if row else f"cannot read the row ({e})"
                 if self.on_error == "fail":
                     raise DataError(
-                        f"bad sample {row.key!r} ({row.where}): {reason}\n"
+                        f"bad sample {key!r} ({where}): {reason}\n"
                         "Set data.on_error: skip to replace bad samples and log them to bad_samples.jsonl."
                     ) from e
-                errors.append((row.key, reason))
+                errors.append((key, reason))
             j = self._replacement(s, planned, attempt)
         shown = "; ".join(f"{k}: {r}" for k, r in errors[:3])
         raise DataError(
@@ -169,6 +171,18 @@ class ImageTextDataset(torch.utils.data.Dataset):
         if row.text is not None:
             ids, truncated = self.tokenizer.encode(row.text, self.max_text_length)
         return Sample(stable_uid(row.key), row.key, image, ids, truncated, s, errors)
+
+    def prefetch(self, rows: np.ndarray) -> None:
+        """Start fetching what rows about to be loaded need (remote shards), in the background."""
+        rows = np.asarray(rows)
+        for s, source in enumerate(self.sources):
+            mine = rows[(rows >= self._starts[s]) & (rows < self._starts[s + 1])] - self._starts[s]
+            if len(mine) and hasattr(source, "prefetch"):
+                source.prefetch(mine)
+
+    @property
+    def remote(self) -> bool:
+        return any(getattr(s, "cache", None) is not None for s in self.sources)
 
     def table(self) -> SampleTable:
         """Modalities and capped token counts of every sample, for samplers (computed once).
@@ -235,7 +249,8 @@ def build_dataset(
     sources = []
     for spec in specs:
         source = open_indexed(spec.path, tokenizer, data_cfg.max_text_length, data_cfg.csv, cache_dir,
-                              workers=os.cpu_count() or 1)
+                              workers=os.cpu_count() or 1, storage_options=data_cfg.storage_options,
+                              cache_limit_gb=data_cfg.cache_limit_gb)
         if data_cfg.on_error == "fail":
             refuse_malformed(source)
         for p in source.errors()[:5]:

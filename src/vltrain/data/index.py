@@ -26,6 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
+from vltrain.data.remote import ShardCache, is_remote
 from vltrain.data.shards import IMAGE_EXTS, span_members
 from vltrain.data.window import default_blocks
 from vltrain.data.sources import IMAGE_KEYS, TEXT_KEYS, Problem, Row, Source, check_row, csv_fields, json_fields
@@ -73,7 +74,7 @@ class IndexedSource(Source):
     points to) to a local path: the file itself, or its copy in the shard cache for remote data.
     """
 
-    def __init__(self, name: str, index_dir: Path, meta: dict, local=None):
+    def __init__(self, name: str, index_dir: Path, meta: dict, cache: ShardCache | None = None):
         self.name = name
         self.index_dir = index_dir
         self.meta = meta
@@ -82,7 +83,8 @@ class IndexedSource(Source):
         self.columns = load_columns(index_dir)
         self.problems = load_problems(index_dir)
         self.error_total = int(meta["errors"])
-        self._local = local or _same_path
+        self.cache = cache
+        self._stat = {f["path"]: {"size": f["size"], "version": f.get("version", "")} for f in meta["files"]}
         self._fds: dict[str, int] = {}
         self._pid = os.getpid()
         self._span: tuple[int, dict[str, bytes], str] | None = None
@@ -125,7 +127,7 @@ class IndexedSource(Source):
         if fd is None:
             if len(self._fds) >= 64:
                 os.close(self._fds.pop(next(iter(self._fds))))
-            fd = self._fds[file] = os.open(self._local(file), os.O_RDONLY)
+            fd = self._fds[file] = os.open(self._local(file), os.O_RDONLY)  # held: survives an eviction
         data = os.pread(fd, length, offset)
         if len(data) != length:
             raise OSError(f"{file} ends early: wanted {length} bytes at offset {offset}, got {len(data)} "
@@ -189,11 +191,25 @@ class IndexedSource(Source):
             raise ValueError(f"row {i} of {self.name} has no image")
         return members[ext]
 
+    def _local(self, file: str) -> str:
+        """A manifest or shard as a local file: itself, or its whole copy in the shard cache."""
+        return str(self.cache.local(file, self._stat.get(file))) if self.cache is not None else file
+
     def _read_image_file(self, image: str) -> bytes:
         base = self.files[0].rsplit("/", 1)[0] if "/" in self.files[0] else "."
         path = image if os.path.isabs(image) or "://" in image else f"{base}/{image}"
-        with open(self._local(path), "rb") as f:
+        if is_remote(path):
+            if self.cache is None:
+                raise OSError(f"{path}: a remote image in a local manifest; give data.cache_dir")
+            return self.cache.read_bytes(path)  # one GET: images of a manifest are not cached
+        with open(path, "rb") as f:
             return f.read()
+
+    def prefetch(self, rows: np.ndarray) -> None:
+        """Start downloading the remote shards ``rows`` live in (nothing for local data)."""
+        if self.cache is not None and self.kind == "shards":
+            shards = np.unique(np.asarray(self.columns["line"][np.sort(rows)]))
+            self.cache.prefetch(self.files[int(k)] for k in shards)
 
     def __getstate__(self) -> dict:
         state = dict(self.__dict__)
@@ -203,10 +219,6 @@ class IndexedSource(Source):
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
         self.columns = load_columns(self.index_dir)
-
-
-def _same_path(path: str) -> str:
-    return path
 
 
 def _one(column: str | None) -> tuple[str, ...]:

@@ -29,6 +29,7 @@ import numpy as np
 from vltrain.data.config import CsvConfig
 from vltrain.data.index import COLUMNS, INDEX_VERSION, IndexedSource, read_meta
 from vltrain.data.filelock import build_once, private_tmp
+from vltrain.data.remote import ShardCache, expand_remote, filesystem, is_remote, stat_remote
 from vltrain.data.shards import default_cache_dir, scan_samples, shard_paths
 from vltrain.data.sources import (IMAGE_KEYS, MANIFEST_SUFFIXES, TEXT_KEYS, check_row, csv_columns, csv_fields,
                                   csv_separator, is_shard_pattern, json_fields)
@@ -52,42 +53,82 @@ def _describe(files: list[str]) -> list[dict]:
     return out
 
 
-def source_files(spec: str) -> tuple[str, list[str]]:
-    """("manifest" | "shards", the files of a source path), every one present."""
+def _describe_remote(urls: list[str], storage_options: dict | None) -> list[dict]:
+    """Size and version of remote objects from one listing per folder (not a request per shard)."""
+    fs, _ = filesystem(urls[0], storage_options)
+    scheme = urls[0].split("://", 1)[0]
+    listed: dict[str, dict] = {}
+    for parent in dict.fromkeys(u.rsplit("/", 1)[0] for u in urls):
+        try:
+            entries = fs.ls(parent.split("://", 1)[1], detail=True)
+        except (OSError, ValueError) as e:
+            raise DataError(f"{parent}: cannot list it ({e}); check the bucket name, data.storage_options, "
+                            "AWS_ENDPOINT_URL and the credentials") from e
+        for e in entries:
+            version = next((str(e[k]) for k in ("ETag", "etag", "generation", "LastModified", "mtime") if e.get(k)), "")
+            listed[f"{scheme}://{e['name']}"] = {"size": e.get("size"), "version": version}
+    missing = [u for u in urls if u not in listed]
+    if missing:
+        shown = ", ".join(missing[:3]) + (f" and {len(missing) - 3} more" if len(missing) > 3 else "")
+        raise DataError(f"{len(missing)} of {len(urls)} remote object(s) not found: {shown}")
+    return [{"path": u, **listed[u]} for u in urls]
+
+
+def source_files(spec: str, storage_options: dict | None = None) -> tuple[str, list[dict]]:
+    """("manifest" | "shards", the files of a source path with their size and version), every
+    one present."""
+    if is_remote(spec):
+        if is_shard_pattern(spec):
+            return "shards", _describe_remote(expand_remote(spec, storage_options), storage_options)
+        if Path(spec).suffix.lower() not in MANIFEST_SUFFIXES:
+            raise DataError(f"{spec}: not a manifest (.jsonl, .csv, .tsv) or a tar shard pattern")
+        return "manifest", [{"path": spec, **stat_remote(spec, storage_options)}]
     if is_shard_pattern(spec):
         files = shard_paths(spec)
         missing = [p for p in files if not os.path.isfile(p)]
         if missing:
             shown = ", ".join(missing[:3]) + (f" and {len(missing) - 3} more" if len(missing) > 3 else "")
             raise DataError(f"{spec}: {len(missing)} of {len(files)} shard(s) not found: {shown}")
-        return "shards", files
+        return "shards", _describe(files)
     if Path(spec).suffix.lower() not in MANIFEST_SUFFIXES:
         raise DataError(f"{spec}: not a manifest (.jsonl, .csv, .tsv) or a tar shard pattern ('dir/{{00000..00009}}.tar')")
     if not os.path.isfile(spec):
         raise DataError(f"manifest not found: {spec}")
-    return "manifest", [spec]
+    return "manifest", _describe([spec])
+
+
+def cache_root(cache_dir: str | os.PathLike | None) -> Path:
+    return Path(cache_dir) if cache_dir else default_cache_dir().parent
 
 
 def index_dir_for(spec: str, files: list[str], key: str, cache_dir: str | os.PathLike | None) -> Path:
-    """``.vltrain-index/NAME-KEY`` beside the data when that folder is writable, else in the cache."""
+    """``.vltrain-index/NAME-KEY`` beside the data when that folder is writable, else in the cache
+    (always, for remote data)."""
+    name = spec.rstrip("/").rsplit("/", 1)[-1].replace("{", "").replace("}", "").replace("*", "x")[:80]
+    if is_remote(spec):
+        digest = hashlib.blake2b(spec.encode(), digest_size=6).hexdigest()
+        return cache_root(cache_dir) / "index" / f"{digest}-{name}-{key}"
     folder = Path(files[0]).parent if files else Path(spec).parent
-    name = Path(spec).name.replace("{", "").replace("}", "").replace("*", "x")[:80]
     beside = folder / ".vltrain-index" / f"{name}-{key}"
     if beside.exists() or os.access(folder, os.W_OK):
         return beside
-    base = Path(cache_dir) if cache_dir else default_cache_dir().parent
     digest = hashlib.blake2b(str(folder.resolve()).encode(), digest_size=6).hexdigest()
-    return base / "index" / f"{digest}-{name}-{key}"
+    return cache_root(cache_dir) / "index" / f"{digest}-{name}-{key}"
 
 
 def open_indexed(spec: str, tokenizer: Tokenizer, max_text_length: int, csv_cfg: CsvConfig | None = None,
-                 cache_dir: str | os.PathLike | None = None, workers: int = 1) -> IndexedSource:
+                 cache_dir: str | os.PathLike | None = None, workers: int = 1, *,
+                 storage_options: dict | None = None, cache_limit_gb: float = 50.0) -> IndexedSource:
     """The source ``spec`` read through its sample index, built first when missing or stale
-    (by one process: the others wait for it)."""
-    kind, files = source_files(spec)
-    described = _describe(files)
-    csv_spec = _csv_spec(files[0], csv_cfg or CsvConfig()) if kind == "manifest" and not files[0].endswith(".jsonl") \
+    (by one process: the others wait for it). Remote sources (s3://, gs://, https://) are read
+    through a shard cache in ``cache_dir`` holding at most ``cache_limit_gb``."""
+    kind, described = source_files(spec, storage_options)
+    files = [f["path"] for f in described]
+    cache = ShardCache(cache_root(cache_dir), int(cache_limit_gb * 2**30), storage_options) if is_remote(spec) \
         else None
+    manifest_local = files[0] if cache is None or kind != "manifest" else str(cache.local(files[0], described[0]))
+    csv_spec = _csv_spec(manifest_local, csv_cfg or CsvConfig()) if kind == "manifest" \
+        and not files[0].endswith(".jsonl") else None
     identity = {"version": INDEX_VERSION, "kind": kind, "files": described, "csv": csv_spec,
                 "tokenizer": tokenizer_fingerprint(tokenizer), "max_text_length": max_text_length}
     key = hashlib.blake2b(json.dumps(identity, sort_keys=True).encode(), digest_size=6).hexdigest()
@@ -102,10 +143,10 @@ def open_indexed(spec: str, tokenizer: Tokenizer, max_text_length: int, csv_cfg:
 
     def build() -> dict:
         built.append(True)
-        return _build(index_dir, identity, tokenizer, workers)
+        return _build(index_dir, identity, tokenizer, workers, cache, manifest_local)
 
     meta = build_once(index_dir, fresh, build, what=f"index {spec}")
-    source = IndexedSource(spec, index_dir, meta)
+    source = IndexedSource(spec, index_dir, meta, cache)
     source.built_now = bool(built)
     return source
 
@@ -123,15 +164,16 @@ def _csv_spec(path: str, cfg: CsvConfig) -> dict:
 # -- parts ----------------------------------------------------------------------------------------
 
 
-def _plan_parts(identity: dict) -> list[dict]:
-    files = [f["path"] for f in identity["files"]]
+def _plan_parts(identity: dict, cache: ShardCache | None, manifest_local: str) -> list[dict]:
+    """The parts of a build; shards are read through the cache (downloaded) when remote."""
     if identity["kind"] == "shards":
-        return [{"kind": "shards", "files": files, "first": i, "count": min(SHARDS_PER_PART, len(files) - i)}
-                for i in range(0, len(files), SHARDS_PER_PART)]
-    size = identity["files"][0]["size"]
+        files = identity["files"]
+        return [{"kind": "shards", "files": files, "first": i, "count": min(SHARDS_PER_PART, len(files) - i),
+                 "cache": cache} for i in range(0, len(files), SHARDS_PER_PART)]
+    size = os.path.getsize(manifest_local)
     if identity["csv"] is not None:
-        return [{"kind": "csv", "file": files[0], "lo": 0, "hi": size, "csv": identity["csv"]}]
-    return [{"kind": "jsonl", "file": files[0], "lo": lo, "hi": min(size, lo + PART_BYTES)}
+        return [{"kind": "csv", "file": manifest_local, "lo": 0, "hi": size, "csv": identity["csv"]}]
+    return [{"kind": "jsonl", "file": manifest_local, "lo": lo, "hi": min(size, lo + PART_BYTES)}
             for lo in range(0, max(size, 1), PART_BYTES)]
 
 
@@ -206,10 +248,12 @@ def _cols(column: str | None) -> tuple[str, ...]:
 def _shard_part(part: dict, tokenizer: Tokenizer, max_len: int) -> tuple[dict, list, dict]:
     cols: dict[str, list] = {k: [] for k in ("offset", "length", "line", "has_image", "has_text")}
     texts, problems = [], []
+    cache = part["cache"]
     for s in range(part["first"], part["first"] + part["count"]):
-        path = part["files"][s]
-        samples, found = scan_samples(Path(path))
-        problems += [[f"{Path(path).name}:{key}", reason, level] for key, reason, level in found]
+        described = part["files"][s]
+        path = described["path"]
+        samples, found = scan_samples(cache.local(path, described) if cache is not None else Path(path))
+        problems += [[f"{path.rsplit('/', 1)[-1]}:{key}", reason, level] for key, reason, level in found]
         for _key, _sid, image, text, start, end in samples:
             for k, v in zip(cols, (start, end - start, s, image is not None, text is not None)):
                 cols[k].append(v)
@@ -252,9 +296,10 @@ def _run_parts(parts_dir: Path, parts: list[dict], tokenizer: Tokenizer, max_len
             _write_part(parts_dir, k, parts[k], tokenizer, max_len)
 
 
-def _build(index_dir: Path, identity: dict, tokenizer: Tokenizer, workers: int) -> dict:
+def _build(index_dir: Path, identity: dict, tokenizer: Tokenizer, workers: int, cache: ShardCache | None,
+           manifest_local: str) -> dict:
     started = time.monotonic()
-    parts = _plan_parts(identity)
+    parts = _plan_parts(identity, cache, manifest_local)
     parts_dir = index_dir.with_name(index_dir.name + ".parts")
     parts_dir.mkdir(parents=True, exist_ok=True)
     _run_parts(parts_dir, parts, tokenizer, identity["max_text_length"], workers)

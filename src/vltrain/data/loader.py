@@ -249,6 +249,19 @@ def source_shares(sources: str | list[SourceSpec], table: SampleTable) -> list[f
     return [float(s.weight) * int(n) for s, n in zip(sources, rows)]
 
 
+REMOTE_WINDOW = 16
+"""Blocks per window of the shuffle for remote training data, unless data.shuffle_window says."""
+
+
+def shuffle_window(data_cfg: DataConfig, dataset: Any) -> int:
+    """``data.shuffle_window``, with -1 resolved: a full permutation for local data; for remote
+    shards the windowed shuffle, since a random shard per sample would download every shard for
+    every batch."""
+    if data_cfg.shuffle_window >= 0:
+        return data_cfg.shuffle_window
+    return REMOTE_WINDOW if getattr(dataset, "remote", False) else 0
+
+
 def build_train_loader(
     data_cfg: DataConfig,
     dataset: Any,
@@ -280,8 +293,10 @@ def build_train_loader(
         source_weights=source_shares(data_cfg.train, table),
         epoch_size=data_cfg.epoch_size or None,
         pad_multiple=resolved.pad_multiple,
-        window=data_cfg.shuffle_window,
+        window=shuffle_window(data_cfg, dataset),
     )
+    if getattr(dataset, "remote", False):
+        sampler.lookahead = dataset.prefetch
     collate = Collator(pad_id, data_cfg.max_text_length, data_cfg.image_size, resolved.pad_multiple)
     # Without a run folder bad samples are still counted and capped, just not written down.
     bad_log = BadSampleLog(run_dir, data_cfg.max_bad_fraction)

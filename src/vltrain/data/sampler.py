@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Iterator, Literal
+from typing import Callable, Iterator, Literal
 
 import numpy as np
 
@@ -37,6 +37,8 @@ from vltrain.errors import UserError
 log = logging.getLogger(__name__)
 
 _TAG_BATCHES = 2
+LOOKAHEAD = 16
+"""Batches ahead of the loader that remote shards are fetched for."""
 
 
 @dataclass
@@ -101,6 +103,9 @@ class DistributedBatchSampler:
         # Budget batching packs under these as given: DataConfig.resolve() decides them.
         self.pad_multiple, self.token_budget, self.image_budget = pad_multiple, token_budget, image_budget
         self.source_weights, self.epoch_size = source_weights, epoch_size
+        self.lookahead: Callable[[np.ndarray], None] | None = None
+        """Called with the batch ``LOOKAHEAD`` steps ahead of each one yielded (remote data
+        starts downloading its shards)."""
         self.window = int(window)
         """Blocks per window of the windowed shuffle (vltrain.data.window); 0: a full permutation."""
         self.epoch = 0
@@ -198,6 +203,8 @@ class DistributedBatchSampler:
     def __iter__(self) -> Iterator[list[int]]:
         plan, start = self.plan(), self.consumed
         for k in range(start, len(plan.batches)):
+            if self.lookahead is not None and k + LOOKAHEAD < len(plan.batches):
+                self.lookahead(plan.batches[k + LOOKAHEAD])
             yield plan.batches[k].tolist()
 
     def set_epoch(self, epoch: int) -> None:

@@ -40,21 +40,23 @@ class WindowedOrder:
         sizes = np.diff(self.blocks)[self.block_order]
         self.window_sizes = np.add.reduceat(sizes, np.arange(0, count, self.window)) if count else sizes
         self.window_starts = np.r_[0, np.cumsum(self.window_sizes)]
-        self._cached: tuple[int, np.ndarray] | None = None
+        self._cached: dict[int, np.ndarray] = {}  # two windows: the loader's and the look-ahead's
 
     def __len__(self) -> int:
         return int(self.window_starts[-1])
 
     def window_rows(self, w: int) -> np.ndarray:
         """The rows of window ``w``, in the epoch's order."""
-        if self._cached is not None and self._cached[0] == w:
-            return self._cached[1]
+        if w in self._cached:
+            return self._cached[w]
         picked = self.block_order[w * self.window : (w + 1) * self.window]
         rows = np.concatenate([np.arange(self.blocks[b], self.blocks[b + 1]) for b in picked]) \
             if len(picked) else np.empty(0, dtype=np.int64)
         if self.shuffle:
             rows = rows[_rng(self.seed, self.epoch, w + 1).permutation(len(rows))]
-        self._cached = (w, rows)
+        if len(self._cached) >= 2:
+            self._cached.pop(min(self._cached))
+        self._cached[w] = rows
         return rows
 
     def take(self, start: int, stop: int) -> np.ndarray:
