@@ -83,7 +83,7 @@ def _model_commands(sub) -> None:
 
 
 def _data_commands(data: argparse.ArgumentParser) -> None:
-    """vltrain data synth | validate | stats | shard | audit."""
+    """vltrain data synth | validate | index | stats | shard | audit."""
     dsub = data.add_subparsers(dest="data_command", required=True, metavar="DATA_COMMAND")
 
     s = dsub.add_parser("synth", help="write the synthetic 'shapes' dataset (images + JSONL manifests)")
@@ -106,6 +106,15 @@ def _data_commands(data: argparse.ArgumentParser) -> None:
     v.add_argument("--max-problems", type=int, default=20, help="problems to print (default 20)")
     v.add_argument("--workers", type=int, default=1, help="processes decoding images (default 1)")
     v.set_defaults(func=_handler("vltrain.data.validate:validate_cli"))
+
+    ix = dsub.add_parser("index", help="build the sample index of sources (else built on first use)")
+    ix.add_argument("sources", nargs="+", help="manifests (.jsonl/.csv/.tsv) or shard patterns")
+    ix.add_argument("--tokenizer", default=None, help="tokenizer.json whose token counts the index stores")
+    ix.add_argument("--max-text-length", type=int, default=None, help="token cap (default 77, or the config's)")
+    ix.add_argument("--config", default=None, help="take the tokenizer, text length and cache folder from a config")
+    ix.add_argument("--cache-dir", default=None, help="where indexes of read-only data go")
+    ix.add_argument("--workers", type=int, default=0, help="processes (0: all cores)")
+    ix.set_defaults(func=_handler("vltrain.data.index_build:index_cli"))
 
     st = dsub.add_parser("stats", help="counts by modality, caption token lengths, image sizes")
     st.add_argument("sources", nargs="+")

@@ -34,7 +34,7 @@ from vltrain.data.shards import default_cache_dir, scan_samples, shard_paths
 from vltrain.data.sources import (IMAGE_KEYS, MANIFEST_SUFFIXES, TEXT_KEYS, check_row, csv_columns, csv_fields,
                                   csv_separator, is_shard_pattern, json_fields)
 from vltrain.data.text import Tokenizer, load_tokenizer
-from vltrain.errors import DataError
+from vltrain.errors import DataError, UsageError
 
 PART_BYTES = 64 << 20
 """A JSONL manifest is parsed in parts of about this many bytes."""
@@ -349,6 +349,7 @@ def index_cli(args) -> int:
     Exit 0 clean, 1 when rows were dropped as malformed (they are listed in the index's
     problems.jsonl), 2 on a usage error."""
     tokenizer_path, max_len, csv_cfg, cache_dir = args.tokenizer, args.max_text_length, CsvConfig(), args.cache_dir
+    storage_options, cache_limit_gb = None, 50.0
     if args.config:
         from vltrain.config import load_config  # the job config sits above the data layer
 
@@ -356,15 +357,21 @@ def index_cli(args) -> int:
         tokenizer_path = tokenizer_path or cfg.data.tokenizer
         max_len = max_len or cfg.data.max_text_length
         csv_cfg, cache_dir = cfg.data.csv, cache_dir or cfg.data.cache_dir
+        storage_options, cache_limit_gb = cfg.data.storage_options, cfg.data.cache_limit_gb
     if not tokenizer_path:
-        raise DataError("give --tokenizer TOKENIZER.json (or --config CONFIG whose data.tokenizer names one): "
+        raise UsageError("give --tokenizer TOKENIZER.json (or --config CONFIG whose data.tokenizer names one): "
                         "the index stores each caption's token count")
     tokenizer = load_tokenizer(tokenizer_path)
     workers = args.workers or os.cpu_count() or 1
     dropped = 0
     for spec in args.sources:
         started = time.monotonic()
-        source = open_indexed(spec, tokenizer, max_len or 77, csv_cfg, cache_dir or None, workers=workers)
+        try:
+            source_files(spec, storage_options)
+        except DataError as e:
+            raise UsageError(str(e)) from None  # a source that is not there: the command was misused
+        source = open_indexed(spec, tokenizer, max_len or 77, csv_cfg, cache_dir or None, workers=workers,
+                              storage_options=storage_options, cache_limit_gb=cache_limit_gb)
         took = time.monotonic() - started
         meta = source.meta
         how = (f"built in {took:.1f} s ({len(source) / max(took, 1e-9):,.0f} rows/s, {workers} process(es))"

@@ -1,0 +1,171 @@
+"""The sample index: the same rows as parsing the source, built once, in parts, keyed by what it depends on."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from datafiles import caption, distinct_image, save, tiny_tokenizer, write_jsonl
+from vltrain.data import index_build
+from vltrain.data.index_build import open_indexed
+from vltrain.data.shards import ShardSource, write_shards
+from vltrain.data.sources import ManifestSource
+from vltrain.errors import DataError
+
+
+@pytest.fixture(scope="module")
+def tok(tmp_path_factory):
+    return tiny_tokenizer(tmp_path_factory.mktemp("tok"))
+
+
+def manifest(tmp_path: Path, n: int = 40) -> Path:
+    """Rows with given and derived ids, text-only and image-only rows, a blank line and three malformed rows."""
+    rows = []
+    for i in range(n):
+        if i % 4 != 1:
+            save(distinct_image(i), tmp_path / "img" / f"{i}.png")
+        row = {"image": f"img/{i}.png", "text": caption(i)}
+        if i % 4 == 1:
+            row.pop("image")
+        if i % 4 == 2:
+            row.pop("text")
+        if i % 3 == 0:
+            row["id"] = f"given-{i}"
+        rows.append(row)
+    path = write_jsonl(tmp_path / "m.jsonl", rows)
+    lines = path.read_text().splitlines()
+    lines[5:5] = ["", "{not json", '{"text": 7}', '{"caption": "   "}']
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def same_rows(indexed, parsed) -> None:
+    assert len(indexed) == len(parsed)
+    for i in range(len(parsed)):
+        assert indexed.row(i) == parsed.row(i)
+        if parsed.row(i).image is not None:
+            assert indexed.read_image(i) == parsed.read_image(i)
+    assert indexed.has_image().tolist() == parsed.has_image().tolist()
+    assert indexed.has_text().tolist() == [t is not None for t in parsed.texts()]
+
+
+def test_manifest_rows_problems_and_lengths_match_the_parsed_source(tmp_path, tok):
+    path = manifest(tmp_path)
+    src = open_indexed(str(path), tok, 16)
+    parsed = ManifestSource(path)
+    same_rows(src, parsed)
+    assert [str(p) for p in src.problems] == [str(p) for p in parsed.problems]
+    assert src.error_count() == 3 and "m.jsonl:7" in str(src.errors()[0])
+    assert src.text_len().tolist() == tok.token_lengths(parsed.texts(), 16)
+    assert src.index_dir.parent == tmp_path / ".vltrain-index" and src.built_now
+
+
+def test_csv_with_a_quoted_line_break(tmp_path, tok):
+    save(distinct_image(0), tmp_path / "a.png")
+    path = tmp_path / "m.csv"
+    path.write_text('image,text\na.png,"two\nlines"\n,only text\nbad,row,extra\n')
+    src = open_indexed(str(path), tok, 16)
+    same_rows(src, ManifestSource(path))
+    assert src.row(0).text == "two\nlines" and src.row(1).where == "m.csv:4"
+    assert [str(p) for p in src.errors()] == ["m.csv:5: 3 fields, the header has 2"]
+
+
+def test_shard_rows_match_the_parsed_shards(tmp_path, tok):
+    written, _ = write_shards(ManifestSource(manifest(tmp_path)), tmp_path / "sh", 9)
+    pattern = str(tmp_path / "sh" / f"{{00000..{len(written) - 1:05d}}}.tar")
+    src = open_indexed(pattern, tok, 16)
+    same_rows(src, ShardSource(pattern))
+    assert src.blocks().tolist() == [0, 9, 18, 27, 36, 40]
+
+
+def test_reopening_reads_the_index_and_changes_rebuild_it(tmp_path, tok, tmp_path_factory):
+    path = manifest(tmp_path)
+    first = open_indexed(str(path), tok, 16)
+    again = open_indexed(str(path), tok, 16)
+    assert not again.built_now and again.index_dir == first.index_dir
+    assert open_indexed(str(path), tok, 20).index_dir != first.index_dir  # another max_text_length
+    other_tok = tiny_tokenizer(tmp_path_factory.mktemp("tok2"), kind="bpe")
+    assert open_indexed(str(path), other_tok, 16).index_dir != first.index_dir
+    with open(path, "a") as f:
+        f.write(json.dumps({"text": "one more row"}) + "\n")
+    grown = open_indexed(str(path), tok, 16)
+    assert grown.built_now and len(grown) == len(first) + 1 and grown.row(len(first)).text == "one more row"
+
+
+def test_parts_in_parallel_equal_one_part_and_an_interrupted_build_resumes(tmp_path, tok, monkeypatch):
+    path = manifest(tmp_path, 200)
+    whole = open_indexed(str(path), tok, 16)
+    (tmp_path / "copy").mkdir()
+    copy = tmp_path / "copy" / "m.jsonl"
+    copy.write_bytes(path.read_bytes())
+    (tmp_path / "copy" / "img").symlink_to(tmp_path / "img")
+    monkeypatch.setattr(index_build, "PART_BYTES", 997)  # many parts, cut mid-line
+    calls = []
+    real = index_build._write_part
+
+    def dies_after_three(parts_dir, k, *args):
+        if len(calls) == 3:
+            raise KeyboardInterrupt("killed")
+        calls.append(k)
+        real(parts_dir, k, *args)
+
+    monkeypatch.setattr(index_build, "_write_part", dies_after_three)
+    with pytest.raises(KeyboardInterrupt):
+        open_indexed(str(copy), tok, 16)
+    monkeypatch.setattr(index_build, "_write_part", real)
+    parts = sorted(p.name for p in (tmp_path / "copy" / ".vltrain-index").glob("*.parts/part-*.json"))
+    assert len(parts) == 3
+    resumed = open_indexed(str(copy), tok, 16, workers=2)
+    for name in whole.columns:
+        assert np.array_equal(whole.columns[name], resumed.columns[name]), name
+    assert [str(p) for p in whole.problems] == [str(p) for p in resumed.problems]
+    assert not list((tmp_path / "copy" / ".vltrain-index").glob("*.parts"))
+
+
+def test_read_only_data_is_indexed_in_the_cache_folder(tmp_path, tok):
+    path = manifest(tmp_path / "data")
+    os.chmod(tmp_path / "data", 0o555)
+    try:
+        if os.access(tmp_path / "data", os.W_OK):
+            pytest.skip("running as a user who can write anywhere")
+        src = open_indexed(str(path), tok, 16, cache_dir=tmp_path / "cache")
+        assert (tmp_path / "cache" / "index") in src.index_dir.parents
+    finally:
+        os.chmod(tmp_path / "data", 0o755)
+
+
+def _open_and_report(path, tok_path, out):
+    from vltrain.data.text import load_tokenizer
+
+    out.put(open_indexed(path, load_tokenizer(tok_path), 16).built_now)
+
+
+def test_two_processes_at_once_build_once(tmp_path, tok):
+    path = manifest(tmp_path, 400)
+    ctx = multiprocessing.get_context("fork")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=_open_and_report, args=(str(path), tok.path, out)) for _ in range(2)]
+    for p in procs:
+        p.start()
+    built = sorted(out.get(timeout=60) for _ in procs)
+    for p in procs:
+        p.join(timeout=30)
+    assert built == [False, True]
+
+
+def test_cli_builds_reports_and_exits_one_for_dropped_rows(tmp_path, tok, cli):
+    path = manifest(tmp_path)
+    res = cli("data", "index", path, "--tokenizer", tok.path, "--max-text-length", "16")
+    assert res.returncode == 1, res.stdout + res.stderr
+    assert "40 samples, 3 malformed row(s) dropped" in res.stdout and "index built" in res.stdout
+    res = cli("data", "index", path, "--tokenizer", tok.path, "--max-text-length", "16")
+    assert "index up to date" in res.stdout
+    res = cli("data", "index", path)
+    assert res.returncode == 2 and "--tokenizer" in res.stderr and "Traceback" not in res.stderr
+    res = cli("data", "index", tmp_path / "nope.jsonl", "--tokenizer", tok.path)
+    assert res.returncode == 2 and "manifest not found" in res.stderr and "Traceback" not in res.stderr
