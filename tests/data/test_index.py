@@ -86,6 +86,7 @@ def test_shard_rows_match_the_parsed_shards(tmp_path, tok):
 def test_reopening_reads_the_index_and_changes_rebuild_it(tmp_path, tok, tmp_path_factory):
     path = manifest(tmp_path)
     first = open_indexed(str(path), tok, 16)
+    tok.encode("a caption cut short", 3)  # the tokenizer's own truncation state must not matter
     again = open_indexed(str(path), tok, 16)
     assert not again.built_now and again.index_dir == first.index_dir
     assert open_indexed(str(path), tok, 20).index_dir != first.index_dir  # another max_text_length
@@ -165,3 +166,22 @@ def test_cli_builds_reports_and_exits_one_for_dropped_rows(tmp_path, tok, cli):
     assert res.returncode == 2 and "--tokenizer" in res.stderr and "Traceback" not in res.stderr
     res = cli("data", "index", tmp_path / "nope.jsonl", "--tokenizer", tok.path)
     assert res.returncode == 2 and "manifest not found" in res.stderr and "Traceback" not in res.stderr
+
+
+def test_validate_and_stats_read_the_index_where_one_exists(tmp_path, tok):
+    from vltrain.data.validate import stats, validate
+
+    path = manifest(tmp_path)
+    parsed = validate([str(path)])[0]
+    parsed_stats = stats([str(path)], tok.path, 10)
+    src = open_indexed(str(path), tok, 64)
+    indexed = validate([str(path)])[0]
+    assert (indexed.rows, indexed.image_text, indexed.text_only, indexed.image_only, indexed.errors,
+            indexed.warnings) == (parsed.rows, parsed.image_text, parsed.text_only, parsed.image_only,
+                                  parsed.errors, parsed.warnings)
+    assert [str(p) for p in indexed.problems] == [str(p) for p in parsed.problems]
+    indexed_stats = stats([str(path)], tok.path, 10)
+    assert indexed_stats["caption_length"]["unit"] == "tokens, from the index: capped at 64"
+    assert {k: v for k, v in indexed_stats["caption_length"].items() if k != "unit"} == \
+        {k: v for k, v in parsed_stats["caption_length"].items() if k != "unit"}
+    assert src.index_dir.is_dir()

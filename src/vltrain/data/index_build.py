@@ -42,7 +42,12 @@ SHARDS_PER_PART = 8
 
 
 def tokenizer_fingerprint(tokenizer: Tokenizer) -> str:
-    return hashlib.blake2b(tokenizer.hf.to_str().encode(), digest_size=8).hexdigest()
+    """A hash of what decides token counts: the tokenizer without its truncation and padding
+    settings, which vltrain sets per call."""
+    spec = json.loads(tokenizer.hf.to_str())
+    spec.pop("truncation", None)
+    spec.pop("padding", None)
+    return hashlib.blake2b(json.dumps(spec, sort_keys=True).encode(), digest_size=8).hexdigest()
 
 
 def _describe(files: list[str]) -> list[dict]:
@@ -149,6 +154,28 @@ def open_indexed(spec: str, tokenizer: Tokenizer, max_text_length: int, csv_cfg:
     source = IndexedSource(spec, index_dir, meta, cache)
     source.built_now = bool(built)
     return source
+
+
+def existing_index(spec: str, cache_dir: str | os.PathLike | None = None) -> IndexedSource | None:
+    """A fresh sample index of local source ``spec`` built with any tokenizer (the newest), or None.
+
+    For tools that need the rows and modalities but no token counts (``data validate``)."""
+    if is_remote(spec):
+        return None
+    try:
+        kind, described = source_files(spec)
+    except DataError:
+        return None
+    name = index_dir_for(spec, [f["path"] for f in described], "", cache_dir).name  # "NAME-"
+    places = [Path(described[0]["path"]).parent / ".vltrain-index", cache_root(cache_dir) / "index"]
+    found = [(meta.get("build_s", 0), d, meta) for place in places if place.is_dir()
+             for d in place.glob(f"*{name}*") if d.is_dir() and not d.name.endswith(".parts")
+             for meta in [read_meta(d)] if meta and meta.get("files") == described and meta.get("kind") == kind
+             and meta.get("version") == INDEX_VERSION]
+    if not found:
+        return None
+    newest = max(found, key=lambda f: f[1].stat().st_mtime)
+    return IndexedSource(spec, newest[1], newest[2])
 
 
 def _csv_spec(path: str, cfg: CsvConfig) -> dict:

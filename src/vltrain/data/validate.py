@@ -16,9 +16,12 @@ import numpy as np
 
 from vltrain.data.images import (DECODE_ERRORS, MAX_IMAGE_PIXELS, ImageError, decode_image, image_problem,
                                  open_image)
+from vltrain.data.index import IndexedSource
+from vltrain.data.index_build import existing_index, tokenizer_fingerprint
 from vltrain.data.shards import shard_paths
 from vltrain.data.open import open_source
 from vltrain.data.sources import Problem, Source, is_shard_pattern
+from vltrain.data.text import load_tokenizer
 from vltrain.errors import DataError, UsageError, UserError
 
 CHECK_SIZE = 32
@@ -38,13 +41,14 @@ class SourceSummary:
 
 
 def _open(path: str) -> Source:
-    """Open a source; a path that is not there or not a known format is a usage error."""
+    """Open a source through its sample index where one exists (no parsing), else by parsing it;
+    a path that is not there or not a known format is a usage error."""
     names = shard_paths(path) if is_shard_pattern(path) else [path]
     missing = [n for n in names if not Path(n).exists()]
     if missing:
         raise UsageError(f"{path}: not found" + (f" ({len(missing)} of {len(names)} shards)" if len(names) > 1 else ""))
     try:
-        return open_source(path)
+        return existing_index(path) or open_source(path)
     except DataError as e:
         if "not a manifest" in str(e):
             raise UsageError(str(e)) from e
@@ -53,8 +57,9 @@ def _open(path: str) -> Source:
 
 def modality_counts(source: Source) -> tuple[int, int, int]:
     """(image-text, text-only, image-only) rows."""
-    has_image = source.has_image()
-    has_text = np.fromiter((t is not None for t in source.texts()), dtype=bool, count=len(source))
+    has_image = np.asarray(source.has_image())
+    has_text = np.asarray(source.has_text()) if isinstance(source, IndexedSource) else \
+        np.fromiter((t is not None for t in source.texts()), dtype=bool, count=len(source))
     return int((has_image & has_text).sum()), int((~has_image).sum()), int((~has_text).sum())
 
 
@@ -111,10 +116,14 @@ def validate(paths: list[str], workers: int = 1) -> list[SourceSummary]:
             continue
         s.rows = len(source)
         s.image_text, s.text_only, s.image_only = modality_counts(source)
-        s.problems = source.problems + _duplicates(source, seen) + _check_source(source, workers)
-        s.problems.sort(key=_position)
-        s.errors = sum(p.level == "error" for p in s.problems)
-        s.warnings = len(s.problems) - s.errors
+        found = _duplicates(source, seen) + _check_source(source, workers)
+        found_errors = sum(p.level == "error" for p in found)
+        s.problems = sorted(source.problems + found, key=_position)
+        # an index holds its first problems in memory and counts all of them
+        warnings = int(source.meta["warnings"]) if isinstance(source, IndexedSource) \
+            else len(source.problems) - len(source.errors())
+        s.errors = source.error_count() + found_errors
+        s.warnings = warnings + len(found) - found_errors
         summaries.append(s)
     return summaries
 
@@ -158,16 +167,29 @@ def _percentiles(values: list[int]) -> dict[str, float]:
     return out
 
 
+def _indexed_lengths(sources: list[Source], tokenizer_path: str | None) -> tuple[list[int] | None, str]:
+    """Caption token counts straight from the sample indexes, when every source has one built with
+    this tokenizer (capped at the index's max_text_length, which the unit says)."""
+    if not tokenizer_path or not all(isinstance(s, IndexedSource) for s in sources):
+        return None, ""
+    fingerprint = tokenizer_fingerprint(load_tokenizer(tokenizer_path))
+    if any(s.meta["tokenizer"] != fingerprint for s in sources):
+        return None, ""
+    cap = max(s.meta["max_text_length"] for s in sources)
+    lengths = np.concatenate([np.asarray(s.text_len())[np.asarray(s.has_text())] for s in sources])
+    return lengths.tolist(), f"tokens, from the index: capped at {cap}"
+
+
 def stats(paths: list[str], tokenizer_path: str | None, max_images: int) -> dict:
     sources = [_open(p) for p in paths]
     counts = np.array([modality_counts(s) for s in sources]).sum(0).tolist()
-    texts = [t for s in sources for t in s.texts() if t is not None]
-    if tokenizer_path:
-        from vltrain.data.text import load_tokenizer
-
-        lengths, unit = load_tokenizer(tokenizer_path).token_lengths(texts, 1 << 30), "tokens"
-    else:
-        lengths, unit = [len(t.split()) for t in texts], "words"
+    lengths, unit = _indexed_lengths(sources, tokenizer_path)
+    if lengths is None:
+        texts = [t for s in sources for t in s.texts() if t is not None]
+        if tokenizer_path:
+            lengths, unit = load_tokenizer(tokenizer_path).token_lengths(texts, 1 << 30), "tokens"
+        else:
+            lengths, unit = [len(t.split()) for t in texts], "words"
     widths, heights, unreadable = [], [], 0
     refs = [(s, i) for s in sources for i in np.flatnonzero(s.has_image()).tolist()]
     step = max(1, len(refs) // max_images) if max_images > 0 else len(refs) + 1
