@@ -76,25 +76,52 @@ def test_lazy_plan_resumes_exactly():
         c.load_state_dict(a.state_dict())
 
 
-def test_budget_batches_over_the_windowed_order_cover_every_row_once():
-    t = blocked_table()
-    samplers = [DistributedBatchSampler(t, batch_size=8, rank=r, world_size=2, seed=0, batching="budget",
-                                        token_budget=96, image_budget=8, window=2) for r in range(2)]
+@pytest.mark.parametrize("world,remainder", [(2, "pad"), (3, "pad"), (3, "drop")])
+def test_lazy_budget_plan_equal_steps_within_budget_each_row_once(world, remainder):
+    t = blocked_table(N, 7)
+    samplers = [DistributedBatchSampler(t, batch_size=8, rank=r, world_size=world, seed=0, batching="budget",
+                                        token_budget=96, image_budget=8, window=2, remainder=remainder)
+                for r in range(world)]
     plans = [s.plan() for s in samplers]
-    assert len(plans[0]) == len(plans[1])
-    rows = [i for p in plans for b in p.batches for i in b.tolist()]
-    assert sorted(rows) == list(range(N))
+    assert len({len(p) for p in plans}) == 1
+    first, repeated = [], []
     for p in plans:
-        for b in p.batches:
+        for k in range(len(p)):
+            b = p.batches[k]
             assert budget.batch_tokens(t.text_len[b]) <= 96 and len(b) <= 8
+            first += b[~p.repeats[k]].tolist()
+            repeated += b[p.repeats[k]].tolist()
+            # one window at a time: a batch's rows come from the two shards of its window
+            assert len(np.unique(b // 7)) <= 2
+    assert len(first) == len(set(first)) == plans[0].distinct
+    assert plans[0].distinct + plans[0].dropped == N and len(repeated) == plans[0].padded
+    assert set(repeated) <= set(first)
 
 
-def test_audit_passes_over_epochs_of_the_lazy_plan(tmp_path):
+def test_lazy_budget_plan_resumes_exactly_packing_only_what_it_reaches():
+    t = blocked_table(N, 7)
+    kw = dict(batch_size=8, rank=0, world_size=2, seed=4, batching="budget", token_budget=96, image_budget=8,
+              window=3)
+    a = DistributedBatchSampler(t, **kw)
+    whole = list(a)
+    a.mark_consumed(4)
+    b = DistributedBatchSampler(t, **kw)
+    b.load_state_dict(a.state_dict())
+    it = iter(b)
+    assert next(it) == whole[4]
+    assert len(b.plan().batches.ends) < len(b.plan().batches.order.window_sizes)  # not every window packed
+    assert [whole[4], *it] == whole[4:]
+
+
+@pytest.mark.parametrize("batching", ["fixed", "budget"])
+def test_audit_passes_over_epochs_of_the_lazy_plan(tmp_path, batching):
     t = blocked_table()
     for rank in range(2):
-        s = DistributedBatchSampler(t, batch_size=4, rank=rank, world_size=2, seed=0, window=2)
+        s = DistributedBatchSampler(t, batch_size=4, rank=rank, world_size=2, seed=0, window=2, batching=batching,
+                                    token_budget=64, image_budget=4)
         loader = TrainLoader(TableDataset(t), s, collate=collate, audit=AuditLog(tmp_path, rank, 2))
-        for _ in range(30):  # 13 steps per epoch: two whole epochs and part of a third
+        steps = len(s.plan(epoch=0))
+        for _ in range(2 * steps + 3):  # two whole epochs and part of a third
             next(loader)
         loader.audit.close()
     report = audit_run(tmp_path)

@@ -180,7 +180,7 @@ class TrainLoader:
     def __next__(self) -> Batch:
         while True:
             if self._it is None:
-                if self.sampler.consumed >= len(self.sampler):
+                if self.sampler.exhausted():
                     self.sampler.set_epoch(self.sampler.epoch + 1)
                 if self.audit is not None and self.sampler.consumed == 0:
                     self.audit.epoch_header(self.sampler.epoch, self.sampler)

@@ -31,7 +31,7 @@ import numpy as np
 
 from vltrain.data import budget, mixing
 from vltrain.data.table import SampleTable
-from vltrain.data.window import LazyBatches, LazyRepeats, WindowedOrder, default_blocks
+from vltrain.data.window import LazyBatches, LazyBudgetBatches, LazyRepeats, WindowedOrder, default_blocks
 from vltrain.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -67,6 +67,35 @@ def _first_occurrence(steps: list[np.ndarray]) -> list[np.ndarray]:
     repeat = np.ones(len(flat), dtype=bool)
     repeat[first] = False
     return np.split(repeat, np.cumsum([len(b) for b in steps])[:-1]) if steps else []
+
+
+def _has(batches, k: int) -> bool:
+    return batches.has(k) if hasattr(batches, "has") else 0 <= k < len(batches)
+
+
+class LazyBudgetPlan:
+    """An :class:`EpochPlan` of :class:`LazyBudgetBatches`: what the epoch drops or pads is known
+    once every window is packed, so asking for it (the audit's epoch line) packs them."""
+
+    def __init__(self, batches: LazyBudgetBatches, num_samples: int):
+        self.batches, self.repeats, self.num_samples = batches, LazyRepeats(batches), num_samples
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+    @property
+    def dropped(self) -> int:
+        len(self.batches)
+        return self.batches.dropped
+
+    @property
+    def padded(self) -> int:
+        len(self.batches)
+        return self.batches.padded
+
+    @property
+    def distinct(self) -> int:
+        return self.num_samples - self.dropped
 
 
 class DistributedBatchSampler:
@@ -141,16 +170,28 @@ class DistributedBatchSampler:
                               steps=steps)
         return EpochPlan(batches, LazyRepeats(batches), n - dropped, dropped, padded)
 
+    def _lazy_budget_plan(self, epoch: int) -> LazyBudgetPlan:
+        """Budget batches packed window by window as the loader reaches them."""
+        table = self.table
+
+        def pack(rows: np.ndarray, w: int) -> list[np.ndarray]:
+            rng = mixing.rng_for(self.seed, _TAG_BATCHES, epoch, w + 1) if self.shuffle else None
+            batches = budget.pack(rows, table, batch_size=self.batch_size, token_budget=self.token_budget,
+                                  image_budget=self.image_budget, rng=rng, pad_multiple=self.pad_multiple)
+            return budget.split_to_multiple(batches, self.world_size)
+
+        batches = LazyBudgetBatches(self._windowed(epoch), pack, rank=self.rank, world_size=self.world_size,
+                                    remainder=self.remainder)
+        return LazyBudgetPlan(batches, len(table))
+
     def _compute(self, epoch: int) -> EpochPlan:
         if self.window and self.source_weights is None:
-            if self.batching == "fixed":
-                return self._lazy_plan(epoch)
-            order = self._windowed(epoch).all()
-        else:
-            order = mixing.epoch_order(
-                self.table.source, seed=self.seed, epoch=epoch, shuffle=self.shuffle,
-                weights=self.source_weights, epoch_size=self.epoch_size,
-            )
+            return self._lazy_plan(epoch) if self.batching == "fixed" else self._lazy_budget_plan(epoch)
+        # a full order; weighted mixtures take it even with a window (docs/distributed.md)
+        order = mixing.epoch_order(
+            self.table.source, seed=self.seed, epoch=epoch, shuffle=self.shuffle,
+            weights=self.source_weights, epoch_size=self.epoch_size,
+        )
         if self.batching == "budget":
             rng = mixing.rng_for(self.seed, _TAG_BATCHES, epoch) if self.shuffle else None
             batches = budget.pack(order, self.table, batch_size=self.batch_size,
@@ -201,11 +242,16 @@ class DistributedBatchSampler:
         return len(self.plan())
 
     def __iter__(self) -> Iterator[list[int]]:
-        plan, start = self.plan(), self.consumed
-        for k in range(start, len(plan.batches)):
-            if self.lookahead is not None and k + LOOKAHEAD < len(plan.batches):
+        plan, k = self.plan(), self.consumed
+        while _has(plan.batches, k):
+            if self.lookahead is not None and _has(plan.batches, k + LOOKAHEAD):
                 self.lookahead(plan.batches[k + LOOKAHEAD])
             yield plan.batches[k].tolist()
+            k += 1
+
+    def exhausted(self) -> bool:
+        """The trainer has taken every batch of the current epoch (a lazy plan packs no further)."""
+        return not _has(self.plan().batches, self.consumed)
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch, self.consumed = int(epoch), 0

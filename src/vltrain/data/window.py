@@ -107,11 +107,17 @@ class LazyBatches:
         lo, hi = self.positions(k)
         return np.arange(lo, hi) >= len(self.order)
 
+    def has(self, k: int) -> bool:
+        return 0 <= k < self.steps
+
+    def __iter__(self):
+        return (self[k] for k in range(self.steps))
+
 
 class LazyRepeats:
-    """Per batch of :class:`LazyBatches`, which rows repeat an earlier sample of the epoch."""
+    """Per batch of a lazy plan, which rows repeat an earlier sample of the epoch."""
 
-    def __init__(self, batches: LazyBatches):
+    def __init__(self, batches):
         self.batches = batches
 
     def __len__(self) -> int:
@@ -124,3 +130,77 @@ class LazyRepeats:
 def default_blocks(n: int) -> np.ndarray:
     """Block starts (then ``n``) of a source without shards: runs of ``MANIFEST_BLOCK`` rows."""
     return np.r_[np.arange(0, n, MANIFEST_BLOCK, dtype=np.int64), n]
+
+
+class LazyBudgetBatches:
+    """One rank's budget batches over the windowed order, packed window by window when asked for.
+
+    Each window's rows are packed on their own (``budget.pack``), its batches split until their
+    count divides by the world size (``budget.split_to_multiple``; ``remainder`` pads or drops
+    only a window too small to split), and dealt round robin: step ``s`` of the window gives rank
+    ``r`` its batch ``s * world + r``. So every rank steps through the same windows at the same
+    steps, and reaching step ``k`` packs only the windows before it. ``len`` packs them all once.
+    """
+
+    def __init__(self, order: WindowedOrder, pack, *, rank: int, world_size: int, remainder: str):
+        self.order, self.pack, self.rank, self.world, self.remainder = order, pack, rank, world_size, remainder
+        self.ends: list[int] = []  # steps up to the end of each packed window
+        self.dropped, self.padded = 0, 0  # over the windows packed so far
+        self._windows: dict[int, tuple[list[np.ndarray], int]] = {}  # batches, first padding batch
+
+    def _window(self, w: int) -> tuple[list[np.ndarray], int]:
+        if w not in self._windows:
+            batches = self.pack(self.order.window_rows(w), w)
+            real, dropped = len(batches), 0
+            extra = -len(batches) % self.world
+            if extra and self.remainder == "drop":
+                real = len(batches) - len(batches) % self.world
+                dropped, batches = sum(len(b) for b in batches[real:]), batches[:real]
+            elif extra:
+                batches = batches + [batches[i % len(batches)] for i in range(extra)]
+            if len(self._windows) >= 2:
+                self._windows.pop(min(self._windows))
+            self._windows[w] = (batches, real)
+            if w == len(self.ends):  # first time through: count it
+                self.ends.append((self.ends[-1] if self.ends else 0) + len(batches) // self.world)
+                self.dropped += dropped
+                self.padded += sum(len(b) for b in batches[real:])
+        return self._windows[w]
+
+    def _locate(self, k: int) -> tuple[int, int] | None:
+        """(window, step within it) of step ``k``; None past the epoch's end."""
+        windows = len(self.order.window_sizes)
+        while (not self.ends or self.ends[-1] <= k) and len(self.ends) < windows:
+            self._window(len(self.ends))
+        w = int(np.searchsorted(self.ends, k, side="right"))
+        if w >= len(self.ends):
+            return None
+        return w, k - (self.ends[w - 1] if w else 0)
+
+    def has(self, k: int) -> bool:
+        return k >= 0 and self._locate(k) is not None
+
+    def __len__(self) -> int:
+        self._locate(1 << 62)
+        return self.ends[-1] if self.ends else 0
+
+    def __getitem__(self, k):
+        if isinstance(k, slice):
+            return [self[i] for i in range(*k.indices(len(self)))]
+        where = self._locate(k if k >= 0 else len(self) + k)
+        if where is None:
+            raise IndexError(k)
+        batches, _ = self._window(where[0])
+        return batches[where[1] * self.world + self.rank]
+
+    def repeats(self, k: int) -> np.ndarray:
+        w, s = self._locate(k)
+        batches, real = self._window(w)
+        i = s * self.world + self.rank
+        return np.full(len(batches[i]), i >= real, dtype=bool)
+
+    def __iter__(self):
+        k = 0
+        while self.has(k):
+            yield self[k]
+            k += 1
