@@ -12,7 +12,7 @@ import pytest
 
 from datafiles import caption, distinct_image, save, tiny_tokenizer, write_jsonl
 from vltrain.data import index_build
-from vltrain.data.index_build import open_indexed
+from vltrain.data.indexing import open_indexed
 from vltrain.data.shards import ShardSource, write_shards
 from vltrain.data.sources import ManifestSource
 from vltrain.errors import DataError
@@ -89,9 +89,17 @@ def test_reopening_reads_the_index_and_changes_rebuild_it(tmp_path, tok, tmp_pat
     tok.encode("a caption cut short", 3)  # the tokenizer's own truncation state must not matter
     again = open_indexed(str(path), tok, 16)
     assert not again.built_now and again.index_dir == first.index_dir
-    assert open_indexed(str(path), tok, 20).index_dir != first.index_dir  # another max_text_length
+    assert again.lengths_at_hand() is None  # token counts are made on first use only
+    lengths = again.text_len()
+    assert again.lengths_file.is_file() and open_indexed(str(path), tok, 16).lengths_at_hand() is not None
+    short = open_indexed(str(path), tok, 4)  # another max_text_length: the same index, other counts
+    assert short.index_dir == first.index_dir and short.lengths_file != again.lengths_file
+    assert short.text_len().max() == 4 and np.array_equal(short.text_len(), np.minimum(lengths, 4))
     other_tok = tiny_tokenizer(tmp_path_factory.mktemp("tok2"), kind="bpe")
-    assert open_indexed(str(path), other_tok, 16).index_dir != first.index_dir
+    other = open_indexed(str(path), other_tok, 16)
+    assert other.index_dir == first.index_dir and other.lengths_file != again.lengths_file
+    parsed = ManifestSource(path)
+    assert other.text_len().tolist() == other_tok.token_lengths(parsed.texts(), 16)
     with open(path, "a") as f:
         f.write(json.dumps({"text": "one more row"}) + "\n")
     grown = open_indexed(str(path), tok, 16)
@@ -124,8 +132,9 @@ def test_parts_in_parallel_equal_one_part_and_an_interrupted_build_resumes(tmp_p
     resumed = open_indexed(str(copy), tok, 16, workers=2)
     for name in whole.columns:
         assert np.array_equal(whole.columns[name], resumed.columns[name]), name
+    assert np.array_equal(whole.text_len(), resumed.text_len())  # counted in the same 997-byte parts
     assert [str(p) for p in whole.problems] == [str(p) for p in resumed.problems]
-    assert not list((tmp_path / "copy" / ".vltrain-index").glob("*.parts"))
+    assert not list((tmp_path / "copy" / ".vltrain-index").rglob("*.parts"))
 
 
 def test_read_only_data_is_indexed_in_the_cache_folder(tmp_path, tok, monkeypatch):
@@ -160,10 +169,11 @@ def test_cli_builds_reports_and_exits_one_for_dropped_rows(tmp_path, tok, cli):
     res = cli("data", "index", path, "--tokenizer", tok.path, "--max-text-length", "16")
     assert res.returncode == 1, res.stdout + res.stderr
     assert "40 samples, 3 malformed row(s) dropped" in res.stdout and "index built" in res.stdout
+    assert "token counts made" in res.stdout
     res = cli("data", "index", path, "--tokenizer", tok.path, "--max-text-length", "16")
-    assert "index up to date" in res.stdout
+    assert "index up to date" in res.stdout and "token counts up to date" in res.stdout
     res = cli("data", "index", path)
-    assert res.returncode == 2 and "--tokenizer" in res.stderr and "Traceback" not in res.stderr
+    assert res.returncode == 1 and "index up to date" in res.stdout and "token counts: not made" in res.stdout
     res = cli("data", "index", tmp_path / "nope.jsonl", "--tokenizer", tok.path)
     assert res.returncode == 2 and "manifest not found" in res.stderr and "Traceback" not in res.stderr
 
@@ -175,6 +185,7 @@ def test_validate_and_stats_read_the_index_where_one_exists(tmp_path, tok):
     parsed = validate([str(path)])[0]
     parsed_stats = stats([str(path)], tok.path, 10)
     src = open_indexed(str(path), tok, 64)
+    src.text_len()
     indexed = validate([str(path)])[0]
     assert (indexed.rows, indexed.image_text, indexed.text_only, indexed.image_only, indexed.errors,
             indexed.warnings) == (parsed.rows, parsed.image_text, parsed.text_only, parsed.image_only,

@@ -28,7 +28,7 @@ from vltrain.data.config import DataConfig, SourceSpec
 from vltrain.data.ids import stable_uid
 from vltrain.data.images import ImageError, decode_image, image_problem
 from vltrain.data.index import IndexedSource
-from vltrain.data.index_build import open_indexed
+from vltrain.data.indexing import open_indexed
 from vltrain.data.sources import Row, Source, refuse_malformed
 from vltrain.data.table import SampleTable
 from vltrain.data.text import Tokenizer
@@ -98,6 +98,14 @@ class ImageTextDataset(torch.utils.data.Dataset):
     def __len__(self) -> int:
         return self._starts[-1]
 
+    def __getstate__(self) -> dict:
+        """For loader workers started by pickling: a table still waiting for its token counts
+        holds a function, and is rebuilt from the mapped indexes in the worker instead."""
+        state = dict(self.__dict__)
+        if self._table is not None and not self._table.has_lengths:
+            state["_table"] = None
+        return state
+
     def locate(self, index: int) -> tuple[int, int]:
         """(source index, row within that source) of dataset index ``index``."""
         if not 0 <= index < len(self):
@@ -145,14 +153,15 @@ class ImageTextDataset(torch.utils.data.Dataset):
         t = self.table()
         rows = self._starts[s] + np.asarray(candidates)
         same = (t.has_image[rows] == t.has_image[planned]) & (t.has_text[rows] == t.has_text[planned])
-        fits = same & (t.text_len[rows] <= t.text_len[planned])
+        lengths = self._lengths(np.r_[rows, planned])
+        fits = same & (lengths[:-1] <= lengths[-1])
         pick = np.flatnonzero(fits if fits.any() else same)
         return candidates[int(pick[0]) if len(pick) else 0]
 
     def _fit_plan(self, sample: Sample, planned: int) -> None:
         """Cut a replacement's caption to the planned sample's token count (budget batching)."""
         t = self.table()
-        limit = int(t.text_len[planned])
+        limit = int(self._lengths(np.array([planned]))[0])
         ids = sample.input_ids
         if t.has_text[planned] and len(ids) > limit:
             end = self.tokenizer.eos_id
@@ -160,6 +169,28 @@ class ImageTextDataset(torch.utils.data.Dataset):
             sample.input_ids = ids[: limit - 1] + ids[-1:] if end is not None and ids[-1] == end and limit > 1 \
                 else ids[:limit]
             sample.truncated = True
+
+    def _lengths(self, rows: np.ndarray) -> np.ndarray:
+        """Token counts of dataset rows: from the table or the sources' token-count files when at
+        hand, else by tokenizing just these rows' captions (a bad sample's candidates: the pass
+        over every caption is budget batching's to pay). An unreadable row counts as too long."""
+        t = self.table()
+        if t.has_lengths:
+            return np.asarray(t.text_len[rows], dtype=np.int64)
+        held = [s.lengths_at_hand() if isinstance(s, IndexedSource) else None for s in self.sources]
+        out = np.empty(len(rows), dtype=np.int64)
+        for i, index in enumerate(rows.tolist()):
+            s, j = self.locate(index)
+            if held[s] is not None:
+                out[i] = int(held[s][j])
+                continue
+            try:
+                text = self.sources[s].row(j).text
+            except OSError:
+                out[i] = 1 << 30
+                continue
+            out[i] = self.tokenizer.token_lengths([text], self.max_text_length)[0]
+        return out
 
     def _load(self, source: Source, s: int, j: int, row: Row, errors: list) -> Sample:
         image = None
@@ -195,7 +226,7 @@ class ImageTextDataset(torch.utils.data.Dataset):
             self._table = SampleTable(
                 has_image=join([s.has_image() for s in self.sources]),
                 has_text=join([s.has_text() for s in self.sources]),
-                text_len=join([s.text_len() for s in self.sources]),
+                text_len=lambda: join([s.text_len() for s in self.sources]),  # on first use
                 source=np.broadcast_to(np.int16(0), (len(self),)) if one else np.concatenate(
                     [np.full(len(src), k, dtype=np.int16) for k, src in enumerate(self.sources)]
                 ),

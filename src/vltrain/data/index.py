@@ -9,8 +9,9 @@ use: ``index_build.py``) into a folder of numpy columns, a few bytes per sample:
     INDEX/offset.npy  uint64   manifests: byte offset of the row;  shards: of the sample's span
     INDEX/length.npy  uint32   bytes of the row / of the span (headers and members)
     INDEX/line.npy    uint32   manifests: the row's line;          shards: the sample's shard
-    INDEX/text_len.npy uint16  the caption's tokens (with special tokens, capped), 0 without text
     INDEX/has_image.npy, has_text.npy  bool
+    INDEX/tokens-TOKENIZER-LENGTH.npy  uint16  the caption's tokens (with special tokens, capped
+                           at LENGTH), 0 without text: one file per tokenizer, made on first use
 
 20 bytes per sample, memory-mapped read-only: every rank and worker on a node shares the same
 pages, and opening the index costs milliseconds whatever its size. Texts, ids and images are
@@ -32,9 +33,8 @@ from vltrain.data.window import default_blocks
 from vltrain.data.sources import IMAGE_KEYS, TEXT_KEYS, Problem, Row, Source, check_row, csv_fields, json_fields
 
 INDEX_VERSION = 1
-COLUMNS = {"offset": np.uint64, "length": np.uint32, "line": np.uint32, "text_len": np.uint16,
-           "has_image": np.bool_, "has_text": np.bool_}
-BYTES_PER_SAMPLE = sum(np.dtype(t).itemsize for t in COLUMNS.values())
+COLUMNS = {"offset": np.uint64, "length": np.uint32, "line": np.uint32, "has_image": np.bool_, "has_text": np.bool_}
+BYTES_PER_SAMPLE = sum(np.dtype(t).itemsize for t in COLUMNS.values()) + 2  # + the token counts
 PROBLEMS_KEPT = 1000
 """Problems held in memory (the first ones); all of them are in problems.jsonl."""
 
@@ -84,6 +84,10 @@ class IndexedSource(Source):
         self.problems = load_problems(index_dir)
         self.error_total = int(meta["errors"])
         self.cache = cache
+        self.lengths = None
+        """The token counts: an array, or a function making them (set by ``open_indexed``)."""
+        self.lengths_file: Path | None = None
+        """Where the token counts for the dataset's tokenizer are (or will be) stored."""
         self._stat = {f["path"]: {"size": f["size"], "version": f.get("version", "")} for f in meta["files"]}
         self._fds: dict[str, int] = {}
         self._pid = os.getpid()
@@ -106,7 +110,18 @@ class IndexedSource(Source):
         return self.columns["has_text"]
 
     def text_len(self) -> np.ndarray:
-        return self.columns["text_len"]
+        """Caption token counts, made on first use (a tokenizer pass over every caption)."""
+        if callable(self.lengths):
+            self.lengths = self.lengths()
+        if self.lengths is None:
+            raise ValueError(f"{self.name}: opened without a tokenizer, so without token counts")
+        return self.lengths
+
+    def lengths_at_hand(self) -> np.ndarray | None:
+        """The token counts if they exist already (no tokenizer pass), else None."""
+        if callable(self.lengths) and self.lengths_file is not None and self.lengths_file.is_file():
+            self.lengths = np.load(self.lengths_file, mmap_mode="r")
+        return None if callable(self.lengths) else self.lengths
 
     def blocks(self) -> np.ndarray:
         """Starts of the rows read together (each shard's samples; runs of manifest rows), then n."""
@@ -213,12 +228,14 @@ class IndexedSource(Source):
 
     def __getstate__(self) -> dict:
         state = dict(self.__dict__)
-        state.update(_fds={}, _span=None, columns=None)
+        state.update(_fds={}, _span=None, columns=None, lengths=None)
         return state
 
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
         self.columns = load_columns(self.index_dir)
+        if self.lengths_file is not None and self.lengths_file.is_file():
+            self.lengths = np.load(self.lengths_file, mmap_mode="r")
 
 
 def _one(column: str | None) -> tuple[str, ...]:

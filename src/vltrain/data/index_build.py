@@ -2,14 +2,14 @@
 
 The work is cut into parts: byte ranges of a JSONL manifest (a row belongs to the part its first
 byte falls in), groups of tar shards, or a CSV manifest whole (a quoted field may hold a line
-break, so a CSV cannot be split blindly). Each part is parsed and its captions tokenized by one
-process, and written to ``INDEX.parts/`` as soon as it is done, so an interrupted build (a killed
-job, a preempted node) resumes with the parts still missing. The parts are then merged into the
-index folder, which appears under its final name in one rename.
+break, so a CSV cannot be split blindly). Each part is parsed by one process and written to
+``INDEX.parts/`` as soon as it is done, so an interrupted build (a killed job, a preempted node)
+resumes with the parts still missing. The parts are then merged into the index folder, which
+appears under its final name in one rename.
 
-The index is keyed by what it depends on: the files (path, size, modification time), the
-tokenizer (a hash of its JSON) and ``max_text_length``. Change any of them and another index is
-built; a stale one is never read.
+The index is keyed by the files it describes (path, size, modification time or ETag) and the CSV
+settings: change a file and another index is built; a stale one is never read. Caption token
+counts, which depend on a tokenizer, are a column of their own (``index_lengths.py``).
 """
 
 from __future__ import annotations
@@ -27,27 +27,17 @@ from pathlib import Path
 import numpy as np
 
 from vltrain.data.config import CsvConfig
-from vltrain.data.index import COLUMNS, INDEX_VERSION, IndexedSource, read_meta
-from vltrain.data.filelock import build_once, private_tmp
+from vltrain.data.index import COLUMNS
+from vltrain.data.filelock import private_tmp
 from vltrain.data.remote import ShardCache, expand_remote, filesystem, is_remote, stat_remote
 from vltrain.data.shards import default_cache_dir, scan_samples, shard_paths
 from vltrain.data.sources import (IMAGE_KEYS, MANIFEST_SUFFIXES, TEXT_KEYS, check_row, csv_columns, csv_fields,
                                   csv_separator, is_shard_pattern, json_fields)
-from vltrain.data.text import Tokenizer, load_tokenizer
-from vltrain.errors import DataError, UsageError
+from vltrain.errors import DataError
 
 PART_BYTES = 64 << 20
 """A JSONL manifest is parsed in parts of about this many bytes."""
 SHARDS_PER_PART = 8
-
-
-def tokenizer_fingerprint(tokenizer: Tokenizer) -> str:
-    """A hash of what decides token counts: the tokenizer without its truncation and padding
-    settings, which vltrain sets per call."""
-    spec = json.loads(tokenizer.hf.to_str())
-    spec.pop("truncation", None)
-    spec.pop("padding", None)
-    return hashlib.blake2b(json.dumps(spec, sort_keys=True).encode(), digest_size=8).hexdigest()
 
 
 def _describe(files: list[str]) -> list[dict]:
@@ -121,64 +111,7 @@ def index_dir_for(spec: str, files: list[str], key: str, cache_dir: str | os.Pat
     return cache_root(cache_dir) / "index" / f"{digest}-{name}-{key}"
 
 
-def open_indexed(spec: str, tokenizer: Tokenizer, max_text_length: int, csv_cfg: CsvConfig | None = None,
-                 cache_dir: str | os.PathLike | None = None, workers: int = 1, *,
-                 storage_options: dict | None = None, cache_limit_gb: float = 50.0) -> IndexedSource:
-    """The source ``spec`` read through its sample index, built first when missing or stale
-    (by one process: the others wait for it). Remote sources (s3://, gs://, https://) are read
-    through a shard cache in ``cache_dir`` holding at most ``cache_limit_gb``."""
-    kind, described = source_files(spec, storage_options)
-    files = [f["path"] for f in described]
-    cache = ShardCache(cache_root(cache_dir), int(cache_limit_gb * 2**30), storage_options) if is_remote(spec) \
-        else None
-    manifest_local = files[0] if cache is None or kind != "manifest" else str(cache.local(files[0], described[0]))
-    csv_spec = _csv_spec(manifest_local, csv_cfg or CsvConfig()) if kind == "manifest" \
-        and not files[0].endswith(".jsonl") else None
-    identity = {"version": INDEX_VERSION, "kind": kind, "files": described, "csv": csv_spec,
-                "tokenizer": tokenizer_fingerprint(tokenizer), "max_text_length": max_text_length}
-    key = hashlib.blake2b(json.dumps(identity, sort_keys=True).encode(), digest_size=6).hexdigest()
-    index_dir = index_dir_for(spec, files, key, cache_dir)
-
-    def fresh() -> dict | None:
-        meta = read_meta(index_dir)
-        same = meta is not None and all(meta.get(k) == v for k, v in identity.items())
-        return meta if same else None
-
-    built = []
-
-    def build() -> dict:
-        built.append(True)
-        return _build(index_dir, identity, tokenizer, workers, cache, manifest_local)
-
-    meta = build_once(index_dir, fresh, build, what=f"index {spec}")
-    source = IndexedSource(spec, index_dir, meta, cache)
-    source.built_now = bool(built)
-    return source
-
-
-def existing_index(spec: str, cache_dir: str | os.PathLike | None = None) -> IndexedSource | None:
-    """A fresh sample index of local source ``spec`` built with any tokenizer (the newest), or None.
-
-    For tools that need the rows and modalities but no token counts (``data validate``)."""
-    if is_remote(spec):
-        return None
-    try:
-        kind, described = source_files(spec)
-    except DataError:
-        return None
-    name = index_dir_for(spec, [f["path"] for f in described], "", cache_dir).name  # "NAME-"
-    places = [Path(described[0]["path"]).parent / ".vltrain-index", cache_root(cache_dir) / "index"]
-    found = [(meta.get("build_s", 0), d, meta) for place in places if place.is_dir()
-             for d in place.glob(f"*{name}*") if d.is_dir() and not d.name.endswith(".parts")
-             for meta in [read_meta(d)] if meta and meta.get("files") == described and meta.get("kind") == kind
-             and meta.get("version") == INDEX_VERSION]
-    if not found:
-        return None
-    newest = max(found, key=lambda f: f[1].stat().st_mtime)
-    return IndexedSource(spec, newest[1], newest[2])
-
-
-def _csv_spec(path: str, cfg: CsvConfig) -> dict:
+def csv_spec(path: str, cfg: CsvConfig) -> dict:
     sep = csv_separator(Path(path), cfg)
     with open(path, newline="", encoding="utf-8", errors="surrogateescape") as f:
         header = next(csv.reader(f, delimiter=sep), None)
@@ -191,7 +124,7 @@ def _csv_spec(path: str, cfg: CsvConfig) -> dict:
 # -- parts ----------------------------------------------------------------------------------------
 
 
-def _plan_parts(identity: dict, cache: ShardCache | None, manifest_local: str) -> list[dict]:
+def plan_parts(identity: dict, cache: ShardCache | None, manifest_local: str) -> list[dict]:
     """The parts of a build; shards are read through the cache (downloaded) when remote."""
     if identity["kind"] == "shards":
         files = identity["files"]
@@ -246,7 +179,12 @@ def _csv_rows(part: dict):
         part["lines"] = line
 
 
-def _manifest_part(part: dict, tokenizer: Tokenizer, max_len: int) -> tuple[dict, list, dict]:
+def part_rows(part: dict, problems: list):
+    """(line or shard, byte offset, bytes, has image, text) of every usable row of a part, in
+    index order; malformed and suspicious rows go to ``problems`` as [line or where, why, level]."""
+    if part["kind"] == "shards":
+        yield from _shard_rows(part, problems)
+        return
     name = Path(part["file"]).name
     if part["kind"] == "csv":
         spec = part["csv"]
@@ -254,27 +192,18 @@ def _manifest_part(part: dict, tokenizer: Tokenizer, max_len: int) -> tuple[dict
         rows = _csv_rows(part)
     else:
         keys, rows = ("id", IMAGE_KEYS, TEXT_KEYS), _jsonl_rows(part)
-    cols: dict[str, list] = {k: [] for k in ("offset", "length", "line", "has_image", "has_text")}
-    texts, problems = [], []
     for line, start, length, fields, why in rows:
         row, found = (None, []) if why else check_row(fields, *keys, name, line)
         problems += [[line, why, "error"]] if why else [[line, p.reason, p.level] for p in found]
-        if row is None:
-            continue
-        for k, v in zip(cols, (start, length, line, row[1] is not None, row[2] is not None)):
-            cols[k].append(v)
-        texts.append(row[2])
-    cols["text_len"] = tokenizer.token_lengths(texts, max_len)
-    return cols, problems, {"lines": part.get("lines", 0)}
+        if row is not None:
+            yield line, start, length, row[1] is not None, row[2]
 
 
 def _cols(column: str | None) -> tuple[str, ...]:
     return (column,) if column else ()
 
 
-def _shard_part(part: dict, tokenizer: Tokenizer, max_len: int) -> tuple[dict, list, dict]:
-    cols: dict[str, list] = {k: [] for k in ("offset", "length", "line", "has_image", "has_text")}
-    texts, problems = [], []
+def _shard_rows(part: dict, problems: list):
     cache = part["cache"]
     for s in range(part["first"], part["first"] + part["count"]):
         described = part["files"][s]
@@ -282,54 +211,53 @@ def _shard_part(part: dict, tokenizer: Tokenizer, max_len: int) -> tuple[dict, l
         samples, found = scan_samples(cache.local(path, described) if cache is not None else Path(path))
         problems += [[f"{path.rsplit('/', 1)[-1]}:{key}", reason, level] for key, reason, level in found]
         for _key, _sid, image, text, start, end in samples:
-            for k, v in zip(cols, (start, end - start, s, image is not None, text is not None)):
-                cols[k].append(v)
-            texts.append(text)
-    cols["text_len"] = tokenizer.token_lengths(texts, max_len)
-    return cols, problems, {}
+            yield s, start, end - start, image is not None, text
 
 
-def _write_part(parts_dir: Path, k: int, part: dict, tokenizer: Tokenizer | str, max_len: int) -> None:
+def _write_part(parts_dir: Path, k: int, part: dict) -> None:
     """Parse part ``k`` and write it (atomically) to ``parts_dir``; skipped when already there."""
     done = parts_dir / f"part-{k:06d}.json"
     if done.is_file():
         return
-    if isinstance(tokenizer, str):  # in a build process of its own
-        os.environ["TOKENIZERS_PARALLELISM"] = "false"
-        tokenizer = load_tokenizer(tokenizer)
-    make = _shard_part if part["kind"] == "shards" else _manifest_part
-    cols, problems, extra = make(part, tokenizer, max_len)
-    arrays = {k: np.asarray(cols[k], dtype=dtype) for k, dtype in COLUMNS.items()}
-    if arrays["text_len"].size and int(np.max(cols["text_len"])) > np.iinfo(np.uint16).max:
-        raise DataError(f"max_text_length {max_len} is too large for the index (at most 65535 tokens)")
+    problems: list = []
+    cols: dict[str, list] = {k: [] for k in COLUMNS}
+    for line, start, length, image, text in part_rows(part, problems):
+        for name, v in zip(COLUMNS, (start, length, line, image, text is not None)):
+            cols[name].append(v)
+    arrays = {name: np.asarray(cols[name], dtype=dtype) for name, dtype in COLUMNS.items()}
     tmp = private_tmp(parts_dir / f"part-{k:06d}.npz")
     with open(tmp, "wb") as f:
         np.savez(f, **arrays)
     os.replace(tmp, parts_dir / f"part-{k:06d}.npz")
     tmp = private_tmp(done)
-    tmp.write_text(json.dumps({"count": len(arrays["offset"]), "problems": problems, **extra}, ensure_ascii=False))
+    tmp.write_text(json.dumps({"count": len(arrays["offset"]), "problems": problems, "lines": part.get("lines", 0)},
+                              ensure_ascii=False))
     os.replace(tmp, done)
 
 
-def _run_parts(parts_dir: Path, parts: list[dict], tokenizer: Tokenizer, max_len: int, workers: int) -> None:
-    todo = [k for k in range(len(parts)) if not (parts_dir / f"part-{k:06d}.json").is_file()]
-    if workers > 1 and len(todo) > 1 and tokenizer.path:
+def run_parts(parts_dir: Path, parts: list[dict], work, args: tuple, workers: int, suffix: str,
+              extra: list | None = None) -> None:
+    """``work(parts_dir, k, parts[k], *args[, extra[k]])`` for each part not yet done
+    (``part-K{suffix}`` missing), in ``workers`` processes; ``work`` and its arguments must pickle."""
+    todo = [k for k in range(len(parts)) if not (parts_dir / f"part-{k:06d}{suffix}").is_file()]
+    call = [(parts_dir, k, parts[k], *args, *((extra[k],) if extra is not None else ())) for k in todo]
+    if workers > 1 and len(todo) > 1:
         ctx = get_context("spawn")  # not fork: the parent may hold threads (tokenizers, torch)
         with ProcessPoolExecutor(min(workers, len(todo)), mp_context=ctx) as pool:
-            for f in [pool.submit(_write_part, parts_dir, k, parts[k], tokenizer.path, max_len) for k in todo]:
+            for f in [pool.submit(work, *a) for a in call]:
                 f.result()
     else:
-        for k in todo:
-            _write_part(parts_dir, k, parts[k], tokenizer, max_len)
+        for a in call:
+            work(*a)
 
 
-def _build(index_dir: Path, identity: dict, tokenizer: Tokenizer, workers: int, cache: ShardCache | None,
-           manifest_local: str) -> dict:
+def build_structure(index_dir: Path, identity: dict, workers: int, cache: ShardCache | None,
+                    manifest_local: str) -> dict:
     started = time.monotonic()
-    parts = _plan_parts(identity, cache, manifest_local)
+    parts = plan_parts(identity, cache, manifest_local)
     parts_dir = index_dir.with_name(index_dir.name + ".parts")
     parts_dir.mkdir(parents=True, exist_ok=True)
-    _run_parts(parts_dir, parts, tokenizer, identity["max_text_length"], workers)
+    run_parts(parts_dir, parts, _write_part, (), workers, ".json")
     meta = _merge(index_dir, parts_dir, parts, identity, started)
     shutil.rmtree(parts_dir, ignore_errors=True)
     return meta
@@ -368,44 +296,3 @@ def _merge(index_dir: Path, parts_dir: Path, parts: list[dict], identity: dict, 
         shutil.rmtree(index_dir)  # stale: described other files (a fresh one is never rebuilt)
     os.replace(tmp, index_dir)
     return meta
-
-
-def index_cli(args) -> int:
-    """``vltrain data index SOURCES... --tokenizer T``: build (or find) each source's sample index.
-
-    Exit 0 clean, 1 when rows were dropped as malformed (they are listed in the index's
-    problems.jsonl), 2 on a usage error."""
-    tokenizer_path, max_len, csv_cfg, cache_dir = args.tokenizer, args.max_text_length, CsvConfig(), args.cache_dir
-    storage_options, cache_limit_gb = None, 50.0
-    if args.config:
-        from vltrain.config import load_config  # the job config sits above the data layer
-
-        cfg = load_config(args.config)
-        tokenizer_path = tokenizer_path or cfg.data.tokenizer
-        max_len = max_len or cfg.data.max_text_length
-        csv_cfg, cache_dir = cfg.data.csv, cache_dir or cfg.data.cache_dir
-        storage_options, cache_limit_gb = cfg.data.storage_options, cfg.data.cache_limit_gb
-    if not tokenizer_path:
-        raise UsageError("give --tokenizer TOKENIZER.json (or --config CONFIG whose data.tokenizer names one): "
-                        "the index stores each caption's token count")
-    tokenizer = load_tokenizer(tokenizer_path)
-    workers = args.workers or os.cpu_count() or 1
-    dropped = 0
-    for spec in args.sources:
-        started = time.monotonic()
-        try:
-            source_files(spec, storage_options)
-        except DataError as e:
-            raise UsageError(str(e)) from None  # a source that is not there: the command was misused
-        source = open_indexed(spec, tokenizer, max_len or 77, csv_cfg, cache_dir or None, workers=workers,
-                              storage_options=storage_options, cache_limit_gb=cache_limit_gb)
-        took = time.monotonic() - started
-        meta = source.meta
-        how = (f"built in {took:.1f} s ({len(source) / max(took, 1e-9):,.0f} rows/s, {workers} process(es))"
-               if source.built_now else "up to date")
-        print(f"{spec}: {len(source):,} samples, {meta['errors']} malformed row(s) dropped, "
-              f"{meta['warnings']} warning(s); index {how}\n  {source.index_dir}")
-        for p in source.errors()[:5]:
-            print(f"  dropped {p}")
-        dropped += meta["errors"]
-    return 1 if dropped else 0

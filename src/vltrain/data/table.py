@@ -2,27 +2,44 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 
 
-@dataclass
 class SampleTable:
     """Columns over a dataset's index space ``0..n-1``.
 
-    Built once from the manifest or shard index (captions are tokenized once, in bulk, for
-    ``text_len``). Every rank builds the same table from the same files, so a schedule
-    computed from it is identical on every rank without any communication.
+    Built once from the sources' sample indexes. Every rank builds the same table from the same
+    files, so a schedule computed from it is identical on every rank without any communication.
+
+    ``text_len`` may be given as a function: caption token counts cost a tokenizer pass over every
+    caption, which only budget batching needs, so they are computed on first use.
     """
 
-    has_image: np.ndarray  # bool [n]
-    has_text: np.ndarray  # bool [n]
-    text_len: np.ndarray  # int [n] (uint16 from a sample index), tokens incl. special tokens, capped; 0 if no text
-    source: np.ndarray  # int16 [n], index of the source in a mixture (0 for a single source)
-    blocks: np.ndarray | None = None
-    """Starts of the rows that are read together (a tar shard), then n: the windowed shuffle's
-    unit (``data.shuffle_window``). None: runs of manifest rows."""
+    def __init__(self, has_image: np.ndarray, has_text: np.ndarray,
+                 text_len: np.ndarray | Callable[[], np.ndarray], source: np.ndarray,
+                 blocks: np.ndarray | None = None):
+        self.has_image = has_image  # bool [n]
+        self.has_text = has_text  # bool [n]
+        self._text_len = text_len
+        self.source = source  # int16 [n], index of the source in a mixture (0 for a single source)
+        self.blocks = blocks
+        """Starts of the rows that are read together (a tar shard), then n: the windowed shuffle's
+        unit (``data.shuffle_window``). None: runs of manifest rows."""
+
+    @property
+    def text_len(self) -> np.ndarray:
+        """int [n] (uint16 from a sample index): tokens incl. special tokens, capped at
+        max_text_length; 0 without text."""
+        if callable(self._text_len):
+            self._text_len = self._text_len()
+        return self._text_len
+
+    @property
+    def has_lengths(self) -> bool:
+        """The token counts are at hand (no tokenizer pass needed to read them)."""
+        return not callable(self._text_len)
 
     def __len__(self) -> int:
         return int(self.has_image.shape[0])

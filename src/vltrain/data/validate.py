@@ -17,7 +17,8 @@ import numpy as np
 from vltrain.data.images import (DECODE_ERRORS, MAX_IMAGE_PIXELS, ImageError, decode_image, image_problem,
                                  open_image)
 from vltrain.data.index import IndexedSource
-from vltrain.data.index_build import existing_index, tokenizer_fingerprint
+from vltrain.data.index_lengths import tokenizer_fingerprint
+from vltrain.data.indexing import existing_index
 from vltrain.data.shards import shard_paths
 from vltrain.data.open import open_source
 from vltrain.data.sources import Problem, Source, is_shard_pattern
@@ -173,11 +174,14 @@ def _indexed_lengths(sources: list[Source], tokenizer_path: str | None) -> tuple
     if not tokenizer_path or not all(isinstance(s, IndexedSource) for s in sources):
         return None, ""
     fingerprint = tokenizer_fingerprint(load_tokenizer(tokenizer_path))
-    if any(s.meta["tokenizer"] != fingerprint for s in sources):
-        return None, ""
-    cap = max(s.meta["max_text_length"] for s in sources)
-    lengths = np.concatenate([np.asarray(s.text_len())[np.asarray(s.has_text())] for s in sources])
-    return lengths.tolist(), f"tokens, from the index: capped at {cap}"
+    files = []
+    for s in sources:  # the largest cap each source has counts for
+        caps = sorted((int(f.stem.rsplit("-", 1)[1]), f) for f in s.index_dir.glob(f"tokens-{fingerprint}-*.npy"))
+        if not caps:
+            return None, ""
+        files.append(caps[-1])
+    lengths = np.concatenate([np.load(f, mmap_mode="r")[np.asarray(s.has_text())] for s, (_, f) in zip(sources, files)])
+    return lengths.tolist(), f"tokens, from the index: capped at {max(cap for cap, _ in files)}"
 
 
 def stats(paths: list[str], tokenizer_path: str | None, max_images: int) -> dict:

@@ -1,0 +1,136 @@
+"""Opening a source through its sample index: find it or build it, and its token counts.
+
+``open_indexed`` is what datasets call; ``vltrain data index`` builds ahead of time. The pieces:
+``index.py`` reads an index, ``index_build.py`` builds one, ``index_lengths.py`` adds the caption
+token counts of a tokenizer.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import time
+from pathlib import Path
+
+from vltrain.data.config import CsvConfig
+from vltrain.data.filelock import build_once
+from vltrain.data.index import INDEX_VERSION, IndexedSource, read_meta
+from vltrain.data.index_build import build_structure, cache_root, csv_spec, index_dir_for, source_files
+from vltrain.data.index_lengths import build_lengths, lengths_file
+from vltrain.data.remote import ShardCache, is_remote
+from vltrain.data.text import Tokenizer, load_tokenizer
+from vltrain.errors import DataError, UsageError
+
+
+def open_indexed(spec: str, tokenizer: Tokenizer | None, max_text_length: int, csv_cfg: CsvConfig | None = None,
+                 cache_dir: str | os.PathLike | None = None, workers: int = 1, *,
+                 storage_options: dict | None = None, cache_limit_gb: float = 50.0) -> IndexedSource:
+    """The source ``spec`` read through its sample index, built first when missing or stale (by
+    one process: the others wait for it). Its token counts for ``tokenizer`` are made on first use
+    (``source.text_len()``). Remote sources (s3://, gs://, https://) are read through a shard
+    cache in ``cache_dir`` holding at most ``cache_limit_gb``."""
+    kind, described = source_files(spec, storage_options)
+    files = [f["path"] for f in described]
+    cache = ShardCache(cache_root(cache_dir), int(cache_limit_gb * 2**30), storage_options) if is_remote(spec) \
+        else None
+    manifest_local = files[0] if cache is None or kind != "manifest" else str(cache.local(files[0], described[0]))
+    csv = csv_spec(manifest_local, csv_cfg or CsvConfig()) if kind == "manifest" \
+        and not files[0].endswith(".jsonl") else None
+    identity = {"version": INDEX_VERSION, "kind": kind, "files": described, "csv": csv}
+    key = hashlib.blake2b(json.dumps(identity, sort_keys=True).encode(), digest_size=6).hexdigest()
+    index_dir = index_dir_for(spec, files, key, cache_dir)
+
+    def fresh() -> dict | None:
+        meta = read_meta(index_dir)
+        same = meta is not None and all(meta.get(k) == v for k, v in identity.items())
+        return meta if same else None
+
+    built = []
+
+    def build() -> dict:
+        built.append(True)
+        return build_structure(index_dir, identity, workers, cache, manifest_local)
+
+    meta = build_once(index_dir, fresh, build, what=f"index {spec}")
+    source = IndexedSource(spec, index_dir, meta, cache)
+    source.built_now = bool(built)
+    if tokenizer is not None:
+        source.lengths_file = lengths_file(source, tokenizer, max_text_length)
+        source.lengths = lambda: build_lengths(source, tokenizer, max_text_length, workers=workers, cache=cache,
+                                               manifest_local=manifest_local)
+    return source
+
+
+def existing_index(spec: str, cache_dir: str | os.PathLike | None = None) -> IndexedSource | None:
+    """A fresh sample index of local source ``spec`` (the newest), or None: for tools that read
+    rows and modalities (``data validate``, ``data stats``) without building anything."""
+    if is_remote(spec):
+        return None
+    try:
+        kind, described = source_files(spec)
+    except DataError:
+        return None
+    name = index_dir_for(spec, [f["path"] for f in described], "", cache_dir).name  # "NAME-"
+    places = [Path(described[0]["path"]).parent / ".vltrain-index", cache_root(cache_dir) / "index"]
+    found = [(d, meta) for place in places if place.is_dir()
+             for d in place.glob(f"*{name}*") if d.is_dir() and not d.name.endswith(".parts")
+             for meta in [read_meta(d)] if meta and meta.get("files") == described and meta.get("kind") == kind
+             and meta.get("version") == INDEX_VERSION]
+    if not found:
+        return None
+    index_dir, meta = max(found, key=lambda f: f[0].stat().st_mtime)
+    return IndexedSource(spec, index_dir, meta)
+
+
+def index_cli(args: argparse.Namespace) -> int:
+    """``vltrain data index SOURCES... [--tokenizer T]``: build (or find) each source's sample index,
+    and with a tokenizer its caption token counts.
+
+    Exit 0 clean, 1 when rows were dropped as malformed (they are listed in the index's
+    problems.jsonl), 2 on a usage error."""
+    tokenizer_path, max_len, csv_cfg, cache_dir = args.tokenizer, args.max_text_length, CsvConfig(), args.cache_dir
+    storage_options, cache_limit_gb = None, 50.0
+    if args.config:
+        from vltrain.config import load_config  # the job config sits above the data layer
+
+        cfg = load_config(args.config)
+        tokenizer_path = tokenizer_path or cfg.data.tokenizer
+        max_len = max_len or cfg.data.max_text_length
+        csv_cfg, cache_dir = cfg.data.csv, cache_dir or cfg.data.cache_dir
+        storage_options, cache_limit_gb = cfg.data.storage_options, cfg.data.cache_limit_gb
+    tokenizer = load_tokenizer(tokenizer_path) if tokenizer_path else None
+    workers = args.workers or os.cpu_count() or 1
+    dropped = 0
+    for spec in args.sources:
+        try:
+            source_files(spec, storage_options)
+        except DataError as e:
+            raise UsageError(str(e)) from None  # a source that is not there: the command was misused
+        started = time.monotonic()
+        source = open_indexed(spec, tokenizer, max_len or 77, csv_cfg, cache_dir or None, workers=workers,
+                              storage_options=storage_options, cache_limit_gb=cache_limit_gb)
+        took = time.monotonic() - started
+        _report(spec, source, took, workers, tokenizer is not None)
+        dropped += source.meta["errors"]
+    return 1 if dropped else 0
+
+
+def _report(spec: str, source: IndexedSource, took: float, workers: int, with_lengths: bool) -> None:
+    meta = source.meta
+    how = (f"built in {took:.1f} s ({len(source) / max(took, 1e-9):,.0f} rows/s, {workers} process(es))"
+           if source.built_now else "up to date")
+    print(f"{spec}: {len(source):,} samples, {meta['errors']} malformed row(s) dropped, "
+          f"{meta['warnings']} warning(s); index {how}\n  {source.index_dir}")
+    if with_lengths:
+        had = source.lengths_at_hand() is not None
+        started = time.monotonic()
+        source.text_len()
+        took = time.monotonic() - started
+        print("  token counts " + ("up to date" if had else
+                                   f"made in {took:.1f} s ({len(source) / max(took, 1e-9):,.0f} captions/s)"))
+    else:
+        print("  token counts: not made (give --tokenizer; budget batching makes them on first use)")
+    for p in source.errors()[:5]:
+        print(f"  dropped {p}")
