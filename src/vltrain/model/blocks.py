@@ -1,14 +1,18 @@
 """Pre-norm transformer pieces shared by the towers and the fusion encoder.
 
 Attention goes through ``attention``: ``F.scaled_dot_product_attention`` (flash / memory-efficient
-kernels on GPUs, the fused flash kernel for fp32 on CPU), except for bf16/fp16 on CPU, where two
-plain matmuls and a softmax beat both CPU kernels (figures:
-``docs/benchmarks.md#cpu-attention-in-bf16``).
+kernels on GPUs, the fused flash kernel for fp32 on CPU), except for bf16/fp16 on a CPU that
+multiplies bf16 in hardware (AVX-512 BF16, AMX), where two plain matmuls and a softmax beat both CPU
+kernels (figures: ``docs/benchmarks.md#cpu-attention-in-bf16``). Without those instructions a bf16
+batched matmul is emulated and the flash kernel is 3x faster over a whole step
+(``docs/benchmarks.md#one-step-against-transformers``).
 Nothing here casts dtypes: under bf16 autocast the matmuls run in bf16 and the layer norms in fp32,
 as autocast decides.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import torch.nn.functional as F
@@ -30,9 +34,18 @@ ACTIVATIONS = {"gelu": F.gelu, "gelu_tanh": _gelu_tanh, "quick_gelu": quick_gelu
 (SigLIP) and QuickGELU (OpenAI's CLIP)."""
 
 
+@functools.cache
+def cpu_multiplies_bf16() -> bool:
+    """Whether this CPU has bf16 matrix instructions (AVX-512 BF16 or AMX), by torch's own probes."""
+    probes = [getattr(torch.cpu, name, None) for name in ("_is_avx512_bf16_supported", "_is_amx_tile_supported")]
+    if not any(probes):
+        return True  # a torch without the probes: keep the matmul path
+    return any(probe() for probe in probes if probe is not None)
+
+
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
     """softmax(q k^T / sqrt(d) masked) v over [B, heads, L, d]; ``mask`` is boolean, True = may attend."""
-    if q.device.type != "cpu" or q.dtype == torch.float32:
+    if q.device.type != "cpu" or q.dtype == torch.float32 or not cpu_multiplies_bf16():
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
     # CPU, low precision: PyTorch's CPU flash kernel has a slow bf16 backward and its math fallback
     # makes fp32 copies of the scores; in the input dtype, with an additive mask, the few passes over
