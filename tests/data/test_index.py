@@ -196,3 +196,18 @@ def test_validate_and_stats_read_the_index_where_one_exists(tmp_path, tok):
     assert {k: v for k, v in indexed_stats["caption_length"].items() if k != "unit"} == \
         {k: v for k, v in parsed_stats["caption_length"].items() if k != "unit"}
     assert src.index_dir.is_dir()
+
+
+def test_jsonl_edge_lines_parse_as_line_by_line(tmp_path, tok):
+    """The chunked parse gives each line's own verdict: two values on a line, a list, bad UTF-8,
+    a lone surrogate, CRLF endings and a last line without its line break."""
+    save(distinct_image(0), tmp_path / "a.png")
+    lines = [b'{"image": "a.png", "text": "one"}\r', b'{"text": "two"}, {"text": "three"}', b'["x"]',
+             b'{"text": "caf\xe9"}', b'{"text": "\xed\xa0\x80"}', b'{"text": "\\ud800"}', b'', b'{"text": "last"}']
+    path = tmp_path / "m.jsonl"
+    path.write_bytes(b"\n".join(lines))  # no final line break
+    src = open_indexed(str(path), tok, 16)
+    parsed = ManifestSource(path)
+    same_rows(src, parsed)
+    assert [str(p) for p in src.problems] == [str(p) for p in parsed.problems]
+    assert [src.row(i).text for i in range(len(src))] == ["one", "last"]
