@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from datafiles import caption, distinct_image, save, tiny_tokenizer, write_jsonl
-from vltrain.data import index_build
+from vltrain.data import index_build, index_lengths
 from vltrain.data.indexing import open_indexed
 from vltrain.data.shards import ShardSource, write_shards
 from vltrain.data.sources import ManifestSource
@@ -114,6 +114,7 @@ def test_parts_in_parallel_equal_one_part_and_an_interrupted_build_resumes(tmp_p
     copy.write_bytes(path.read_bytes())
     (tmp_path / "copy" / "img").symlink_to(tmp_path / "img")
     monkeypatch.setattr(index_build, "PART_BYTES", 997)  # many parts, cut mid-line
+    monkeypatch.setattr(index_build, "MIN_PARALLEL_BYTES", 0)  # and build processes even for this
     calls = []
     real = index_build._write_part
 
@@ -132,7 +133,8 @@ def test_parts_in_parallel_equal_one_part_and_an_interrupted_build_resumes(tmp_p
     resumed = open_indexed(str(copy), tok, 16, workers=2)
     for name in whole.columns:
         assert np.array_equal(whole.columns[name], resumed.columns[name]), name
-    assert np.array_equal(whole.text_len(), resumed.text_len())  # counted in the same 997-byte parts
+    monkeypatch.setattr(index_lengths, "MIN_PARALLEL_CAPTIONS", 0)
+    assert np.array_equal(whole.text_len(), resumed.text_len())  # counted in 997-byte parts, 2 processes
     assert [str(p) for p in whole.problems] == [str(p) for p in resumed.problems]
     assert not list((tmp_path / "copy" / ".vltrain-index").rglob("*.parts"))
 

@@ -38,6 +38,8 @@ from vltrain.errors import DataError
 PART_BYTES = 64 << 20
 """A JSONL manifest is parsed in parts of about this many bytes."""
 SHARDS_PER_PART = 8
+MIN_PARALLEL_BYTES = 256 << 20
+"""Smaller sources are indexed in this process: starting build processes costs seconds."""
 
 
 def _describe(files: list[str]) -> list[dict]:
@@ -302,7 +304,8 @@ def build_structure(index_dir: Path, identity: dict, workers: int, cache: ShardC
     parts = plan_parts(identity, cache, manifest_local)
     parts_dir = index_dir.with_name(index_dir.name + ".parts")
     parts_dir.mkdir(parents=True, exist_ok=True)
-    run_parts(parts_dir, parts, _write_part, (), workers, ".json")
+    small = sum(f["size"] or 0 for f in identity["files"]) < MIN_PARALLEL_BYTES
+    run_parts(parts_dir, parts, _write_part, (), 1 if small else workers, ".json")
     meta = _merge(index_dir, parts_dir, parts, identity, started)
     shutil.rmtree(parts_dir, ignore_errors=True)
     return meta

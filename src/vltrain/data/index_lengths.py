@@ -28,6 +28,8 @@ from vltrain.data.text import Tokenizer, load_tokenizer
 from vltrain.errors import DataError
 
 MAX_LENGTH = int(np.iinfo(np.uint16).max)
+MIN_PARALLEL_CAPTIONS = 200_000
+"""Fewer captions are counted in this process: starting processes costs seconds."""
 
 
 def tokenizer_fingerprint(tokenizer: Tokenizer) -> str:
@@ -87,8 +89,9 @@ def build_lengths(source: IndexedSource, tokenizer: Tokenizer, max_length: int, 
         bounds = _part_bounds(source, parts)
         parts_dir = path.with_name(path.stem + ".parts")
         parts_dir.mkdir(exist_ok=True)
-        by_path = tokenizer.path if workers > 1 and tokenizer.path else tokenizer
-        run_parts(parts_dir, parts, _write_lengths, (by_path, max_length), workers, ".npy",
+        parallel = workers > 1 and tokenizer.path and len(source) >= MIN_PARALLEL_CAPTIONS
+        run_parts(parts_dir, parts, _write_lengths, (tokenizer.path if parallel else tokenizer, max_length),
+                  workers if parallel else 1, ".npy",
                   extra=[hi - lo for lo, hi in bounds])
         out = np.lib.format.open_memmap(private_tmp(path), mode="w+", dtype=np.uint16, shape=(len(source),))
         for k, (lo, hi) in enumerate(bounds):

@@ -112,14 +112,14 @@ def index_cli(args: argparse.Namespace) -> int:
         source = open_indexed(spec, tokenizer, max_len or 77, csv_cfg, cache_dir or None, workers=workers,
                               storage_options=storage_options, cache_limit_gb=cache_limit_gb)
         took = time.monotonic() - started
-        _report(spec, source, took, workers, tokenizer is not None)
+        _report(spec, source, took, tokenizer is not None)
         dropped += source.meta["errors"]
     return 1 if dropped else 0
 
 
-def _report(spec: str, source: IndexedSource, took: float, workers: int, with_lengths: bool) -> None:
+def _report(spec: str, source: IndexedSource, took: float, with_lengths: bool) -> None:
     meta = source.meta
-    how = (f"built in {took:.1f} s ({len(source) / max(took, 1e-9):,.0f} rows/s, {workers} process(es))"
+    how = (f"built in {took:.1f} s ({len(source) / max(took, 1e-9):,.0f} rows/s)"
            if source.built_now else "up to date")
     print(f"{spec}: {len(source):,} samples, {meta['errors']} malformed row(s) dropped, "
           f"{meta['warnings']} warning(s); index {how}\n  {source.index_dir}")
