@@ -38,7 +38,8 @@ import numpy as np
 from PIL import Image
 
 from vltrain.data.images import decode_image
-from vltrain.data.remote import ShardCache, filesystem
+from vltrain.data.remote import filesystem
+from vltrain.data.shard_cache import ShardCache
 
 
 def photo(rng: np.random.Generator, w: int = 500, h: int = 375) -> bytes:

@@ -12,6 +12,7 @@ import torch
 pytest.importorskip("s3fs")
 pytest.importorskip("moto.server")
 
+from multiproc import free_port  # noqa: E402
 from runkit import STEPS, assert_identical, final_state, ok, session_shapes, train  # noqa: E402
 from s3kit import s3, s3_server  # noqa: E402,F401  (fixtures)
 from vltrain.data.config import DataConfig  # noqa: E402
@@ -62,6 +63,10 @@ def test_missing_objects_and_buckets_are_clear_errors(s3, tmp_path_factory, tmp_
         build_dataset(data_cfg(shapes, more, tmp_path / "cache"), "train", tok)
     with pytest.raises(DataError, match="s3://nobucket"):
         build_dataset(data_cfg(shapes, "s3://nobucket/{00000..00001}.tar", tmp_path / "cache"), "train", tok)
+    with pytest.MonkeyPatch.context() as mp:  # a server that is not there: an error, not a hang
+        mp.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{free_port()}")
+        with pytest.raises(DataError, match="not readable after 3 attempts"):
+            build_dataset(data_cfg(shapes, pattern, tmp_path / "cache"), "train", tok)
     ds = build_dataset(data_cfg(shapes, pattern, tmp_path / "cache"), "train", tok)
     s3.delete("s3://bkt/shards/00002.tar")  # gone after indexing, never cached
     shutil.rmtree(tmp_path / "cache" / "remote")

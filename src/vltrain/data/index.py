@@ -27,7 +27,8 @@ from pathlib import Path
 
 import numpy as np
 
-from vltrain.data.remote import ShardCache, is_remote
+from vltrain.data.remote import is_remote
+from vltrain.data.shard_cache import ShardCache
 from vltrain.data.shards import IMAGE_EXTS, span_members
 from vltrain.data.window import default_blocks
 from vltrain.data.sources import IMAGE_KEYS, TEXT_KEYS, Problem, Row, Source, check_row, csv_fields, json_fields

@@ -29,7 +29,8 @@ import numpy as np
 from vltrain.data.config import CsvConfig
 from vltrain.data.index import COLUMNS
 from vltrain.data.filelock import private_tmp
-from vltrain.data.remote import ShardCache, expand_remote, filesystem, is_remote, stat_remote
+from vltrain.data.remote import expand_remote, is_remote, stat_many, stat_remote
+from vltrain.data.shard_cache import ShardCache
 from vltrain.data.shards import default_cache_dir, scan_samples, shard_paths
 from vltrain.data.sources import (IMAGE_KEYS, MANIFEST_SUFFIXES, TEXT_KEYS, check_row, csv_columns, csv_fields,
                                   csv_separator, is_shard_pattern, json_fields)
@@ -50,33 +51,13 @@ def _describe(files: list[str]) -> list[dict]:
     return out
 
 
-def _describe_remote(urls: list[str], storage_options: dict | None) -> list[dict]:
-    """Size and version of remote objects from one listing per folder (not a request per shard)."""
-    fs, _ = filesystem(urls[0], storage_options)
-    scheme = urls[0].split("://", 1)[0]
-    listed: dict[str, dict] = {}
-    for parent in dict.fromkeys(u.rsplit("/", 1)[0] for u in urls):
-        try:
-            entries = fs.ls(parent.split("://", 1)[1], detail=True)
-        except (OSError, ValueError) as e:
-            raise DataError(f"{parent}: cannot list it ({e}); check the bucket name, data.storage_options, "
-                            "AWS_ENDPOINT_URL and the credentials") from e
-        for e in entries:
-            version = next((str(e[k]) for k in ("ETag", "etag", "generation", "LastModified", "mtime") if e.get(k)), "")
-            listed[f"{scheme}://{e['name']}"] = {"size": e.get("size"), "version": version}
-    missing = [u for u in urls if u not in listed]
-    if missing:
-        shown = ", ".join(missing[:3]) + (f" and {len(missing) - 3} more" if len(missing) > 3 else "")
-        raise DataError(f"{len(missing)} of {len(urls)} remote object(s) not found: {shown}")
-    return [{"path": u, **listed[u]} for u in urls]
-
-
 def source_files(spec: str, storage_options: dict | None = None) -> tuple[str, list[dict]]:
     """("manifest" | "shards", the files of a source path with their size and version), every
     one present."""
     if is_remote(spec):
         if is_shard_pattern(spec):
-            return "shards", _describe_remote(expand_remote(spec, storage_options), storage_options)
+            urls = expand_remote(spec, storage_options)
+            return "shards", [{"path": u, **st} for u, st in zip(urls, stat_many(urls, storage_options))]
         if Path(spec).suffix.lower() not in MANIFEST_SUFFIXES:
             raise DataError(f"{spec}: not a manifest (.jsonl, .csv, .tsv) or a tar shard pattern")
         return "manifest", [{"path": spec, **stat_remote(spec, storage_options)}]

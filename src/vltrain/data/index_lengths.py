@@ -23,7 +23,7 @@ import numpy as np
 from vltrain.data.filelock import build_once, private_tmp
 from vltrain.data.index import IndexedSource
 from vltrain.data.index_build import part_rows, plan_parts, run_parts
-from vltrain.data.remote import ShardCache
+from vltrain.data.shard_cache import ShardCache
 from vltrain.data.text import Tokenizer, load_tokenizer
 from vltrain.errors import DataError
 

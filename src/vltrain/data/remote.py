@@ -1,11 +1,8 @@
-"""Remote objects (``s3://``, ``gs://``, ``https://``, any fsspec URL) read as whole local files.
+"""Remote objects (``s3://``, ``gs://``, ``https://``, any fsspec URL): filesystems, listing, errors.
 
-A GET per sample costs tens of milliseconds against object storage, so shards are not read in
-place: each is downloaded whole (ranged chunks, several at once) into a bounded local cache that
-every worker and rank of a node shares, then read like a local shard. Small objects (a manifest,
-a manifest row's image) are read directly. Nothing may hang a run: every request has connect and
-read timeouts, transient failures are retried a bounded number of times with backoff, and a wait
-for another process's download has a deadline.
+Shards are read through a local cache of whole objects (``shard_cache.py``). Nothing may hang a
+run: every request has connect and read timeouts, and transient failures are retried a bounded
+number of times with backoff.
 
 Errors: ``DataError`` (the run stops with its message) for a missing bucket or object where one
 is required (``stat_remote``, ``expand_remote``, ``ShardCache.local``), denied access anywhere, a
@@ -18,20 +15,12 @@ stops a run whose storage went away. fsspec and its backends are imported on fir
 
 from __future__ import annotations
 
-import concurrent.futures
 import contextlib
-import hashlib
-import json
 import os
 import re
-import socket
-import threading
 import time
-from dataclasses import dataclass
-from pathlib import Path
-from typing import Any, BinaryIO, Callable, Iterable
+from typing import Any, Callable
 
-from vltrain.data import filelock
 from vltrain.data.sources import expand_braces
 from vltrain.errors import DataError
 
@@ -44,13 +33,6 @@ own retry loop is turned off), so a server that accepts connections and then sta
 request after (1 + RETRIES) x 2 x READ_TIMEOUT_S, about 3 minutes; a refused connection in seconds."""
 BACKOFF_S = 0.5
 """First retry delay; it doubles with each retry."""
-CHUNK_BYTES = 16 << 20
-PARALLEL_CHUNKS = 4
-"""A download is ranged GETs of CHUNK_BYTES, this many in flight: one GET stream is often slower
-than the network, and a failed chunk is retried alone."""
-LOCK_WAIT_S = 1800.0
-"""The longest a process waits for another's download (which touches its lock after every chunk,
-so that a lock from a dead process on another host is taken over after filelock.STALE_S)."""
 
 _SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]+)://")
 _EXTRAS = {"s3": "s3", "s3a": "s3", "gs": "gcs", "gcs": "gcs"}
@@ -144,7 +126,7 @@ def _hint(url: str, options: dict | None) -> str:
     return "check the URL, that the server is reachable, and data.storage_options"
 
 
-def _retrying(fn: Callable[[], Any], url: str, options: dict | None, retries: int, backoff_s: float) -> Any:
+def retrying(fn: Callable[[], Any], url: str, options: dict | None, retries: int, backoff_s: float) -> Any:
     """``fn()``, retried on transient errors; missing objects raise FileNotFoundError at once."""
     for attempt in range(retries + 1):
         try:
@@ -154,21 +136,21 @@ def _retrying(fn: Callable[[], Any], url: str, options: dict | None, retries: in
             if kind is None or kind == "missing":
                 raise
             if kind == "denied":
-                raise DataError(f"{url}: access denied ({_short(e)}); {_hint(url, options)}") from e
+                raise DataError(f"{url}: access denied ({describe_error(e)}); {_hint(url, options)}") from e
             if attempt == retries:
                 raise RemoteReadError(
-                    f"{url}: not readable after {retries + 1} attempts ({_short(e)}); {_hint(url, options)}"
+                    f"{url}: not readable after {retries + 1} attempts ({describe_error(e)}); {_hint(url, options)}"
                 ) from e
             time.sleep(backoff_s * 2**attempt)
 
 
-def _short(e: BaseException) -> str:
+def describe_error(e: BaseException) -> str:
     text = str(e).strip().splitlines()[0] if str(e).strip() else ""
     return f"{type(e).__name__}: {text}" if text else type(e).__name__
 
 
-def _missing(url: str, e: BaseException, options: dict | None) -> DataError:
-    return DataError(f"{url}: no such object or bucket ({_short(e)}); {_hint(url, options)}")
+def missing_error(url: str, e: BaseException, options: dict | None) -> DataError:
+    return DataError(f"{url}: no such object or bucket ({describe_error(e)}); {_hint(url, options)}")
 
 
 def expand_remote(pattern: str, storage_options: dict | None = None, *, retries: int = RETRIES,
@@ -189,7 +171,7 @@ def expand_remote(pattern: str, storage_options: dict | None = None, *, retries:
             raise DataError(f"{url}: http(s) URLs cannot be listed; name shards with brace ranges "
                             "like shards/{00000..00099}.tar")
         try:
-            found = _retrying(lambda: fs.glob(path), url, storage_options, retries, backoff_s)
+            found = retrying(lambda: fs.glob(path), url, storage_options, retries, backoff_s)
         except (FileNotFoundError, RemoteReadError) as e:
             raise DataError(f"{url}: cannot list ({e})") from e
         found = sorted(p for p in found if not p.endswith("/"))
@@ -214,9 +196,9 @@ def stat_remote(url: str, storage_options: dict | None = None, *, retries: int =
     with contextlib.suppress(Exception):
         fs.invalidate_cache(path)
     try:
-        info = _retrying(lambda: fs.info(path), url, storage_options, retries, backoff_s)
+        info = retrying(lambda: fs.info(path), url, storage_options, retries, backoff_s)
     except FileNotFoundError as e:
-        raise _missing(url, e, storage_options) from e
+        raise missing_error(url, e, storage_options) from e
     except RemoteReadError as e:
         raise DataError(str(e)) from e
     if info.get("type") == "directory":
@@ -226,271 +208,26 @@ def stat_remote(url: str, storage_options: dict | None = None, *, retries: int =
     return {"size": None if size is None else int(size), "version": version}
 
 
-@dataclass
-class CacheStats:
-    """What one process's ShardCache did: ``downloads`` counts whole-object fetches (GETs)."""
-
-    hits: int = 0
-    downloads: int = 0
-    bytes_downloaded: int = 0
-    evictions: int = 0
-    prefetch_errors: int = 0
-
-
-class ShardCache:
-    """Whole remote objects in ``cache_dir/remote``, at most ``limit_bytes`` of them, LRU evicted.
-
-    Safe to share between the DataLoader workers and ranks of a node: one process downloads an
-    object (under an O_EXCL lock file, which works on network file systems too) while the others
-    wait for it. A cached object records the remote size and version; the remote is asked once
-    per URL per process (or never, when the caller passes the ``stat`` it indexed with), and a
-    changed object is downloaded again.
-
-    Eviction deletes files other processes may be reading. On Linux an open file stays readable
-    after it is unlinked, so a reader should hold one open file per shard (``open()``), not
-    reopen ``local()``'s path per sample. Downloads in progress are not counted against the
-    limit, so the cache may exceed it by what is being fetched.
-    """
-
-    def __init__(self, cache_dir: str | os.PathLike, limit_bytes: int, storage_options: dict | None = None, *,
-                 retries: int = RETRIES, backoff_s: float = BACKOFF_S, ahead: int = 2,
-                 lock_wait_s: float = LOCK_WAIT_S, chunk_bytes: int = CHUNK_BYTES):
-        if limit_bytes <= 0:
-            raise DataError(f"the remote shard cache limit must be > 0 bytes, got {limit_bytes}")
-        self.root = Path(cache_dir) / "remote"
-        self.limit_bytes = int(limit_bytes)
-        self.storage_options = dict(storage_options or {})
-        self.retries, self.backoff_s, self.ahead = retries, backoff_s, max(1, ahead)
-        self.lock_wait_s, self.chunk_bytes = lock_wait_s, chunk_bytes
-        self.stats = CacheStats()
-        self._known: dict[str, dict] = {}
-        self._reset()
-
-    def _reset(self) -> None:
-        """Per-process state: threads and filesystem clients do not survive a fork."""
-        self._pid = os.getpid()
-        self._mutex = threading.Lock()
-        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
-        self._pending: dict[str, concurrent.futures.Future] = {}
-
-    def __getstate__(self) -> dict:
-        return {k: v for k, v in self.__dict__.items() if k not in ("_mutex", "_pool", "_pending")}
-
-    def __setstate__(self, state: dict) -> None:
-        self.__dict__.update(state)
-        self._reset()
-
-    # -- the public surface -----------------------------------------------------------------
-
-    def path_for(self, url: str) -> Path:
-        """Where ``url`` is (or would be) cached: ``HASH-NAME``, NAME the object's base name."""
-        digest = hashlib.blake2b(url.encode(), digest_size=8).hexdigest()
-        name = re.sub(r"[^A-Za-z0-9._-]", "_", url.rstrip("/").rsplit("/", 1)[-1])[-80:]
-        return self.root / f"{digest}-{name}"
-
-    def local(self, url: str, stat: dict | None = None) -> Path:
-        """A local file holding the whole object at ``url``, downloaded first when needed."""
-        if os.getpid() != self._pid:
-            self._reset()
-        with self._mutex:
-            pending = self._pending.get(url)
-        if pending is not None:
-            with contextlib.suppress(Exception):  # its error, if any, is raised again below
-                pending.result()
-        return self._local(url, stat)
-
-    def _local(self, url: str, stat: dict | None) -> Path:
-        path = self.path_for(url)
-        want = stat or self._stat(url)
-        if self._fresh(path, want):
-            filelock.touch(path)  # its last use, for LRU eviction
-            self._count(hits=1)
-            return path
-        return self._fetch_locked(url, path, want)
-
-    def open(self, url: str, stat: dict | None = None) -> BinaryIO:
-        """``local(url)`` opened for reading; the open file outlives an eviction of the object."""
-        for _ in range(3):
-            try:
-                return open(self.local(url, stat), "rb")
-            except FileNotFoundError:
-                continue  # evicted by another process between the two calls
-        raise RemoteReadError(f"{url}: evicted from {self.root} as soon as fetched; raise data.cache_limit_gb")
-
-    def prefetch(self, urls: Iterable[str]) -> int:
-        """Start downloading ``urls`` in the background, in order; how many were started.
-
-        At most ``ahead`` are queued or downloading at a time: URLs past that are not taken
-        (call again with the next ones when a shard is done). A failed prefetch is counted in
-        ``stats.prefetch_errors`` and leaves nothing behind; ``local()`` then raises its error.
-        """
-        if os.getpid() != self._pid:
-            self._reset()
-        started = 0
-        with self._mutex:
-            if self._pool is None:
-                self._pool = concurrent.futures.ThreadPoolExecutor(self.ahead, thread_name_prefix="vltrain-prefetch")
-            self._pending = {u: f for u, f in self._pending.items() if not f.done()}
-            for url in urls:
-                if url in self._pending:
-                    continue
-                if len(self._pending) >= self.ahead:
-                    break
-                self._pending[url] = self._pool.submit(self._prefetch_one, url)
-                started += 1
-        return started
-
-    def read_bytes(self, url: str) -> bytes:
-        """A small object read whole, not cached (a manifest row's image); RemoteReadError when
-        it is missing or the network fails past the retries."""
-        fs, path = filesystem(url, self.storage_options)
+def stat_many(urls: list[str], storage_options: dict | None = None) -> list[dict]:
+    """``stat_remote`` of many objects, from one listing per folder where the store lists (S3,
+    GCS), not a request per shard; a missing object is a DataError naming how many and which."""
+    if _protocol(urls[0]) in ("http", "https"):
+        return [stat_remote(u, storage_options) for u in urls]
+    fs, _ = filesystem(urls[0], storage_options)
+    listed: dict[str, dict] = {}
+    for folder in dict.fromkeys(u.rsplit("/", 1)[0] for u in urls):
         try:
-            return _retrying(lambda: fs.cat_file(path), url, self.storage_options, self.retries, self.backoff_s)
+            entries = retrying(lambda: fs.ls(fs._strip_protocol(folder), detail=True), folder, storage_options,
+                                RETRIES, BACKOFF_S)
         except FileNotFoundError as e:
-            raise RemoteReadError(f"{url}: no such object ({_short(e)})") from e
-
-    def usage(self) -> int:
-        """Bytes of complete cached objects."""
-        return sum(size for _, size, _ in self._entries())
-
-    def close(self) -> None:
-        """Stop prefetching: queued downloads are dropped, running ones finish."""
-        with self._mutex:
-            pool, self._pool, self._pending = self._pool, None, {}
-        if pool is not None:
-            pool.shutdown(wait=True, cancel_futures=True)
-
-    # -- fetching ---------------------------------------------------------------------------
-
-    def _count(self, **add: int) -> None:
-        with self._mutex:
-            for key, n in add.items():
-                setattr(self.stats, key, getattr(self.stats, key) + n)
-
-    def _prefetch_one(self, url: str) -> None:
-        try:
-            self._local(url, None)
-        except Exception:
-            self._count(prefetch_errors=1)
-
-    def _stat(self, url: str) -> dict:
-        known = self._known.get(url)
-        if known is None:
-            known = stat_remote(url, self.storage_options, retries=self.retries, backoff_s=self.backoff_s)
-            self._known[url] = known
-        return known
-
-    def _fresh(self, path: Path, want: dict) -> bool:
-        try:
-            with open(_meta(path), encoding="utf-8") as f:
-                have = json.load(f)
-            size = path.stat().st_size
-        except (OSError, ValueError):
-            return False
-        if want.get("size") is not None and (have.get("size"), size) != (want["size"], want["size"]):
-            return False
-        return not (want.get("version") and have.get("version") != want["version"])
-
-    def _fetch_locked(self, url: str, path: Path, want: dict) -> Path:
-        """Download under the object's lock, or wait for the process that holds it."""
-        self.root.mkdir(parents=True, exist_ok=True)
-        lock = path.with_name(path.name.split("-", 1)[0] + ".lock")
-        with filelock.exclusive(lock, self.lock_wait_s, lambda: self._fresh(path, want), f"download {url}") as mine:
-            if mine and not self._fresh(path, want):
-                self._download(url, path, want, lock)
-                self._evict(keep=path)
-                return path
-        filelock.touch(path)  # its last use, for LRU eviction
-        self._count(hits=1)
-        return path
-
-    def _download(self, url: str, path: Path, want: dict, lock: Path) -> None:
-        """Stream into a temporary file, then rename it into place and record what it is."""
-        fs, rpath = filesystem(url, self.storage_options)
-        tmp = path.with_name(f"{path.name}.{socket.gethostname()}.{os.getpid()}.{threading.get_ident()}.tmp")
-        size = want.get("size")
-        try:
-            fd = os.open(tmp, os.O_CREAT | os.O_TRUNC | os.O_WRONLY, 0o644)
-            try:
-                if size is None:
-                    data = self._get(fs, rpath, url, None, None)
-                    os.write(fd, data)
-                    size = len(data)
-                else:
-                    self._get_chunks(fs, rpath, url, size, fd, lock)
-            finally:
-                os.close(fd)
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(_meta(path))  # the old record goes first: never an old record over new bytes
-            os.replace(tmp, path)
-            _write_json(_meta(path), {"url": url, "size": size, "version": want.get("version", "")})
-        except BaseException:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(tmp)
-            raise
-        self._count(downloads=1, bytes_downloaded=size)
-
-    def _get_chunks(self, fs: Any, rpath: str, url: str, size: int, fd: int, lock: Path) -> None:
-        def one(start: int) -> None:
-            end = min(start + self.chunk_bytes, size)
-            data = self._get(fs, rpath, url, start, end)
-            if len(data) != end - start:
-                raise RemoteReadError(f"{url}: changed while downloading (bytes {start}..{end} came back "
-                                      f"{len(data)} long); it will be fetched again on next use")
-            os.pwrite(fd, data, start)
-            filelock.touch(lock)
-
-        starts = range(0, size, self.chunk_bytes)
-        pool = concurrent.futures.ThreadPoolExecutor(max(1, min(PARALLEL_CHUNKS, len(starts))))
-        try:
-            for future in [pool.submit(one, s) for s in starts]:
-                future.result()
-        finally:
-            pool.shutdown(wait=True, cancel_futures=True)
-
-    def _get(self, fs: Any, rpath: str, url: str, start: int | None, end: int | None) -> bytes:
-        try:
-            return _retrying(lambda: fs.cat_file(rpath, start=start, end=end), url, self.storage_options,
-                             self.retries, self.backoff_s)
-        except FileNotFoundError as e:
-            raise _missing(url, e, self.storage_options) from e
-
-    # -- eviction ---------------------------------------------------------------------------
-
-    def _entries(self) -> list[tuple[float, int, Path]]:
-        """(last use, size, path) of every complete cached object."""
-        out = []
-        with contextlib.suppress(FileNotFoundError):
-            for p in self.root.iterdir():
-                if not re.fullmatch(r"[0-9a-f]{16}-[^/]*", p.name) or p.name.endswith(".tmp"):
-                    continue
-                with contextlib.suppress(FileNotFoundError):
-                    st = p.stat()
-                    out.append((st.st_mtime, st.st_size, p))
-        return out
-
-    def _evict(self, keep: Path) -> None:
-        """Delete the least recently used objects until the cache fits its limit (never ``keep``)."""
-        entries = sorted(self._entries())
-        total = sum(size for _, size, _ in entries)
-        for _, size, p in entries:
-            if total <= self.limit_bytes:
-                break
-            if p == keep:
-                continue
-            for f in (_meta(p), p):
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(f)
-            total -= size
-            self._count(evictions=1)
-
-
-def _meta(path: Path) -> Path:
-    return path.with_name(path.name.split("-", 1)[0] + ".meta.json")
-
-
-def _write_json(path: Path, obj: dict) -> None:
-    tmp = path.with_name(f"{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(obj, f)
-    os.replace(tmp, path)
+            raise DataError(f"{folder}: cannot list it ({describe_error(e)}); {_hint(folder, storage_options)}") from e
+        except RemoteReadError as e:
+            raise DataError(str(e)) from e
+        for e in entries:
+            version = next((str(e[k]) for k in _VERSION_KEYS if e.get(k) not in (None, "")), "")
+            listed[fs.unstrip_protocol(e["name"])] = {"size": e.get("size"), "version": version}
+    missing = [u for u in urls if u not in listed]
+    if missing:
+        shown = ", ".join(missing[:3]) + (f" and {len(missing) - 3} more" if len(missing) > 3 else "")
+        raise DataError(f"{len(missing)} of {len(urls)} remote object(s) not found: {shown}")
+    return [listed[u] for u in urls]
