@@ -89,8 +89,8 @@ def _text_config(arch: Architecture, model: VLModel, tokenizer: Tokenizer, famil
 def hf_config(model: VLModel, tokenizer: Tokenizer, family: str) -> dict:
     arch = architecture_of(model)
     v = arch.vision
-    vision = {"model_type": f"{family}_vision_model", "hidden_size": v.width, "intermediate_size": round(v.width * v.mlp_ratio),
-              "num_hidden_layers": v.depth, "num_attention_heads": v.heads, "image_size": v.image_size,
+    vision = {"model_type": f"{family}_vision_model", "hidden_size": v.width,
+              "intermediate_size": round(v.width * v.mlp_ratio), "num_hidden_layers": v.depth, "num_attention_heads": v.heads, "image_size": v.image_size,
               "patch_size": v.patch_size, "num_channels": 3, "hidden_act": HF_ACT[v.act], "layer_norm_eps": v.norm_eps}
     config = {"architectures": [hf_clip.FAMILIES[family]], "model_type": family,
               "text_config": _text_config(arch, model, tokenizer, family), "vision_config": vision}
@@ -140,7 +140,8 @@ def write_hf(model: VLModel, tokenizer: Tokenizer, cfg: JobConfig, out: Path, fa
         notes.append(f"left out (transformers' {hf_clip.FAMILIES[family]} has no place for them): {', '.join(left)}")
     write_weights(out / "model.safetensors", tensors, metadata)
     pad_id = arch.text.pad_id if family == "siglip" else tokenizer.pad_id
-    files = {"config.json": hf_config(model, tokenizer, family), "preprocessor_config.json": preprocessor_config(cfg, family),
+    files = {"config.json": hf_config(model, tokenizer, family),
+             "preprocessor_config.json": preprocessor_config(cfg, family),
              "tokenizer_config.json": tokenizer_config(tokenizer, cfg, pad_id)}
     for name, content in files.items():
         (out / name).write_text(json.dumps(content, indent=2) + "\n")

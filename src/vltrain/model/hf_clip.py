@@ -97,7 +97,8 @@ def _text(t: dict[str, Any], family: str, source: Path) -> TextTowerConfig:
 def _pad_id(folder: Path, t: dict[str, Any]) -> int:
     """SigLIP's padding token: tokenizer_config.json's pad_token (what its tokenizer pads with), else
     config.json's pad_token_id."""
-    token = read_json(folder / "tokenizer_config.json").get("pad_token") if (folder / "tokenizer_config.json").is_file() else None
+    config = folder / "tokenizer_config.json"
+    token = read_json(config).get("pad_token") if config.is_file() else None
     if isinstance(token, dict):
         token = token.get("content")
     if token and (folder / "tokenizer.json").is_file():
@@ -185,7 +186,8 @@ def links(arch: Architecture, family: str) -> list[Link]:
     h = "vision_model.head"
     return out + [
         same("vision.head.probe", f"{h}.probe"), Link("vision.head.qkv.weight", (f"{h}.attention.in_proj_weight",)),
-        Link("vision.head.qkv.bias", (f"{h}.attention.in_proj_bias",)), *linear("vision.head.out", f"{h}.attention.out_proj"),
+        Link("vision.head.qkv.bias", (f"{h}.attention.in_proj_bias",)),
+        *linear("vision.head.out", f"{h}.attention.out_proj"),
         *linear("vision.head.norm", f"{h}.layernorm"), *linear("vision.head.mlp.fc", f"{h}.mlp.fc1"),
         *linear("vision.head.mlp.proj", f"{h}.mlp.fc2"), *linear("text_proj.proj", "text_model.head"),
         Link("logit_scale", ("logit_scale",), shape=(1,)), Link("logit_bias", ("logit_bias",), shape=(1,)),
