@@ -93,6 +93,7 @@ class IndexedSource(Source):
         self._fds: dict[str, int] = {}
         self._pid = os.getpid()
         self._span: tuple[int, dict[str, bytes], str] | None = None
+        self._row: tuple[int, Row] | None = None
         if self.kind == "manifest" and meta.get("csv"):
             self._csv = meta["csv"]
 
@@ -127,7 +128,8 @@ class IndexedSource(Source):
     def blocks(self) -> np.ndarray:
         """Starts of the rows read together (each shard's samples; runs of manifest rows), then n."""
         if self.kind == "shards":
-            return np.searchsorted(self.columns["line"], np.arange(len(self.files) + 1)).astype(np.int64)
+            line = self.columns["line"]  # searched in its own dtype: no copy of the mapped column
+            return np.searchsorted(line, np.arange(len(self.files) + 1, dtype=line.dtype)).astype(np.int64)
         return default_blocks(len(self))
 
     def texts(self) -> list[str | None]:
@@ -154,7 +156,9 @@ class IndexedSource(Source):
         c = self.columns
         offset, length, line = int(c["offset"][i]), int(c["length"][i]), int(c["line"][i])
         if self.kind == "manifest":
-            return self._manifest_row(offset, length, line)
+            if self._row is None or self._row[0] != i:  # read_image(i) follows row(i): parse once
+                self._row = (i, self._manifest_row(offset, length, line))
+            return self._row[1]
         return self._shard_row(i, offset, length, line)[0]
 
     def _manifest_row(self, offset: int, length: int, line: int) -> Row:
@@ -197,7 +201,7 @@ class IndexedSource(Source):
         c = self.columns
         offset, length, line = int(c["offset"][i]), int(c["length"][i]), int(c["line"][i])
         if self.kind == "manifest":
-            row = self._manifest_row(offset, length, line)
+            row = self.row(i)
             if row.image is None:
                 raise ValueError(f"row {i} of {self.name} has no image")
             return self._read_image_file(row.image)
@@ -229,7 +233,7 @@ class IndexedSource(Source):
 
     def __getstate__(self) -> dict:
         state = dict(self.__dict__)
-        state.update(_fds={}, _span=None, columns=None, lengths=None)
+        state.update(_fds={}, _span=None, _row=None, columns=None, lengths=None)
         return state
 
     def __setstate__(self, state: dict) -> None:

@@ -208,7 +208,7 @@ class DistributedBatchSampler:
             log.log(level, "epoch %d: %d steps; remainder=%s: %d samples dropped, %d rows padded by repetition",
                     epoch, len(steps) // self.world_size, self.remainder, dropped, padded)
         repeats = _first_occurrence(steps)
-        distinct = len(np.unique(np.concatenate(steps))) if steps else 0
+        distinct = sum(int((~r).sum()) for r in repeats)  # each sample's first occurrence, counted once
         mine = slice(self.rank, None, self.world_size)
         return EpochPlan(steps[mine], repeats[mine], distinct, dropped, padded)
 
