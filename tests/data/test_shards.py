@@ -147,3 +147,35 @@ def test_validate_a_shard_pattern_as_a_command(tmp_path, cli):
     r = cli("data", "validate", "shards/{00000..00001}.tar")
     assert r.returncode == 0, r.stdout + r.stderr
     assert "3 rows (2 image-text, 1 text-only, 0 image-only); 0 error(s)" in r.stdout
+
+
+@pytest.mark.parametrize("fmt", [tarfile.GNU_FORMAT, tarfile.PAX_FORMAT, tarfile.USTAR_FORMAT])
+def test_span_walk_reads_what_tarfile_reads(tmp_path, fmt):
+    """A sample's span is read by walking its headers; long names (GNU L, pax path), pax records
+    and prefixes give the same members as tarfile."""
+    import io
+    import random
+
+    from vltrain.data.shards import _tarfile_span, _walk_span, scan_samples, span_members
+
+    rng = random.Random(fmt)
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w", format=fmt) as tar:
+        for i in range(20):
+            key = "d" * rng.choice([1, 60] + ([130] if fmt != tarfile.USTAR_FORMAT else [])) + f"/k{i}"
+            for ext, data in (("jpg", rng.randbytes(rng.randrange(0, 2000))), ("txt", f"cap é {i}".encode())):
+                info = tarfile.TarInfo(f"{key}.{ext}")
+                info.size = len(data)
+                if fmt == tarfile.PAX_FORMAT and i % 3 == 0:
+                    info.pax_headers = {"comment": "x" * 300}
+                tar.addfile(info, io.BytesIO(data))
+    path = tmp_path / "s.tar"
+    path.write_bytes(buf.getvalue())
+    samples, _ = scan_samples(path)
+    data = path.read_bytes()
+    assert len(samples) == 20
+    for key, _sid, _image, text, start, end in samples:
+        span = data[start:end]
+        assert _walk_span(span) == _tarfile_span(span)
+        found, members = span_members(span)
+        assert found == key and members["txt"].decode() == text
