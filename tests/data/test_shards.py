@@ -156,7 +156,7 @@ def test_span_walk_reads_what_tarfile_reads(tmp_path, fmt):
     import io
     import random
 
-    from vltrain.data.shards import _tarfile_span, _walk_span, scan_samples, span_members
+    from vltrain.data.shards import _tarfile_span, _walk_members, _walk_span, scan_samples, span_members
 
     rng = random.Random(fmt)
     buf = io.BytesIO()
@@ -174,6 +174,9 @@ def test_span_walk_reads_what_tarfile_reads(tmp_path, fmt):
     samples, _ = scan_samples(path)
     data = path.read_bytes()
     assert len(samples) == 20
+    with tarfile.open(path) as tar:  # the walk finds what tarfile finds: offsets, sizes, names
+        want = [(i.name, i.offset, i.offset_data, i.size) for i in tar if i.isfile()]
+    assert [tuple(m) for m in _walk_members(data)] == want
     for key, _sid, _image, text, start, end in samples:
         span = data[start:end]
         assert _walk_span(span) == _tarfile_span(span)
