@@ -52,7 +52,8 @@ class S3:
     def reset(self) -> None:
         """Every bucket and object gone (moto's own reset call)."""
         req = urllib.request.Request(f"{self.endpoint}/moto-api/reset", method="POST")
-        urllib.request.urlopen(req, timeout=10).close()
+        # the first request imports moto's backends: seconds on a busy machine
+        urllib.request.urlopen(req, timeout=120).close()
 
     def bucket(self, name: str) -> None:
         self.fs.mkdir(name)
