@@ -103,10 +103,9 @@ def test_presets_without_a_transformers_equivalent_are_refused():
 
 
 @pytest.mark.timeout(240)
+@pytest.mark.parametrize("finetuned", ["clip"], indirect=True)  # one family is enough for the command line
 def test_cli_exports_hf_and_embeds_and_evaluates_pretrained_folders(finetuned, tmp_path, cli):
     run, _, family = finetuned
-    if family != "clip":
-        pytest.skip("one family is enough for the command line")
     out = tmp_path / "hf"
     proc = cli("export", run, "--out", out, "--format", "hf")
     assert proc.returncode == 0, proc.stderr
