@@ -15,6 +15,7 @@ import torch
 
 from vltrain.distributed import World, init_distributed
 from vltrain.errors import ConfigError
+from vltrain.precision import cpu_has_bf16_matmul  # noqa: F401  (where the trainer and demo look)
 from vltrain.spmd import RECORDER
 
 
@@ -61,19 +62,6 @@ def keep_freed_memory(mmap_threshold: int = 32 << 20, trim_threshold: int = 1 <<
     return bool(mallopt(_M_MMAP_THRESHOLD, mmap_threshold)) and bool(mallopt(_M_TRIM_THRESHOLD, trim_threshold))
 
 
-BF16_CPU_FLAGS = ("avx512_bf16", "amx_bf16")
-
-
-def cpu_has_bf16_matmul(cpuinfo: str = "/proc/cpuinfo") -> bool:
-    """Whether this CPU multiplies bf16 matrices in hardware (AVX-512 BF16 or AMX). Without either,
-    bf16 autocast emulates them and runs many times slower than fp32
-    (``docs/benchmarks.md#zero-shot-evaluation-speed``). Where the flags cannot be read, True."""
-    try:
-        with open(cpuinfo) as f:
-            flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), None)
-    except OSError:
-        return True
-    return flags is None or any(flag in flags for flag in BF16_CPU_FLAGS)
 
 
 def setup_world(*, timeout_s: float = 600.0, device: str = "auto", threads: int = 0, tf32: bool = True,

@@ -17,6 +17,8 @@ import functools
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from vltrain.precision import cpu_has_bf16_matmul
 from torch.utils.checkpoint import checkpoint
 
 
@@ -36,11 +38,8 @@ ACTIVATIONS = {"gelu": F.gelu, "gelu_tanh": _gelu_tanh, "quick_gelu": quick_gelu
 
 @functools.cache
 def cpu_multiplies_bf16() -> bool:
-    """Whether this CPU has bf16 matrix instructions (AVX-512 BF16 or AMX), by torch's own probes."""
-    probes = [getattr(torch.cpu, name, None) for name in ("_is_avx512_bf16_supported", "_is_amx_tile_supported")]
-    if not any(probes):
-        return True  # a torch without the probes: keep the matmul path
-    return any(probe() for probe in probes if probe is not None)
+    """Whether this CPU has bf16 matrix instructions (AVX-512 BF16 or AMX): asked once."""
+    return cpu_has_bf16_matmul()
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
