@@ -5,12 +5,13 @@ from __future__ import annotations
 import json
 import multiprocessing
 import os
+import shutil
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from datafiles import caption, distinct_image, save, tiny_tokenizer, write_jsonl
+from datafiles import caption, distinct_image, save, sha, tiny_tokenizer, write_jsonl
 from vltrain.data import index_build, index_lengths
 from vltrain.data.indexing import open_indexed
 from vltrain.data.shards import ShardSource, write_shards
@@ -213,3 +214,70 @@ def test_jsonl_edge_lines_parse_as_line_by_line(tmp_path, tok):
     same_rows(src, parsed)
     assert [str(p) for p in src.problems] == [str(p) for p in parsed.problems]
     assert [src.row(i).text for i in range(len(src))] == ["one", "last"]
+
+
+ODD_LINES = [b'{"text": "caption"}', b'{"image": "a.png"}', b'{"caption": "c", "image_path": "p.png"}',
+             b'{"image": "a.png", "text": "  "}', b'{"image": " ", "text": "t"}', b'{"text": "caf\\u00e9"}',
+             b'{"text": "\\ud800"}', b'{"text": "\xff"}', b'{"text": "a [sic] b", "image": "a.png"}',
+             b'{"text": "t", "tags": ["a", "b"]}', b'{"text": "t", "meta": {"w": 1}}', b' {"text": "lead"}', b"",
+             b"   ", b'{"text": "crlf", "image": "a.png"}\r', b"{nope", b'{"text": "a"}, {"text": "b"}', b'["x"]',
+             b"3", b'{"id": true, "text": "t"}', b'{"id": 1.5, "text": "t"}', b'{"id": "", "text": "t"}',
+             b'{"text": 7}', b'{"image": null, "text": "t"}', b'{"image": null, "image_path": "p.png", "text": "t"}',
+             b'{"image": "", "text": "t"}', b'{"text": "t", "x": NaN}', b'{"text": "a", "text": "b"}',
+             '{"text": "日本語", "image": "a.png"}'.encode(), b'{"text": "a\tb"}', b'{"id": "\\udc00", "text": "t"}',
+             b'{"id": 3, "text": "t", "image": "a.png"}', b'{"text": "t", "image": "a.png", "id": null}']
+
+
+def odd_manifest(path: Path, rng_seed: int = 3) -> Path:
+    """12,000 lines: plain rows in long runs (read in bulk), then runs mixing every odd line a
+    manifest can hold; the last line has no line break."""
+    import random
+
+    rng = random.Random(rng_seed)
+    lines = []
+    for i in range(12000):
+        plain = b'{"id": "r%d", "image": "img/%d.png", "text": "caption %d"}' % (i, i % 7, i)
+        odd = 5000 <= i < 8000 and rng.random() < 0.3 or i in (4500, 11000)
+        lines.append(rng.choice(ODD_LINES) if odd else plain if i < 9000 else plain.replace(b'"r%d"' % i, b"%d" % i))
+    path.write_bytes(b"\n".join(lines))
+    return path
+
+
+def index_digest(index_dir: Path) -> dict:
+    """The index's columns and problems, as digests; and its counts."""
+    meta = json.loads((index_dir / "meta.json").read_text())
+    files = [f"{c}.npy" for c in index_build.COLUMNS] + ["problems.jsonl"]
+    return {"files": {f: sha((index_dir / f).read_bytes())[:16] for f in files},
+            "counts": [meta["count"], meta["errors"], meta["warnings"]]}
+
+
+BEFORE = {
+    "jsonl": {"counts": [11608, 333, 76], "files": {
+        "offset.npy": "5d91bb30736e19d2", "length.npy": "4b388a4836ba377c", "line.npy": "bb68c0c854e9ef01",
+        "has_image.npy": "f04dd9b3a8b8c8bd", "has_text.npy": "4d940d42e2b7abcd", "problems.jsonl": "92b9e08c624241b0"}},
+    "csv": {"counts": [3, 2, 0], "files": {
+        "offset.npy": "9e0cc2937bd17699", "length.npy": "5fdc64b92a49813f", "line.npy": "c409cd0e1d4fc1e7",
+        "has_image.npy": "67c5322b3a41bd51", "has_text.npy": "0284b5a32c95b425", "problems.jsonl": "c26c855be72a3cf2"}},
+    "shards": {"counts": [336, 9, 3], "files": {
+        "offset.npy": "b99222ba2b0f56e4", "length.npy": "ba9cc0ca0063add1", "line.npy": "5a1652f6e73e8c96",
+        "has_image.npy": "fe91a13c962aee71", "has_text.npy": "42f19c1b095557e1", "problems.jsonl": "e7331b08d5b86c71"}},
+}
+"""Digests of the indexes of ``odd_manifest``, a CSV and ``odd_shards``, made before the bulk scans."""
+
+
+def test_the_index_holds_what_it_held_before(tmp_path, monkeypatch):
+    """Digests of indexes built before the bulk scans: the columns, problems.jsonl and the counts
+    of meta.json are the same byte for byte, built in one part or in many."""
+    from test_shards import odd_shards
+
+    csv_path = tmp_path / "m.csv"
+    csv_path.write_text('id,image,text\n1,a.png,"two\nlines"\n2,,only text\n3,bad,row,extra\n4,b.png,\n5,,\n')
+    specs = {"jsonl": str(odd_manifest(tmp_path / "m.jsonl")), "csv": str(csv_path),
+             "shards": odd_shards(tmp_path / "sh")}
+    got = {kind: index_digest(open_indexed(spec, None, 16).index_dir) for kind, spec in specs.items()}
+    assert got == BEFORE
+    monkeypatch.setattr(index_build, "PART_BYTES", 50_000)
+    monkeypatch.setattr(index_build, "SHARDS_PER_PART", 5)
+    for kind, spec in specs.items():
+        shutil.rmtree(open_indexed(spec, None, 16).index_dir)
+        assert index_digest(open_indexed(spec, None, 16).index_dir) == BEFORE[kind], kind
