@@ -1,13 +1,14 @@
 """Data at scale: building the sample index, the first batch, memory per node, loader throughput.
 
 For each ``--rows`` N and ``--kinds`` (a JSONL manifest; tar shards, 1,000 samples a shard up to 1M
-rows and 10,000 above), it writes the data once under ``--workdir`` (32 small images, 48 px shapes
-from ``vltrain.data.synth``, PNG and JPEG, reused cyclically; captions from ``synth.describe``; a
-unique id per row: the manifest's ``id``, the shard member's key), then:
+rows and 10,000 above), it writes the data once under ``--workdir`` (``_data_scale_data.py``: 32
+small images, 48 px shapes from ``vltrain.data.synth``, PNG and JPEG, reused cyclically; captions
+from ``synth.describe``; a unique id per row: the manifest's ``id``, the shard member's key), then:
 
   build:  deletes the data's sample index and times ``open_indexed`` building it with one process
           per core from a cold page cache (rows/s of wall time; rows per CPU-second of the build's
-          processes, i.e. per core whatever else the machine runs); then, up to ``--tokens-max``
+          processes, i.e. per core whatever else the machine runs; ``--build-repeats`` builds, the
+          median shown, and each build's rate); then, once, up to ``--tokens-max``
           rows, the caption token counts (``source.text_len()``, made on first use: only budget
           batching needs them). For shards, the rate at which the same files read back
           sequentially from a cold page cache (the disk), and the rate of walking their tar
@@ -32,6 +33,11 @@ and prints markdown tables, the mixing of the windowed shuffle (shards per batch
 extrapolation to 1B rows (index size, build time on 64 cores, memory per node, first batch).
 
     OMP_NUM_THREADS=1 PYTHONPATH=src python benchmarks/data_scale.py --rows 100000 1000000 10000000 --kinds jsonl shards
+
+``--build-only`` prints the build table alone (the index build, nothing after it)::
+
+    OMP_NUM_THREADS=1 PYTHONPATH=src python benchmarks/data_scale.py --build-only --build-repeats 5 \
+        --rows 1000000 --kinds jsonl shards --tokens-max 0
 """
 
 from __future__ import annotations
@@ -40,15 +46,12 @@ import argparse
 import json
 import os
 import platform
-import random
 import resource
 import shutil
 import statistics
 import subprocess
 import sys
-import tarfile
 import time
-from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -65,119 +68,14 @@ from vltrain.data.loader import build_train_loader  # noqa: E402
 from vltrain.data.sampler import DistributedBatchSampler  # noqa: E402
 from vltrain.data.shards import ShardSource, shard_paths, span_members  # noqa: E402
 from vltrain.data.sources import ManifestSource  # noqa: E402
-from vltrain.data.synth import describe, render, sample_scene  # noqa: E402
 from vltrain.data.text import load_tokenizer, train_tokenizer  # noqa: E402
+from _data_scale_data import (dataset, disk_read_rate, drop_cache, make_assets, shards_per,  # noqa: E402
+                              tar_walk, tar_walk_rate)
 
-IMAGES, WORDINGS = 32, 128
 TINY = 2000
 WORLD, LOADER_WORKERS, BATCH, WINDOW = 2, 2, 256, 16
 TARGET_ROWS = 1_000_000_000
-BLOCK = tarfile.BLOCKSIZE
 SETTLE_S = 3.0
-
-
-# -- data ------------------------------------------------------------------------------------------
-
-
-def make_assets(work: Path) -> tuple[list[str], list[list[str]]]:
-    """32 images (even: PNG, odd: JPEG) and, per image, 128 wordings of its caption."""
-    (work / "images").mkdir(parents=True, exist_ok=True)
-    names, captions = [], []
-    for k in range(IMAGES):
-        rng = random.Random(f"data-scale/{k}")
-        shapes = sample_scene(rng)
-        name = f"{k:02d}.{'jpg' if k % 2 else 'png'}"
-        if not (work / "images" / name).is_file():
-            render(shapes, 48, rng).save(work / "images" / name, quality=85)
-        names.append(name)
-        captions.append([describe(shapes, rng) for _ in range(WORDINGS)])
-    return names, captions
-
-
-def row_assets(i: int) -> tuple[int, int]:
-    """(image, wording) of row ``i``."""
-    return i % IMAGES, (i // IMAGES) % WORDINGS
-
-
-def write_jsonl(path: Path, rows: int, names: list[str], captions: list[list[str]]) -> None:
-    quoted = [[json.dumps(c) for c in cs] for cs in captions]
-    tmp = path.with_suffix(".tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
-        for lo in range(0, rows, 100_000):
-            lines = []
-            for i in range(lo, min(rows, lo + 100_000)):
-                k, w = row_assets(i)
-                lines.append(f'{{"id": "r{i:010d}", "image": "../images/{names[k]}", "text": {quoted[k][w]}}}\n')
-            f.write("".join(lines))
-    os.replace(tmp, path)
-
-
-def _member(name: bytes, data: bytes, templates: dict) -> bytes:
-    """A tar member (GNU header, data padded to 512) built from a per-size header template."""
-    key = (len(name), len(data))
-    if key not in templates:
-        info = tarfile.TarInfo("x" * len(name))
-        info.size, info.mode = len(data), 0o644
-        head = bytearray(info.tobuf(tarfile.GNU_FORMAT))
-        base = sum(head) - sum(head[148:156]) + 8 * 32 - sum(head[: len(name)])
-        templates[key] = (bytes(head), base)
-    head, base = templates[key]
-    out = bytearray(head)
-    out[: len(name)] = name
-    out[148:155] = b"%06o\x00" % (base + sum(name))
-    return bytes(out) + data + bytes(-len(data) % BLOCK)
-
-
-def write_shard(job: tuple[str, int, int, int, list[bytes], list[str], list[list[str]]]) -> None:
-    path, shard, lo, hi, images, names, captions = job
-    exts = [n.rsplit(".", 1)[1].encode() for n in names]
-    texts = [[c.encode() for c in cs] for cs in captions]
-    templates: dict = {}
-    parts = []
-    for i in range(lo, hi):
-        k, w = row_assets(i)
-        key = b"%05d%05d" % (shard, i - lo)
-        parts.append(_member(key + b"." + exts[k], images[k], templates))
-        parts.append(_member(key + b".txt", texts[k][w], templates))
-    body = b"".join(parts) + bytes(2 * BLOCK)
-    body += bytes(-len(body) % tarfile.RECORDSIZE)
-    with open(path + ".tmp", "wb") as f:
-        f.write(body)
-    os.replace(path + ".tmp", path)
-
-
-def write_shards(folder: Path, rows: int, per_shard: int, work: Path, names, captions) -> None:
-    folder.mkdir(parents=True, exist_ok=True)
-    images = [(work / "images" / n).read_bytes() for n in names]
-    jobs = [(str(folder / f"{s:05d}.tar"), s, lo, min(rows, lo + per_shard), images, names, captions)
-            for s, lo in enumerate(range(0, rows, per_shard))]
-    with ProcessPoolExecutor(os.cpu_count() or 1) as pool:
-        list(pool.map(write_shard, jobs, chunksize=4))
-
-
-def shards_per(rows: int) -> int:
-    return 1000 if rows <= 1_000_000 else 10_000
-
-
-def dataset(work: Path, kind: str, rows: int, names, captions) -> str:
-    """The data's spec (a manifest, or a shard pattern), written unless already there."""
-    folder = work / f"{kind}-{rows}"
-    done = folder / ".written"
-    if kind == "jsonl":
-        spec = str(folder / "train.jsonl")
-    else:
-        count = -(-rows // shards_per(rows))
-        spec = f"{folder}/{{00000..{count - 1:05d}}}.tar"
-    if not done.is_file():
-        started = time.monotonic()
-        folder.mkdir(parents=True, exist_ok=True)
-        if kind == "jsonl":
-            write_jsonl(Path(spec), rows, names, captions)
-        else:
-            write_shards(folder, rows, shards_per(rows), work, names, captions)
-        done.write_text("")
-        print(f"wrote {kind} {rows:,} rows in {time.monotonic() - started:.0f} s: {spec}", file=sys.stderr)
-    return spec
 
 
 def data_files(spec: str) -> list[str]:
@@ -192,27 +90,6 @@ def tokenizer_path(work: Path, captions: list[list[str]]) -> str:
 
 
 # -- index build -----------------------------------------------------------------------------------
-
-
-def drop_cache(files: list[str]) -> None:
-    """Evict the files' clean pages from the page cache (no root needed)."""
-    for f in files:
-        fd = os.open(f, os.O_RDONLY)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        os.close(fd)
-
-
-def disk_read_rate(files: list[str], limit: int = 2 << 30) -> float:
-    """Bytes/s reading the files (up to ``limit`` bytes) sequentially from a cold page cache."""
-    drop_cache(files)
-    done, started = 0, time.monotonic()
-    for f in files:
-        with open(f, "rb", buffering=0) as fh:
-            while chunk := fh.read(8 << 20):
-                done += len(chunk)
-        if done >= limit:
-            break
-    return done / (time.monotonic() - started)
 
 
 def cpu_seconds() -> float:
@@ -237,31 +114,6 @@ def time_build(spec: str, tok_path: str, workers: int, tokens: bool) -> dict:
         out.update(tokens_wall_s=time.monotonic() - wall, tokens_cpu_s=cpu_seconds() - cpu)
     out["index_bytes"] = sum(p.stat().st_size for p in source.index_dir.iterdir())
     return out
-
-
-def tar_walk(data: bytes, texts: list | None = None) -> int:
-    """Members of a tar held in ``data``, walked header to header (name, size) without tarfile;
-    collects the .txt members' texts. The floor of what scanning a shard costs in Python."""
-    pos = members = 0
-    while pos + BLOCK <= len(data) and data[pos]:
-        name = data[pos : pos + 100].split(b"\0", 1)[0]
-        size = int(data[pos + 124 : pos + 136].split(b"\0", 1)[0].strip() or b"0", 8)
-        if texts is not None and name.endswith(b".txt"):
-            texts.append(data[pos + BLOCK : pos + BLOCK + size].decode("utf-8"))
-        pos += BLOCK + -(-size // BLOCK) * BLOCK
-        members += 1
-    return members
-
-
-def tar_walk_rate(spec: str, rows: int = 100_000) -> float:
-    """Samples per CPU-second of :func:`tar_walk` over whole shards (read included)."""
-    started, texts = time.process_time(), []
-    for path in shard_paths(spec):
-        with open(path, "rb") as f:
-            tar_walk(f.read(), texts)
-        if len(texts) >= rows:
-            break
-    return len(texts) / (time.process_time() - started)
 
 
 # -- first batch and memory (rank processes) -------------------------------------------------------
@@ -434,16 +286,18 @@ def fmt_bytes(b: float) -> str:
 
 
 def print_build(builds: dict, walks: dict, disk: dict) -> None:
-    print("| data | rows | index build s | rows/s | rows per CPU-s (per core) | data MB/s | disk MB/s (cold) "
-          "| tar header walk, rows/CPU-s | token counts s | captions per CPU-s | index bytes/row |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("| data | rows | index build s | rows/s | rows per CPU-s (per core) | each build, rows per CPU-s "
+          "| data MB/s | disk MB/s (cold) | tar header walk, rows/CPU-s | token counts s | captions per CPU-s "
+          "| index bytes/row |")
+    print("|---|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|")
     for (kind, rows), b in builds.items():
         disk_rate = f"{disk[kind, rows] / 1e6:,.0f}" if (kind, rows) in disk else "-"
         walk = f"{walks[kind]:,.0f}" if kind in walks else "-"
         tokens = (f"{b['tokens_wall_s']:.1f} | {b['rows'] / b['tokens_cpu_s']:,.0f}" if "tokens_cpu_s" in b
                   else "- | -")
         print(f"| {kind} | {b['rows']:,} | {b['wall_s']:.1f} | {b['rows'] / b['wall_s']:,.0f} | "
-              f"{b['rows'] / b['cpu_s']:,.0f} | {b['data_bytes'] / b['wall_s'] / 1e6:.0f} | {disk_rate} | {walk} | "
+              f"{b['rows'] / b['cpu_s']:,.0f} | {', '.join(f'{x:,.0f}' for x in b['each'])} | "
+              f"{b['data_bytes'] / b['wall_s'] / 1e6:.0f} | {disk_rate} | {walk} | "
               f"{tokens} | {b['index_bytes'] / b['rows']:.1f} |")
 
 
@@ -516,6 +370,10 @@ def main() -> None:
     p.add_argument("--batches", type=int, default=60, help="batches timed per loader pass")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--no-loader", action="store_true", help="skip the loader throughput table")
+    p.add_argument("--build-only", action="store_true",
+                   help="only the index build table (no first batch, memory, loader, mixing or extrapolation)")
+    p.add_argument("--build-repeats", type=int, default=1,
+                   help="index builds of each data set; the table shows the median and each build's rate")
     p.add_argument("--rank-job", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.rank_job:
@@ -530,17 +388,21 @@ def run(args) -> None:
     tok = tokenizer_path(work, captions)
     cores = os.cpu_count() or 1
     builds, walks, disk, firsts, bases = {}, {}, {}, {}, {}
+    modes = [] if args.build_only else ["window", "full", "eager"]
     for kind in args.kinds:
-        tiny = dataset(work, kind, TINY, names, captions)
-        time_build(tiny, tok, cores, tokens=True)
-        modes = ["window", "full", "eager"]
+        if modes:
+            tiny = dataset(work, kind, TINY, names, captions)
+            time_build(tiny, tok, cores, tokens=True)
         for mode in modes:
             bases[kind, mode] = run_ranks(tiny, tok, mode)
         for rows in args.rows:
             spec = dataset(work, kind, rows, names, captions)
             if kind == "shards":
                 disk[kind, rows] = disk_read_rate(data_files(spec))
-            builds[kind, rows] = time_build(spec, tok, cores, tokens=rows <= args.tokens_max)
+            runs = [time_build(spec, tok, cores, tokens=k == 0 and rows <= args.tokens_max)
+                    for k in range(args.build_repeats)]
+            median = sorted(runs, key=lambda b: b["cpu_s"])[len(runs) // 2]  # its token counts: the first's
+            builds[kind, rows] = {**runs[0], **median, "each": [b["rows"] / b["cpu_s"] for b in runs]}
             print(f"built {kind} {rows:,}: {builds[kind, rows]}", file=sys.stderr)
             if kind == "shards" and kind not in walks:
                 walks[kind] = tar_walk_rate(spec)
@@ -558,6 +420,8 @@ def report(args, work, tok, builds, walks, disk, firsts, bases) -> None:
           + f"vltrain from {REPO / 'src'}\n")
     print_build(builds, walks, disk)
     print()
+    if args.build_only:
+        return
     print_first(firsts, bases)
     print()
     small = min(args.rows)
