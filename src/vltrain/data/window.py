@@ -14,6 +14,10 @@ So position ``p`` of the epoch is found from the block order (one entry per bloc
 window that holds it: a rank computes only the windows of its own batches, and memory is
 O(blocks + one window), not O(samples). Batch-mates come from ``window`` blocks rather than from
 the whole dataset; ``benchmarks/data_scale.py`` measures what that costs in mixing.
+
+The batches below take any :class:`Windows`: a weighted mixture's order
+(:class:`vltrain.data.mixing.MixedOrder`) is one too, its windows chunks that take each source's
+share of the epoch from that source's own windowed passes.
 """
 
 from __future__ import annotations
@@ -29,21 +33,96 @@ def _rng(seed: int, *keys: int) -> np.random.Generator:
     return np.random.default_rng([int(seed) & 0xFFFF_FFFF, _TAG_WINDOW, *(int(k) for k in keys)])
 
 
-class WindowedOrder:
-    """The windowed-shuffle order of one epoch over ``blocks`` (block starts, then the row count)."""
+def keep_two(cache: dict, key: int, value):
+    """Remember ``value`` under ``key``, forgetting the oldest of two: the loader's and the look-ahead's."""
+    if key not in cache and len(cache) >= 2:
+        cache.pop(min(cache))
+    cache[key] = value
+    return value
 
-    def __init__(self, blocks: np.ndarray, *, seed: int, epoch: int, window: int, shuffle: bool = True):
-        self.blocks = np.asarray(blocks, dtype=np.int64)
-        self.seed, self.epoch, self.window, self.shuffle = seed, epoch, max(1, int(window)), shuffle
-        count = len(self.blocks) - 1
-        self.block_order = _rng(seed, epoch).permutation(count) if shuffle else np.arange(count)
-        sizes = np.diff(self.blocks)[self.block_order]
-        self.window_sizes = np.add.reduceat(sizes, np.arange(0, count, self.window)) if count else sizes
-        self.window_starts = np.r_[0, np.cumsum(self.window_sizes)]
-        self._cached: dict[int, np.ndarray] = {}  # two windows: the loader's and the look-ahead's
+
+def later_copies(rows: np.ndarray) -> np.ndarray:
+    """Per row, whether the same value occurs at an earlier place of ``rows``."""
+    copy = np.ones(len(rows), dtype=bool)
+    copy[np.unique(rows, return_index=True)[1]] = False
+    return copy
+
+
+class Windows:
+    """An epoch order cut into windows: ``window_starts`` (then the length), ``window_rows(w)``.
+
+    ``earlier(w)`` says which rows of window ``w`` already occur in an earlier window, or None
+    when no row of the window repeats one of the epoch (earlier or within it): the one order
+    where samples repeat is a mixture whose quota runs into a source's next pass."""
+
+    window_starts: np.ndarray
 
     def __len__(self) -> int:
         return int(self.window_starts[-1])
+
+    def window_rows(self, w: int) -> np.ndarray:
+        raise NotImplementedError
+
+    def earlier(self, w: int) -> np.ndarray | None:
+        return None
+
+    def window_repeats(self, w: int) -> np.ndarray:
+        """Per row of window ``w``, whether its sample occurs at an earlier position of the epoch."""
+        seen = self.earlier(w)
+        if seen is None:
+            return np.zeros(int(self.window_starts[w + 1] - self.window_starts[w]), dtype=bool)
+        return seen | later_copies(self.window_rows(w))
+
+    def _walk(self, start: int, stop: int, per_window) -> list[np.ndarray]:
+        parts = []
+        w = int(np.searchsorted(self.window_starts, start, side="right")) - 1
+        while start < stop:
+            lo = int(self.window_starts[w])
+            hi = min(stop, int(self.window_starts[w + 1]))
+            if hi > start:
+                parts.append(per_window(w)[start - lo : hi - lo])
+                start = hi
+            w += 1
+        return parts
+
+    def take(self, start: int, stop: int) -> np.ndarray:
+        """Rows at positions ``start .. stop`` of the epoch (within ``0 .. len``)."""
+        parts = self._walk(start, stop, self.window_rows)
+        return np.concatenate(parts) if parts else np.empty(0, dtype=np.int64)
+
+    def repeats(self, start: int, stop: int) -> np.ndarray:
+        """Per position ``start .. stop``, whether its sample occurs at an earlier position."""
+        parts = self._walk(start, stop, self.window_repeats)
+        return np.concatenate(parts) if parts else np.empty(0, dtype=bool)
+
+    def repeat_count(self, stop: int) -> int:
+        """Positions before ``stop`` whose sample occurs at an earlier one (walks the windows)."""
+        windows = range(int(np.searchsorted(self.window_starts, stop, side="left")))
+        return sum(int(self.repeats(int(self.window_starts[w]), min(stop, int(self.window_starts[w + 1]))).sum())
+                   for w in windows if self.earlier(w) is not None)
+
+    def all(self) -> np.ndarray:
+        return self.take(0, len(self))
+
+
+class WindowedOrder(Windows):
+    """The windowed-shuffle order of one epoch over ``blocks`` (block starts, then the row count).
+
+    ``key`` tells apart orders drawn from one seed (a mixture's sources, each read pass by pass:
+    ``epoch`` is then the pass)."""
+
+    def __init__(self, blocks: np.ndarray, *, seed: int, epoch: int, window: int, shuffle: bool = True,
+                 key: tuple[int, ...] = ()):
+        self.blocks = np.asarray(blocks, dtype=np.int64)
+        self.seed, self.epoch, self.window, self.shuffle = seed, epoch, max(1, int(window)), shuffle
+        self.key = (*key, epoch)
+        count = len(self.blocks) - 1
+        self.block_order = _rng(seed, *self.key).permutation(count) if shuffle else np.arange(count)
+        sizes = np.diff(self.blocks)[self.block_order]
+        self.window_sizes = np.add.reduceat(sizes, np.arange(0, count, self.window)) if count else sizes
+        self.window_starts = np.r_[0, np.cumsum(self.window_sizes)]
+        self._cached: dict[int, np.ndarray] = {}
+        self._slot: np.ndarray | None = None  # block -> its place in block_order, for holds()
 
     def window_rows(self, w: int) -> np.ndarray:
         """The rows of window ``w``, in the epoch's order."""
@@ -53,33 +132,37 @@ class WindowedOrder:
         rows = np.concatenate([np.arange(self.blocks[b], self.blocks[b + 1]) for b in picked]) \
             if len(picked) else np.empty(0, dtype=np.int64)
         if self.shuffle:
-            rows = rows[_rng(self.seed, self.epoch, w + 1).permutation(len(rows))]
-        if len(self._cached) >= 2:
-            self._cached.pop(min(self._cached))
-        self._cached[w] = rows
-        return rows
+            rows = rows[_rng(self.seed, *self.key, w + 1).permutation(len(rows))]
+        return keep_two(self._cached, w, rows)
 
-    def take(self, start: int, stop: int) -> np.ndarray:
-        """Rows at positions ``start .. stop`` of the epoch (within ``0 .. len``)."""
-        parts = []
-        w = int(np.searchsorted(self.window_starts, start, side="right")) - 1
-        while start < stop:
-            lo = int(self.window_starts[w])
-            hi = min(stop, int(self.window_starts[w + 1]))
-            if hi > start:
-                parts.append(self.window_rows(w)[start - lo : hi - lo])
-                start = hi
-            w += 1
-        return np.concatenate(parts) if parts else np.empty(0, dtype=np.int64)
+    def repeat_count(self, stop: int) -> int:
+        return 0  # a permutation
 
-    def all(self) -> np.ndarray:
-        return self.take(0, len(self))
+    def holds(self, rows: np.ndarray, start: int, stop: int) -> np.ndarray:
+        """Per row, whether it sits at a position in ``start .. stop`` of this order.
+
+        A row's block gives its window; only the (at most two) windows cut by ``start`` or
+        ``stop`` are drawn to find where in them a row sits."""
+        if self._slot is None:
+            self._slot = np.empty(len(self.block_order), dtype=np.int64)
+            self._slot[self.block_order] = np.arange(len(self.block_order))
+        w = self._slot[np.searchsorted(self.blocks, rows, side="right") - 1] // self.window
+        lo, hi = self.window_starts[w], self.window_starts[w + 1]
+        inside = (lo >= start) & (hi <= stop)
+        cut = (lo < stop) & (hi > start) & ~inside
+        for e in np.unique(w[cut]).tolist():
+            mine = cut & (w == e)
+            window = self.window_rows(e)
+            at = np.argsort(window)
+            pos = self.window_starts[e] + at[np.searchsorted(window[at], rows[mine])]
+            inside[mine] = (pos >= start) & (pos < stop)
+        return inside
 
 
 class LazyBatches:
     """A read-only sequence of one rank's fixed-size batches, each computed when asked for."""
 
-    def __init__(self, order: WindowedOrder, *, rank: int, world_size: int, batch_size: int, steps: int):
+    def __init__(self, order: Windows, *, rank: int, world_size: int, batch_size: int, steps: int):
         self.order, self.rank, self.world, self.b, self.steps = order, rank, world_size, batch_size, steps
 
     def __len__(self) -> int:
@@ -105,7 +188,11 @@ class LazyBatches:
 
     def repeats(self, k: int) -> np.ndarray:
         lo, hi = self.positions(k)
-        return np.arange(lo, hi) >= len(self.order)
+        n = len(self.order)
+        out = np.arange(lo, hi) >= n
+        if lo < n:
+            out[: min(hi, n) - lo] |= self.order.repeats(lo, min(hi, n))
+        return out
 
     def has(self, k: int) -> bool:
         return 0 <= k < self.steps
@@ -140,15 +227,19 @@ class LazyBudgetBatches:
     only a window too small to split), and dealt round robin: step ``s`` of the window gives rank
     ``r`` its batch ``s * world + r``. So every rank steps through the same windows at the same
     steps, and reaching step ``k`` packs only the windows before it. ``len`` packs them all once.
+    A row repeats an earlier sample if the order says it occurs in an earlier window, or if it
+    occurs in an earlier batch of its window (a padding batch, or a mixture's second pass).
     """
 
-    def __init__(self, order: WindowedOrder, pack, *, rank: int, world_size: int, remainder: str):
+    def __init__(self, order: Windows, pack, *, rank: int, world_size: int, remainder: str):
         self.order, self.pack, self.rank, self.world, self.remainder = order, pack, rank, world_size, remainder
         self.ends: list[int] = []  # steps up to the end of each packed window
-        self.dropped, self.padded = 0, 0  # over the windows packed so far
-        self._windows: dict[int, tuple[list[np.ndarray], int]] = {}  # batches, first padding batch
+        self.dropped, self.padded, self.repeated = 0, 0, 0  # over the windows packed so far
+        # batches, first padding batch, and per row of the batches laid end to end whether it repeats
+        # (None: only padding batches do)
+        self._windows: dict[int, tuple[list[np.ndarray], int, np.ndarray | None]] = {}
 
-    def _window(self, w: int) -> tuple[list[np.ndarray], int]:
+    def _window(self, w: int) -> tuple[list[np.ndarray], int, np.ndarray | None]:
         if w not in self._windows:
             batches = self.pack(self.order.window_rows(w), w)
             real, dropped = len(batches), 0
@@ -158,14 +249,22 @@ class LazyBudgetBatches:
                 dropped, batches = sum(len(b) for b in batches[real:]), batches[:real]
             elif extra:
                 batches = batches + [batches[i % len(batches)] for i in range(extra)]
-            if len(self._windows) >= 2:
-                self._windows.pop(min(self._windows))
-            self._windows[w] = (batches, real)
+            marks = self._marks(w, batches)
+            keep_two(self._windows, w, (batches, real, marks))
             if w == len(self.ends):  # first time through: count it
                 self.ends.append((self.ends[-1] if self.ends else 0) + len(batches) // self.world)
                 self.dropped += dropped
                 self.padded += sum(len(b) for b in batches[real:])
+                if marks is not None:
+                    self.repeated += int(marks[: sum(len(b) for b in batches[:real])].sum())
         return self._windows[w]
+
+    def _marks(self, w: int, batches: list[np.ndarray]) -> np.ndarray | None:
+        seen = self.order.earlier(w)
+        if seen is None:
+            return None
+        flat = np.concatenate(batches) if batches else np.empty(0, dtype=np.int64)
+        return np.isin(flat, self.order.window_rows(w)[seen]) | later_copies(flat)
 
     def _locate(self, k: int) -> tuple[int, int] | None:
         """(window, step within it) of step ``k``; None past the epoch's end."""
@@ -190,14 +289,17 @@ class LazyBudgetBatches:
         where = self._locate(k if k >= 0 else len(self) + k)
         if where is None:
             raise IndexError(k)
-        batches, _ = self._window(where[0])
+        batches, _, _ = self._window(where[0])
         return batches[where[1] * self.world + self.rank]
 
     def repeats(self, k: int) -> np.ndarray:
         w, s = self._locate(k)
-        batches, real = self._window(w)
+        batches, real, marks = self._window(w)
         i = s * self.world + self.rank
-        return np.full(len(batches[i]), i >= real, dtype=bool)
+        if marks is None:
+            return np.full(len(batches[i]), i >= real, dtype=bool)
+        start = sum(len(b) for b in batches[:i])
+        return marks[start : start + len(batches[i])]
 
     def __iter__(self):
         k = 0
