@@ -25,13 +25,14 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Callable, Iterator, Literal
 
 import numpy as np
 
 from vltrain.data import budget, mixing
 from vltrain.data.table import SampleTable
-from vltrain.data.window import LazyBatches, LazyBudgetBatches, LazyRepeats, WindowedOrder, default_blocks
+from vltrain.data.window import LazyBatches, LazyBudgetBatches, LazyRepeats, WindowedOrder, Windows, default_blocks
 from vltrain.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -73,9 +74,26 @@ def _has(batches, k: int) -> bool:
     return batches.has(k) if hasattr(batches, "has") else 0 <= k < len(batches)
 
 
+class LazyPlan:
+    """An :class:`EpochPlan` of :class:`LazyBatches`. A mixture's epoch can meet a sample twice
+    (where a source's quota runs into its next pass), so ``distinct`` is counted when asked (the
+    audit's epoch line), walking the windows where that can happen."""
+
+    def __init__(self, batches: LazyBatches, dropped: int, padded: int):
+        self.batches, self.repeats, self.dropped, self.padded = batches, LazyRepeats(batches), dropped, padded
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+    @cached_property
+    def distinct(self) -> int:
+        kept = len(self.batches.order) - self.dropped
+        return kept - self.batches.order.repeat_count(kept)
+
+
 class LazyBudgetPlan:
-    """An :class:`EpochPlan` of :class:`LazyBudgetBatches`: what the epoch drops or pads is known
-    once every window is packed, so asking for it (the audit's epoch line) packs them."""
+    """An :class:`EpochPlan` of :class:`LazyBudgetBatches`: what the epoch drops, pads or repeats is
+    known once every window is packed, so asking for it (the audit's epoch line) packs them."""
 
     def __init__(self, batches: LazyBudgetBatches, num_samples: int):
         self.batches, self.repeats, self.num_samples = batches, LazyRepeats(batches), num_samples
@@ -95,7 +113,7 @@ class LazyBudgetPlan:
 
     @property
     def distinct(self) -> int:
-        return self.num_samples - self.dropped
+        return self.num_samples - self.dropped - self.batches.repeated
 
 
 class DistributedBatchSampler:
@@ -141,6 +159,7 @@ class DistributedBatchSampler:
         self.consumed = 0
         """Batches of the current epoch the trainer has consumed; iteration resumes after them."""
         self._plan: tuple[int, EpochPlan] | None = None
+        self._mixture: mixing.Mixture | None = None
 
     # -- the schedule ----------------------------------------------------------------------
 
@@ -151,11 +170,17 @@ class DistributedBatchSampler:
             self._plan = (e, self._compute(e))
         return self._plan[1]
 
-    def _windowed(self, epoch: int) -> WindowedOrder:
-        blocks = self.table.blocks if self.table.blocks is not None else default_blocks(len(self.table))
-        return WindowedOrder(blocks, seed=self.seed, epoch=epoch, window=self.window, shuffle=self.shuffle)
+    def _windowed(self, epoch: int) -> Windows:
+        """The epoch's order under the windowed shuffle; with source weights, the mixture's."""
+        if self.source_weights is None:
+            blocks = self.table.blocks if self.table.blocks is not None else default_blocks(len(self.table))
+            return WindowedOrder(blocks, seed=self.seed, epoch=epoch, window=self.window, shuffle=self.shuffle)
+        if self._mixture is None:
+            self._mixture = mixing.Mixture(self.table.source, self.table.blocks, self.source_weights,
+                                           self.epoch_size, seed=self.seed, window=self.window, shuffle=self.shuffle)
+        return self._mixture.order(epoch)
 
-    def _lazy_plan(self, epoch: int) -> EpochPlan:
+    def _lazy_plan(self, epoch: int) -> LazyPlan:
         """Fixed batches of the windowed order, each computed when the loader asks for it."""
         order = self._windowed(epoch)
         n, step = len(order), self.world_size * self.batch_size
@@ -168,7 +193,7 @@ class DistributedBatchSampler:
         dropped, padded = max(0, n - steps * step), max(0, steps * step - n)
         batches = LazyBatches(order, rank=self.rank, world_size=self.world_size, batch_size=self.batch_size,
                               steps=steps)
-        return EpochPlan(batches, LazyRepeats(batches), n - dropped, dropped, padded)
+        return LazyPlan(batches, dropped, padded)
 
     def _lazy_budget_plan(self, epoch: int) -> LazyBudgetPlan:
         """Budget batches packed window by window as the loader reaches them."""
@@ -180,14 +205,14 @@ class DistributedBatchSampler:
                                   image_budget=self.image_budget, rng=rng, pad_multiple=self.pad_multiple)
             return budget.split_to_multiple(batches, self.world_size)
 
-        batches = LazyBudgetBatches(self._windowed(epoch), pack, rank=self.rank, world_size=self.world_size,
+        order = self._windowed(epoch)
+        batches = LazyBudgetBatches(order, pack, rank=self.rank, world_size=self.world_size,
                                     remainder=self.remainder)
-        return LazyBudgetPlan(batches, len(table))
+        return LazyBudgetPlan(batches, len(order))
 
     def _compute(self, epoch: int) -> EpochPlan:
-        if self.window and self.source_weights is None:
+        if self.window:
             return self._lazy_plan(epoch) if self.batching == "fixed" else self._lazy_budget_plan(epoch)
-        # a full order; weighted mixtures take it even with a window (docs/distributed.md)
         order = mixing.epoch_order(
             self.table.source, seed=self.seed, epoch=epoch, shuffle=self.shuffle,
             weights=self.source_weights, epoch_size=self.epoch_size,
