@@ -12,6 +12,10 @@ and over the first ``--batches`` batches:
 - plan memory: what the rank holds to produce its batches (the permutation, or block order plus one
   window); first batch: time from creating the sampler to its first batch.
 
+The last rows are a weighted mixture of two sources, the second a quarter of the rows drawn for
+half of each epoch (``source_weights`` 1:1), so it repeats within the epoch. The windowed
+mixture's plan memory counts every array the sampler holds (its caches included).
+
     PYTHONPATH=src python benchmarks/shuffle_quality.py --rows 1000000 --shard 1000
 """
 
@@ -33,9 +37,28 @@ def table(rows: int, shard: int) -> SampleTable:
     )
 
 
-def measure(t: SampleTable, window: int, args) -> dict:
+def mixed(t: SampleTable) -> SampleTable:
+    """``t`` as two sources, the second its last quarter of rows."""
+    source = np.repeat(np.array([0, 1], np.int16), [len(t) - len(t) // 4, len(t) // 4])
+    return SampleTable(t.has_image, t.has_text, t.text_len, source, blocks=t.blocks)
+
+
+def held(obj, seen: set) -> int:
+    """Bytes of the numpy arrays reachable from ``obj``, the sample table left out."""
+    if id(obj) in seen or isinstance(obj, SampleTable):
+        return 0
+    seen.add(id(obj))
+    if isinstance(obj, np.ndarray):
+        return obj.nbytes
+    values = obj.values() if isinstance(obj, dict) else vars(obj).values() if hasattr(obj, "__dict__") else \
+        obj if isinstance(obj, (list, tuple)) else ()
+    return sum(held(v, seen) for v in values)
+
+
+def measure(t: SampleTable, window: int, args, weights: list[float] | None = None) -> dict:
     started = time.perf_counter()
-    sampler = DistributedBatchSampler(t, batch_size=args.batch, rank=0, world_size=args.world, seed=0, window=window)
+    sampler = DistributedBatchSampler(t, batch_size=args.batch, rank=0, world_size=args.world, seed=0, window=window,
+                                      source_weights=weights)
     first = next(iter(sampler))
     took = time.perf_counter() - started
     plan = sampler.plan()
@@ -47,7 +70,9 @@ def measure(t: SampleTable, window: int, args) -> dict:
         counts = np.bincount(s)
         same.append(float((counts * (counts - 1)).sum()) / (len(b) * (len(b) - 1)))
         dist.append(float(np.abs(np.diff(b)).mean()) / len(t))
-    if window:
+    if window and weights:
+        memory = held(sampler, set())
+    elif window:
         order = plan.batches.order
         memory = order.block_order.nbytes + order.window_starts.nbytes + sum(w.nbytes for w in order._cached.values())
     else:
@@ -65,14 +90,17 @@ def main() -> None:
     p.add_argument("--world", type=int, default=8)
     p.add_argument("--batches", type=int, default=200)
     p.add_argument("--windows", type=int, nargs="+", default=[1, 4, 16, 64, 256])
+    p.add_argument("--mixture-window", type=int, default=16)
     args = p.parse_args()
     t = table(args.rows, args.shard)
     print(f"{args.rows:,} rows in shards of {args.shard:,}; batch {args.batch}, {args.world} ranks (rank 0 shown)\n")
     print("| shuffle | shards per batch | same-shard pairs | distance | plan memory per rank | first batch |")
     print("|---|---:|---:|---:|---:|---:|")
-    for window in [0, *args.windows]:
-        r = measure(t, window, args)
-        name = "full permutation" if window == 0 else f"window of {window} shard(s)"
+    rows = [(t, w, None, "full permutation" if w == 0 else f"window of {w} shard(s)") for w in [0, *args.windows]]
+    rows += [(mixed(t), w, [1.0, 1.0], "mixture, full order" if w == 0 else f"mixture, window of {w} shard(s)")
+             for w in [0, args.mixture_window]]
+    for data, window, weights, name in rows:
+        r = measure(data, window, args, weights)
         print(f"| {name} | {r['shards']:.1f} | {r['same']:.4f} | {r['dist']:.3f} | "
               f"{r['memory'] / 2**20:.1f} MiB | {r['first'] * 1000:.0f} ms |")
 
