@@ -82,26 +82,39 @@ def test_scheduler_state_round_trips():
     assert sched.get_last_lr()[0] == pytest.approx(0.5 * (1 + math.cos(math.pi * 4 / 17)))
 
 
-class _CudaLike:
-    """Stands in for a parameter on a CUDA device (this build has none)."""
-
-    def __init__(self, floating: bool = True):
-        self.is_cuda, self._floating = True, floating
-
-    def is_floating_point(self) -> bool:
-        return self._floating
-
-
-def test_fused_adamw_only_when_every_parameter_is_cuda_floating_point():
+def test_fused_adamw_for_floating_point_parameters_on_one_device():
     from vltrain.optim import implementation
 
-    cpu = nn.Parameter(torch.zeros(2))
-    assert implementation([{"params": [_CudaLike(), _CudaLike()]}]) == {"fused": True}
-    assert implementation([{"params": [_CudaLike()]}, {"params": [cpu]}]) == {"foreach": True}
-    assert implementation([{"params": [_CudaLike(floating=False)]}]) == {"foreach": True}
-    assert implementation([{"params": [cpu]}]) == {"foreach": True}
+    cpu, meta = nn.Parameter(torch.zeros(2)), nn.Parameter(torch.zeros(2, device="meta"))
+    assert implementation([{"params": [cpu]}, {"params": [nn.Parameter(torch.ones(3))]}]) == {"fused": True}
+    assert implementation([{"params": [cpu]}, {"params": [meta]}]) == {"foreach": True}  # two devices
+    assert implementation([{"params": [meta]}]) == {"foreach": True}  # no fused kernel there
+    assert implementation([{"params": [torch.zeros(2, dtype=torch.long)]}]) == {"foreach": True}
     opt = build_optimizer(Towers(), TrainConfig())
-    assert opt.defaults["foreach"] and not opt.defaults["fused"]
+    assert opt.defaults["fused"] and not opt.defaults["foreach"]
+
+
+def test_fused_and_foreach_adamw_agree_and_a_resume_keeps_the_saved_one():
+    """The same update to rounding; a checkpoint saved by one implementation resumes with it."""
+    torch.manual_seed(0)
+    start = [torch.randn(64, 32), torch.randn(32)]
+    grads = [[torch.randn_like(p) for p in start] for _ in range(3)]
+    finals, states = {}, {}
+    for kind in ("fused", "foreach"):
+        params = [nn.Parameter(p.clone()) for p in start]
+        opt = torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1, **{kind: True})
+        for step in grads:
+            for p, g in zip(params, step):
+                p.grad = g.clone()
+            opt.step()
+        finals[kind], states[kind] = params, opt.state_dict()
+    for a, b in zip(finals["fused"], finals["foreach"]):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+    resumed = build_optimizer(Towers(), TrainConfig())
+    saved = resumed.state_dict()  # as a run that used foreach saved it
+    saved["param_groups"] = [{**g, "fused": None, "foreach": True} for g in saved["param_groups"]]
+    resumed.load_state_dict(saved)
+    assert all(g["foreach"] and not g["fused"] for g in resumed.param_groups)
 
 
 # ---------------------------------------------------------------------------------------------
