@@ -109,7 +109,12 @@ def mlp_width(width: int, mlp_ratio: float) -> int:
 
 
 class Block(nn.Module):
-    """x + attn(norm(x)), then x + mlp(norm(x))."""
+    """x + attn(norm(x)), then x + mlp(norm(x)).
+
+    ``x`` may also be a list of sequences of different lengths, with a list of masks: each is
+    encoded on its own, in one call of the block (so FSDP2 gathers its weights once, and one
+    checkpoint or compiled region covers them all).
+    """
 
     def __init__(self, width: int, heads: int, mlp_ratio: float = 4.0, act: str = "gelu", eps: float = 1e-5):
         super().__init__()
@@ -118,7 +123,12 @@ class Block(nn.Module):
         self.norm2 = nn.LayerNorm(width, eps=eps)
         self.mlp = MLP(width, mlp_width(width, mlp_ratio), act)
 
-    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor | list[torch.Tensor], mask=None):
+        if isinstance(x, list):
+            return [self._one(xi, mi) for xi, mi in zip(x, mask)]
+        return self._one(x, mask)
+
+    def _one(self, x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
         x = x + self.attn(self.norm1(x), mask)
         return x + self.mlp(self.norm2(x))
 

@@ -27,7 +27,8 @@ def _text_tower(model_cfg: ModelConfig, arch: Architecture, vocab_size: int, max
     pooling = model_cfg.text.pooling
     if not model_cfg.text.hf_path:
         pooling = pooling or arch.text.pooling
-        return TextTransformer(replace(arch.text, vocab_size=vocab_size, max_length=max_text_length, pooling=pooling))
+        return TextTransformer(replace(arch.text, vocab_size=vocab_size, max_length=max_text_length, pooling=pooling,
+                                       length_groups=model_cfg.text.length_groups))
     text = HFTextEncoder(model_cfg.text.hf_path, pooling or "first", max_text_length)
     if vocab_size > text.token_embedding.num_embeddings:
         raise UserError(
