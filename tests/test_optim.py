@@ -156,6 +156,24 @@ def test_layer_decay_scales_each_stack_from_its_own_depth():
     assert opt.param_groups[0]["lr_scale"] == 1.0  # the logged lr is the full one
 
 
+def test_layer_decay_puts_siglips_attention_pool_on_top():
+    """The attention-pool head sits above the vision tower's final norm: the full lr, not layer 0's."""
+    from dataclasses import replace
+
+    from vltrain.model.builder import build_model
+    from vltrain.model.config import ModelConfig
+    from vltrain.model.presets import PRESETS
+
+    base = PRESETS["tiny-clip"]()
+    arch = replace(base, vision=replace(base.vision, pooling="map", class_token=False))
+    model = build_model(ModelConfig(preset="tiny-clip", arch=arch.to_dict()), vocab_size=64, pad_id=0, mask_id=None,
+                        image_size=48, max_text_length=16)
+    got = lrs_by_name(model, build_optimizer(model, TrainConfig(lr=2.0, layer_decay=0.5)))
+    heads = [n for n in got if n.startswith("vision.head.")]
+    assert heads and {got[n] for n in heads} == {2.0}
+    assert got["vision.patch_embed.weight"] == 2.0 * 0.5**4
+
+
 def test_scheduler_multiplies_each_scaled_groups_lr():
     from modelkit import small_model
 

@@ -165,7 +165,8 @@ class VLModel(nn.Module):
         fusion blocks on top (ALBEF's text and fusion layers are the two halves of one BERT). In a
         stack of n blocks, the embeddings (patch or token embedding, positions, class token, pre-norm)
         are layer 0, block i is layer i + 1, and top = n + 1 is the layer of every parameter the map
-        leaves out: the towers' final norms, the projections, the temperature, the heads.
+        leaves out: the towers' final norms and pooling heads (SigLIP's attention pool), the
+        projections, the temperature, the heads.
         """
         layers: dict[int, tuple[int, int]] = {}
         for stack in ((self.vision,), (self.text, self.fusion)):
@@ -176,8 +177,8 @@ class VLModel(nn.Module):
                 for i, block in enumerate(tower.blocks):
                     layers.update({id(p): (offset + i + 1, top) for p in block.parameters()})
                 offset += len(tower.blocks)
-                final = getattr(tower, "norm", None)
-                skip = {id(p) for p in final.parameters()} if final is not None else set()
+                above = [m for m in (getattr(tower, "norm", None), getattr(tower, "head", None)) if m is not None]
+                skip = {id(p) for m in above for p in m.parameters()}
                 if k == 0:  # the stack's input side: what is neither a block nor the final norm
                     layers.update({id(p): (0, top) for p in tower.parameters() if id(p) not in layers and id(p) not in skip})
         return {n: layers[id(p)] for n, p in self.named_parameters() if id(p) in layers}
