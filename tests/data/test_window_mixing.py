@@ -14,6 +14,7 @@ from vltrain.data.audit import AuditLog, audit_run
 from vltrain.data.loader import TrainLoader
 from vltrain.data.sampler import DistributedBatchSampler
 from vltrain.data.table import SampleTable
+from vltrain.errors import UserError
 
 SIZES = (120, 45)
 BLOCK = 10
@@ -161,3 +162,17 @@ def test_a_two_million_row_mixture_holds_blocks_and_a_window_not_rows():
     # each batch reads a few shards, and the small source gets its three quarters
     assert np.mean([len(np.unique(b // 1000)) for b in batches]) <= 4 + 2
     assert abs(np.mean(np.concatenate(batches) >= n - small) - 0.75) < 0.02
+
+
+def test_a_resume_with_other_source_weights_is_refused():
+    """The weights decide the schedule: resuming under others would silently change it."""
+    t = mixture_table()
+    (saved,) = samplers(t, 1, UP)
+    saved.mark_consumed(3)
+    (same,) = samplers(t, 1, UP)
+    same.load_state_dict(saved.state_dict())
+    assert same.consumed == 3
+    for other in ({**UP, "source_weights": [1.0, 2.0]}, {**UP, "epoch_size": 80}):
+        (s,) = samplers(t, 1, other)
+        with pytest.raises(UserError, match="source_weights|epoch_size"):
+            s.load_state_dict(saved.state_dict())

@@ -27,6 +27,7 @@ from torch.utils.data import DataLoader, Dataset, get_worker_info
 from vltrain.data.audit import AuditLog
 from vltrain.data.badlog import BadSampleLog
 from vltrain.data.batch import Batch
+from vltrain.data import mixing
 from vltrain.data.collate import Collator
 from vltrain.data.config import DataConfig, SourceSpec
 from vltrain.data.sampler import DistributedBatchSampler
@@ -245,7 +246,8 @@ def source_shares(sources: str | list[SourceSpec], table: SampleTable) -> list[f
     """
     if isinstance(sources, str) or len(sources) < 2:
         return None
-    rows = np.bincount(table.source, minlength=len(sources))
+    bounds, ids = mixing.source_runs(table.source)  # no per-row array: the column may be a billion rows
+    rows = np.bincount(ids, weights=np.diff(bounds), minlength=len(sources)).astype(np.int64)
     return [float(s.weight) * int(n) for s, n in zip(sources, rows)]
 
 

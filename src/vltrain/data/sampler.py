@@ -288,7 +288,7 @@ class DistributedBatchSampler:
         """What the schedule depends on besides the position: a resume must match all of it."""
         return {"seed": self.seed, "world_size": self.world_size, "batching": self.batching,
                 "batch_size": self.batch_size, "num_samples": len(self.table), "pad_multiple": self.pad_multiple,
-                "shuffle_window": self.window}
+                "shuffle_window": self.window, "source_weights": self.source_weights, "epoch_size": self.epoch_size}
 
     def state_dict(self) -> dict:
         return {"epoch": self.epoch, "consumed": self.consumed, **self._identity()}
