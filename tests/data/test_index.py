@@ -281,3 +281,33 @@ def test_the_index_holds_what_it_held_before(tmp_path, monkeypatch):
     for kind, spec in specs.items():
         shutil.rmtree(open_indexed(spec, None, 16).index_dir)
         assert index_digest(open_indexed(spec, None, 16).index_dir) == BEFORE[kind], kind
+
+
+def test_json_pieces_are_parsed_together_only_when_each_is_one_object():
+    """One parse stands for many only where it provably gives each piece's own value."""
+    from vltrain.data.json_bulk import SEPARATOR, loads_objects
+
+    def parsed(*pieces: bytes):
+        return loads_objects(SEPARATOR.join(pieces), len(pieces))
+
+    assert parsed(b'{"a": 1}', b'{"b": {"c": 3}}\r', b'{"d": "x"}') == [{"a": 1}, {"b": {"c": 3}}, {"d": "x"}]
+    assert parsed(b'{"a": "[x]"}', b'{"b": 2}') == [{"a": "[x]"}, {"b": 2}]
+    assert parsed(b'{"a": "x', b'y"}, {"text": "z"}') is None  # a string across pieces
+    assert parsed(b'{"a": [{"b": 1}', b'{"c": 2}]}, {"text": "x"}') is None  # an array across pieces
+    assert parsed(b'{"a": [1]}', b'{"b": 2}') is None  # maybe sure, not provably: one by one
+    assert parsed(b'{"a": 1}', b' {"b": 2}') is None and parsed(b'{"a": 1}', b"") is None
+    assert parsed(b'{"a": 1}, {"b": 2}', b'{"c": 3}') is None and parsed(b'["x"]', b'{"a": 1}') is None
+    assert parsed(b'{"a": "\xff"}') is None and parsed(b'{"a": "tab\there"}') is None
+
+
+def test_lines_that_only_parse_together_are_refused_one_by_one(tmp_path):
+    """Two lines cut inside an array or a string parse as one array's values (the counts even
+    agree), but neither line is an object on its own: both are malformed rows, not samples."""
+    path = tmp_path / "m.jsonl"
+    path.write_bytes(b'{"text": "ok"}\n{"a": [{"b": 1}\n{"c": 2}]}, {"text": "x"}\n{"text": "y", "a": "x\n'
+                     b'z"}, {"text": "w"}\n' + b'{"text": "plain"}\n' * 5)
+    src = open_indexed(str(path), None, 16)
+    parsed = ManifestSource(path)
+    assert [src.row(i) for i in range(len(src))] == [parsed.row(i) for i in range(len(parsed))]
+    where = [f"m.jsonl:{k}" for k in (2, 3, 4, 5)]
+    assert [p.where for p in src.problems] == [p.where for p in parsed.problems] == where

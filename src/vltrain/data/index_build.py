@@ -21,8 +21,10 @@ import os
 import shutil
 import time
 from concurrent.futures import ProcessPoolExecutor
+from itertools import repeat
 from multiprocessing import get_context
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 
@@ -31,6 +33,7 @@ from vltrain.data.index import COLUMNS
 from vltrain.data.filelock import private_tmp
 from vltrain.data.remote import expand_remote, is_remote, stat_many, stat_remote
 from vltrain.data.shard_cache import ShardCache
+from vltrain.data.json_bulk import SEPARATOR, loads_objects
 from vltrain.data.shards import default_cache_dir, scan_samples, shard_paths
 from vltrain.data.sources import (IMAGE_KEYS, MANIFEST_SUFFIXES, TEXT_KEYS, check_row, csv_columns, csv_fields,
                                   csv_separator, is_shard_pattern, json_fields)
@@ -120,9 +123,24 @@ def plan_parts(identity: dict, cache: ShardCache | None, manifest_local: str) ->
             for lo in range(0, max(size, 1), PART_BYTES)]
 
 
-def _jsonl_rows(part: dict):
-    """(local line, byte offset, bytes, fields or None, why) of the lines starting in [lo, hi);
-    ``why`` is True for an object whose strings are surely valid Unicode, False for one to check."""
+class Rows(NamedTuple):
+    """Usable rows of a part, in index order, as columns."""
+
+    line: np.ndarray  # manifests: the row's line (from 1, in its part); shards: the shard
+    offset: np.ndarray  # byte offset of the row / of the sample's span
+    length: np.ndarray
+    has_image: np.ndarray
+    has_text: np.ndarray
+    text: list | None  # the captions (None for shards, unless asked for)
+
+
+JSON_CHUNK = 4096
+"""JSONL lines parsed by one json.loads call."""
+_ID_TYPES = {type(None), str, int}
+
+
+def _jsonl_rows(part: dict, problems: list):
+    """The Rows of the lines starting in [lo, hi), a chunk at a time."""
     with open(part["file"], "rb") as f:
         pos = part["lo"]
         if pos > 0:
@@ -131,23 +149,66 @@ def _jsonl_rows(part: dict):
         data = f.read(max(0, part["hi"] - pos)) if pos < part["hi"] else b""
         if data and not data.endswith(b"\n"):
             data += f.readline()  # the last line starts before hi: it is this part's
-    lines = data.split(b"\n")
-    if lines and not lines[-1]:
-        lines.pop()
-    starts = (np.r_[0, np.cumsum([len(x) + 1 for x in lines])] + pos).tolist()
-    starts[-1] = min(starts[-1], pos + len(data))  # a last line without its line break
-    part["lines"] = len(lines)
-    for first in range(0, len(lines), JSON_CHUNK):
-        chunk = lines[first : first + JSON_CHUNK]
-        filled = [k for k, raw in enumerate(chunk) if raw.strip()]
-        parsed = _parse_many([chunk[k] for k in filled])
-        for k, fields in zip(filled, parsed):
-            i = first + k
-            if type(fields) is dict:
-                # a line without a \\u escape holds no lone surrogate to look for
-                yield i + 1, starts[i], starts[i + 1] - starts[i], fields, b"\\u" not in chunk[k]
-            else:
-                yield i + 1, starts[i], starts[i + 1] - starts[i], None, json_fields(chunk[k])[1]
+    ends = np.flatnonzero(np.frombuffer(data, np.uint8) == ord("\n")) + 1  # line breaks included
+    if data and not data.endswith(b"\n"):
+        ends = np.r_[ends, len(data)]  # a last line without its line break
+    starts = np.r_[0, ends][:-1]
+    part["lines"] = len(ends)
+    name = Path(part["file"]).name
+    for first in range(0, len(ends), JSON_CHUNK):
+        span = slice(first, min(len(ends), first + JSON_CHUNK))
+        chunk = data[starts[span][0] : ends[span][-1]]
+        lines, offsets, lengths = np.arange(span.start, span.stop) + 1, starts[span] + pos, ends[span] - starts[span]
+        rows = _plain_chunk(chunk, lines, offsets, lengths)
+        yield rows if rows is not None else _checked_rows(_chunk_lines(chunk, lines, offsets, lengths),
+                                                          ("id", IMAGE_KEYS, TEXT_KEYS), name, problems)
+
+
+def _plain_chunk(chunk: bytes, lines: np.ndarray, offsets: np.ndarray, lengths: np.ndarray) -> Rows | None:
+    """The Rows of a chunk of lines that are all the usual row, one JSON object each: ``text``
+    a non-blank string, ``image`` a non-blank string or absent (with no other image key), ``id``
+    absent, a string or an integer. That is what ``check_row`` passes without a word; None for
+    any other chunk (the rows are then checked one by one)."""
+    count = len(lines)
+    joined = chunk.replace(b"\n", SEPARATOR)
+    values = loads_objects(joined[:-1] if chunk.endswith(b"\n") else joined, count)
+    if values is None:
+        return None
+    texts = list(map(dict.get, values, repeat("text")))
+    images = list(map(dict.get, values, repeat("image")))
+    ids = list(map(dict.get, values, repeat("id")))
+    if set(map(type, texts)) != {str} or not set(map(type, ids)) <= _ID_TYPES or not all(map(str.strip, texts)):
+        return None
+    kinds = set(map(type, images))
+    if kinds == {str}:
+        has_image, given = np.ones(count, bool), images
+    elif kinds <= {str, type(None)}:
+        has_image = np.fromiter((i is not None for i in images), bool, count)
+        given = [i for i in images if i is not None]
+        if any(k in v for v, i in zip(values, images) if i is None for k in IMAGE_KEYS):
+            return None
+    else:
+        return None
+    if not all(map(str.strip, given)):
+        return None
+    if b"\\" in chunk and b"\\u" in chunk:  # an escape may make a lone surrogate: check_row would refuse it
+        try:
+            "".join([*texts, *given, *(i for i in ids if type(i) is str)]).encode("utf-8")
+        except UnicodeEncodeError:
+            return None
+    return Rows(lines, offsets, lengths, has_image, np.ones(count, bool), texts)
+
+
+def _chunk_lines(chunk: bytes, lines: np.ndarray, offsets: np.ndarray, lengths: np.ndarray):
+    """(line, byte offset, bytes, fields or None, why) of each line of a chunk, parsed one by one;
+    ``why`` is True for an object whose strings are surely valid Unicode, False for one to check,
+    or what is wrong with the line."""
+    raws = chunk.split(b"\n")
+    for raw, line, offset, length in zip(raws, lines.tolist(), offsets.tolist(), lengths.tolist()):
+        if raw.strip():
+            fields, why = json_fields(raw)
+            # a line without a \\u escape holds no lone surrogate to look for
+            yield line, offset, length, fields, why or b"\\u" not in raw
 
 
 def _fast_row(fields: dict) -> tuple[bool, str | None] | None:
@@ -161,23 +222,6 @@ def _fast_row(fields: dict) -> tuple[bool, str | None] | None:
     if image is None and not any(k in fields for k in IMAGE_KEYS):
         return False, text
     return None
-
-
-JSON_CHUNK = 4096
-"""JSONL lines parsed by one json.loads call (a chunk holding a malformed line is parsed line by line)."""
-
-
-def _parse_many(lines: list[bytes]) -> list:
-    """Each line's JSON value, from one parse of the lines joined into an array: twice as fast as
-    a parse per line. Equal counts mean each line held exactly one value (an empty element is a
-    syntax error, so no line can hide another's extra one); else each line on its own."""
-    try:
-        values = json.loads((b"[" + b",".join(lines) + b"]").decode("utf-8"))  # strict, as line by line
-        if len(values) == len(lines):
-            return values
-    except (ValueError, UnicodeDecodeError):
-        pass
-    return [json_fields(raw)[0] for raw in lines]
 
 
 def _csv_rows(part: dict):
@@ -202,45 +246,60 @@ def _csv_rows(part: dict):
         part["lines"] = line
 
 
-def part_rows(part: dict, problems: list):
-    """(line or shard, byte offset, bytes, has image, text) of every usable row of a part, in
-    index order; malformed and suspicious rows go to ``problems`` as [line or where, why, level]."""
+def part_chunks(part: dict, problems: list, texts: bool = False):
+    """The Rows of a part (manifests: all with their captions; shards: with them if ``texts``),
+    in index order; malformed and suspicious rows go to ``problems`` as [line or where, why, level]."""
     if part["kind"] == "shards":
-        yield from _shard_rows(part, problems)
-        return
-    name = Path(part["file"]).name
-    if part["kind"] == "csv":
+        yield from _shard_rows(part, problems, texts)
+    elif part["kind"] == "csv":
         spec = part["csv"]
         keys = (spec["id_col"], _cols(spec["image_col"]), _cols(spec["text_col"]))
-        rows = _csv_rows(part)
+        yield _checked_rows(_csv_rows(part), keys, Path(part["file"]).name, problems)
     else:
-        keys, rows = ("id", IMAGE_KEYS, TEXT_KEYS), _jsonl_rows(part)
+        yield from _jsonl_rows(part, problems)
+
+
+def part_rows(part: dict, problems: list):
+    """(line or shard, byte offset, bytes, has image, text) of every usable row of a part."""
+    for rows in part_chunks(part, problems, texts=True):
+        yield from zip(rows.line.tolist(), rows.offset.tolist(), rows.length.tolist(), rows.has_image.tolist(),
+                       rows.text)
+
+
+def _checked_rows(rows, keys: tuple, name: str, problems: list) -> Rows:
+    """The Rows of (line, offset, bytes, fields, why) rows checked one by one: ``why`` True for
+    JSONL fields known to be valid Unicode, else what is wrong with the row (or None)."""
+    out = []
     for line, start, length, fields, why in rows:
-        if why is True:  # JSONL fields known to be valid Unicode
+        if why is True:
             fast = _fast_row(fields)
             if fast is not None:
-                yield line, start, length, fast[0], fast[1]
+                out.append((line, start, length, fast[0], fast[1]))
                 continue
         why = why if isinstance(why, str) else None
         row, found = (None, []) if why else check_row(fields, *keys, name, line)
         problems += [[line, why, "error"]] if why else [[line, p.reason, p.level] for p in found]
         if row is not None:
-            yield line, start, length, row[1] is not None, row[2]
+            out.append((line, start, length, row[1] is not None, row[2]))
+    line, start, length, image, text = (list(c) for c in zip(*out)) if out else ([], [], [], [], [])
+    return Rows(np.array(line, np.int64), np.array(start, np.int64), np.array(length, np.int64),
+                np.array(image, bool), np.array([t is not None for t in text], bool), text)
 
 
 def _cols(column: str | None) -> tuple[str, ...]:
     return (column,) if column else ()
 
 
-def _shard_rows(part: dict, problems: list):
+def _shard_rows(part: dict, problems: list, texts: bool):
     cache = part["cache"]
     for s in range(part["first"], part["first"] + part["count"]):
         described = part["files"][s]
         path = described["path"]
         samples, found = scan_samples(cache.local(path, described) if cache is not None else Path(path))
         problems += [[f"{path.rsplit('/', 1)[-1]}:{key}", reason, level] for key, reason, level in found]
-        for _key, _sid, image, text, start, end in samples:
-            yield s, start, end - start, image is not None, text
+        start, end = (np.array([x[k] for x in samples], np.int64) for k in (4, 5))
+        yield Rows(np.full(len(samples), s), start, end - start, np.array([x[2] is not None for x in samples], bool),
+                   np.array([x[3] is not None for x in samples], bool), [x[3] for x in samples])
 
 
 def _write_part(parts_dir: Path, k: int, part: dict) -> None:
@@ -249,10 +308,9 @@ def _write_part(parts_dir: Path, k: int, part: dict) -> None:
     if done.is_file():
         return
     problems: list = []
-    rows = [(start, length, line, image, text is not None) for line, start, length, image, text
-            in part_rows(part, problems)]
-    columns = list(zip(*rows)) if rows else [()] * len(COLUMNS)
-    arrays = {name: np.asarray(col, dtype=dtype) for (name, dtype), col in zip(COLUMNS.items(), columns)}
+    chunks = list(part_chunks(part, problems))
+    arrays = {name: np.concatenate([getattr(c, name) for c in chunks]).astype(dtype) if chunks
+              else np.zeros(0, dtype) for name, dtype in COLUMNS.items()}
     tmp = private_tmp(parts_dir / f"part-{k:06d}.npz")
     with open(tmp, "wb") as f:
         np.savez(f, **arrays)
