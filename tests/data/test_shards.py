@@ -2,6 +2,7 @@ import io
 import json
 import os
 import tarfile
+from pathlib import Path
 
 import pytest
 from datafiles import distinct_image, run_cli, save, write_jsonl
@@ -156,7 +157,8 @@ def test_span_walk_reads_what_tarfile_reads(tmp_path, fmt):
     import io
     import random
 
-    from vltrain.data.shards import _tarfile_span, _walk_members, _walk_span, scan_samples, span_members
+    from vltrain.data.shard_scan import scan_shard, walk_members
+    from vltrain.data.shards import _tarfile_span, _walk_span, span_members
 
     rng = random.Random(fmt)
     buf = io.BytesIO()
@@ -171,13 +173,13 @@ def test_span_walk_reads_what_tarfile_reads(tmp_path, fmt):
                 tar.addfile(info, io.BytesIO(data))
     path = tmp_path / "s.tar"
     path.write_bytes(buf.getvalue())
-    samples, _ = scan_samples(path)
+    scan = scan_shard(path, samples=True)
     data = path.read_bytes()
-    assert len(samples) == 20
+    assert len(scan.samples) == 20
     with tarfile.open(path) as tar:  # the walk finds what tarfile finds: offsets, sizes, names
         want = [(i.name, i.offset, i.offset_data, i.size) for i in tar if i.isfile()]
-    assert [tuple(m) for m in _walk_members(data)] == want
-    for key, _sid, _image, text, start, end in samples:
+    assert [tuple(m) for m in walk_members(data)] == want
+    for (key, _sid, _image, text), start, end in zip(scan.samples, scan.start.tolist(), scan.end.tolist()):
         span = data[start:end]
         assert _walk_span(span) == _tarfile_span(span)
         found, members = span_members(span)
@@ -267,3 +269,79 @@ def odd_shards(folder) -> str:
     (folder / "00010.tar").write_bytes(bytes(10240))
     (folder / "00011.tar").write_bytes(_raw_member("z.txt", b"zed") + bytes(1024) + _raw_member("y.txt", b"after"))
     return str(folder / "{00000..00011}.tar")
+
+
+def _scans(pattern: str) -> list:
+    from vltrain.data.shard_scan import scan_shard
+    from vltrain.data.shards import shard_paths
+
+    return [scan_shard(Path(p), samples=True) for p in shard_paths(pattern)]
+
+
+def _same_scans(a: list, b: list) -> None:
+    for x, y in zip(a, b, strict=True):
+        assert x.samples == y.samples and x.problems == y.problems
+        for name in ("start", "end", "has_image", "has_text"):
+            assert getattr(x, name).tolist() == getattr(y, name).tolist(), name
+
+
+def test_bulk_scan_reads_what_the_walk_and_tarfile_read(tmp_path, monkeypatch):
+    """Every odd shard scans alike in bulk (where the bulk pass takes it) and header by header:
+    samples, ids, image references, captions, spans and problems."""
+    import mmap
+
+    from vltrain.data import shard_scan
+    from vltrain.data.shards import shard_paths
+
+    pattern = odd_shards(tmp_path / "sh")
+    in_bulk = []
+    for p in shard_paths(pattern):
+        with open(p, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+            in_bulk.append(shard_scan._bulk(buf) is not None)
+    assert [Path(p).name for p, b in zip(shard_paths(pattern), in_bulk) if b] == ["00000.tar", "00001.tar", "00009.tar"]
+    bulk = _scans(pattern)
+    monkeypatch.setattr(shard_scan, "_bulk", lambda buf: None)
+    _same_scans(bulk, _scans(pattern))
+
+
+def test_bulk_scan_of_random_shards(tmp_path, monkeypatch):
+    """Random members (keys together or apart, any extension, folders, blank, odd and bad captions
+    and JSON) scan alike in bulk and header by header."""
+    import random
+
+    from vltrain.data import shard_scan
+
+    rng = random.Random(11)
+    texts = [b"a caption", b"", b"  ", "\u00a0".encode(), "\u2003x".encode(), b"\xff", "\u00e9t\u00e9".encode(),
+             " \u3000 ".encode(), b"\n", "\u2028".encode()]
+    metas = [b'{"id": "x"}', b'{"id": 3}', b"{bad", b'{"id": "\\ud800"}', b'{"id": [1]}', b'["x"]', b"",
+             b'{"id": "k", "tags": ["a"]}', b'{"n": {"id": 1}}']
+    for t in range(40):
+        members = []
+        for k in range(rng.randrange(1, 12)):
+            key = rng.choice(["k", "d/k", "k.a", ""]) + f"{k}"
+            exts = rng.sample(["jpg", "JPEG", "png", "webp", "txt", "json", "cls", "Txt"], rng.randrange(0, 4))
+            for ext in exts:
+                data = rng.choice(texts) if ext.lower() == "txt" else rng.choice(metas) if ext == "json" else b"img"
+                members.append((f"{key}.{ext}", data))
+            if rng.random() < 0.1:
+                members.append((f"dir{k}", None))
+            if rng.random() < 0.1:
+                members.append((rng.choice(["x.y/README", "./d/LICENSE", ".hidden", "a/.b.txt", "noext"]), b"x"))
+        if rng.random() < 0.2 and len(members) > 2:
+            members.insert(0, members.pop())  # a sample's members apart
+        _tar(tmp_path / f"{t:05d}.tar", members)
+    pattern = str(tmp_path / "{00000..00039}.tar")
+    bulk = _scans(pattern)
+    monkeypatch.setattr(shard_scan, "_bulk", lambda buf: None)
+    _same_scans(bulk, _scans(pattern))
+
+
+def test_whitespace_begins_with_the_bytes_the_bulk_scan_knows():
+    """A caption is taken as not blank in bulk from a byte that begins no whitespace character."""
+    import sys
+
+    from vltrain.data.shard_scan import _SOLID
+
+    leads = {chr(c).encode()[0] for c in range(sys.maxunicode + 1) if chr(c).isspace()}
+    assert leads and not _SOLID[sorted(leads)].any()

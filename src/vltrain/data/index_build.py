@@ -34,7 +34,8 @@ from vltrain.data.filelock import private_tmp
 from vltrain.data.remote import expand_remote, is_remote, stat_many, stat_remote
 from vltrain.data.shard_cache import ShardCache
 from vltrain.data.json_bulk import SEPARATOR, loads_objects
-from vltrain.data.shards import default_cache_dir, scan_samples, shard_paths
+from vltrain.data.shard_scan import scan_shard
+from vltrain.data.shards import default_cache_dir, shard_paths
 from vltrain.data.sources import (IMAGE_KEYS, MANIFEST_SUFFIXES, TEXT_KEYS, check_row, csv_columns, csv_fields,
                                   csv_separator, is_shard_pattern, json_fields)
 from vltrain.errors import DataError
@@ -295,11 +296,10 @@ def _shard_rows(part: dict, problems: list, texts: bool):
     for s in range(part["first"], part["first"] + part["count"]):
         described = part["files"][s]
         path = described["path"]
-        samples, found = scan_samples(cache.local(path, described) if cache is not None else Path(path))
-        problems += [[f"{path.rsplit('/', 1)[-1]}:{key}", reason, level] for key, reason, level in found]
-        start, end = (np.array([x[k] for x in samples], np.int64) for k in (4, 5))
-        yield Rows(np.full(len(samples), s), start, end - start, np.array([x[2] is not None for x in samples], bool),
-                   np.array([x[3] is not None for x in samples], bool), [x[3] for x in samples])
+        scan = scan_shard(cache.local(path, described) if cache is not None else Path(path), samples=texts)
+        problems += [[f"{path.rsplit('/', 1)[-1]}:{key}", reason, level] for key, reason, level in scan.problems]
+        yield Rows(np.full(len(scan.start), s), scan.start, scan.end - scan.start, scan.has_image, scan.has_text,
+                   [x[3] for x in scan.samples] if texts else None)
 
 
 def _write_part(parts_dir: Path, k: int, part: dict) -> None:

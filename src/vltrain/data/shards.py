@@ -3,8 +3,8 @@
 Streaming a tar is the usual way to read WebDataset shards, but then the sampler cannot choose
 the order, so there is no exact resume and no shared shuffle with manifests. Instead each shard
 is scanned once into an index (member offsets, plus the captions and ids, which are small) that
-is cached next to the shard, or in a cache folder when the shard's folder is read-only. Reading
-sample ``i`` is then one seek and one read.
+is cached next to the shard, or in a cache folder when the shard's folder is read-only (the scan:
+``shard_scan.py``). Reading sample ``i`` is then one seek and one read.
 """
 
 from __future__ import annotations
@@ -14,22 +14,19 @@ import glob
 import hashlib
 import io
 import json
-import mmap
 import os
 import sys
 import tarfile
 from bisect import bisect_right
 from pathlib import Path
-from typing import Iterator, NamedTuple
 
 import numpy as np
 
 from vltrain.data.filelock import build_once, private_tmp
-from vltrain.data.sources import (Problem, Row, Source, expand_braces, is_shard_pattern, is_unicode,
-                                  open_manifest)
+from vltrain.data.shard_scan import IMAGE_EXTS, UnusualHeader, scan_shard, walk_members
+from vltrain.data.sources import Problem, Row, Source, expand_braces, is_shard_pattern, open_manifest
 from vltrain.errors import DataError, UserError
 
-IMAGE_EXTS = ("jpg", "jpeg", "png", "webp")
 INDEX_VERSION = 1
 
 
@@ -154,47 +151,8 @@ def _read_fresh(path: Path, st: os.stat_result) -> dict | None:
 
 def build_index(shard: Path) -> dict:
     """Scan a tar once: ``samples`` [key, id, [offset, size, member] | None, text | None]."""
-    samples, problems = scan_samples(shard)
-    return {"samples": [s[:4] for s in samples], "problems": problems}
-
-
-def scan_samples(shard: Path) -> tuple[list[list], list[list[str]]]:
-    """Every usable sample of a tar as [key, id, image ref, text, start, end], where [start, end)
-    is the byte span of the sample's members (headers included); and the problems found.
-
-    The headers are walked directly over a memory map of the shard (30x ``tarfile``'s rate, near
-    the disk's); a header the walk does not know, or a damaged tar, goes through ``tarfile``."""
-    try:
-        with open(shard, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
-            return _scan(list(_walk_members(buf)), lambda m: buf[m.offset_data : m.offset_data + m.size])
-    except (_Unusual, ValueError, OSError):
-        pass  # an empty or damaged file, or an unusual header: tarfile says what is wrong
-    try:
-        with tarfile.open(shard, "r:") as tar:
-            members = [_Member(i.name, i.offset, i.offset_data, i.size) for i in tar if i.isfile()]
-            infos = {i.offset_data: i for i in tar.getmembers()}
-            return _scan(members, lambda m: tar.extractfile(infos[m.offset_data]).read())
-    except (tarfile.TarError, OSError) as e:
-        raise DataError(f"{shard}: not a readable tar file ({e})") from e
-
-
-def _scan(members: list[_Member], read) -> tuple[list[list], list[list[str]]]:
-    groups: dict[str, dict[str, _Member]] = {}
-    problems: list[list[str]] = []
-    for m in members:
-        base = m.name.rsplit("/", 1)[-1]
-        if "." not in base or base.startswith("."):
-            continue
-        stem, ext = base.split(".", 1)
-        groups.setdefault(m.name[: len(m.name) - len(base)] + stem, {})[ext.lower()] = m
-    samples = []
-    for key, group in groups.items():
-        sample = _sample(read, key, group, problems)
-        if sample is not None:
-            start = min(m.offset for m in group.values())
-            end = max(m.offset_data + -(-m.size // tarfile.BLOCKSIZE) * tarfile.BLOCKSIZE for m in group.values())
-            samples.append(sample + [start, end])
-    return samples, problems
+    scan = scan_shard(shard, samples=True)
+    return {"samples": scan.samples, "problems": scan.problems}
 
 
 def span_members(buf: bytes) -> tuple[str, dict[str, bytes]]:
@@ -205,7 +163,7 @@ def span_members(buf: bytes) -> tuple[str, dict[str, bytes]]:
     this walk does not know goes to ``tarfile``."""
     try:
         members = _walk_span(buf)
-    except _Unusual:
+    except UnusualHeader:
         members = _tarfile_span(buf)
     key = None
     out: dict[str, bytes] = {}
@@ -223,102 +181,13 @@ def span_members(buf: bytes) -> tuple[str, dict[str, bytes]]:
     return key, out
 
 
-class _Unusual(Exception):
-    """A header the direct walk leaves to tarfile."""
-
-
-class _Member(NamedTuple):
-    name: str
-    offset: int  # its first header (a long name's, when there is one)
-    offset_data: int
-    size: int
-
-
-def _walk_members(buf) -> Iterator[_Member]:
-    """The regular-file members of a tar in ``buf`` (bytes or a memory map), from their headers."""
-    pos, long_name, pending, first = 0, None, False, 0
-    block = tarfile.BLOCKSIZE
-    while pos + block <= len(buf):
-        header = buf[pos : pos + block]
-        if not header.strip(b"\0"):
-            break
-        if header[257:262] != b"ustar" or (pos == 0 and not _checksum_ok(header)):
-            raise _Unusual  # not a ustar/GNU/pax header: tarfile reads it, or says what is wrong
-        if header[124] & 0x80:
-            raise _Unusual  # base-256 size
-        size = int(header[124:136].split(b"\0", 1)[0].strip() or b"0", 8)
-        if pos + block + size > len(buf):
-            raise _Unusual  # truncated
-        if not pending:
-            first = pos  # a member's headers start here (a long name or pax record first)
-        kind = header[156:157]
-        name = long_name or (header[345:500].split(b"\0", 1)[0] + b"/" if header[257:262] == b"ustar"
-                             and header[345:346] != b"\0" else b"") + header[:100].split(b"\0", 1)[0]
-        long_name, pending = None, kind in (b"L", b"x")
-        if kind == b"L":
-            long_name = buf[pos + block : pos + block + size].split(b"\0", 1)[0]
-        elif kind == b"x":
-            long_name = _pax_path(buf[pos + block : pos + block + size])
-        elif kind in (b"0", b"\0", b"7"):
-            yield _Member(name.decode("utf-8", "surrogateescape"), first, pos + block, size)
-        elif kind not in (b"5", b"g"):
-            raise _Unusual
-        pos += block + -(-size // block) * block
-
-
-def _checksum_ok(header: bytes) -> bool:
-    stored = header[148:156].split(b"\0", 1)[0].strip()
-    return bool(stored) and int(stored, 8) == sum(header[:148]) + 8 * 32 + sum(header[156:])
-
-
 def _walk_span(buf: bytes) -> list[tuple[str, bytes]]:
-    return [(m.name, bytes(buf[m.offset_data : m.offset_data + m.size])) for m in _walk_members(buf)]
-
-
-def _pax_path(data: bytes) -> bytes | None:
-    for record in data.split(b"\n"):
-        _, _, field = record.partition(b" ")
-        if field.startswith(b"path="):
-            return field[5:]
-    return None
+    return [(m.name, bytes(buf[m.offset_data : m.offset_data + m.size])) for m in walk_members(buf)]
 
 
 def _tarfile_span(buf: bytes) -> list[tuple[str, bytes]]:
     with tarfile.open(fileobj=io.BytesIO(buf), mode="r:") as tar:
         return [(info.name, tar.extractfile(info).read()) for info in tar if info.isfile()]
-
-
-def _sample(read, key: str, members: dict, problems: list) -> list | None:
-    image = next((members[e] for e in IMAGE_EXTS if e in members), None)
-    text = sid = None
-    if "txt" in members:
-        raw = read(members["txt"])
-        try:
-            text = raw.decode("utf-8")
-        except UnicodeDecodeError as e:
-            problems.append([key, f"text is not valid UTF-8 (byte {e.start})", "error"])
-            return None
-        if not text.strip():
-            if image is not None:
-                problems.append([key, "empty text (sample used as image-only)", "warning"])
-            text = None
-    if "json" in members:
-        try:
-            meta = json.loads(read(members["json"]).decode("utf-8"))
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
-            problems.append([key, f"{key}.json is not valid JSON ({e})", "error"])
-            return None
-        given = meta.get("id") if isinstance(meta, dict) else None
-        if given is not None and not isinstance(given, bool) and isinstance(given, (str, int)):
-            sid = str(given)
-            if not is_unicode(sid):
-                problems.append([key, "id is not valid UTF-8", "error"])
-                return None
-    if image is None and text is None:
-        problems.append([key, f"no image ({'|'.join(IMAGE_EXTS)}) and no text (txt) member", "error"])
-        return None
-    ref = None if image is None else [image.offset_data, image.size, image.name]
-    return [key, sid, ref, text]
 
 
 # -- writing shards -------------------------------------------------------------------------------
