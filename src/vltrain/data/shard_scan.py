@@ -7,8 +7,8 @@ the same whichever way it went:
 - in bulk (``_bulk``), the usual shard: plain ustar/GNU headers with octal sizes, and a sample's
   members one after another. The headers are found by their magic over a memory map and checked
   to chain from the first block to the end of the archive; names, keys, extensions and the
-  grouping into samples are numpy operations on all headers at once; the captions are checked as
-  one buffer and the JSON members parsed in one call. Tens of times ``tarfile``'s rate.
+  grouping into samples are numpy operations on all headers at once; the captions are joined
+  into one buffer to be checked, and the JSON members parsed in one call.
 - header by header (``walk_members``): GNU long names, pax records, ustar prefixes, a sample's
   members apart.
 - ``tarfile``: anything else, and what is wrong with a damaged tar.
