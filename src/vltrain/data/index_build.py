@@ -160,21 +160,20 @@ def _jsonl_rows(part: dict, problems: list):
         span = slice(first, min(len(ends), first + JSON_CHUNK))
         chunk = data[starts[span][0] : ends[span][-1]]
         lines, offsets, lengths = np.arange(span.start, span.stop) + 1, starts[span] + pos, ends[span] - starts[span]
-        rows = _plain_chunk(chunk, lines, offsets, lengths)
-        yield rows if rows is not None else _checked_rows(_chunk_lines(chunk, lines, offsets, lengths),
+        joined = chunk.replace(b"\n", SEPARATOR)
+        values = loads_objects(joined[:-1] if chunk.endswith(b"\n") else joined, len(lines))
+        rows = None if values is None else _plain_rows(values, chunk, lines, offsets, lengths)
+        yield rows if rows is not None else _checked_rows(_chunk_lines(chunk, values, lines, offsets, lengths),
                                                           ("id", IMAGE_KEYS, TEXT_KEYS), name, problems)
 
 
-def _plain_chunk(chunk: bytes, lines: np.ndarray, offsets: np.ndarray, lengths: np.ndarray) -> Rows | None:
-    """The Rows of a chunk of lines that are all the usual row, one JSON object each: ``text``
-    a non-blank string, ``image`` a non-blank string or absent (with no other image key), ``id``
-    absent, a string or an integer. That is what ``check_row`` passes without a word; None for
-    any other chunk (the rows are then checked one by one)."""
+def _plain_rows(values: list[dict], chunk: bytes, lines: np.ndarray, offsets: np.ndarray,
+                lengths: np.ndarray) -> Rows | None:
+    """The Rows of a chunk of lines when all are the usual row: ``text`` a non-blank string,
+    ``image`` a non-blank string or absent (with no other image key), ``id`` absent, a string or
+    an integer. That is what ``check_row`` passes without a word; None for any other chunk (its
+    rows are then checked one by one)."""
     count = len(lines)
-    joined = chunk.replace(b"\n", SEPARATOR)
-    values = loads_objects(joined[:-1] if chunk.endswith(b"\n") else joined, count)
-    if values is None:
-        return None
     texts = list(map(dict.get, values, repeat("text")))
     images = list(map(dict.get, values, repeat("image")))
     ids = list(map(dict.get, values, repeat("id")))
@@ -200,14 +199,22 @@ def _plain_chunk(chunk: bytes, lines: np.ndarray, offsets: np.ndarray, lengths: 
     return Rows(lines, offsets, lengths, has_image, np.ones(count, bool), texts)
 
 
-def _chunk_lines(chunk: bytes, lines: np.ndarray, offsets: np.ndarray, lengths: np.ndarray):
-    """(line, byte offset, bytes, fields or None, why) of each line of a chunk, parsed one by one;
-    ``why`` is True for an object whose strings are surely valid Unicode, False for one to check,
-    or what is wrong with the line."""
-    raws = chunk.split(b"\n")
-    for raw, line, offset, length in zip(raws, lines.tolist(), offsets.tolist(), lengths.tolist()):
+def _chunk_lines(chunk: bytes, values: list[dict] | None, lines: np.ndarray, offsets: np.ndarray,
+                 lengths: np.ndarray):
+    """(line, byte offset, bytes, fields or None, why) of each line of a chunk, ``values`` its
+    lines' objects when they parsed together; else the lines are parsed together again without
+    the blank ones, or one by one. ``why`` is True for an object whose strings are surely valid
+    Unicode, False for one to check, or what is wrong with the line."""
+    raws = chunk.split(b"\n")[: len(lines)]
+    if values is None:
+        filled = [k for k, raw in enumerate(raws) if raw.strip()]
+        found = loads_objects(SEPARATOR.join([raws[k] for k in filled]), len(filled))
+        values = [None] * len(raws)
+        for k, fields in zip(filled, found or ()):
+            values[k] = fields
+    for raw, fields, line, offset, length in zip(raws, values, lines.tolist(), offsets.tolist(), lengths.tolist()):
         if raw.strip():
-            fields, why = json_fields(raw)
+            fields, why = (fields, None) if fields is not None else json_fields(raw)
             # a line without a \\u escape holds no lone surrogate to look for
             yield line, offset, length, fields, why or b"\\u" not in raw
 
