@@ -207,6 +207,7 @@ _FILE = _KIND.copy()
 _FILE[ord("5")] = False
 _EXTS = (*(e.encode() for e in IMAGE_EXTS), b"txt", b"json")
 _NAME = 100
+_HEAD = 346  # the header fields read: name, size, type, magic and the prefix's first byte
 _SPACE_STARTS = b"\t\n\x0b\x0c\r\x1c\x1d\x1e\x1f \xc2\xe1\xe2\xe3"
 """The bytes that begin a whitespace character (``str.isspace``) in UTF-8: the ASCII ones, and the
 lead bytes of U+0085 and U+00A0, of U+1680, of U+2000-U+205F, of U+3000."""
@@ -275,13 +276,13 @@ def _distinct(keys: np.ndarray) -> bool:
 
 
 def _chained_headers(arr: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
-    """(block number, header, data size) of each member of a tar whose headers are all plain
-    ustar/GNU ones (an octal size, no prefix, a file or a folder) chaining from the first block to
-    the end of the archive; None for any other tar."""
+    """(block number, header's first ``_HEAD`` bytes, data size) of each member of a tar whose
+    headers are all plain ustar/GNU ones (an octal size, no prefix, a file or a folder) chaining
+    from the first block to the end of the archive; None for any other tar."""
     n = len(arr) // BLOCK
     blocks = arr[: n * BLOCK].reshape(n, BLOCK)
     at = np.flatnonzero(blocks[:, 257] == ord("u"))
-    heads = blocks[at]
+    heads = blocks[at, :_HEAD]
     magic = heads[:, 257:262].view("S5").ravel() == b"ustar"
     if not magic.all():
         at, heads = at[magic], heads[magic]
@@ -295,7 +296,7 @@ def _chained_headers(arr: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarra
     end = following[-1]
     if (not _KIND[heads[:, 156]].all() or heads[:, 345].any() or (following[:-1] != at[1:]).any()
             or ((at + 1) * BLOCK + size > len(arr)).any() or (end < n and blocks[end].any())
-            or not _checksum_ok(heads[0].tobytes())):
+            or not _checksum_ok(blocks[0].tobytes())):
         return None  # another kind of header, a header not where the sizes lead, a cut tar
     return at, heads, size
 
