@@ -19,7 +19,7 @@ only) bf16 matmuls are emulated, so bf16 is slower than fp32 on both sides; the 
 compares. Target: vltrain >= 1.3x transformers in samples/s.
 
 Optional rows: ``--padded`` (vltrain's text tower over the batch padded to its longest caption, as
-transformers runs it: ``model.text.length_groups=1``), ``--matmul-attention`` (CPU bf16: attention
+transformers runs it: ``model.text.layout=padded``), ``--matmul-attention`` (CPU bf16: attention
 as two plain matmuls) and ``--compiled`` (``train.compile=true``). ``--device cuda`` runs on a GPU
 (fp32 matmuls may use TF32 there, on both sides).
 
@@ -85,7 +85,7 @@ def batch(n: int, seed: int = 0) -> dict[str, torch.Tensor]:
 
 VARIANTS = {
     "vltrain": (),
-    "vltrain-padded": ("model.text.length_groups=1",),  # the text tower over the batch padded to its longest
+    "vltrain-padded": ("model.text.layout=padded",),  # the text tower over the batch padded to its longest
     "vltrain-compiled": ("train.compile=true",),  # each transformer block through torch.compile (GPU rows)
 }
 
@@ -204,7 +204,7 @@ def main() -> None:
     p.add_argument("--precisions", nargs="+", default=["bf16", "fp32"], choices=["bf16", "fp32"])
     p.add_argument("--padded", action="store_true",
                    help="one more row: vltrain's text tower over the batch padded to its longest caption "
-                        "(model.text.length_groups=1), as transformers runs it")
+                        "(model.text.layout=padded), as transformers runs it")
     p.add_argument("--matmul-attention", action="store_true",
                    help="one more bf16 row on CPU: vltrain with its plain-matmul attention (the path for CPUs with "
                         "bf16 instructions) on this CPU")

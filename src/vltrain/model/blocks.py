@@ -13,6 +13,7 @@ as autocast decides.
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -55,6 +56,22 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
     return torch.matmul(scores.softmax(dim=-1), v)
 
 
+@dataclass
+class Packed:
+    """A padded batch's kept tokens as rows of one matrix: ``index`` into the flattened
+    [batch x length] positions, and the attention mask of the padded layout."""
+
+    index: torch.Tensor
+    batch: int
+    length: int
+    mask: torch.Tensor | None
+
+    def unpack(self, x: torch.Tensor) -> torch.Tensor:
+        """[tokens, W] -> [batch, length, W], zero where no token was kept."""
+        out = x.new_zeros(self.batch * self.length, x.shape[-1])
+        return out.index_copy(0, self.index, x).view(self.batch, self.length, x.shape[-1])
+
+
 class SelfAttention(nn.Module):
     def __init__(self, width: int, heads: int):
         super().__init__()
@@ -64,7 +81,13 @@ class SelfAttention(nn.Module):
         self.qkv = nn.Linear(width, 3 * width)
         self.out = nn.Linear(width, width)
 
-    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | Packed | None = None) -> torch.Tensor:
+        if isinstance(mask, Packed):  # projections over the packed tokens, attention in the padded layout
+            qkv = mask.unpack(self.qkv(x))
+            b, n, w = qkv.shape[0], qkv.shape[1], x.shape[-1]
+            q, k, v = qkv.view(b, n, 3, self.heads, w // self.heads).permute(2, 0, 3, 1, 4)
+            y = attention(q, k, v, mask.mask).transpose(1, 2).reshape(b * n, w)
+            return self.out(y[mask.index])
         b, n, w = x.shape
         q, k, v = self.qkv(x).view(b, n, 3, self.heads, w // self.heads).permute(2, 0, 3, 1, 4)
         y = attention(q, k, v, mask)
@@ -111,9 +134,8 @@ def mlp_width(width: int, mlp_ratio: float) -> int:
 class Block(nn.Module):
     """x + attn(norm(x)), then x + mlp(norm(x)).
 
-    ``x`` may also be a list of sequences of different lengths, with a list of masks: each is
-    encoded on its own, in one call of the block (so FSDP2 gathers its weights once, and one
-    checkpoint or compiled region covers them all).
+    ``x`` is [B, L, W] with an attention mask, or the kept tokens [T, W] of a padded batch with
+    their :class:`Packed` layout: everything but attention is token-wise.
     """
 
     def __init__(self, width: int, heads: int, mlp_ratio: float = 4.0, act: str = "gelu", eps: float = 1e-5):
@@ -123,12 +145,7 @@ class Block(nn.Module):
         self.norm2 = nn.LayerNorm(width, eps=eps)
         self.mlp = MLP(width, mlp_width(width, mlp_ratio), act)
 
-    def forward(self, x: torch.Tensor | list[torch.Tensor], mask=None):
-        if isinstance(x, list):
-            return [self._one(xi, mi) for xi, mi in zip(x, mask)]
-        return self._one(x, mask)
-
-    def _one(self, x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | Packed | None = None) -> torch.Tensor:
         x = x + self.attn(self.norm1(x), mask)
         return x + self.mlp(self.norm2(x))
 

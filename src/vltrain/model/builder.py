@@ -28,7 +28,7 @@ def _text_tower(model_cfg: ModelConfig, arch: Architecture, vocab_size: int, max
     if not model_cfg.text.hf_path:
         pooling = pooling or arch.text.pooling
         return TextTransformer(replace(arch.text, vocab_size=vocab_size, max_length=max_text_length, pooling=pooling,
-                                       length_groups=model_cfg.text.length_groups))
+                                       layout=model_cfg.text.layout))
     text = HFTextEncoder(model_cfg.text.hf_path, pooling or "first", max_text_length)
     if vocab_size > text.token_embedding.num_embeddings:
         raise UserError(

@@ -7,7 +7,7 @@ from typing import Any
 
 from vltrain.errors import ConfigError
 from vltrain.model.presets import list_presets
-from vltrain.model.text import POOLINGS
+from vltrain.model.text import POOLINGS, TEXT_LAYOUTS
 
 
 @dataclass
@@ -16,11 +16,10 @@ class TextConfig:
     """A local Hugging Face encoder folder (needs the `hf` extra); its tokenizer.json is used."""
     pooling: str = ""
     """first | eos | mean; empty: the preset's choice."""
-    length_groups: int = 0
-    """Our own text tower encodes a batch as up to this many groups of similar caption length,
-    each cut to its own longest caption, when that skips a fifth or more of the padded positions;
-    1: the whole batch padded to its longest caption; 0 (auto): 4 on a CPU, 1 on a GPU, where
-    the extra passes cost more than they save (``vltrain.model.text.length_groups``)."""
+    layout: str = "auto"
+    """auto | packed | padded: our own text tower runs its projections and MLPs over the text tokens
+    alone, packed, instead of over the batch padded to its longest caption; auto: on a CPU, when
+    that skips a fifth of the positions (``vltrain.model.text.packed_tokens``)."""
 
 
 @dataclass
@@ -95,8 +94,7 @@ class ModelConfig:
             raise ConfigError(
                 f"model.text.pooling must be {', '.join(POOLINGS[:-1])} or {POOLINGS[-1]}, got {self.text.pooling!r}"
             )
-        if self.text.length_groups < 0:
-            raise ConfigError(f"model.text.length_groups must be >= 0 (0: auto, 1: no grouping), "
-                              f"got {self.text.length_groups}")
+        if self.text.layout not in TEXT_LAYOUTS:
+            raise ConfigError(f"model.text.layout must be {', '.join(TEXT_LAYOUTS)}, got {self.text.layout!r}")
         if self.embed_dim < 0:
             raise ConfigError(f"model.embed_dim must be >= 0, got {self.embed_dim}")

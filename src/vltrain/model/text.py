@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from vltrain.errors import UserError
-from vltrain.model.blocks import Block, block_flops, key_padding_mask, run_blocks
+from vltrain.model.blocks import Block, Packed, block_flops, key_padding_mask, run_blocks
 
 
 @dataclass
@@ -40,14 +40,13 @@ class TextTowerConfig:
     so no collator or tokenizer setting can get it wrong."""
     pad_id: int = 0
     """The padding token of ``pad_to_max_length`` (the checkpoint's own)."""
-    length_groups: int = 0
-    """Encode a batch as up to this many groups of rows of similar length, each cut to its own
-    longest text, when that skips at least a fifth of the padded positions (``length_groups``);
-    1 encodes the batch padded to its longest text; 0 (auto): ``CPU_LENGTH_GROUPS`` on a CPU,
-    1 on a GPU. Rows do not interact in the tower, so each row's pooled vector and its tokens at
-    text positions are the same (to float rounding); its tokens at padding positions differ, and
-    every consumer masks those out. Not with ``last`` pooling, which reads the batch's last
-    position."""
+    layout: str = "auto"
+    """auto | packed | padded: run the tower's token-wise layers over the batch's text tokens only,
+    packed, rather than over the batch padded to its longest text (``packed_tokens``); auto: on a
+    CPU, when that skips a fifth of the positions or more. Each row's pooled vector and its tokens
+    at text positions are the same (to float rounding); tokens at padding positions come back
+    zero, and every consumer masks those out. Not with ``last`` pooling, which reads the batch's
+    last position."""
 
 
 def _eos(tokens: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
@@ -71,34 +70,29 @@ def pool(tokens: torch.Tensor, attention_mask: torch.Tensor, pooling: str) -> to
 
 
 MIN_SAVING = 0.2
-"""The share of padded positions that grouping by length must skip to be used."""
-CPU_LENGTH_GROUPS = 4
-"""Length groups on a CPU when ``length_groups`` is 0. Not on a GPU: reading the lengths waits for
-the device, and four passes of small kernels cost more there than the padding they skip
-(``docs/benchmarks.md#one-step-against-transformers``)."""
+"""The share of padded positions that ``layout: auto`` must skip to pack the tokens."""
+TEXT_LAYOUTS = ("auto", "packed", "padded")
 
 
-def length_groups(attention_mask: torch.Tensor, groups: int) -> tuple[list[torch.Tensor], list[int]] | None:
-    """Rows split by text length into at most ``groups`` runs of equal size, and each run's longest
-    text: when encoding each run at its own width skips ``MIN_SAVING`` of the batch's positions.
+def packed_tokens(attention_mask: torch.Tensor, layout: str) -> Packed | None:
+    """The text tokens of a padded batch, to run packed (``Packed``), or None to run it padded.
 
-    A batch of captions padded to its longest spends much of the text tower on padding (captions of
-    8 to 32 tokens: about a third); budget batching already gathers similar lengths, and then there
-    is nothing to gain. Reading the lengths waits for the device once per forward.
+    A batch of captions padded to its longest spends much of the text tower on padding (captions
+    of 8 to 32 tokens: about a third). Packed, the projections and MLPs, nearly all of the tower's
+    work, run over the text tokens alone, and only attention sees the padded layout. Position 0
+    of every row is kept, so a row without text gives the same finite vector as padded. ``auto``
+    packs on a CPU only: on a GPU, finding the tokens waits for the device, and the step is bound
+    by kernel launches at the sizes where padding costs most
+    (``docs/benchmarks.md#one-step-against-transformers``).
     """
-    b, n = attention_mask.shape
-    groups = min(int(groups), b)
-    if groups < 2 or n < 2:
+    if layout == "padded" or (layout == "auto" and attention_mask.device.type != "cpu"):
         return None
-    lengths = attention_mask.sum(dim=1)
-    order = torch.argsort(lengths, stable=True)
-    bounds = [round(k * b / groups) for k in range(groups + 1)]
-    sorted_lengths = lengths[order].tolist()
-    spans = [(lo, hi) for lo, hi in zip(bounds, bounds[1:]) if hi > lo]
-    widths = [max(1, sorted_lengths[hi - 1]) for _, hi in spans]
-    if sum(w * (hi - lo) for w, (lo, hi) in zip(widths, spans)) > (1 - MIN_SAVING) * b * n:
+    keep = attention_mask.bool().clone()
+    keep[:, 0] = True
+    index = keep.reshape(-1).nonzero().squeeze(1)
+    if layout == "auto" and len(index) > (1 - MIN_SAVING) * keep.numel():
         return None
-    return [order[lo:hi] for lo, hi in spans], widths
+    return Packed(index, keep.shape[0], keep.shape[1], None)
 
 
 class TextTransformer(nn.Module):
@@ -118,28 +112,20 @@ class TextTransformer(nn.Module):
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if self.cfg.pad_to_max_length:
             return self._forward_fixed_length(input_ids, attention_mask)
-        count = self.cfg.length_groups or (CPU_LENGTH_GROUPS if input_ids.device.type == "cpu" else 1)
-        groups = None if self.cfg.pooling == "last" else length_groups(attention_mask, count)
-        if groups is None:
-            x = self.norm(run_blocks(self.blocks, self._embed(input_ids), self._mask(attention_mask),
-                                     checkpointing=self.checkpointing))
+        packed = None if self.cfg.pooling == "last" else packed_tokens(attention_mask, self.cfg.layout)
+        mask = key_padding_mask(attention_mask, self.cfg.causal)
+        if packed is None:
+            x = self.norm(run_blocks(self.blocks, self._embed(input_ids), mask, checkpointing=self.checkpointing))
             return x, pool(x, attention_mask, self.cfg.pooling)
-        rows, widths = groups
-        parts = [(input_ids[r, :w], attention_mask[r, :w]) for r, w in zip(rows, widths)]
-        xs = run_blocks(self.blocks, [self._embed(i) for i, _ in parts], [self._mask(m) for _, m in parts],
-                        checkpointing=self.checkpointing)
-        xs = [self.norm(x) for x in xs]
-        back = torch.argsort(torch.cat(rows))  # the batch's order from the groups' concatenation
+        packed.mask = mask
         n = input_ids.shape[1]
-        tokens = torch.cat([F.pad(x, (0, 0, 0, n - x.shape[1])) for x in xs])[back]
-        pooled = torch.cat([pool(x, m, self.cfg.pooling) for x, (_, m) in zip(xs, parts)])[back]
-        return tokens, pooled
+        x = self.token_embedding(input_ids.reshape(-1)[packed.index]) + self.pos_embed[packed.index % n]
+        x = self.norm(run_blocks(self.blocks, x, packed, checkpointing=self.checkpointing))
+        tokens = packed.unpack(x)
+        return tokens, pool(tokens, attention_mask, self.cfg.pooling)
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.token_embedding(input_ids) + self.pos_embed[: input_ids.shape[1]]
-
-    def _mask(self, attention_mask: torch.Tensor) -> torch.Tensor:
-        return key_padding_mask(attention_mask, self.cfg.causal)
 
     def _forward_fixed_length(self, input_ids: torch.Tensor, attention_mask: torch.Tensor):
         """Every row padded with ``pad_id`` to ``max_length`` and attended in full; the tokens come

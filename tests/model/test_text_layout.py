@@ -1,0 +1,106 @@
+"""The text tower over a batch's text tokens alone, packed: the same result as over the padded batch."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+
+from vltrain.config import load_config
+from vltrain.errors import ConfigError
+from vltrain.model.text import MIN_SAVING, TextTowerConfig, TextTransformer, packed_tokens
+
+
+def _batch(lengths: list[int], vocab: int = 50, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    width = max(max(lengths), 1)
+    mask = (torch.arange(width)[None] < torch.tensor(lengths)[:, None]).long()
+    return torch.randint(1, vocab, (len(lengths), width), generator=g) * mask, mask
+
+
+LENGTHS = [27, 22, 16, 18, 21, 12, 10, 11, 30, 16, 9, 24, 0, 32, 11, 9]  # one row without text
+
+
+def test_packing_keeps_every_text_token_and_each_rows_first_position():
+    _, mask = _batch(LENGTHS)
+    packed = packed_tokens(mask, "auto")
+    keep = mask.bool().clone()
+    keep[:, 0] = True
+    assert packed.index.tolist() == keep.reshape(-1).nonzero().squeeze(1).tolist()
+    assert len(packed.index) == sum(LENGTHS) + 1 <= (1 - MIN_SAVING) * mask.numel()
+    x = torch.arange(len(packed.index), dtype=torch.float32)[:, None].expand(-1, 3)
+    padded = packed.unpack(x)
+    assert padded.shape == (len(LENGTHS), 32, 3)
+    assert torch.equal(padded.reshape(-1, 3)[packed.index], x) and padded[~keep].abs().sum() == 0
+
+
+@pytest.mark.parametrize("lengths,layout", [
+    ([20, 19, 20, 18, 20, 20, 17, 20], "auto"),  # similar lengths (budget batching): too little to skip
+    (LENGTHS, "padded"),
+])
+def test_no_packing_when_it_would_not_pay_or_is_off(lengths, layout):
+    _, mask = _batch(lengths)
+    assert packed_tokens(mask, layout) is None
+
+
+def test_packed_packs_whatever_it_saves():
+    _, mask = _batch([20, 19, 20, 18, 20, 20, 17, 20])
+    assert len(packed_tokens(mask, "packed").index) == 154
+
+
+@pytest.mark.parametrize("pooling,causal", [("eos", True), ("mean", False), ("first", False)])
+def test_packed_tower_computes_what_the_padded_one_does(pooling, causal):
+    torch.manual_seed(0)
+    cfg = TextTowerConfig(vocab_size=50, max_length=32, width=32, depth=2, heads=4, pooling=pooling, causal=causal,
+                          layout="packed")
+    packed = TextTransformer(cfg).double()
+    padded = TextTransformer(replace(cfg, layout="padded")).double()
+    padded.load_state_dict(packed.state_dict())
+    ids, mask = _batch(LENGTHS)
+    (t1, p1), (t0, p0) = packed(ids, mask), padded(ids, mask)
+    assert t1.shape == t0.shape and p1.shape == p0.shape
+    text = mask.bool()
+    torch.testing.assert_close(t1[text], t0[text], rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(p1, p0, rtol=1e-10, atol=1e-12)
+    g1 = torch.autograd.grad(p1.square().sum() + t1[text].sum(), list(packed.parameters()))
+    g0 = torch.autograd.grad(p0.square().sum() + t0[text].sum(), list(padded.parameters()))
+    for a, b in zip(g1, g0):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-11)
+
+
+def test_packed_tower_under_activation_checkpointing():
+    torch.manual_seed(0)
+    cfg = TextTowerConfig(vocab_size=50, max_length=32, width=32, depth=2, heads=4, pooling="eos", causal=True,
+                          layout="packed")
+    tower = TextTransformer(cfg).double()
+    ids, mask = _batch(LENGTHS)
+    plain = torch.autograd.grad(tower(ids, mask)[1].square().sum(), list(tower.parameters()))
+    tower.checkpointing = True
+    again = torch.autograd.grad(tower(ids, mask)[1].square().sum(), list(tower.parameters()))
+    for a, b in zip(plain, again):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-14)
+
+
+def test_last_pooling_reads_the_batch_width_and_is_never_packed():
+    torch.manual_seed(0)
+    cfg = TextTowerConfig(vocab_size=50, max_length=32, width=32, depth=1, heads=4, pooling="last", layout="packed")
+    tower = TextTransformer(cfg).double()
+    padded = TextTransformer(replace(cfg, layout="padded")).double()
+    padded.load_state_dict(tower.state_dict())
+    ids, mask = _batch(LENGTHS)
+    assert torch.equal(tower(ids, mask)[0], padded(ids, mask)[0])
+
+
+def test_auto_packs_on_cpu_and_the_setting_is_checked():
+    cfg = TextTowerConfig(vocab_size=50, max_length=32, width=32, depth=1, heads=4, pooling="eos")
+    assert cfg.layout == "auto"
+    seen = []
+    tower = TextTransformer(cfg)
+    tower.blocks[0].register_forward_pre_hook(lambda module, args: seen.append(args[0].shape))
+    ids, mask = _batch(LENGTHS)
+    tower(ids, mask)
+    assert seen == [torch.Size([sum(LENGTHS) + 1, 32])]
+    assert load_config(None, ["model.text.layout=padded"]).model.text.layout == "padded"
+    with pytest.raises(ConfigError, match="model.text.layout"):
+        load_config(None, ["model.text.layout=sometimes"])
