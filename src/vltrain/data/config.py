@@ -6,8 +6,12 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, Union
 
 from vltrain.data.budget import PAD_MULTIPLE, padded_width
-from vltrain.data.images import MAX_IMAGE_PIXELS
 from vltrain.errors import ConfigError
+
+MAX_IMAGE_PIXELS = 89_478_485
+"""Decompression-bomb guard: Pillow's own default limit (``PIL.Image.MAX_IMAGE_PIXELS``), the
+default of ``data.max_image_pixels``. Here rather than in ``vltrain.data.images`` so that reading
+a config (an index build's worker processes do) does not import torch."""
 
 
 @dataclass

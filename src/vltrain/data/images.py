@@ -24,6 +24,8 @@ import torch
 import torch.nn.functional as F
 from PIL import ExifTags, Image, ImageOps, UnidentifiedImageError
 
+from vltrain.data.config import MAX_IMAGE_PIXELS
+
 try:
     import simplejpeg
 except ImportError:  # optional at run time: Pillow decodes JPEGs too, a little slower
@@ -32,9 +34,6 @@ except ImportError:  # optional at run time: Pillow decodes JPEGs too, a little 
 # decode_image wraps the read-only bytes of a decoded image and never writes to them.
 warnings.filterwarnings("ignore", message="The given buffer is not writable", module=__name__)
 
-MAX_IMAGE_PIXELS = 89_478_485
-"""Decompression-bomb guard: Pillow's own default limit (``PIL.Image.MAX_IMAGE_PIXELS``), the
-default of ``data.max_image_pixels``."""
 WHITE = (255, 255, 255, 255)
 ALPHA_MODES = ("RGBA", "LA", "PA", "RGBa", "La")
 SIXTEEN_BIT_MODES = ("I;16", "I;16L", "I;16B", "I;16N")
