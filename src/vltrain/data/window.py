@@ -22,6 +22,8 @@ share of the epoch from that source's own windowed passes.
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
+
 import numpy as np
 
 MANIFEST_BLOCK = 4096
@@ -48,7 +50,7 @@ def later_copies(rows: np.ndarray) -> np.ndarray:
     return copy
 
 
-class Windows:
+class Windows(ABC):
     """An epoch order cut into windows: ``window_starts`` (then the length), ``window_rows(w)``.
 
     ``earlier(w)`` says which rows of window ``w`` already occur in an earlier window, or None
@@ -60,8 +62,9 @@ class Windows:
     def __len__(self) -> int:
         return int(self.window_starts[-1])
 
+    @abstractmethod
     def window_rows(self, w: int) -> np.ndarray:
-        raise NotImplementedError
+        """The rows of window ``w``, in the epoch's order."""
 
     def earlier(self, w: int) -> np.ndarray | None:
         return None
