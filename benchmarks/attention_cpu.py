@@ -22,7 +22,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from vltrain.model.blocks import attention, key_padding_mask  # noqa: E402
-from vltrain.runtime import keep_freed_memory  # noqa: E402
+from vltrain.runtime.world import keep_freed_memory  # noqa: E402
 
 
 def sdpa(backend: SDPBackend):

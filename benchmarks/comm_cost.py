@@ -11,7 +11,7 @@ and 60 on rank 1. Three ways of exchanging:
   (the default); ITC by gathering (the default);
 - ring: as after, with ``model.loss.contrastive_impl: ring``.
 
-Bytes: what the collective recorder (``vltrain.spmd``) counts for every collective vltrain
+Bytes: what the collective recorder (``vltrain.runtime.spmd``) counts for every collective vltrain
 issued, by the ring-algorithm cost of each operation (all-gather (W-1) x n, all-reduce
 2 (W-1)/W x n, reduce-scatter (W-1)/W x n, a ring pass n), checked against the loopback
 interface's transmitted bytes (both ranks' traffic, halved) and against the closed formula below,
@@ -130,8 +130,8 @@ def _step(task, b: int, width: int, rank: int) -> tuple[int, float]:
 
 
 def bytes_worker(rank: int, world: int, port: int, b: int, queue) -> None:
-    import vltrain.distributed as d
-    from vltrain.spmd import RECORDER
+    import vltrain.runtime.distributed as d
+    from vltrain.runtime.spmd import RECORDER
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
@@ -154,7 +154,7 @@ def bytes_worker(rank: int, world: int, port: int, b: int, queue) -> None:
 
 
 def memory_worker(rank: int, world: int, port: int, b: int, queue) -> None:
-    import vltrain.distributed as d
+    import vltrain.runtime.distributed as d
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)

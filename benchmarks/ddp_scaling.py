@@ -28,8 +28,8 @@ def worker(args: argparse.Namespace) -> None:
     from _demo_model import demo_config, demo_task, random_inputs
     from vltrain.optim import build_optimizer
     from vltrain.parallelize import parallelize
-    from vltrain.precision import Precision
-    from vltrain.runtime import setup_world
+    from vltrain.runtime.precision import Precision
+    from vltrain.runtime.world import setup_world
     from vltrain.step import plain_backward
 
     cfg = demo_config(f"train.precision={args.precision}", *([f"model.preset={args.preset}"] if args.preset else []))

@@ -27,7 +27,7 @@ from vltrain.build import build_model_for, build_task
 from vltrain.data.synth import synthesize, synthesize_classify, write_tokenizer
 from vltrain.data.text import load_tokenizer
 from vltrain.demo import measure_rate
-from vltrain.precision import Precision
+from vltrain.runtime.precision import Precision
 from vltrain.zeroshot import evaluate_zeroshot, open_zeroshot
 
 

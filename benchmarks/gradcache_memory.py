@@ -27,8 +27,8 @@ def worker(mode: str, global_batch: int, micro: int, precision: str) -> None:
     from _demo_model import demo_config, demo_task, random_inputs
     from vltrain.gradcache import gradcache_backward
     from vltrain.optim import build_optimizer
-    from vltrain.precision import Precision
-    from vltrain.runtime import keep_freed_memory
+    from vltrain.runtime.precision import Precision
+    from vltrain.runtime.world import keep_freed_memory
     from vltrain.step import plain_backward
 
     torch.set_num_threads(2)

@@ -96,8 +96,8 @@ def vltrain_step(folder: Path, precision: str, b: dict, device: torch.device, ov
     from vltrain.data.batch import ModelInputs
     from vltrain.optim import build_optimizer
     from vltrain.parallelize import compile_blocks
-    from vltrain.precision import Precision
-    from vltrain.runtime import keep_freed_memory
+    from vltrain.runtime.precision import Precision
+    from vltrain.runtime.world import keep_freed_memory
     from vltrain.step import plain_backward
 
     keep_freed_memory()

@@ -31,8 +31,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from _demo_model import demo_config, demo_task, load_average, random_inputs
 from vltrain.metrics import measure_cpu_peak
 from vltrain.optim import build_optimizer
-from vltrain.precision import Precision
-from vltrain.runtime import keep_freed_memory
+from vltrain.runtime.precision import Precision
+from vltrain.runtime.world import keep_freed_memory
 from vltrain.step import plain_backward
 
 # the matmul ops as they reach the dispatcher (linear and matmul decompose into these first)

@@ -26,7 +26,7 @@ from vltrain.checkpoint import (
 from vltrain.checkpoint_storage import join_tensors, read_tensors, split_tensors
 from vltrain.config import CheckpointConfig
 from vltrain.errors import UserError
-from vltrain.rng import RngState
+from vltrain.runtime.rng import RngState
 
 
 class Counter:

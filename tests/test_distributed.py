@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from multiproc import run_world
-from vltrain.distributed import all_gather_no_grad, all_gather_with_grad, gather_sizes, init_distributed, world_info
-from vltrain.runtime import allow_tf32
+from vltrain.runtime.distributed import all_gather_no_grad, all_gather_with_grad, gather_sizes, init_distributed, world_info
+from vltrain.runtime.world import allow_tf32
 
 
 def test_single_process_fallback(monkeypatch):
@@ -59,7 +59,7 @@ def test_gather_with_grad_unequal_sizes():
 
 _ALLOCATE_AND_FREE = """
 import ctypes, sys, torch
-from vltrain.runtime import keep_freed_memory
+from vltrain.runtime.world import keep_freed_memory
 class MallInfo2(ctypes.Structure):
     _fields_ = [(n, ctypes.c_size_t) for n in
                 ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]

@@ -1,6 +1,6 @@
 """Failures of real worker processes: killed, killed while saving, raising. Nothing is lost, nothing hangs.
 
-Faults are injected with VLTRAIN_FAULT (see vltrain.faults); a marker file makes each fire once,
+Faults are injected with VLTRAIN_FAULT (see vltrain.runtime.faults); a marker file makes each fire once,
 so the group torchrun restarts does not fail again at the same place.
 """
 

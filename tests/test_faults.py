@@ -2,7 +2,7 @@
 
 import pytest
 
-from vltrain.faults import ENV, Fault, InjectedFault, maybe_fail
+from vltrain.runtime.faults import ENV, Fault, InjectedFault, maybe_fail
 
 
 def test_parse():

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from vltrain.runtime import cpu_has_bf16_matmul
+from vltrain.runtime.world import cpu_has_bf16_matmul
 
 
 def _cpuinfo(tmp_path, flags: str):

@@ -23,7 +23,7 @@ def _ragged(rank: int) -> torch.Tensor:
 
 
 def _gather_worker(rank: int, world: int, reduce_scatter: bool):
-    import vltrain.distributed as d
+    import vltrain.runtime.distributed as d
 
     d.REDUCE_SCATTER = reduce_scatter
     x = _ragged(rank).requires_grad_(True)
@@ -62,8 +62,8 @@ def test_reduce_scatter_backward_equals_the_all_reduce_fallback():
 
 
 def _extra_collective_worker(rank: int, world: int):
-    from vltrain.distributed import all_reduce_sum
-    from vltrain.spmd import RECORDER, SPMDError
+    from vltrain.runtime.distributed import all_reduce_sum
+    from vltrain.runtime.spmd import RECORDER, SPMDError
 
     RECORDER.checking = True
     RECORDER.begin("in step 7")
@@ -91,8 +91,8 @@ def test_debug_spmd_catches_a_collective_only_one_rank_issues():
 def _reverted_fix_worker(rank: int, world: int, root: str, run_dir: str):
     """The fusion model with global ITM negatives, with the gathers padding only dim 0 (as before
     the fix): debug_spmd must stop both ranks with a message, not let gloo abort."""
-    import vltrain.distributed as d
-    from vltrain.spmd import SPMDError
+    import vltrain.runtime.distributed as d
+    from vltrain.runtime.spmd import SPMDError
 
     d._padded_shape = lambda shapes: (max(s[0] for s in shapes), *shapes[rank][1:])
     cfg = config(Path(root), Path(run_dir) / "reverted", [

@@ -13,7 +13,7 @@ from vltrain.config import JobConfig
 from vltrain.data.dataset import build_dataset, source_specs
 from vltrain.data.loader import TrainLoader, build_eval_loader, build_train_loader
 from vltrain.data.text import Tokenizer, load_tokenizer
-from vltrain.distributed import World
+from vltrain.runtime.distributed import World
 from vltrain.errors import ConfigError
 from vltrain.model import VLModel, build_model, hf_tokenizer_file
 from vltrain.model.presets import Architecture

@@ -55,9 +55,9 @@ from vltrain.checkpoint_storage import (
     write_weights,
 )
 from vltrain.config import CheckpointConfig
-from vltrain.distributed import all_gather_object, barrier, broadcast_object, is_initialized, world_info
+from vltrain.runtime.distributed import all_gather_object, barrier, broadcast_object, is_initialized, world_info
 from vltrain.errors import UserError
-from vltrain.faults import maybe_fail
+from vltrain.runtime.faults import maybe_fail
 
 STATE_FILE = "state.json"
 CONFIG_FILE = "config.yaml"

@@ -22,7 +22,7 @@ from pathlib import Path
 from vltrain.config import load_config
 from vltrain.data.synth import KINDS, TOKENIZER_VOCAB
 from vltrain.errors import ConfigError
-from vltrain.runtime import cpu_has_bf16_matmul
+from vltrain.runtime.world import cpu_has_bf16_matmul
 
 NUM_TRAIN, NUM_VAL, TEXT_ONLY_FRACTION = 10_000, 1_000, 0.2
 CLASSIFY_PER_CLASS = 30
@@ -79,8 +79,8 @@ def measure_rate(cfg, vocab: int = TOKENIZER_VOCAB, steps: int = 3) -> float:
     from vltrain.build import build_task
     from vltrain.model import build_model
     from vltrain.optim import build_optimizer
-    from vltrain.precision import Precision
-    from vltrain.runtime import keep_freed_memory
+    from vltrain.runtime.precision import Precision
+    from vltrain.runtime.world import keep_freed_memory
     from vltrain.step import plain_backward
 
     keep_freed_memory()

@@ -20,7 +20,7 @@ from vltrain.data.config import DataConfig
 from vltrain.data.labeled import TextListDataset
 from vltrain.data.loader import EvalLoader, build_eval_loader
 from vltrain.data.text import Tokenizer
-from vltrain.distributed import all_gather_no_grad, pad_to
+from vltrain.runtime.distributed import all_gather_no_grad, pad_to
 
 
 @dataclass

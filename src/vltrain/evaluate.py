@@ -23,14 +23,14 @@ from vltrain.checkpoint import find_checkpoint, load_model_weights
 from vltrain.config import JobConfig, load_config
 from vltrain.data.dataset import source_specs
 from vltrain.data.text import Tokenizer
-from vltrain.distributed import World, all_gather_no_grad, all_reduce_sum
+from vltrain.runtime.distributed import World, all_gather_no_grad, all_reduce_sum
 from vltrain.errors import ConfigError, UserError
 from vltrain.eval_embed import Embedded, cat_padded, eval_mode
 from vltrain.export import is_exported, load_exported
 from vltrain.model.pretrained import is_pretrained
-from vltrain.precision import Precision
+from vltrain.runtime.precision import Precision
 from vltrain.retrieval import evaluate_retrieval, itm_rerank, multi_caption_recall, open_retrieval
-from vltrain.runtime import setup_world
+from vltrain.runtime.world import setup_world
 from vltrain.zeroshot import evaluate_zeroshot, open_zeroshot
 
 KS = (1, 5, 10)

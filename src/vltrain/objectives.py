@@ -20,7 +20,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from vltrain.data.batch import ModelInputs, Rows
-from vltrain.distributed import all_gather_no_grad, all_gather_with_grad, exchange_shapes, pad_to
+from vltrain.runtime.distributed import all_gather_no_grad, all_gather_with_grad, exchange_shapes, pad_to
 from vltrain.losses import (itc_loss, itm_loss, mask_tokens, mim_loss, mlm_loss, patchify, sample_negatives, scale_of,
                             siglip_loss)
 from vltrain.model.config import LossConfig

@@ -14,7 +14,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from vltrain.config import TrainConfig
-from vltrain.distributed import all_reduce_sum
+from vltrain.runtime.distributed import all_reduce_sum
 from vltrain.model.protocol import TrainableModel
 from vltrain.task import Task
 

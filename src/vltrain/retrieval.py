@@ -31,7 +31,7 @@ from vltrain.data.config import DataConfig
 from vltrain.data.labeled import ImageListDataset
 from vltrain.data.loader import EvalLoader, build_eval_loader
 from vltrain.data.text import Tokenizer
-from vltrain.distributed import all_gather_no_grad, world_info
+from vltrain.runtime.distributed import all_gather_no_grad, world_info
 from vltrain.eval_embed import Embedded, embed_gathered, eval_mode, text_loader
 
 KS = (1, 5, 10)

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from vltrain.distributed import issue, world_info
+from vltrain.runtime.distributed import issue, world_info
 from vltrain.losses import _MASKED, GlobalBatch, _row_weights, scale_of
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from vltrain.distributed import all_reduce_sum
+from vltrain.runtime.distributed import all_reduce_sum
 from vltrain.objectives import RowLosses
 
 

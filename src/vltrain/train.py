@@ -25,20 +25,20 @@ from vltrain.checkpoint import Checkpointer, ModelState, OptimizerState, latest_
 from vltrain.config import JobConfig, load_config
 from vltrain.data.batch import Batch
 from vltrain.data.dataset import source_specs
-from vltrain.distributed import all_reduce_sum
+from vltrain.runtime.distributed import all_reduce_sum
 from vltrain.evaluate import Evaluator, append_eval, check_early_stop_metric, format_metrics
-from vltrain.faults import maybe_fail
+from vltrain.runtime.faults import maybe_fail
 from vltrain.gradcache import gradcache_backward
 from vltrain.guards import NonFiniteGuard
 from vltrain.metrics import GpuUtilization, MetricsLogger, Throughput, peak_flops, peak_memory_bytes, plot_curves
 from vltrain.optim import build_optimizer, build_scheduler, freeze_towers
 from vltrain.parallelize import clip_grad_norm, parallelize, reduce_replicated_grads
-from vltrain.precision import Precision
-from vltrain.preemption import EXIT_CODE as PREEMPTED_EXIT, Preempted, PreemptionWatch, clear_marker, write_marker
-from vltrain.rng import RngState
+from vltrain.runtime.precision import Precision
+from vltrain.runtime.preemption import EXIT_CODE as PREEMPTED_EXIT, Preempted, PreemptionWatch, clear_marker, write_marker
+from vltrain.runtime.rng import RngState
 from vltrain.source_metrics import SourceMeter
-from vltrain.runtime import setup_world
-from vltrain.spmd import RECORDER
+from vltrain.runtime.world import setup_world
+from vltrain.runtime.spmd import RECORDER
 from vltrain.step import StepLosses, plain_backward
 
 class Trainer:

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from vltrain.precision import cpu_has_bf16_matmul
+from vltrain.runtime.precision import cpu_has_bf16_matmul
 from torch.utils.checkpoint import checkpoint
 
 

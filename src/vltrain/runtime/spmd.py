@@ -1,6 +1,6 @@
 """A flight recorder of the collectives each rank issues, and the SPMD check built on it.
 
-Every collective vltrain issues itself goes through :func:`vltrain.distributed.issue`, which tells
+Every collective vltrain issues itself goes through :func:`vltrain.runtime.distributed.issue`, which tells
 the recorder its operation, dtype and the shape each rank sends. The recorder always counts the
 bytes (``benchmarks/comm_cost.py`` reads them). With ``train.debug_spmd: true`` it also checks:
 before each collective the ranks exchange a fixed-size descriptor (a fingerprint folded from
@@ -78,7 +78,7 @@ class Recorder:
             self._compare(Issued("step_end"), device)
 
     def before(self, issued: Issued, sent: int, device: torch.device | str = "cpu") -> None:
-        """Called by :func:`vltrain.distributed.issue` just before the collective runs."""
+        """Called by :func:`vltrain.runtime.distributed.issue` just before the collective runs."""
         self.bytes_sent[issued.op] += sent
         self.calls[issued.op] += 1
         if self.checking and _world() > 1:

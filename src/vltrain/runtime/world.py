@@ -1,7 +1,7 @@
 """How this process runs: its device, matmul precision, threads and allocator.
 
 These are settings of the process, not collectives, so they live apart from
-``vltrain.distributed``; :func:`setup_world` joins the process group through it and then applies
+``vltrain.runtime.distributed``; :func:`setup_world` joins the process group through it and then applies
 them, in the order a run needs them.
 """
 
@@ -13,10 +13,10 @@ import os
 
 import torch
 
-from vltrain.distributed import World, init_distributed
+from vltrain.runtime.distributed import World, init_distributed
 from vltrain.errors import ConfigError
-from vltrain.precision import cpu_has_bf16_matmul  # noqa: F401  (where the trainer and demo look)
-from vltrain.spmd import RECORDER
+from vltrain.runtime.precision import cpu_has_bf16_matmul  # noqa: F401  (where the trainer and demo look)
+from vltrain.runtime.spmd import RECORDER
 
 
 def pick_device(kind: str, local_rank: int) -> torch.device:
@@ -68,7 +68,7 @@ def setup_world(*, timeout_s: float = 600.0, device: str = "auto", threads: int 
                 debug_spmd: bool = False) -> World:
     """Join torchrun's process group (or run alone), pick the device, matmul precision, threads and,
     on CPU, the allocator's reuse of freed memory (``keep_freed_memory``); ``debug_spmd`` turns the
-    SPMD check of every collective on (``vltrain.spmd``).
+    SPMD check of every collective on (``vltrain.runtime.spmd``).
 
     ``threads=0`` divides the machine's cores among the processes of this node, so that
     ``torchrun --nproc-per-node 2`` on 2 cores gives each rank one thread instead of both

@@ -6,7 +6,7 @@ them in any dimension (dynamic batching makes local batches unequal; each rank p
 its own longest): the shapes are exchanged first, every dimension padded to the largest over ranks
 for the collective, and the padding dropped (or, beyond the first dimension, kept and masked) after.
 No collective's size depends on a rank's data without such an exchange first. Every collective
-goes through :func:`issue`, the SPMD recorder's door (``vltrain.spmd``).
+goes through :func:`issue`, the SPMD recorder's door (``vltrain.runtime.spmd``).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from typing import Any, Callable, TypeVar
 import torch
 import torch.distributed as dist
 
-from vltrain.spmd import MAX_DIMS, RECORDER, Issued, SPMDError
+from vltrain.runtime.spmd import MAX_DIMS, RECORDER, Issued, SPMDError
 
 T = TypeVar("T")
 
@@ -65,7 +65,7 @@ def init_distributed(backend: str | None = None, timeout_s: float = 600.0) -> tu
 
 
 def issue(op: str, tensor: torch.Tensor | None, run: Callable[[], T], *, sent: int = 0) -> T:
-    """Run one collective through the recorder (``vltrain.spmd``): every collective vltrain issues
+    """Run one collective through the recorder (``vltrain.runtime.spmd``): every collective vltrain issues
     itself comes here, so ``train.debug_spmd`` can compare the ranks before it runs and
     ``benchmarks/comm_cost.py`` can count the bytes each rank sends."""
     issued = Issued(op) if tensor is None else Issued(op, tensor.dtype, tuple(tensor.shape))
