@@ -11,7 +11,7 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "src"))
 
-from vltrain.config import load_config  # noqa: E402
+from vltrain.config.job import load_config  # noqa: E402
 from vltrain.demo import random_pairs  # noqa: E402
 from vltrain.build import build_task  # noqa: E402
 from vltrain.model import build_model  # noqa: E402

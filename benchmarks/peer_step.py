@@ -92,7 +92,7 @@ VARIANTS = {
 
 def vltrain_step(folder: Path, precision: str, b: dict, device: torch.device, overrides: tuple[str, ...]):
     from vltrain.build import build_model_for, build_task, build_tokenizer, resolve_init
-    from vltrain.config import load_config
+    from vltrain.config.job import load_config
     from vltrain.data.batch import ModelInputs
     from vltrain.optim import build_optimizer
     from vltrain.parallelize import compile_blocks

@@ -43,7 +43,7 @@ def modality_counts(root: Path) -> dict[str, int]:
 
 
 def config(root: Path, run_dir: Path, overrides: list[str]):
-    from vltrain.config import load_config
+    from vltrain.config.job import load_config
 
     base = [
         f"run.dir={run_dir}", f"data.train={root / 'train.jsonl'}", "data.val=''",

@@ -24,7 +24,7 @@ from vltrain.checkpoint import (
     load_model_weights,
 )
 from vltrain.checkpoint_storage import join_tensors, read_tensors, split_tensors
-from vltrain.config import CheckpointConfig
+from vltrain.config.job import CheckpointConfig
 from vltrain.errors import UserError
 from vltrain.runtime.rng import RngState
 

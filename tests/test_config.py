@@ -1,6 +1,6 @@
 import pytest
 
-from vltrain.config import JobConfig, load_config
+from vltrain.config.job import JobConfig, load_config
 from vltrain.errors import ConfigError
 
 

@@ -41,7 +41,7 @@ def test_step_count_fits_the_time_budget_within_bounds():
 
 
 def test_measured_rate_is_the_demo_models_training_speed():
-    from vltrain.config import load_config
+    from vltrain.config.job import load_config
     from vltrain.demo import demo_config_path, measure_rate
 
     cfg = load_config(demo_config_path(), ["data.batch_size=8", "train.threads=1"])

@@ -66,7 +66,7 @@ def test_unknown_early_stop_metric_names_the_ones_there():
 
 
 def test_eval_sets_need_a_name_and_a_path():
-    from vltrain.config import load_config
+    from vltrain.config.job import load_config
     from vltrain.errors import ConfigError
 
     with pytest.raises(ConfigError, match="eval.zeroshot needs a name"):

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from runkit import overrides, session_shapes
-from vltrain.config import load_config
+from vltrain.config.job import load_config
 from vltrain.errors import UserError
 from vltrain.export import load_exported
 

@@ -12,7 +12,7 @@ from safetensors.torch import load_file
 
 from runkit import final_state, overrides, session_shapes
 from vltrain.checkpoint import INITIAL_FILE
-from vltrain.config import load_config
+from vltrain.config.job import load_config
 from vltrain.errors import UserError
 
 RECIPE = Path(__file__).resolve().parents[1] / "configs" / "finetune-clip.yaml"

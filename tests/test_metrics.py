@@ -96,7 +96,7 @@ def test_wandb_without_the_package_is_a_clear_error(tmp_path, monkeypatch):
 
     import pytest
 
-    from vltrain.config import MetricsConfig
+    from vltrain.config.job import MetricsConfig
     from vltrain.errors import UserError
     from vltrain.metrics import MetricsLogger
 

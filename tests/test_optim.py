@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from vltrain.config import TrainConfig
+from vltrain.config.job import TrainConfig
 from vltrain.errors import ConfigError
 from vltrain.optim import WarmupCosine, build_optimizer, build_scheduler, freeze_towers, param_groups
 
@@ -245,7 +245,7 @@ def test_unlock_more_blocks_than_a_tower_has_is_a_config_error():
     (["checkpoint.save_initial=yes"], "checkpoint.save_initial"),
 ])
 def test_fine_tuning_keys_are_checked_when_loaded(overrides, message):
-    from vltrain.config import load_config
+    from vltrain.config.job import load_config
 
     with pytest.raises(ConfigError, match=message):
         load_config(None, overrides)

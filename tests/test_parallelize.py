@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from modelkit import make_batch, small_model, small_task
-from vltrain.config import TrainConfig
+from vltrain.config.job import TrainConfig
 from vltrain.optim import build_optimizer
 from vltrain.parallelize import compile_blocks, parallelize
 

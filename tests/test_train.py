@@ -108,7 +108,7 @@ def test_nan_on_one_rank_skips_the_step_on_both(shapes, tmp_path):
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_nonfinite_steps_in_a_row_stop_with_a_clear_error(shapes, tmp_path):
-    from vltrain.config import load_config
+    from vltrain.config.job import load_config
     from vltrain.errors import NonFiniteError
     from vltrain.train import Trainer
 

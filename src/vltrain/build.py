@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from vltrain.config import JobConfig
+from vltrain.config.job import JobConfig
 from vltrain.data.dataset import build_dataset, source_specs
 from vltrain.data.loader import TrainLoader, build_eval_loader, build_train_loader
 from vltrain.data.text import Tokenizer, load_tokenizer

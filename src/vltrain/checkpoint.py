@@ -54,7 +54,7 @@ from vltrain.checkpoint_storage import (
     write_atomic,
     write_weights,
 )
-from vltrain.config import CheckpointConfig
+from vltrain.config.job import CheckpointConfig
 from vltrain.runtime.distributed import all_gather_object, barrier, broadcast_object, is_initialized, world_info
 from vltrain.errors import UserError
 from vltrain.runtime.faults import maybe_fail

@@ -19,7 +19,7 @@ import os
 import time
 from pathlib import Path
 
-from vltrain.config import load_config
+from vltrain.config.job import load_config
 from vltrain.data.synth import KINDS, TOKENIZER_VOCAB
 from vltrain.errors import ConfigError
 from vltrain.runtime.world import cpu_has_bf16_matmul

@@ -20,7 +20,7 @@ from torch import nn
 
 from vltrain.build import build_model_for, build_task, build_tokenizer, build_val_loader, resolve_init
 from vltrain.checkpoint import find_checkpoint, load_model_weights
-from vltrain.config import JobConfig, load_config
+from vltrain.config.job import JobConfig, load_config
 from vltrain.data.dataset import source_specs
 from vltrain.data.text import Tokenizer
 from vltrain.runtime.distributed import World, all_gather_no_grad, all_reduce_sum

@@ -29,7 +29,7 @@ import torch
 from vltrain.build import build_model_for, build_tokenizer, resolve_init
 from vltrain.checkpoint import CONFIG_FILE, INITIAL_FILE, check_shapes, find_checkpoint, load_model_weights
 from vltrain.checkpoint_storage import write_weights
-from vltrain.config import JobConfig, load_config
+from vltrain.config.job import JobConfig, load_config
 from vltrain.data.text import load_tokenizer
 from vltrain.errors import UserError
 from vltrain.export_hf import hf_family, write_hf

@@ -17,7 +17,7 @@ import torch
 
 import vltrain.model.hf_clip as hf_clip
 from vltrain.checkpoint_storage import write_weights
-from vltrain.config import JobConfig
+from vltrain.config.job import JobConfig
 from vltrain.data.text import Tokenizer
 from vltrain.errors import UserError
 from vltrain.model import VLModel

@@ -12,7 +12,7 @@ import math
 import torch
 from torch import nn
 
-from vltrain.config import TrainConfig
+from vltrain.config.job import TrainConfig
 from vltrain.errors import ConfigError
 from vltrain.model.protocol import TrainableModel, default_no_weight_decay
 

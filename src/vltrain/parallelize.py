@@ -13,7 +13,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from vltrain.config import TrainConfig
+from vltrain.config.job import TrainConfig
 from vltrain.runtime.distributed import all_reduce_sum
 from vltrain.model.protocol import TrainableModel
 from vltrain.task import Task

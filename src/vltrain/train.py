@@ -22,7 +22,7 @@ import torch
 from vltrain.build import (build_model_for, build_task, build_tokenizer, build_train_loader_for, describe_preprocessing,
                            resolve_init)
 from vltrain.checkpoint import Checkpointer, ModelState, OptimizerState, latest_checkpoint, save_initial_weights
-from vltrain.config import JobConfig, load_config
+from vltrain.config.job import JobConfig, load_config
 from vltrain.data.batch import Batch
 from vltrain.data.dataset import source_specs
 from vltrain.runtime.distributed import all_reduce_sum

@@ -17,7 +17,7 @@ pytest.importorskip("s3fs")
 pytest.importorskip("moto.server")
 
 from s3kit import S3, s3, s3_server, tar_shard  # noqa: E402,F401  (fixtures)
-from vltrain.config import load_config  # noqa: E402
+from vltrain.config.job import load_config  # noqa: E402
 from vltrain.data import remote  # noqa: E402
 from vltrain.data.shard_cache import ShardCache  # noqa: E402
 from vltrain.data.remote import (RemoteReadError, expand_remote, filesystem, is_remote,  # noqa: E402

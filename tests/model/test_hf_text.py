@@ -95,7 +95,7 @@ def test_tokenizer_file_is_the_folders(tmp_path, bert_folder):
 
 
 def test_trainer_takes_the_encoders_tokenizer_when_none_is_given(bert_folder):
-    from vltrain.config import load_config
+    from vltrain.config.job import load_config
     from vltrain.errors import ConfigError
     from vltrain.build import build_model_for, build_tokenizer
 

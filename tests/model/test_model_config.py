@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from vltrain import config, errors
+from vltrain import errors
+from vltrain.config import job as config
 
 
 @pytest.mark.parametrize(

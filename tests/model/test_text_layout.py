@@ -7,7 +7,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from vltrain.config import load_config
+from vltrain.config.job import load_config
 from vltrain.errors import ConfigError
 from vltrain.model.text import MIN_SAVING, TextTowerConfig, TextTransformer, packed_tokens
 

@@ -94,7 +94,7 @@ def index_cli(args: argparse.Namespace) -> int:
     tokenizer_path, max_len, csv_cfg, cache_dir = args.tokenizer, args.max_text_length, CsvConfig(), args.cache_dir
     storage_options, cache_limit_gb = None, 50.0
     if args.config:
-        from vltrain.config import load_config  # the job config sits above the data layer
+        from vltrain.config.job import load_config  # the job config sits above the data layer
 
         cfg = load_config(args.config)
         tokenizer_path = tokenizer_path or cfg.data.tokenizer
