@@ -16,7 +16,7 @@ import time
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
-from vltrain.data.shards import shard_paths
+from vltrain.data.sources.shards import shard_paths
 from vltrain.data.synth import describe, render, sample_scene
 
 IMAGES, WORDINGS = 32, 128

@@ -66,8 +66,8 @@ from vltrain.data.index import BYTES_PER_SAMPLE  # noqa: E402
 from vltrain.data.indexing import open_indexed  # noqa: E402
 from vltrain.data.loader import build_train_loader  # noqa: E402
 from vltrain.data.sampler import DistributedBatchSampler  # noqa: E402
-from vltrain.data.shards import ShardSource, shard_paths, span_members  # noqa: E402
-from vltrain.data.sources import ManifestSource  # noqa: E402
+from vltrain.data.sources.shards import ShardSource, shard_paths, span_members  # noqa: E402
+from vltrain.data.sources.manifests import ManifestSource  # noqa: E402
 from vltrain.data.text import load_tokenizer, train_tokenizer  # noqa: E402
 from _data_scale_data import (dataset, disk_read_rate, drop_cache, make_assets, shards_per,  # noqa: E402
                               tar_walk, tar_walk_rate)

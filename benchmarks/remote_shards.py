@@ -38,8 +38,8 @@ import numpy as np
 from PIL import Image
 
 from vltrain.data.images import decode_image
-from vltrain.data.remote import filesystem
-from vltrain.data.shard_cache import ShardCache
+from vltrain.data.sources.remote import filesystem
+from vltrain.data.sources.shard_cache import ShardCache
 
 
 def photo(rng: np.random.Generator, w: int = 500, h: int = 375) -> bytes:

@@ -127,7 +127,7 @@ def _data_commands(data: argparse.ArgumentParser) -> None:
     sh.add_argument("manifest")
     sh.add_argument("--out", required=True)
     sh.add_argument("--shard-size", type=int, default=1000)
-    sh.set_defaults(func=_handler("vltrain.data.shards:shard_cli"))
+    sh.set_defaults(func=_handler("vltrain.data.sources.shards:shard_cli"))
 
     a = dsub.add_parser("audit", help="check a run's consumed-id records: no duplicates, nothing lost")
     a.add_argument("run_dir")

@@ -14,8 +14,8 @@ from vltrain.data.collate import Collator
 from vltrain.data.config import DataConfig
 from vltrain.data.dataset import ImageTextDataset, Sample, build_dataset
 from vltrain.data.ids import stable_uid
-from vltrain.data.shards import write_shards
-from vltrain.data.open import open_source
+from vltrain.data.sources.shards import write_shards
+from vltrain.data.sources.open import open_source
 from vltrain.data.synth import describe, sample_scene, synthesize
 from vltrain.data.table import SampleTable
 from vltrain.data.text import load_tokenizer, source_texts, train_tokenizer

@@ -10,8 +10,8 @@ from vltrain.data.config import DataConfig, SourceSpec
 from vltrain.data.dataset import MAX_TRIES, build_dataset
 from vltrain.data.ids import stable_uid
 from vltrain.data.images import decode_image
-from vltrain.data.shards import write_shards
-from vltrain.data.sources import ManifestSource
+from vltrain.data.sources.shards import write_shards
+from vltrain.data.sources.manifests import ManifestSource
 from vltrain.errors import DataError
 
 

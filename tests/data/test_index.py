@@ -14,8 +14,8 @@ import pytest
 from datafiles import caption, distinct_image, save, sha, tiny_tokenizer, write_jsonl
 from vltrain.data import index_build, index_lengths
 from vltrain.data.indexing import open_indexed
-from vltrain.data.shards import ShardSource, write_shards
-from vltrain.data.sources import ManifestSource
+from vltrain.data.sources.shards import ShardSource, write_shards
+from vltrain.data.sources.manifests import ManifestSource
 from vltrain.errors import DataError
 
 
@@ -286,7 +286,7 @@ def test_the_index_holds_what_it_held_before(tmp_path, monkeypatch):
 
 def test_json_pieces_are_parsed_together_only_when_each_is_one_object():
     """One parse stands for many only where it provably gives each piece's own value."""
-    from vltrain.data.json_bulk import SEPARATOR, loads_objects
+    from vltrain.data.sources.json_bulk import SEPARATOR, loads_objects
 
     def parsed(*pieces: bytes):
         return loads_objects(SEPARATOR.join(pieces), len(pieces))

@@ -17,8 +17,8 @@ from runkit import STEPS, assert_identical, final_state, ok, session_shapes, tra
 from s3kit import s3, s3_server  # noqa: E402,F401  (fixtures)
 from vltrain.data.config import DataConfig  # noqa: E402
 from vltrain.data.dataset import build_dataset  # noqa: E402
-from vltrain.data.shards import write_shards  # noqa: E402
-from vltrain.data.sources import open_manifest  # noqa: E402
+from vltrain.data.sources.shards import write_shards  # noqa: E402
+from vltrain.data.sources.manifests import open_manifest  # noqa: E402
 from vltrain.data.text import load_tokenizer  # noqa: E402
 from vltrain.errors import DataError  # noqa: E402
 

@@ -7,9 +7,9 @@ import socket
 import pytest
 from test_shards import make_manifest
 
-from vltrain.data import shards
-from vltrain.data.shards import ShardSource, index_path, load_index, write_shards
-from vltrain.data.sources import ManifestSource
+from vltrain.data.sources import shards
+from vltrain.data.sources.shards import ShardSource, index_path, load_index, write_shards
+from vltrain.data.sources.manifests import ManifestSource
 from vltrain.errors import DataError
 
 

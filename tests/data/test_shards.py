@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 from datafiles import distinct_image, run_cli, save, write_jsonl
 
-from vltrain.data.shards import ShardSource, build_index, index_path, load_index, write_shards
-from vltrain.data.sources import ManifestSource
+from vltrain.data.sources.shards import ShardSource, build_index, index_path, load_index, write_shards
+from vltrain.data.sources.manifests import ManifestSource
 from vltrain.errors import DataError
 
 
@@ -157,8 +157,8 @@ def test_span_walk_reads_what_tarfile_reads(tmp_path, fmt):
     import io
     import random
 
-    from vltrain.data.shard_scan import scan_shard, walk_members
-    from vltrain.data.shards import _tarfile_span, _walk_span, span_members
+    from vltrain.data.sources.shard_scan import scan_shard, walk_members
+    from vltrain.data.sources.shards import _tarfile_span, _walk_span, span_members
 
     rng = random.Random(fmt)
     buf = io.BytesIO()
@@ -272,8 +272,8 @@ def odd_shards(folder) -> str:
 
 
 def _scans(pattern: str) -> list:
-    from vltrain.data.shard_scan import scan_shard
-    from vltrain.data.shards import shard_paths
+    from vltrain.data.sources.shard_scan import scan_shard
+    from vltrain.data.sources.shards import shard_paths
 
     return [scan_shard(Path(p), samples=True) for p in shard_paths(pattern)]
 
@@ -291,7 +291,7 @@ def test_bulk_scan_reads_what_the_walk_and_tarfile_read(tmp_path, monkeypatch):
     import mmap
 
     from vltrain.data import shard_scan
-    from vltrain.data.shards import shard_paths
+    from vltrain.data.sources.shards import shard_paths
 
     pattern = odd_shards(tmp_path / "sh")
     in_bulk = []
@@ -341,7 +341,7 @@ def test_whitespace_begins_with_the_bytes_the_bulk_scan_knows():
     """A caption is taken as not blank in bulk from a byte that begins no whitespace character."""
     import sys
 
-    from vltrain.data.shard_scan import _SOLID
+    from vltrain.data.sources.shard_scan import _SOLID
 
     leads = {chr(c).encode()[0] for c in range(sys.maxunicode + 1) if chr(c).isspace()}
     assert leads and not _SOLID[sorted(leads)].any()

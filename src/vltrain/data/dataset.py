@@ -29,7 +29,7 @@ from vltrain.data.ids import stable_uid
 from vltrain.data.images import ImageError, decode_image, image_problem
 from vltrain.data.index import IndexedSource
 from vltrain.data.indexing import open_indexed
-from vltrain.data.sources import Row, Source, refuse_malformed
+from vltrain.data.sources.manifests import Row, Source, refuse_malformed
 from vltrain.data.table import SampleTable
 from vltrain.data.text import Tokenizer
 from vltrain.errors import DataError

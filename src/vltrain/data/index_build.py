@@ -30,13 +30,13 @@ import numpy as np
 
 from vltrain.data.config import CsvConfig
 from vltrain.data.index import COLUMNS
-from vltrain.data.filelock import private_tmp
-from vltrain.data.remote import expand_remote, is_remote, stat_many, stat_remote
-from vltrain.data.shard_cache import ShardCache
-from vltrain.data.json_bulk import SEPARATOR, loads_objects
-from vltrain.data.shard_scan import scan_shard
-from vltrain.data.shards import default_cache_dir, shard_paths
-from vltrain.data.sources import (IMAGE_KEYS, MANIFEST_SUFFIXES, TEXT_KEYS, check_row, csv_columns, csv_fields,
+from vltrain.data.sources.filelock import private_tmp
+from vltrain.data.sources.remote import expand_remote, is_remote, stat_many, stat_remote
+from vltrain.data.sources.shard_cache import ShardCache
+from vltrain.data.sources.json_bulk import SEPARATOR, loads_objects
+from vltrain.data.sources.shard_scan import scan_shard
+from vltrain.data.sources.shards import default_cache_dir, shard_paths
+from vltrain.data.sources.manifests import (IMAGE_KEYS, MANIFEST_SUFFIXES, TEXT_KEYS, check_row, csv_columns, csv_fields,
                                   csv_separator, is_shard_pattern, json_fields)
 from vltrain.errors import DataError
 

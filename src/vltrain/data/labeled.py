@@ -24,7 +24,7 @@ from vltrain.data.config import DataConfig
 from vltrain.data.dataset import Sample
 from vltrain.data.ids import stable_uid
 from vltrain.data.images import ImageError, decode_image, image_problem
-from vltrain.data.sources import IMAGE_KEYS
+from vltrain.data.sources.manifests import IMAGE_KEYS
 from vltrain.data.text import Tokenizer
 from vltrain.errors import DataError
 

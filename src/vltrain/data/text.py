@@ -15,7 +15,7 @@ from typing import Iterable, Iterator
 import tokenizers
 from tokenizers import decoders, models, normalizers, pre_tokenizers, processors, trainers
 
-from vltrain.data.open import open_source
+from vltrain.data.sources.open import open_source
 from vltrain.errors import UserError
 
 SPECIAL_TOKENS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]

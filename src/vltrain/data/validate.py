@@ -19,9 +19,9 @@ from vltrain.data.images import (DECODE_ERRORS, MAX_IMAGE_PIXELS, ImageError, de
 from vltrain.data.index import IndexedSource
 from vltrain.data.index_lengths import tokenizer_fingerprint
 from vltrain.data.indexing import existing_index
-from vltrain.data.shards import shard_paths
-from vltrain.data.open import open_source
-from vltrain.data.sources import Problem, Source, is_shard_pattern
+from vltrain.data.sources.shards import shard_paths
+from vltrain.data.sources.open import open_source
+from vltrain.data.sources.manifests import Problem, Source, is_shard_pattern
 from vltrain.data.text import load_tokenizer
 from vltrain.errors import DataError, UsageError, UserError
 

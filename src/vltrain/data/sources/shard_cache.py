@@ -19,8 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO, Iterable
 
-from vltrain.data import filelock
-from vltrain.data.remote import (BACKOFF_S, RETRIES, RemoteReadError, describe_error, filesystem, missing_error,
+from vltrain.data.sources import filelock
+from vltrain.data.sources.remote import (BACKOFF_S, RETRIES, RemoteReadError, describe_error, filesystem, missing_error,
                                  retrying, stat_remote)
 from vltrain.errors import DataError
 

@@ -22,9 +22,9 @@ from pathlib import Path
 
 import numpy as np
 
-from vltrain.data.filelock import build_once, private_tmp
-from vltrain.data.shard_scan import IMAGE_EXTS, UnusualHeader, scan_shard, walk_members
-from vltrain.data.sources import Problem, Row, Source, expand_braces, is_shard_pattern, open_manifest
+from vltrain.data.sources.filelock import build_once, private_tmp
+from vltrain.data.sources.shard_scan import IMAGE_EXTS, UnusualHeader, scan_shard, walk_members
+from vltrain.data.sources.manifests import Problem, Row, Source, expand_braces, is_shard_pattern, open_manifest
 from vltrain.errors import DataError, UserError
 
 INDEX_VERSION = 1
@@ -118,7 +118,7 @@ BUILDS = 0
 
 def load_index(shard: Path, cache_dir: str | os.PathLike | None = None, wait_s: float = 1800.0) -> dict:
     """The cached index of ``shard``, rebuilt when missing or when the shard changed; built by one
-    process while the others wait (``vltrain.data.filelock``)."""
+    process while the others wait (``vltrain.data.sources.filelock``)."""
     path = index_path(shard, cache_dir)
     st = shard.stat()
 

@@ -27,8 +27,8 @@ from typing import Iterator, NamedTuple
 
 import numpy as np
 
-from vltrain.data.json_bulk import SEPARATOR, loads_objects
-from vltrain.data.sources import is_unicode
+from vltrain.data.sources.json_bulk import SEPARATOR, loads_objects
+from vltrain.data.sources.manifests import is_unicode
 from vltrain.errors import DataError
 
 IMAGE_EXTS = ("jpg", "jpeg", "png", "webp")

@@ -9,8 +9,8 @@ from __future__ import annotations
 import os
 
 from vltrain.data.config import CsvConfig
-from vltrain.data.shards import ShardSource
-from vltrain.data.sources import Source, is_shard_pattern, open_manifest
+from vltrain.data.sources.shards import ShardSource
+from vltrain.data.sources.manifests import Source, is_shard_pattern, open_manifest
 
 
 def open_source(
