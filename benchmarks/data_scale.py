@@ -62,8 +62,8 @@ sys.path.insert(0, str(REPO / "src"))
 
 from vltrain.data.config import DataConfig  # noqa: E402
 from vltrain.data.dataset import ImageTextDataset, build_dataset  # noqa: E402
-from vltrain.data.index import BYTES_PER_SAMPLE  # noqa: E402
-from vltrain.data.indexing import open_indexed  # noqa: E402
+from vltrain.data.index.reader import BYTES_PER_SAMPLE  # noqa: E402
+from vltrain.data.index.open import open_indexed  # noqa: E402
 from vltrain.data.loader import build_train_loader  # noqa: E402
 from vltrain.data.sampler import DistributedBatchSampler  # noqa: E402
 from vltrain.data.sources.shards import ShardSource, shard_paths, span_members  # noqa: E402

@@ -114,7 +114,7 @@ def _data_commands(data: argparse.ArgumentParser) -> None:
     ix.add_argument("--config", default=None, help="take the tokenizer, text length and cache folder from a config")
     ix.add_argument("--cache-dir", default=None, help="where indexes of read-only data go")
     ix.add_argument("--workers", type=int, default=0, help="processes (0: all cores)")
-    ix.set_defaults(func=_handler("vltrain.data.indexing:index_cli"))
+    ix.set_defaults(func=_handler("vltrain.data.index.open:index_cli"))
 
     st = dsub.add_parser("stats", help="counts by modality, caption token lengths, image sizes")
     st.add_argument("sources", nargs="+")

@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 from datafiles import caption, distinct_image, save, sha, tiny_tokenizer, write_jsonl
-from vltrain.data import index_build, index_lengths
-from vltrain.data.indexing import open_indexed
+from vltrain.data.index import build as index_build, lengths as index_lengths
+from vltrain.data.index.open import open_indexed
 from vltrain.data.sources.shards import ShardSource, write_shards
 from vltrain.data.sources.manifests import ManifestSource
 from vltrain.errors import DataError

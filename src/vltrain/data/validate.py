@@ -16,9 +16,9 @@ import numpy as np
 
 from vltrain.data.images import (DECODE_ERRORS, MAX_IMAGE_PIXELS, ImageError, decode_image, image_problem,
                                  open_image)
-from vltrain.data.index import IndexedSource
-from vltrain.data.index_lengths import tokenizer_fingerprint
-from vltrain.data.indexing import existing_index
+from vltrain.data.index.reader import IndexedSource
+from vltrain.data.index.lengths import tokenizer_fingerprint
+from vltrain.data.index.open import existing_index
 from vltrain.data.sources.shards import shard_paths
 from vltrain.data.sources.open import open_source
 from vltrain.data.sources.manifests import Problem, Source, is_shard_pattern

@@ -29,7 +29,7 @@ from typing import NamedTuple
 import numpy as np
 
 from vltrain.data.config import CsvConfig
-from vltrain.data.index import COLUMNS
+from vltrain.data.index.reader import COLUMNS
 from vltrain.data.sources.filelock import private_tmp
 from vltrain.data.sources.remote import expand_remote, is_remote, stat_many, stat_remote
 from vltrain.data.sources.shard_cache import ShardCache
