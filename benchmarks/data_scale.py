@@ -65,7 +65,7 @@ from vltrain.data.dataset import ImageTextDataset, build_dataset  # noqa: E402
 from vltrain.data.index.reader import BYTES_PER_SAMPLE  # noqa: E402
 from vltrain.data.index.open import open_indexed  # noqa: E402
 from vltrain.data.loader import build_train_loader  # noqa: E402
-from vltrain.data.sampler import DistributedBatchSampler  # noqa: E402
+from vltrain.data.schedule.sampler import DistributedBatchSampler  # noqa: E402
 from vltrain.data.sources.shards import ShardSource, shard_paths, span_members  # noqa: E402
 from vltrain.data.sources.manifests import ManifestSource  # noqa: E402
 from vltrain.data.text import load_tokenizer, train_tokenizer  # noqa: E402

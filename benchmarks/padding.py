@@ -24,9 +24,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from vltrain.data.budget import batch_tokens, padded_width
+from vltrain.data.schedule.budget import batch_tokens, padded_width
 from vltrain.data.config import DataConfig
-from vltrain.data.sampler import DistributedBatchSampler
+from vltrain.data.schedule.sampler import DistributedBatchSampler
 from vltrain.data.table import SampleTable
 
 MAX_LEN = 512

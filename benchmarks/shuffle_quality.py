@@ -26,7 +26,7 @@ import time
 
 import numpy as np
 
-from vltrain.data.sampler import DistributedBatchSampler
+from vltrain.data.schedule.sampler import DistributedBatchSampler
 from vltrain.data.table import SampleTable
 
 

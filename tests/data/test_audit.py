@@ -9,7 +9,7 @@ import pytest
 from sampler_fixtures import TableDataset, collate, shapes_lengths, table
 from vltrain.data.audit import AuditLog, audit_run
 from vltrain.data.loader import TrainLoader
-from vltrain.data.sampler import DistributedBatchSampler
+from vltrain.data.schedule.sampler import DistributedBatchSampler
 
 N = 21
 

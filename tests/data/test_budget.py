@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from sampler_fixtures import shapes_lengths, table
-from vltrain.data import budget
+from vltrain.data.schedule import budget
 from vltrain.errors import UserError
 
 

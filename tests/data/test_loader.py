@@ -16,7 +16,7 @@ from sampler_fixtures import (TableDataset, collate, fork_workers, open_data, sh
 from vltrain.data.audit import AuditLog, audit_run
 from vltrain.data.config import DataConfig, SourceSpec
 from vltrain.data.loader import TrainLoader, build_eval_loader, build_train_loader
-from vltrain.data.sampler import DistributedBatchSampler
+from vltrain.data.schedule.sampler import DistributedBatchSampler
 from vltrain.errors import DataError
 from vltrain.model import build_model
 from vltrain.model.config import LossConfig, ModelConfig

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from sampler_fixtures import shapes_lengths, table
-from vltrain.data.sampler import DistributedBatchSampler
+from vltrain.data.schedule.sampler import DistributedBatchSampler
 from vltrain.errors import UserError
 
 
@@ -85,7 +85,7 @@ def test_drop_with_too_few_samples_is_a_user_error():
 
 
 def test_remainder_choice_is_logged(caplog):
-    with caplog.at_level(logging.INFO, logger="vltrain.data.sampler"):
+    with caplog.at_level(logging.INFO, logger="vltrain.data.schedule.sampler"):
         len(samplers(table(shapes_lengths(10)), 2, remainder="pad")[0])
     assert "remainder=pad" in caplog.text and "6 rows padded" in caplog.text
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal, Union
 
-from vltrain.data.budget import PAD_MULTIPLE, padded_width
+from vltrain.data.schedule.budget import PAD_MULTIPLE, padded_width
 from vltrain.errors import ConfigError
 
 MAX_IMAGE_PIXELS = 89_478_485
@@ -125,7 +125,7 @@ class DataConfig:
     shuffle_window: int = -1
     """-1: 0 for local data, REMOTE_WINDOW (16) when a training source is remote.
     0: each epoch is a full permutation of the samples (exact mixing; every rank holds 8 bytes
-    per sample). N > 0: the windowed shuffle (vltrain.data.window): blocks (tar shards, or runs of
+    per sample). N > 0: the windowed shuffle (vltrain.data.schedule.window): blocks (tar shards, or runs of
     4096 manifest rows) in a random order, N blocks at a time shuffled together, so a loader reads
     a few shards at a time and a rank holds O(one window). For remote shards and datasets of
     hundreds of millions of rows; 16 to 64 mixes well (docs/benchmarks.md, "Data at scale")."""

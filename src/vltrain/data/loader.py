@@ -27,10 +27,10 @@ from torch.utils.data import DataLoader, Dataset, get_worker_info
 from vltrain.data.audit import AuditLog
 from vltrain.data.badlog import BadSampleLog
 from vltrain.data.batch import Batch
-from vltrain.data import mixing
+from vltrain.data.schedule import mixing
 from vltrain.data.collate import Collator
 from vltrain.data.config import DataConfig, SourceSpec
-from vltrain.data.sampler import DistributedBatchSampler
+from vltrain.data.schedule.sampler import DistributedBatchSampler
 from vltrain.data.table import SampleTable
 from vltrain.errors import UserError
 

@@ -16,7 +16,7 @@ O(blocks + one window), not O(samples). Batch-mates come from ``window`` blocks 
 the whole dataset; ``benchmarks/data_scale.py`` measures what that costs in mixing.
 
 The batches below take any :class:`Windows`: a weighted mixture's order
-(:class:`vltrain.data.mixing.MixedOrder`) is one too, its windows chunks that take each source's
+(:class:`vltrain.data.schedule.mixing.MixedOrder`) is one too, its windows chunks that take each source's
 share of the epoch from that source's own windowed passes.
 """
 

@@ -10,7 +10,7 @@ says what happens to a last incomplete step: ``pad`` fills it by repeating the e
 samples, ``drop`` leaves those samples out of this epoch (they come back in the next shuffle).
 
 Budget batching: batches are packed under the token and image budgets (see
-:mod:`vltrain.data.budget`), so batch sizes vary and, within one step, ranks usually get batches
+:mod:`vltrain.data.schedule.budget`), so batch sizes vary and, within one step, ranks usually get batches
 of different sizes. That is deliberate: the contrastive losses gather variable-size batches
 exactly, and forcing equal sizes would waste the budget. Step counts are equalized by splitting
 the largest batches until the count divides by the world size; ``remainder`` only applies when
@@ -30,9 +30,9 @@ from typing import Callable, Iterator, Literal
 
 import numpy as np
 
-from vltrain.data import budget, mixing
+from vltrain.data.schedule import budget, mixing
 from vltrain.data.table import SampleTable
-from vltrain.data.window import LazyBatches, LazyBudgetBatches, LazyRepeats, WindowedOrder, Windows, default_blocks
+from vltrain.data.schedule.window import LazyBatches, LazyBudgetBatches, LazyRepeats, WindowedOrder, Windows, default_blocks
 from vltrain.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -154,7 +154,7 @@ class DistributedBatchSampler:
         """Called with the batch ``LOOKAHEAD`` steps ahead of each one yielded (remote data
         starts downloading its shards)."""
         self.window = int(window)
-        """Blocks per window of the windowed shuffle (vltrain.data.window); 0: a full permutation."""
+        """Blocks per window of the windowed shuffle (vltrain.data.schedule.window); 0: a full permutation."""
         self.epoch = 0
         self.consumed = 0
         """Batches of the current epoch the trainer has consumed; iteration resumes after them."""

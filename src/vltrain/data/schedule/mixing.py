@@ -10,7 +10,7 @@ as a repeat (the audit's planned repeats).
 
 Without a window (``epoch_order``) the passes are permutations and the epoch is one permutation of
 the sources' draws. With a window (:class:`Mixture`) the order is lazy, as for one source
-(:mod:`vltrain.data.window`): a pass is the windowed order of the source's own blocks, and the
+(:mod:`vltrain.data.schedule.window`): a pass is the windowed order of the source's own blocks, and the
 epoch is cut into chunks that each take every source's share and are shuffled, so a rank holds
 the block orders and a chunk or two, not a row per sample.
 """
@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from vltrain.data.window import Windows, WindowedOrder, default_blocks, keep_two
+from vltrain.data.schedule.window import Windows, WindowedOrder, default_blocks, keep_two
 from vltrain.errors import UserError
 
 # Distinct streams of randomness drawn from the same (seed, epoch); the sampler's batches take 2,
