@@ -1,7 +1,7 @@
 """The data sets of ``data_scale.py``: a JSONL manifest or tar shards of N rows, written once; and
 reading them back (the disk's rate, a plain tar header walk).
 
-32 small images (48 px shapes from ``vltrain.data.synth``, PNG and JPEG) reused cyclically; captions
+32 small images (48 px shapes from ``vltrain.data.tools.synth``, PNG and JPEG) reused cyclically; captions
 from ``synth.describe``; a unique id per row (the manifest's ``id``, the shard member's key).
 """
 
@@ -17,7 +17,7 @@ from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 from vltrain.data.sources.shards import shard_paths
-from vltrain.data.synth import describe, render, sample_scene
+from vltrain.data.tools.synth import describe, render, sample_scene
 
 IMAGES, WORDINGS = 32, 128
 BLOCK = tarfile.BLOCKSIZE

@@ -44,12 +44,12 @@ import torch
 from PIL import Image, ImageDraw
 from torch.utils.data import DataLoader, Dataset
 
-from vltrain.data.collate import Collator
+from vltrain.data.loading.collate import Collator
 from vltrain.data.config import DataConfig
 from vltrain.data.dataset import build_dataset
 from vltrain.data.images import decode_image
-from vltrain.data.loader import build_train_loader
-from vltrain.data.text import train_tokenizer
+from vltrain.data.loading.loader import build_train_loader
+from vltrain.data.tokenizers import train_tokenizer
 
 MEAN, STD = [0.485, 0.456, 0.406], [0.229, 0.224, 0.225]
 SEED_MAX_LENGTH = 512

@@ -2,7 +2,7 @@
 
 For each ``--rows`` N and ``--kinds`` (a JSONL manifest; tar shards, 1,000 samples a shard up to 1M
 rows and 10,000 above), it writes the data once under ``--workdir`` (``_data_scale_data.py``: 32
-small images, 48 px shapes from ``vltrain.data.synth``, PNG and JPEG, reused cyclically; captions
+small images, 48 px shapes from ``vltrain.data.tools.synth``, PNG and JPEG, reused cyclically; captions
 from ``synth.describe``; a unique id per row: the manifest's ``id``, the shard member's key), then:
 
   build:  deletes the data's sample index and times ``open_indexed`` building it with one process
@@ -64,11 +64,11 @@ from vltrain.data.config import DataConfig  # noqa: E402
 from vltrain.data.dataset import ImageTextDataset, build_dataset  # noqa: E402
 from vltrain.data.index.reader import BYTES_PER_SAMPLE  # noqa: E402
 from vltrain.data.index.open import open_indexed  # noqa: E402
-from vltrain.data.loader import build_train_loader  # noqa: E402
+from vltrain.data.loading.loader import build_train_loader  # noqa: E402
 from vltrain.data.schedule.sampler import DistributedBatchSampler  # noqa: E402
 from vltrain.data.sources.shards import ShardSource, shard_paths, span_members  # noqa: E402
 from vltrain.data.sources.manifests import ManifestSource  # noqa: E402
-from vltrain.data.text import load_tokenizer, train_tokenizer  # noqa: E402
+from vltrain.data.tokenizers import load_tokenizer, train_tokenizer  # noqa: E402
 from _data_scale_data import (dataset, disk_read_rate, drop_cache, make_assets, shards_per,  # noqa: E402
                               tar_walk, tar_walk_rate)
 

@@ -24,8 +24,8 @@ import torch
 
 from _demo_model import demo_config, load_average
 from vltrain.build import build_model_for, build_task
-from vltrain.data.synth import synthesize, synthesize_classify, write_tokenizer
-from vltrain.data.text import load_tokenizer
+from vltrain.data.tools.synth import synthesize, synthesize_classify, write_tokenizer
+from vltrain.data.tokenizers import load_tokenizer
 from vltrain.demo import measure_rate
 from vltrain.runtime.precision import Precision
 from vltrain.zeroshot import evaluate_zeroshot, open_zeroshot

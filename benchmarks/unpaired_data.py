@@ -30,7 +30,7 @@ import yaml
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "src"))
 
-from vltrain.data.synth import synthesize, write_tokenizer  # noqa: E402
+from vltrain.data.tools.synth import synthesize, write_tokenizer  # noqa: E402
 
 UNIMODAL = ["model.loss.text_mlm=0.5", "model.loss.image_mim=0.5"]
 

@@ -34,7 +34,7 @@ def trained(tmp_path_factory):
 @pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_export_then_embed_gives_the_trainers_embeddings(trained, tmp_path, cli):
-    from vltrain.data.collate import Collator
+    from vltrain.data.loading.collate import Collator
     from vltrain.data.dataset import build_dataset
 
     trainer, shapes = trained

@@ -21,8 +21,8 @@ STEPS = 20
 
 @pytest.fixture(scope="module")
 def shapes(tmp_path_factory) -> Path:
-    from vltrain.data.synth import synthesize
-    from vltrain.data.text import source_texts, train_tokenizer
+    from vltrain.data.tools.synth import synthesize
+    from vltrain.data.tokenizers import source_texts, train_tokenizer
 
     root = tmp_path_factory.mktemp("shapes")
     synthesize(root, 256, 64, text_only_fraction=0.2, seed=0, image_size=32)

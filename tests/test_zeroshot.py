@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from PIL import Image
 
 from vltrain.data.config import DataConfig
-from vltrain.data.text import train_tokenizer
+from vltrain.data.tokenizers import train_tokenizer
 from vltrain.zeroshot import class_embeddings, evaluate_zeroshot, open_zeroshot
 
 from multiproc import run_world
@@ -90,7 +90,7 @@ def test_class_embedding_is_the_normalized_mean_of_its_prompts():
 
 
 def _rank_eval(rank, world, root, class_tokens):
-    from vltrain.data.text import load_tokenizer
+    from vltrain.data.tokenizers import load_tokenizer
 
     return _evaluate(root, load_tokenizer(str(root.parent / "tok.json")), class_tokens, rank, world)
 

@@ -11,8 +11,8 @@ import torch
 
 from vltrain.config.job import JobConfig
 from vltrain.data.dataset import build_dataset, source_specs
-from vltrain.data.loader import TrainLoader, build_eval_loader, build_train_loader
-from vltrain.data.text import Tokenizer, load_tokenizer
+from vltrain.data.loading.loader import TrainLoader, build_eval_loader, build_train_loader
+from vltrain.data.tokenizers import Tokenizer, load_tokenizer
 from vltrain.runtime.distributed import World
 from vltrain.errors import ConfigError
 from vltrain.model import VLModel, build_model, hf_tokenizer_file

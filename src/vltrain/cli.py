@@ -98,14 +98,14 @@ def _data_commands(data: argparse.ArgumentParser) -> None:
     s.add_argument("--image-size", type=int, default=48)
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--workers", type=int, default=0, help="processes (0: all cores)")
-    s.set_defaults(func=_handler("vltrain.data.synth:synth_cli"))
+    s.set_defaults(func=_handler("vltrain.data.tools.synth:synth_cli"))
 
     v = dsub.add_parser("validate", help="check every row; exit 0 clean, 1 problems found, 2 usage error")
     v.add_argument("sources", nargs="+", help="manifests (.jsonl/.csv/.tsv) or shard patterns")
     v.add_argument("--json", action="store_true", help="machine-readable report on stdout")
     v.add_argument("--max-problems", type=int, default=20, help="problems to print (default 20)")
     v.add_argument("--workers", type=int, default=1, help="processes decoding images (default 1)")
-    v.set_defaults(func=_handler("vltrain.data.validate:validate_cli"))
+    v.set_defaults(func=_handler("vltrain.data.tools.validate:validate_cli"))
 
     ix = dsub.add_parser("index", help="build the sample index of sources (else built on first use)")
     ix.add_argument("sources", nargs="+", help="manifests (.jsonl/.csv/.tsv) or shard patterns")
@@ -121,7 +121,7 @@ def _data_commands(data: argparse.ArgumentParser) -> None:
     st.add_argument("--tokenizer", default=None, help="count caption lengths in its tokens (default: words)")
     st.add_argument("--json", action="store_true")
     st.add_argument("--max-images", type=int, default=2000, help="images to measure (a sample, default 2000)")
-    st.set_defaults(func=_handler("vltrain.data.validate:stats_cli"))
+    st.set_defaults(func=_handler("vltrain.data.tools.validate:stats_cli"))
 
     sh = dsub.add_parser("shard", help="write img2dataset-style tar shards from a manifest")
     sh.add_argument("manifest")
@@ -131,7 +131,7 @@ def _data_commands(data: argparse.ArgumentParser) -> None:
 
     a = dsub.add_parser("audit", help="check a run's consumed-id records: no duplicates, nothing lost")
     a.add_argument("run_dir")
-    a.set_defaults(func=_handler("vltrain.data.audit:audit_cli"))
+    a.set_defaults(func=_handler("vltrain.data.loading.audit:audit_cli"))
 
 
 def _tokenizer_commands(tok: argparse.ArgumentParser) -> None:
@@ -142,7 +142,7 @@ def _tokenizer_commands(tok: argparse.ArgumentParser) -> None:
     tt.add_argument("--out", required=True, help="tokenizer.json to write")
     tt.add_argument("--vocab-size", type=int, default=4096)
     tt.add_argument("--kind", choices=["bpe", "wordpiece"], default="bpe")
-    tt.set_defaults(func=_handler("vltrain.data.text:train_tokenizer_cli"))
+    tt.set_defaults(func=_handler("vltrain.data.tokenizers:train_tokenizer_cli"))
 
 
 def _setup_logging() -> None:

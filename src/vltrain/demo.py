@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 from vltrain.config.job import load_config
-from vltrain.data.synth import KINDS, TOKENIZER_VOCAB
+from vltrain.data.tools.synth import KINDS, TOKENIZER_VOCAB
 from vltrain.errors import ConfigError
 from vltrain.runtime.world import cpu_has_bf16_matmul
 
@@ -43,7 +43,7 @@ def demo_config_path() -> Path:
 
 def prepare_data(data: Path, num: int = NUM_TRAIN, val: int = NUM_VAL, seed: int = 0) -> Path:
     """Write the shapes and a tokenizer trained on their texts, unless already there."""
-    from vltrain.data.synth import synthesize, synthesize_classify, write_tokenizer
+    from vltrain.data.tools.synth import synthesize, synthesize_classify, write_tokenizer
 
     if not ((data / "train.jsonl").exists() and (data / "val.jsonl").exists()):
         print(f"writing {num:,} training rows and {val:,} held-out pairs to {data}", flush=True)

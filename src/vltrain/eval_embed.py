@@ -1,7 +1,7 @@
 """Embedding for evaluation: a list of images or texts, split over the ranks, embedded through the
 wrapped task without autograd, under the training's autocast, and gathered in order.
 
-Every list goes through :func:`vltrain.data.loader.build_eval_loader`: each rank reads a contiguous
+Every list goes through :func:`vltrain.data.loading.loader.build_eval_loader`: each rank reads a contiguous
 slice and every rank runs the same number of batches, so FSDP2's per-forward parameter gathers
 match and no rank waits idle for another. Gathering in rank order gives back the list's order.
 """
@@ -18,8 +18,8 @@ from torch import nn
 
 from vltrain.data.config import DataConfig
 from vltrain.data.labeled import TextListDataset
-from vltrain.data.loader import EvalLoader, build_eval_loader
-from vltrain.data.text import Tokenizer
+from vltrain.data.loading.loader import EvalLoader, build_eval_loader
+from vltrain.data.tokenizers import Tokenizer
 from vltrain.runtime.distributed import all_gather_no_grad, pad_to
 
 

@@ -22,7 +22,7 @@ from vltrain.build import build_model_for, build_task, build_tokenizer, build_va
 from vltrain.checkpoint import find_checkpoint, load_model_weights
 from vltrain.config.job import JobConfig, load_config
 from vltrain.data.dataset import source_specs
-from vltrain.data.text import Tokenizer
+from vltrain.data.tokenizers import Tokenizer
 from vltrain.runtime.distributed import World, all_gather_no_grad, all_reduce_sum
 from vltrain.errors import ConfigError, UserError
 from vltrain.eval_embed import Embedded, cat_padded, eval_mode

@@ -30,7 +30,7 @@ from vltrain.build import build_model_for, build_tokenizer, resolve_init
 from vltrain.checkpoint import CONFIG_FILE, INITIAL_FILE, check_shapes, find_checkpoint, load_model_weights
 from vltrain.checkpoint_storage import write_weights
 from vltrain.config.job import JobConfig, load_config
-from vltrain.data.text import load_tokenizer
+from vltrain.data.tokenizers import load_tokenizer
 from vltrain.errors import UserError
 from vltrain.export_hf import hf_family, write_hf
 from vltrain.model.pretrained import is_pretrained
@@ -174,7 +174,7 @@ def load_any(path: str | Path, overrides: list[str] | None = None, device: str |
 def embed(model, tokenizer, cfg: JobConfig, images: list[str | Path], texts: list[str],
           batch_size: int = 64, device: str | torch.device = "cpu") -> np.ndarray:
     """Normalized embeddings [len(images) + len(texts), D], images first, float32."""
-    from vltrain.data.collate import Collator
+    from vltrain.data.loading.collate import Collator
     from vltrain.data.dataset import Sample
     from vltrain.data.images import ImageError, decode_image
 

@@ -18,7 +18,7 @@ import torch
 import vltrain.model.hf_clip as hf_clip
 from vltrain.checkpoint_storage import write_weights
 from vltrain.config.job import JobConfig
-from vltrain.data.text import Tokenizer
+from vltrain.data.tokenizers import Tokenizer
 from vltrain.errors import UserError
 from vltrain.model import VLModel
 from vltrain.model.convert import convert_out

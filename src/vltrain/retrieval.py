@@ -29,8 +29,8 @@ from torch import nn
 from vltrain.data.captions import open_captions
 from vltrain.data.config import DataConfig
 from vltrain.data.labeled import ImageListDataset
-from vltrain.data.loader import EvalLoader, build_eval_loader
-from vltrain.data.text import Tokenizer
+from vltrain.data.loading.loader import EvalLoader, build_eval_loader
+from vltrain.data.tokenizers import Tokenizer
 from vltrain.runtime.distributed import all_gather_no_grad, world_info
 from vltrain.eval_embed import Embedded, embed_gathered, eval_mode, text_loader
 

@@ -24,8 +24,8 @@ from torch import nn
 
 from vltrain.data.config import DataConfig
 from vltrain.data.labeled import ImageListDataset, open_labeled, read_templates
-from vltrain.data.loader import EvalLoader, build_eval_loader
-from vltrain.data.text import Tokenizer
+from vltrain.data.loading.loader import EvalLoader, build_eval_loader
+from vltrain.data.tokenizers import Tokenizer
 from vltrain.runtime.distributed import all_reduce_sum
 from vltrain.eval_embed import embed_gathered, embed_list, eval_mode, text_loader
 

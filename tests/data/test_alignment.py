@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch.utils.data import DataLoader, RandomSampler
 
-from vltrain.data.collate import Collator
+from vltrain.data.loading.collate import Collator
 from vltrain.data.config import DataConfig
 from vltrain.data.dataset import build_dataset
 from vltrain.data.ids import stable_uid

@@ -7,8 +7,8 @@ import json
 import pytest
 
 from sampler_fixtures import TableDataset, collate, shapes_lengths, table
-from vltrain.data.audit import AuditLog, audit_run
-from vltrain.data.loader import TrainLoader
+from vltrain.data.loading.audit import AuditLog, audit_run
+from vltrain.data.loading.loader import TrainLoader
 from vltrain.data.schedule.sampler import DistributedBatchSampler
 
 N = 21

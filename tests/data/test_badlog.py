@@ -3,7 +3,7 @@ import json
 import pytest
 import torch
 
-from vltrain.data.badlog import BadSampleLog
+from vltrain.data.loading.bad_samples import BadSampleLog
 from vltrain.data.batch import Batch
 from vltrain.errors import DataError
 

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from vltrain.data.collate import Collator
+from vltrain.data.loading.collate import Collator
 from vltrain.data.dataset import Sample
 
 

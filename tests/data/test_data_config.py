@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from sampler_fixtures import TableDataset, shapes_lengths, table
 from vltrain.data.config import DataConfig, ResolvedBatching
-from vltrain.data.loader import build_train_loader
+from vltrain.data.loading.loader import build_train_loader
 
 
 def test_zeros_resolve_per_batching():

@@ -5,7 +5,7 @@ import pytest
 import torch
 from datafiles import caption, distinct_image, save, tiny_tokenizer, write_csv, write_jsonl
 
-from vltrain.data.collate import Collator
+from vltrain.data.loading.collate import Collator
 from vltrain.data.config import DataConfig, SourceSpec
 from vltrain.data.dataset import MAX_TRIES, build_dataset
 from vltrain.data.ids import stable_uid

@@ -149,7 +149,7 @@ def test_read_only_data_is_indexed_in_the_cache_folder(tmp_path, tok, monkeypatc
 
 
 def _open_and_report(path, tok_path, out):
-    from vltrain.data.text import load_tokenizer
+    from vltrain.data.tokenizers import load_tokenizer
 
     out.put(open_indexed(path, load_tokenizer(tok_path), 16).built_now)
 
@@ -182,7 +182,7 @@ def test_cli_builds_reports_and_exits_one_for_dropped_rows(tmp_path, tok, cli):
 
 
 def test_validate_and_stats_read_the_index_where_one_exists(tmp_path, tok):
-    from vltrain.data.validate import stats, validate
+    from vltrain.data.tools.validate import stats, validate
 
     path = manifest(tmp_path)
     parsed = validate([str(path)])[0]

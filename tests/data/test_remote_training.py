@@ -19,7 +19,7 @@ from vltrain.data.config import DataConfig  # noqa: E402
 from vltrain.data.dataset import build_dataset  # noqa: E402
 from vltrain.data.sources.shards import write_shards  # noqa: E402
 from vltrain.data.sources.manifests import open_manifest  # noqa: E402
-from vltrain.data.text import load_tokenizer  # noqa: E402
+from vltrain.data.tokenizers import load_tokenizer  # noqa: E402
 from vltrain.errors import DataError  # noqa: E402
 
 

@@ -3,7 +3,7 @@ import json
 import random
 from pathlib import Path
 
-from vltrain.data import synth
+from vltrain.data.tools import synth
 
 
 def _rows(path):

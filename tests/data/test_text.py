@@ -3,7 +3,7 @@ import json
 import pytest
 from datafiles import run_cli, tiny_tokenizer, write_jsonl
 
-from vltrain.data.text import load_tokenizer
+from vltrain.data.tokenizers import load_tokenizer
 from vltrain.errors import UserError
 
 

@@ -3,7 +3,7 @@ import json
 import pytest
 from datafiles import distinct_image, run_cli, save, tiny_tokenizer, write_jsonl
 
-from vltrain.data.validate import validate
+from vltrain.data.tools.validate import validate
 
 
 def clean_manifest(tmp_path, n=6):

@@ -7,8 +7,8 @@ import pytest
 
 from sampler_fixtures import TableDataset, collate, shapes_lengths, table
 from vltrain.data.schedule import budget
-from vltrain.data.audit import AuditLog, audit_run
-from vltrain.data.loader import TrainLoader
+from vltrain.data.loading.audit import AuditLog, audit_run
+from vltrain.data.loading.loader import TrainLoader
 from vltrain.data.schedule.sampler import DistributedBatchSampler
 from vltrain.data.schedule.window import WindowedOrder
 

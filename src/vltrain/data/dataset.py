@@ -31,7 +31,7 @@ from vltrain.data.index.reader import IndexedSource
 from vltrain.data.index.open import open_indexed
 from vltrain.data.sources.manifests import Row, Source, refuse_malformed
 from vltrain.data.table import SampleTable
-from vltrain.data.text import Tokenizer
+from vltrain.data.tokenizers import Tokenizer
 from vltrain.errors import DataError
 
 log = logging.getLogger(__name__)

@@ -25,7 +25,7 @@ from vltrain.data.dataset import Sample
 from vltrain.data.ids import stable_uid
 from vltrain.data.images import ImageError, decode_image, image_problem
 from vltrain.data.sources.manifests import IMAGE_KEYS
-from vltrain.data.text import Tokenizer
+from vltrain.data.tokenizers import Tokenizer
 from vltrain.errors import DataError
 
 IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".webp", ".bmp", ".gif", ".tif", ".tiff")

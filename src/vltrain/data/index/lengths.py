@@ -24,7 +24,7 @@ from vltrain.data.sources.filelock import build_once, private_tmp
 from vltrain.data.index.reader import IndexedSource
 from vltrain.data.index.build import part_rows, plan_parts, run_parts
 from vltrain.data.sources.shard_cache import ShardCache
-from vltrain.data.text import Tokenizer, load_tokenizer
+from vltrain.data.tokenizers import Tokenizer, load_tokenizer
 from vltrain.errors import DataError
 
 MAX_LENGTH = int(np.iinfo(np.uint16).max)

@@ -21,7 +21,7 @@ from vltrain.data.index.build import build_structure, cache_root, csv_spec, inde
 from vltrain.data.index.lengths import build_lengths, lengths_file
 from vltrain.data.sources.remote import is_remote
 from vltrain.data.sources.shard_cache import ShardCache
-from vltrain.data.text import Tokenizer, load_tokenizer
+from vltrain.data.tokenizers import Tokenizer, load_tokenizer
 from vltrain.errors import DataError, UsageError
 
 

@@ -24,11 +24,11 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, get_worker_info
 
-from vltrain.data.audit import AuditLog
-from vltrain.data.badlog import BadSampleLog
+from vltrain.data.loading.audit import AuditLog
+from vltrain.data.loading.bad_samples import BadSampleLog
 from vltrain.data.batch import Batch
 from vltrain.data.schedule import mixing
-from vltrain.data.collate import Collator
+from vltrain.data.loading.collate import Collator
 from vltrain.data.config import DataConfig, SourceSpec
 from vltrain.data.schedule.sampler import DistributedBatchSampler
 from vltrain.data.table import SampleTable

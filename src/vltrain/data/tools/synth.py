@@ -280,7 +280,7 @@ TOKENIZER_VOCAB = 512
 
 def write_tokenizer(out: str | Path, vocab_size: int = TOKENIZER_VOCAB) -> Path:
     """``out/tokenizer.json``: a BPE tokenizer trained on ``out/train.jsonl``'s captions (kept if there)."""
-    from vltrain.data.text import source_texts, train_tokenizer
+    from vltrain.data.tokenizers import source_texts, train_tokenizer
 
     path = Path(out) / "tokenizer.json"
     if not path.exists():
