@@ -17,7 +17,7 @@ from vltrain.runtime.distributed import World
 from vltrain.errors import ConfigError
 from vltrain.model import VLModel, build_model, hf_tokenizer_file
 from vltrain.model.presets import Architecture
-from vltrain.model.pretrained import Pretrained, load_pretrained, open_pretrained
+from vltrain.model.interop.pretrained import Pretrained, load_pretrained, open_pretrained
 from vltrain.objectives import Objectives
 from vltrain.task import Task
 

@@ -27,7 +27,7 @@ from vltrain.runtime.distributed import World, all_gather_no_grad, all_reduce_su
 from vltrain.errors import ConfigError, UserError
 from vltrain.eval_embed import Embedded, cat_padded, eval_mode
 from vltrain.export import is_exported, load_exported
-from vltrain.model.pretrained import is_pretrained
+from vltrain.model.interop.pretrained import is_pretrained
 from vltrain.runtime.precision import Precision
 from vltrain.retrieval import evaluate_retrieval, itm_rerank, multi_caption_recall, open_retrieval
 from vltrain.runtime.world import setup_world

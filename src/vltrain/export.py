@@ -33,7 +33,7 @@ from vltrain.config.job import JobConfig, load_config
 from vltrain.data.tokenizers import load_tokenizer
 from vltrain.errors import UserError
 from vltrain.export_hf import hf_family, write_hf
-from vltrain.model.pretrained import is_pretrained
+from vltrain.model.interop.pretrained import is_pretrained
 
 log = logging.getLogger("vltrain")
 WEIGHTS_FILE = "model.safetensors"

@@ -15,13 +15,13 @@ from pathlib import Path
 
 import torch
 
-import vltrain.model.hf_clip as hf_clip
+import vltrain.model.interop.hf_clip as hf_clip
 from vltrain.checkpoint_storage import write_weights
 from vltrain.config.job import JobConfig
 from vltrain.data.tokenizers import Tokenizer
 from vltrain.errors import UserError
 from vltrain.model import VLModel
-from vltrain.model.convert import convert_out
+from vltrain.model.interop.convert import convert_out
 from vltrain.model.presets import Architecture
 from vltrain.model.text import TextTransformer
 

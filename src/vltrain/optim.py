@@ -1,7 +1,7 @@
 """AdamW with the usual decay exemptions, warmup + cosine, layer-wise lr decay, and freezing a tower.
 
 The model names the parameters that take no weight decay (``no_weight_decay``) and the layer each
-tower parameter sits in (``layer_ids``, see :mod:`vltrain.model.protocol`); parameters go to one
+tower parameter sits in (``layer_ids``, see :mod:`vltrain.model.weight_decay`); parameters go to one
 group per (lr scale, weight decay).
 """
 
@@ -14,7 +14,7 @@ from torch import nn
 
 from vltrain.config.job import TrainConfig
 from vltrain.errors import ConfigError
-from vltrain.model.protocol import TrainableModel, default_no_weight_decay
+from vltrain.model.weight_decay import TrainableModel, default_no_weight_decay
 
 
 def freeze_towers(model: nn.Module, towers: list[str], unlock_last: int | dict[str, int] = 0) -> None:

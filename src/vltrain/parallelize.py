@@ -15,7 +15,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from vltrain.config.job import TrainConfig
 from vltrain.runtime.distributed import all_reduce_sum
-from vltrain.model.protocol import TrainableModel
+from vltrain.model.weight_decay import TrainableModel
 from vltrain.task import Task
 
 

@@ -12,7 +12,7 @@ from vltrain.build import build_model_for, build_tokenizer, resolve_init  # noqa
 from vltrain.config.job import load_config  # noqa: E402
 from vltrain.errors import UserError  # noqa: E402
 from vltrain.export import embed  # noqa: E402
-from vltrain.model.convert import OPENAI_MEAN  # noqa: E402
+from vltrain.model.interop.convert import OPENAI_MEAN  # noqa: E402
 
 
 def load(init, *overrides):

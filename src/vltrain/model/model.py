@@ -23,7 +23,7 @@ from torch import nn
 from vltrain.data.batch import ModelInputs
 from vltrain.model.fusion import FusionEncoder
 from vltrain.model.heads import ITMHead, MIMHead, MLMHead, Projection
-from vltrain.model.protocol import default_no_weight_decay
+from vltrain.model.weight_decay import default_no_weight_decay
 
 @dataclass
 class Encoded:
@@ -139,7 +139,7 @@ class VLModel(nn.Module):
         """Text tokens attending to image tokens through the fusion encoder (fusion models only)."""
         return self.fusion(text_tokens, attention_mask, image_tokens)
 
-    # -- the model protocol (vltrain.model.protocol) -------------------------------------------
+    # -- the model protocol (vltrain.model.weight_decay) -------------------------------------------
 
     def no_weight_decay(self) -> set[str]:
         return default_no_weight_decay(self)

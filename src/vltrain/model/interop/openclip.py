@@ -14,7 +14,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from vltrain.errors import UserError
-from vltrain.model.convert import OPENAI_MEAN, OPENAI_STD, Link, Preprocessing, linear, same
+from vltrain.model.interop.convert import OPENAI_MEAN, OPENAI_STD, Link, Preprocessing, linear, same
 from vltrain.model.presets import Architecture
 from vltrain.model.text import TextTowerConfig
 from vltrain.model.vision import VisionConfig

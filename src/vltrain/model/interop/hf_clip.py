@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from vltrain.errors import UserError
-from vltrain.model.convert import OPENAI_MEAN, OPENAI_STD, Link, Preprocessing, linear, same
+from vltrain.model.interop.convert import OPENAI_MEAN, OPENAI_STD, Link, Preprocessing, linear, same
 from vltrain.model.presets import Architecture
 from vltrain.model.text import TextTowerConfig
 from vltrain.model.vision import VisionConfig
