@@ -83,7 +83,7 @@ def loopback_tx() -> int:
 
 
 def _model(name: str, variant: str):
-    from vltrain.build import build_task
+    from vltrain.train.build import build_task
     from vltrain.config.job import load_config
     from vltrain.model import build_model
 

@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from _demo_model import demo_config, load_average
-from vltrain.build import build_model_for, build_task
+from vltrain.train.build import build_model_for, build_task
 from vltrain.data.tools.synth import synthesize, synthesize_classify, write_tokenizer
 from vltrain.data.tokenizers import load_tokenizer
 from vltrain.demo import measure_rate

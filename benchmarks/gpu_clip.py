@@ -31,8 +31,8 @@ import torch
 from data_pipeline import make_data, read_manifest
 from vltrain.config.job import load_config
 from vltrain.data.tokenizers import train_tokenizer
-from vltrain.metrics import peak_memory_bytes
-from vltrain.train import Trainer
+from vltrain.train.metrics import peak_memory_bytes
+from vltrain.train.trainer import Trainer
 
 CANDIDATES = (512, 384, 256, 192, 128, 96, 64, 32, 16, 8)
 

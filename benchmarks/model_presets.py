@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from vltrain.model import build_model, list_presets
-from vltrain.objectives import Objectives
+from vltrain.objectives.scoring import Objectives
 from vltrain.model.config import LossConfig, ModelConfig
 
 REFERENCE = {  # vocab, text length, image size

@@ -7,8 +7,8 @@ import torch
 from vltrain.data.batch import ModelInputs
 from vltrain.model import VLModel, build_model
 from vltrain.model.config import LossConfig, ModelConfig
-from vltrain.objectives import Objectives
-from vltrain.task import Task
+from vltrain.objectives.scoring import Objectives
+from vltrain.objectives.task import Task
 
 VOCAB, PAD, MASK, IMAGE, LENGTH = 50, 0, 1, 32, 8
 

@@ -61,8 +61,8 @@ def run_trainer(cfg) -> dict:
 
     Returns the per-step losses and this rank's padded text width of every micro-batch.
     """
-    from vltrain.metrics import read_jsonl
-    from vltrain.train import Trainer
+    from vltrain.train.metrics import read_jsonl
+    from vltrain.train.trainer import Trainer
 
     trainer = Trainer(cfg)
     widths: list[tuple[int, ...]] = []

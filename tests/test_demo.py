@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from vltrain.metrics import read_jsonl
+from vltrain.train.metrics import read_jsonl
 
 
 @pytest.mark.slow

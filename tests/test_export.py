@@ -17,7 +17,7 @@ from vltrain.export import load_exported
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
     """A few steps of the fusion model in this process; returns (trainer, shapes)."""
-    from vltrain.train import Trainer
+    from vltrain.train.trainer import Trainer
 
     shapes = session_shapes(tmp_path_factory)
     run = tmp_path_factory.mktemp("export") / "run"

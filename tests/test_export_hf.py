@@ -26,7 +26,7 @@ FAMILIES = {"clip": (make_clip, "CLIPModel", "CLIPImageProcessor"),
 @pytest.fixture(scope="module", params=list(FAMILIES))
 def finetuned(request, tmp_path_factory):
     """A few steps of the trainer from a tiny random Hugging Face model; returns (run, original, family)."""
-    from vltrain.train import Trainer
+    from vltrain.train.trainer import Trainer
 
     family = request.param
     root = tmp_path_factory.mktemp(f"ft-{family}")
@@ -51,7 +51,7 @@ def test_a_run_from_model_init_says_and_saves_its_preprocessing(finetuned, capsy
     embed_dim = 32 if family == "clip" else 64  # SigLIP's image side has no projection: its width
     assert saved.data.resize == ("crop" if family == "clip" else "squash") and saved.model.arch["embed_dim"] == embed_dim
     assert (saved.model.loss.siglip, saved.model.loss.itc) == ((1.0, 0.0) if family == "siglip" else (0.0, 1.0))
-    from vltrain.build import describe_preprocessing, resolve_init
+    from vltrain.train.build import describe_preprocessing, resolve_init
 
     cfg = load_config(None, [f"model.init={pretrained}"])
     text = describe_preprocessing(cfg, resolve_init(cfg))

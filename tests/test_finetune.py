@@ -33,7 +33,7 @@ def test_recipe_loads_with_the_users_overrides():
 def test_recipes_optimizer_on_the_preset():
     """The recipe's layer decay and a locked image tower with 2 blocks unlocked, on ViT-B/32 (meta device)."""
     from vltrain.model import build_model
-    from vltrain.optim import build_optimizer, freeze_towers
+    from vltrain.train.optim import build_optimizer, freeze_towers
 
     cfg = load_config(RECIPE, ["model.init=/m", "data.train=t.jsonl", "train.freeze=[vision]", "train.unlock_last=2"])
     with torch.device("meta"):
@@ -60,7 +60,7 @@ def test_users_command_on_a_hugging_face_clip(tmp_path_factory, tmp_path, cli):
     CLIPModel): the pretrained weights are kept as init.safetensors, and --interpolate 0 exports them."""
     pytest.importorskip("transformers")
     from pretrainedkit import make_clip
-    from vltrain.build import build_model_for, build_tokenizer, resolve_init
+    from vltrain.train.build import build_model_for, build_tokenizer, resolve_init
     from vltrain.export import export_model
 
     shapes = session_shapes(tmp_path_factory)
@@ -95,7 +95,7 @@ def _fake_trainer(run_dir: Path, save_initial: str, init: str, main: bool = True
     ("always", "", True, True), ("never", "/models/clip", True, False),
 ])
 def test_initial_weights_written_when_asked(tmp_path, save_initial, init, main, written):
-    from vltrain.train import Trainer
+    from vltrain.train.trainer import Trainer
 
     trainer = _fake_trainer(tmp_path, save_initial, init, main)
     Trainer._save_initial(trainer)
@@ -110,7 +110,7 @@ def test_initial_weights_written_when_asked(tmp_path, save_initial, init, main, 
 @pytest.fixture(scope="module")
 def finetuned(tmp_path_factory):
     """3 steps of tiny-clip with layer decay, the vision tower frozen but its last block."""
-    from vltrain.train import Trainer
+    from vltrain.train.trainer import Trainer
 
     shapes = session_shapes(tmp_path_factory)
     run = tmp_path_factory.mktemp("finetune") / "run"

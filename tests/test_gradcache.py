@@ -11,9 +11,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from vltrain.data.batch import ModelInputs
-from vltrain.gradcache import gradcache_backward
-from vltrain.step import plain_backward
-from vltrain.task import Task
+from vltrain.train.gradcache import gradcache_backward
+from vltrain.train.step import plain_backward
+from vltrain.objectives.task import Task
 
 
 @dataclass

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from modelkit import grads, make_batch, max_relative_error, rows, small_task
 from multiproc import run_world
-from vltrain.losses import itc_loss, mask_tokens, mlm_loss, sample_negatives, siglip_loss
+from vltrain.objectives.losses import itc_loss, mask_tokens, mlm_loss, sample_negatives, siglip_loss
 
 
 def _embeds(n: int, d: int = 8, seed: int = 0):

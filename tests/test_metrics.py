@@ -7,7 +7,7 @@ import time
 
 import torch
 
-from vltrain.metrics import MetricsLogger, Throughput, measure_cpu_peak, peak_memory_bytes, plot_curves
+from vltrain.train.metrics import MetricsLogger, Throughput, measure_cpu_peak, peak_memory_bytes, plot_curves
 
 
 def test_logger_writes_jsonl_tensorboard_and_plot(tmp_path):
@@ -46,7 +46,7 @@ def test_cpu_peak_and_memory_are_positive():
 
 
 def test_log_line_holds_what_a_slurm_log_reader_needs():
-    from vltrain.metrics import log_line
+    from vltrain.train.metrics import log_line
 
     line = log_line(120, 1000, {"loss": 1.23456, "loss/itc": 1.0, "loss/itm": 0.5, "lr": 9.8e-4,
                                 "samples_per_s": 2345.6, "data_wait": 0.031, "mfu": 0.123,
@@ -98,7 +98,7 @@ def test_wandb_without_the_package_is_a_clear_error(tmp_path, monkeypatch):
 
     from vltrain.config.job import MetricsConfig
     from vltrain.errors import UserError
-    from vltrain.metrics import MetricsLogger
+    from vltrain.train.metrics import MetricsLogger
 
     monkeypatch.setitem(sys.modules, "wandb", None)  # as if not installed
     with pytest.raises(UserError, match=r"pip install 'vltrain\[wandb\]'"):

@@ -16,7 +16,7 @@ import uuid
 import pytest
 
 import runkit
-from vltrain.metrics import read_jsonl
+from vltrain.train.metrics import read_jsonl
 
 STEPS = 10
 EXTRA = dict(data__num_workers=0, checkpoint__every=0, train__log_every=1, train__max_steps=STEPS)

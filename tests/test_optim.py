@@ -10,7 +10,7 @@ from torch import nn
 
 from vltrain.config.job import TrainConfig
 from vltrain.errors import ConfigError
-from vltrain.optim import WarmupCosine, build_optimizer, build_scheduler, freeze_towers, param_groups
+from vltrain.train.optim import WarmupCosine, build_optimizer, build_scheduler, freeze_towers, param_groups
 
 
 class Towers(nn.Module):
@@ -83,7 +83,7 @@ def test_scheduler_state_round_trips():
 
 
 def test_fused_adamw_for_floating_point_parameters_on_one_device():
-    from vltrain.optim import implementation
+    from vltrain.train.optim import implementation
 
     cpu, meta = nn.Parameter(torch.zeros(2)), nn.Parameter(torch.zeros(2, device="meta"))
     assert implementation([{"params": [cpu]}, {"params": [nn.Parameter(torch.ones(3))]}]) == {"fused": True}

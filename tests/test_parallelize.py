@@ -7,8 +7,8 @@ import torch
 
 from modelkit import make_batch, small_model, small_task
 from vltrain.config.job import TrainConfig
-from vltrain.optim import build_optimizer
-from vltrain.parallelize import compile_blocks, parallelize
+from vltrain.train.optim import build_optimizer
+from vltrain.train.parallelize import compile_blocks, parallelize
 
 CPU = torch.device("cpu")
 

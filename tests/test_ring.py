@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from multiproc import run_world
-from vltrain.losses import itc_loss, siglip_loss
-from vltrain.ring import itc_loss_ring, siglip_loss_ring
+from vltrain.objectives.losses import itc_loss, siglip_loss
+from vltrain.objectives.ring import itc_loss_ring, siglip_loss_ring
 
 
 def _batch(rank: int, rows: int, seed: int = 0):
@@ -82,7 +82,7 @@ def test_ranks_with_uneven_batches_equal_the_gathering_loss(rows_by_rank):
 
 
 def test_what_the_backward_keeps_does_not_depend_on_the_world_size():
-    from vltrain.ring import _RingITC
+    from vltrain.objectives.ring import _RingITC
 
     img, txt, has_image, has_text, ids, weights = _batch(0, 6)
     img.requires_grad_(True)

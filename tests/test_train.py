@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from multiproc import free_port
-from vltrain.metrics import read_jsonl
+from vltrain.train.metrics import read_jsonl
 
 STEPS = 20
 
@@ -110,7 +110,7 @@ def test_nan_on_one_rank_skips_the_step_on_both(shapes, tmp_path):
 def test_nonfinite_steps_in_a_row_stop_with_a_clear_error(shapes, tmp_path):
     from vltrain.config.job import load_config
     from vltrain.errors import NonFiniteError
-    from vltrain.train import Trainer
+    from vltrain.train.trainer import Trainer
 
     cfg = load_config(Path(__file__).resolve().parents[1] / "configs" / "demo.yaml", overrides(
         shapes, tmp_path / "div", **{"train.lr": 1e9, "train.warmup_steps": 0, "train.grad_clip": 0,

@@ -15,7 +15,7 @@ from modelkit import grads, make_batch, max_relative_error, rows, small_task
 from multiproc import free_port
 from runkit import assert_identical, assert_resumed_exactly, final_state, ok, session_shapes, train
 from vltrain.data.batch import Batch
-from vltrain.losses import mim_loss, mlm_loss
+from vltrain.objectives.losses import mim_loss, mlm_loss
 
 PAIRED, TEXT_ONLY, IMAGE_ONLY = slice(0, 4), slice(4, 7), slice(7, 10)
 

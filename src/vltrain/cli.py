@@ -38,7 +38,7 @@ def _model_commands(sub) -> None:
     t = sub.add_parser("train", help="train a model from a YAML config (torchrun-aware)")
     t.add_argument("config", help="YAML config file")
     t.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.lr=3e-4 data.batch_size=64")
-    t.set_defaults(func=_handler("vltrain.train:train_cli"))
+    t.set_defaults(func=_handler("vltrain.train.trainer:train_cli"))
 
     d = sub.add_parser("demo", help="synthesize shapes, train a tokenizer and a model, evaluate, plot")
     d.add_argument("--dir", default="runs/demo", help="run folder (default runs/demo)")

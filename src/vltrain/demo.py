@@ -76,12 +76,12 @@ def measure_rate(cfg, vocab: int = TOKENIZER_VOCAB, steps: int = 3) -> float:
 
     import torch
 
-    from vltrain.build import build_task
+    from vltrain.train.build import build_task
     from vltrain.model import build_model
-    from vltrain.optim import build_optimizer
+    from vltrain.train.optim import build_optimizer
     from vltrain.runtime.precision import Precision
     from vltrain.runtime.world import keep_freed_memory
-    from vltrain.step import plain_backward
+    from vltrain.train.step import plain_backward
 
     keep_freed_memory()
     torch.set_num_threads(cfg.train.threads or (os.cpu_count() or 1))
@@ -125,7 +125,7 @@ def _cuda() -> bool:
 
 def run_demo(run_dir: Path, data: Path, overrides: list[str], num: int = NUM_TRAIN, val: int = NUM_VAL):
     """Train the demo config end to end; returns (trainer, final eval metrics)."""
-    from vltrain.train import Trainer
+    from vltrain.train.trainer import Trainer
 
     tokenizer = prepare_data(data, num, val)
     given = [

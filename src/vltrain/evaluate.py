@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from vltrain.build import build_model_for, build_task, build_tokenizer, build_val_loader, resolve_init
+from vltrain.train.build import build_model_for, build_task, build_tokenizer, build_val_loader, resolve_init
 from vltrain.checkpoint import find_checkpoint, load_model_weights
 from vltrain.config.job import JobConfig, load_config
 from vltrain.data.dataset import source_specs

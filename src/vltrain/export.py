@@ -26,7 +26,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from vltrain.build import build_model_for, build_tokenizer, resolve_init
+from vltrain.train.build import build_model_for, build_tokenizer, resolve_init
 from vltrain.checkpoint import CONFIG_FILE, INITIAL_FILE, check_shapes, find_checkpoint, load_model_weights
 from vltrain.checkpoint_storage import write_weights
 from vltrain.config.job import JobConfig, load_config

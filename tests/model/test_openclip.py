@@ -10,7 +10,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from pretrainedkit import TEXTS, clip_tokenizer, make_clip, normalized  # noqa: E402
-from vltrain.build import build_model_for, build_tokenizer, resolve_init  # noqa: E402
+from vltrain.train.build import build_model_for, build_tokenizer, resolve_init  # noqa: E402
 from vltrain.config.job import load_config  # noqa: E402
 from vltrain.errors import UserError  # noqa: E402
 from vltrain.export import embed  # noqa: E402

@@ -12,8 +12,8 @@ from vltrain.data.batch import ModelInputs
 from vltrain.errors import UserError
 from vltrain.model import build_model, count_parameters, list_presets
 from vltrain.model.config import LossConfig, ModelConfig
-from vltrain.objectives import Objectives
-from vltrain.task import Task
+from vltrain.objectives.scoring import Objectives
+from vltrain.objectives.task import Task
 
 
 def documented() -> dict[str, tuple[int, int, int, int]]:

@@ -2,7 +2,7 @@
 
 Which parts a model has is decided here and only here: a fusion encoder when the preset has one and
 ITM or MLM is on, an ITM or MLM head when its weight is > 0, a SigLIP bias when SigLIP is on. The
-objectives (:mod:`vltrain.objectives`) then run exactly the heads the model has.
+objectives (:mod:`vltrain.objectives.scoring`) then run exactly the heads the model has.
 """
 
 from __future__ import annotations

@@ -36,7 +36,7 @@ class LossConfig:
     """Learnable logit bias for SigLIP (initialized at -10, with logit_scale at ln 10)."""
     contrastive_impl: str = "gather"
     """How ITC and SigLIP reach the other ranks' columns: gather (all at once: a [b, W*b] matrix per
-    rank) or ring (block by block around the ranks: memory flat in W, the same values; vltrain.ring)."""
+    rank) or ring (block by block around the ranks: memory flat in W, the same values; vltrain.objectives.ring)."""
     itm_negatives: str = "local"
     """Where ITM draws its hard negatives: local (the rank's own batch, as ALBEF) or global (every
     rank's batch: gathers every rank's token features, W times the bytes; docs/distributed.md)."""

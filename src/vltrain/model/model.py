@@ -1,7 +1,7 @@
 """The vision-language model: given its towers, projections and heads, it encodes.
 
-Scoring is not the model's: :mod:`vltrain.objectives` takes what ``encode`` returns (and calls
-``fuse``, ``text_tokens`` and the heads for ITM and MLM), and :class:`vltrain.task.Task` composes the
+Scoring is not the model's: :mod:`vltrain.objectives.scoring` takes what ``encode`` returns (and calls
+``fuse``, ``text_tokens`` and the heads for ITM and MLM), and :class:`vltrain.objectives.task.Task` composes the
 two into what data parallelism wraps.
 
 Every rank runs the same graph whatever its batch holds. A tower whose modality is absent from the

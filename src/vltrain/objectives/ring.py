@@ -25,7 +25,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from vltrain.runtime.distributed import issue, world_info
-from vltrain.losses import _MASKED, GlobalBatch, _row_weights, scale_of
+from vltrain.objectives.losses import _MASKED, GlobalBatch, _row_weights, scale_of
 
 
 def ring_pass(tensors: list[torch.Tensor]) -> list[torch.Tensor]:

@@ -1,6 +1,6 @@
 """One optimizer step's forward and backward passes over its micro-batches.
 
-Plain accumulation lives here; exact contrastive accumulation in :mod:`vltrain.gradcache`.
+Plain accumulation lives here; exact contrastive accumulation in :mod:`vltrain.train.gradcache`.
 Both return the step's losses (already averaged the way they were optimised) and leave the
 gradients of the whole step in ``.grad``, reduced across ranks by the last backward.
 """
@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from vltrain.data.batch import ModelInputs
-from vltrain.parallelize import gradient_sync
+from vltrain.train.parallelize import gradient_sync
 
 
 @dataclass
@@ -24,7 +24,7 @@ class StepLosses:
     losses: dict[str, torch.Tensor]
     rows: list[tuple[torch.Tensor | None, dict]] = field(default_factory=list)
     """Per micro-batch (or, for gradcache's contrastive term, per step): each row's source and each
-    objective's per-row losses (``vltrain.objectives.RowLosses``), for per-source metrics."""
+    objective's per-row losses (``vltrain.objectives.scoring.RowLosses``), for per-source metrics."""
 
     def add(self, new: dict[str, torch.Tensor], scale: float) -> None:
         """Accumulate ``scale`` times each of ``new`` (detached, fp32) into ``losses``."""
@@ -42,7 +42,7 @@ def plain_backward(
 ) -> StepLosses:
     """Mean of the micro-batches' losses; each micro-batch's contrastive loss sees only itself.
 
-    ``wrapped`` is the (parallelized) :class:`vltrain.task.Task`. ``loss_scale`` multiplies the loss
+    ``wrapped`` is the (parallelized) :class:`vltrain.objectives.task.Task`. ``loss_scale`` multiplies the loss
     before backward (e.g. a fault-injection NaN).
     """
     n = len(micro)

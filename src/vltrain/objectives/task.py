@@ -8,7 +8,7 @@ so every pass that leads to a backward goes through ``Task.forward``, named by i
 - ``task("contrastive", image_embeds, text_embeds, rows)``: the weighted ITC + SigLIP term on given
   embeddings, and its per-row losses (gradient caching's loss over the cached global batch);
 - ``task("replay", inputs, cache, i, encode_rng, objectives_rng)``: gradient caching's second pass
-  over micro-batch ``i`` (see :mod:`vltrain.gradcache`);
+  over micro-batch ``i`` (see :mod:`vltrain.train.gradcache`);
 - ``task("itm", text_tokens, attention_mask, image_tokens)``: ITM logits [B, 2] of fused pairs
   (evaluation's re-ranking: under FSDP2 the fusion encoder and the head are gathered only here).
 """
@@ -23,7 +23,7 @@ from torch import nn
 
 from vltrain.data.batch import ModelInputs, Rows
 from vltrain.model.model import VLModel
-from vltrain.objectives import ObjectiveOutput, Objectives
+from vltrain.objectives.scoring import ObjectiveOutput, Objectives
 
 class GeneratorState:
     """The default generators' state (the CPU's and, on CUDA, the device's), taken at creation.

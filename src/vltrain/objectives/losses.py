@@ -1,6 +1,6 @@
 """Loss functions: contrastive (ITC, SigLIP), image-text matching (ITM) and masked language modelling.
 
-Parameter-free arithmetic on tensors; :mod:`vltrain.objectives` decides which of them a step computes,
+Parameter-free arithmetic on tensors; :mod:`vltrain.objectives.scoring` decides which of them a step computes,
 on which rows and with which weights.
 
 The contrastive losses are exact across ranks without materializing the global N x N matrix: each

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from vltrain.runtime.distributed import all_reduce_sum
-from vltrain.objectives import RowLosses
+from vltrain.objectives.scoring import RowLosses
 
 
 class SourceMeter:

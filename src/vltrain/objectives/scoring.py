@@ -1,8 +1,8 @@
 """The objectives: given what the model encoded, which losses a step computes, on which rows, with
 which weights.
 
-Parameter-free. ITC and SigLIP score the towers' embeddings (:mod:`vltrain.losses`, or around a ring
-of ranks with :mod:`vltrain.ring`). ITM draws hard negatives from the similarity matrix and runs the
+Parameter-free. ITC and SigLIP score the towers' embeddings (:mod:`vltrain.objectives.losses`, or around a ring
+of ranks with :mod:`vltrain.objectives.ring`). ITM draws hard negatives from the similarity matrix and runs the
 model's fusion encoder and ITM head on positives and negatives; MLM masks captions, re-encodes them
 with the text tower and runs the fusion encoder and the MLM head. An objective runs only where the
 model has its head (``build_model`` decides that once).
@@ -21,11 +21,11 @@ import torch
 
 from vltrain.data.batch import ModelInputs, Rows
 from vltrain.runtime.distributed import all_gather_no_grad, all_gather_with_grad, exchange_shapes, pad_to
-from vltrain.losses import (itc_loss, itm_loss, mask_tokens, mim_loss, mlm_loss, patchify, sample_negatives, scale_of,
+from vltrain.objectives.losses import (itc_loss, itm_loss, mask_tokens, mim_loss, mlm_loss, patchify, sample_negatives, scale_of,
                             siglip_loss)
 from vltrain.model.config import LossConfig
 from vltrain.model.model import Encoded, VLModel
-from vltrain.ring import itc_loss_ring, siglip_loss_ring
+from vltrain.objectives.ring import itc_loss_ring, siglip_loss_ring
 
 
 @dataclass

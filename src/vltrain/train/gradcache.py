@@ -9,7 +9,7 @@ gradient while keeping only one micro-batch's activations:
    its gradient with respect to the embeddings only;
 3. re-run each micro-batch with autograd and back-propagate ``sum(embedding * cached grad)``
    plus its non-contrastive objectives (ITM, MLM); the last micro-batch rebuilds the full loss
-   instead (:meth:`vltrain.task.ContrastiveCache.term`).
+   instead (:meth:`vltrain.objectives.task.ContrastiveCache.term`).
 
 Each micro-batch's RNG state is recorded before its encoding in step 1 and restored before
 its encoding in step 3, so dropout draws the same masks in both passes. The non-contrastive
@@ -25,9 +25,9 @@ import torch
 from torch import nn
 
 from vltrain.data.batch import ModelInputs, Rows
-from vltrain.parallelize import gradient_sync
-from vltrain.step import StepLosses
-from vltrain.task import ContrastiveCache, GeneratorState
+from vltrain.train.parallelize import gradient_sync
+from vltrain.train.step import StepLosses
+from vltrain.objectives.task import ContrastiveCache, GeneratorState
 
 
 def _cache(wrapped: nn.Module, micro: list[ModelInputs], autocast, loss_scale: float

@@ -1,6 +1,6 @@
 """Data parallelism (DDP or FSDP2), activation checkpointing and compilation of a task's model.
 
-What gets wrapped is the :class:`vltrain.task.Task`: DDP and FSDP2 only see ``forward``, and every
+What gets wrapped is the :class:`vltrain.objectives.task.Task`: DDP and FSDP2 only see ``forward``, and every
 pass of a step (the whole step, or gradient caching's parts) goes through it by name.
 """
 
@@ -16,7 +16,7 @@ from torch.nn.parallel import DistributedDataParallel
 from vltrain.config.job import TrainConfig
 from vltrain.runtime.distributed import all_reduce_sum
 from vltrain.model.weight_decay import TrainableModel
-from vltrain.task import Task
+from vltrain.objectives.task import Task
 
 
 def compile_blocks(model: TrainableModel, backend: str = "inductor") -> None:
