@@ -28,7 +28,7 @@ from vltrain.data.tools.synth import synthesize, synthesize_classify, write_toke
 from vltrain.data.tokenizers import load_tokenizer
 from vltrain.demo import measure_rate
 from vltrain.runtime.precision import Precision
-from vltrain.zeroshot import evaluate_zeroshot, open_zeroshot
+from vltrain.eval.zeroshot import evaluate_zeroshot, open_zeroshot
 
 
 def zeroshot_rate(cfg, root: Path, tokenizer, repeats: int) -> tuple[float, int]:

@@ -16,8 +16,8 @@ from pathlib import Path
 import torch
 
 from multiproc import free_port
-from vltrain.checkpoint import find_checkpoint
-from vltrain.checkpoint_storage import read_tensors
+from vltrain.checkpoint.manager import find_checkpoint
+from vltrain.checkpoint.storage import read_tensors
 
 STEPS = 10
 EVERY = 4

@@ -15,7 +15,7 @@ import torch.multiprocessing as mp
 from torch import nn
 
 from multiproc import free_port
-from vltrain.checkpoint import (
+from vltrain.checkpoint.manager import (
     Checkpointer,
     ModelState,
     OptimizerState,
@@ -23,7 +23,7 @@ from vltrain.checkpoint import (
     latest_checkpoint,
     load_model_weights,
 )
-from vltrain.checkpoint_storage import join_tensors, read_tensors, split_tensors
+from vltrain.checkpoint.storage import join_tensors, read_tensors, split_tensors
 from vltrain.config.job import CheckpointConfig
 from vltrain.errors import UserError
 from vltrain.runtime.rng import RngState

@@ -59,7 +59,7 @@ def test_sets_are_evaluated_in_the_loop_and_by_the_eval_command(cli, tmp_path):
 
 def test_unknown_early_stop_metric_names_the_ones_there():
     from vltrain.errors import ConfigError
-    from vltrain.evaluate import check_early_stop_metric
+    from vltrain.eval.evaluator import check_early_stop_metric
 
     with pytest.raises(ConfigError, match="zeroshot/x/top1"):
         check_early_stop_metric("zeroshot/y/top1", {"zeroshot/x/top1": 0.5, "zeroshot/x/num_images": 3})

@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from vltrain.evaluate import append_eval, recall_at_k, retrieval_metrics
+from vltrain.eval.evaluator import append_eval, recall_at_k, retrieval_metrics
 
 
 def test_perfect_embeddings_recall_one():

@@ -11,7 +11,7 @@ import torch
 from runkit import overrides, session_shapes
 from vltrain.config.job import load_config
 from vltrain.errors import UserError
-from vltrain.export import load_exported
+from vltrain.export.native import load_exported
 
 
 @pytest.fixture(scope="module")
@@ -75,7 +75,7 @@ def test_export_then_embed_gives_the_trainers_embeddings(trained, tmp_path, cli)
 @pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_exported_weights_that_do_not_fit_are_refused(trained, tmp_path):
-    from vltrain.export import export_model
+    from vltrain.export.native import export_model
 
     trainer, _ = trained
     out = export_model(trainer.run_dir, tmp_path / "exported")

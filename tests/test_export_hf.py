@@ -16,8 +16,8 @@ from pretrainedkit import TEXTS, image_file, make_clip, make_siglip, normalized 
 from runkit import overrides, session_shapes  # noqa: E402
 from vltrain.config.job import load_config  # noqa: E402
 from vltrain.errors import UserError  # noqa: E402
-from vltrain.export import embed, export_model, load_any  # noqa: E402
-from vltrain.export_hf import hf_family  # noqa: E402
+from vltrain.export.native import embed, export_model, load_any  # noqa: E402
+from vltrain.export.hf import hf_family  # noqa: E402
 
 FAMILIES = {"clip": (make_clip, "CLIPModel", "CLIPImageProcessor"),
             "siglip": (make_siglip, "SiglipModel", "SiglipImageProcessor")}

@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load_file
 
 from runkit import final_state, overrides, session_shapes
-from vltrain.checkpoint import INITIAL_FILE
+from vltrain.checkpoint.manager import INITIAL_FILE
 from vltrain.config.job import load_config
 from vltrain.errors import UserError
 
@@ -61,7 +61,7 @@ def test_users_command_on_a_hugging_face_clip(tmp_path_factory, tmp_path, cli):
     pytest.importorskip("transformers")
     from pretrainedkit import make_clip
     from vltrain.train.build import build_model_for, build_tokenizer, resolve_init
-    from vltrain.export import export_model
+    from vltrain.export.native import export_model
 
     shapes = session_shapes(tmp_path_factory)
     make_clip(tmp_path / "clip")
@@ -138,7 +138,7 @@ def test_finetune_run_trains_only_the_unlocked_part(finetuned):
 
 
 def test_export_interpolates_between_initial_and_final(finetuned, tmp_path, cli):
-    from vltrain.export import export_model
+    from vltrain.export.native import export_model
 
     initial = load_file(str(finetuned / INITIAL_FILE))
     final = {k.removeprefix("model."): v for k, v in final_state(finetuned).items() if k.startswith("model.")}
@@ -161,7 +161,7 @@ def test_export_interpolates_between_initial_and_final(finetuned, tmp_path, cli)
 
 
 def test_interpolate_refuses_without_initial_weights_or_outside_0_1(finetuned, tmp_path, cli):
-    from vltrain.export import export_model
+    from vltrain.export.native import export_model
 
     with pytest.raises(UserError, match=r"--interpolate must be in \[0, 1\]"):
         export_model(finetuned, tmp_path / "x", interpolate=1.5)
@@ -182,7 +182,7 @@ def test_fsdp_run_interpolates_from_its_consolidated_weights(tmp_path_factory, t
     """Two FSDP2 ranks with layer decay and an unlocked block of the frozen vision tower: the initial
     weights are written whole before sharding, and export blends them with the consolidated shards."""
     from runkit import ok, train
-    from vltrain.export import export_model
+    from vltrain.export.native import export_model
 
     shapes = session_shapes(tmp_path_factory)
     run = tmp_path / "fsdp"

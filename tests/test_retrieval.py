@@ -9,9 +9,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from vltrain.data.captions import open_captions
-from vltrain.eval_embed import Embedded
-from vltrain.retrieval import itm_rerank, multi_caption_recall, recall_with_rerank
+from vltrain.eval.captions import open_captions
+from vltrain.eval.embedding import Embedded
+from vltrain.eval.retrieval import itm_rerank, multi_caption_recall, recall_with_rerank
 
 
 def test_multi_caption_protocol_on_a_hand_worked_case():

@@ -98,8 +98,8 @@ def test_nan_on_one_rank_skips_the_step_on_both(shapes, tmp_path):
     assert len(rows) == 8  # training went on to the end
     import torch
 
-    from vltrain.checkpoint import find_checkpoint
-    from vltrain.checkpoint_storage import read_tensors
+    from vltrain.checkpoint.manager import find_checkpoint
+    from vltrain.checkpoint.storage import read_tensors
 
     weights = read_tensors(find_checkpoint(tmp_path / "nan"), "model.")
     assert all(torch.isfinite(v).all() for v in weights.values())

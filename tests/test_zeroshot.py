@@ -11,7 +11,7 @@ from PIL import Image
 
 from vltrain.data.config import DataConfig
 from vltrain.data.tokenizers import train_tokenizer
-from vltrain.zeroshot import class_embeddings, evaluate_zeroshot, open_zeroshot
+from vltrain.eval.zeroshot import class_embeddings, evaluate_zeroshot, open_zeroshot
 
 from multiproc import run_world
 

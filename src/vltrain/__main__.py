@@ -1,4 +1,4 @@
-from vltrain.cli import main
+from vltrain.cli.main import main
 
 if __name__ == "__main__":
     raise SystemExit(main())

@@ -157,7 +157,7 @@ def run_demo(run_dir: Path, data: Path, overrides: list[str], num: int = NUM_TRA
 
 
 def demo_cli(args: argparse.Namespace) -> int:
-    from vltrain.evaluate import format_metrics
+    from vltrain.eval.evaluator import format_metrics
 
     start = time.perf_counter()
     run_dir = Path(args.dir)

@@ -63,7 +63,7 @@ def caption(i: int, n_words: int = 4) -> str:
 
 def run_cli(capsys, *args: str) -> tuple[int, str, str]:
     """``vltrain ARGS`` in this process (the cwd is the caller's); exit code, stdout, stderr."""
-    from vltrain.cli import main
+    from vltrain.cli.main import main
 
     capsys.readouterr()
     code = main([str(a) for a in args])

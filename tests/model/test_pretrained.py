@@ -11,7 +11,7 @@ from pretrainedkit import TEXTS, image_file, make_clip, make_siglip, normalized 
 from vltrain.train.build import build_model_for, build_tokenizer, resolve_init  # noqa: E402
 from vltrain.config.job import load_config  # noqa: E402
 from vltrain.errors import UserError  # noqa: E402
-from vltrain.export import embed  # noqa: E402
+from vltrain.export.native import embed  # noqa: E402
 from vltrain.model.interop.convert import OPENAI_MEAN  # noqa: E402
 
 

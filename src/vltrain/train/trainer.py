@@ -21,12 +21,12 @@ import torch
 
 from vltrain.train.build import (build_model_for, build_task, build_tokenizer, build_train_loader_for, describe_preprocessing,
                            resolve_init)
-from vltrain.checkpoint import Checkpointer, ModelState, OptimizerState, latest_checkpoint, save_initial_weights
+from vltrain.checkpoint.manager import Checkpointer, ModelState, OptimizerState, latest_checkpoint, save_initial_weights
 from vltrain.config.job import JobConfig, load_config
 from vltrain.data.batch import Batch
 from vltrain.data.dataset import source_specs
 from vltrain.runtime.distributed import all_reduce_sum
-from vltrain.evaluate import Evaluator, append_eval, check_early_stop_metric, format_metrics
+from vltrain.eval.evaluator import Evaluator, append_eval, check_early_stop_metric, format_metrics
 from vltrain.runtime.faults import maybe_fail
 from vltrain.train.gradcache import gradcache_backward
 from vltrain.train.nonfinite import NonFiniteGuard

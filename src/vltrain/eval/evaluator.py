@@ -1,5 +1,5 @@
 """Evaluation: image->text and text->image recall@1/5/10 on held-out pairs (``data.val``), and the
-sets of ``eval.zeroshot`` (:mod:`vltrain.zeroshot`) and ``eval.retrieval`` (:mod:`vltrain.retrieval`),
+sets of ``eval.zeroshot`` (:mod:`vltrain.eval.zeroshot`) and ``eval.retrieval`` (:mod:`vltrain.eval.retrieval`),
 each with ITM re-ranking for fusion models; ``eval.json``; ``vltrain eval``.
 
 Every rank embeds its shard of each set, the embeddings are gathered, and every rank
@@ -19,19 +19,19 @@ import torch
 from torch import nn
 
 from vltrain.train.build import build_model_for, build_task, build_tokenizer, build_val_loader, resolve_init
-from vltrain.checkpoint import find_checkpoint, load_model_weights
+from vltrain.checkpoint.manager import find_checkpoint, load_model_weights
 from vltrain.config.job import JobConfig, load_config
 from vltrain.data.dataset import source_specs
 from vltrain.data.tokenizers import Tokenizer
 from vltrain.runtime.distributed import World, all_gather_no_grad, all_reduce_sum
 from vltrain.errors import ConfigError, UserError
-from vltrain.eval_embed import Embedded, cat_padded, eval_mode
-from vltrain.export import is_exported, load_exported
+from vltrain.eval.embedding import Embedded, cat_padded, eval_mode
+from vltrain.export.native import is_exported, load_exported
 from vltrain.model.interop.pretrained import is_pretrained
 from vltrain.runtime.precision import Precision
-from vltrain.retrieval import evaluate_retrieval, itm_rerank, multi_caption_recall, open_retrieval
+from vltrain.eval.retrieval import evaluate_retrieval, itm_rerank, multi_caption_recall, open_retrieval
 from vltrain.runtime.world import setup_world
-from vltrain.zeroshot import evaluate_zeroshot, open_zeroshot
+from vltrain.eval.zeroshot import evaluate_zeroshot, open_zeroshot
 
 KS = (1, 5, 10)
 

@@ -8,7 +8,7 @@
 
 safetensors holds tensors only, so loading an exported model runs no code from the file. The
 folder is what :func:`load_exported` reads, for ``vltrain embed`` and ``vltrain eval``.
-``--format hf`` writes a Hugging Face CLIPModel / SiglipModel folder instead (:mod:`vltrain.export_hf`).
+``--format hf`` writes a Hugging Face CLIPModel / SiglipModel folder instead (:mod:`vltrain.export.hf`).
 ``--interpolate ALPHA`` writes (1 - ALPHA) x the run's initial weights + ALPHA x the trained ones
 (WiSE-FT's weight-space ensemble; ALPHA 0 is the initial model, 1 the fine-tuned one).
 Embeddings use the training pipeline itself (``decode_image``, the tokenizer, the collator,
@@ -27,12 +27,12 @@ import numpy as np
 import torch
 
 from vltrain.train.build import build_model_for, build_tokenizer, resolve_init
-from vltrain.checkpoint import CONFIG_FILE, INITIAL_FILE, check_shapes, find_checkpoint, load_model_weights
-from vltrain.checkpoint_storage import write_weights
+from vltrain.checkpoint.manager import CONFIG_FILE, INITIAL_FILE, check_shapes, find_checkpoint, load_model_weights
+from vltrain.checkpoint.storage import write_weights
 from vltrain.config.job import JobConfig, load_config
 from vltrain.data.tokenizers import load_tokenizer
 from vltrain.errors import UserError
-from vltrain.export_hf import hf_family, write_hf
+from vltrain.export.hf import hf_family, write_hf
 from vltrain.model.interop.pretrained import is_pretrained
 
 log = logging.getLogger("vltrain")
@@ -58,7 +58,7 @@ def _checkpoint_of(source: Path) -> Path:
 def export_model(source: str | Path, out: str | Path, interpolate: float | None = None, fmt: str = "native") -> Path:
     """Write ``out``/{model.safetensors, tokenizer.json, config.yaml} from a run or checkpoint folder;
     ``interpolate``: blend the trained weights with the run's initial ones (:func:`interpolate_weights`);
-    ``fmt`` "hf": a Hugging Face CLIPModel / SiglipModel folder instead (:mod:`vltrain.export_hf`)."""
+    ``fmt`` "hf": a Hugging Face CLIPModel / SiglipModel folder instead (:mod:`vltrain.export.hf`)."""
     source = Path(source)
     if interpolate is not None and not 0.0 <= interpolate <= 1.0:
         raise UserError(f"--interpolate must be in [0, 1] (0: the initial weights, 1: the fine-tuned ones), "

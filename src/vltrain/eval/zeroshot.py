@@ -23,11 +23,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from vltrain.data.config import DataConfig
-from vltrain.data.labeled import ImageListDataset, open_labeled, read_templates
+from vltrain.eval.labeled import ImageListDataset, open_labeled, read_templates
 from vltrain.data.loading.loader import EvalLoader, build_eval_loader
 from vltrain.data.tokenizers import Tokenizer
 from vltrain.runtime.distributed import all_reduce_sum
-from vltrain.eval_embed import embed_gathered, embed_list, eval_mode, text_loader
+from vltrain.eval.embedding import embed_gathered, embed_list, eval_mode, text_loader
 
 log = logging.getLogger(__name__)
 

@@ -15,7 +15,7 @@ Layout under ``RUN_DIR/checkpoints`` (``checkpoint.folder``)::
 Tensors go through ``torch.distributed.checkpoint`` (DCP), so DDP's replicated and FSDP2's
 sharded parameters are written once, in parallel, and read back into any world size. Everything
 that is not a tensor goes to JSON, and loading a checkpoint never runs code from it
-(``vltrain.checkpoint_storage``).
+(``vltrain.checkpoint.storage``).
 
 A checkpoint is written into a temporary folder; after every rank has finished, rank 0 renames it
 into place and then rewrites ``latest`` with an atomic replace. A crash at any moment leaves
@@ -43,7 +43,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from vltrain.checkpoint_storage import (
+from vltrain.checkpoint.storage import (
     PART_SUFFIX,
     SafeFileSystemReader,
     join_tensors,

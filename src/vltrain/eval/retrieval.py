@@ -26,13 +26,13 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from vltrain.data.captions import open_captions
+from vltrain.eval.captions import open_captions
 from vltrain.data.config import DataConfig
-from vltrain.data.labeled import ImageListDataset
+from vltrain.eval.labeled import ImageListDataset
 from vltrain.data.loading.loader import EvalLoader, build_eval_loader
 from vltrain.data.tokenizers import Tokenizer
 from vltrain.runtime.distributed import all_gather_no_grad, world_info
-from vltrain.eval_embed import Embedded, embed_gathered, eval_mode, text_loader
+from vltrain.eval.embedding import Embedded, embed_gathered, eval_mode, text_loader
 
 KS = (1, 5, 10)
 RERANKED = 1e4

@@ -59,7 +59,7 @@ def _model_commands(sub) -> None:
     e.add_argument("--split", default="test", help="the Karpathy split to evaluate (default test)")
     e.add_argument("--json", action="store_true", help="print the metrics as JSON instead of a table")
     e.add_argument("overrides", nargs="*", help="dotted overrides")
-    e.set_defaults(func=_handler("vltrain.evaluate:eval_cli"))
+    e.set_defaults(func=_handler("vltrain.eval.evaluator:eval_cli"))
 
     x = sub.add_parser("export", help="write model.safetensors, the tokenizer and the config")
     x.add_argument("run_dir")
@@ -68,7 +68,7 @@ def _model_commands(sub) -> None:
                    help="native (vltrain's, the default) or hf (a folder transformers' CLIPModel/SiglipModel loads)")
     x.add_argument("--interpolate", type=float, default=None, metavar="ALPHA",
                    help="WiSE-FT: (1-ALPHA) x the run's initial weights + ALPHA x the trained ones (0..1)")
-    x.set_defaults(func=_handler("vltrain.export:export_cli"))
+    x.set_defaults(func=_handler("vltrain.export.native:export_cli"))
 
     m = sub.add_parser("embed", help="normalized embeddings of images and texts from an exported model")
     m.add_argument("model_dir", help="an exported model folder, a run folder, a Hugging Face CLIPModel/SiglipModel "
@@ -79,7 +79,7 @@ def _model_commands(sub) -> None:
     m.add_argument("--images", nargs="*", default=[])
     m.add_argument("--texts", nargs="*", default=[])
     m.add_argument("--out", required=True, help=".npy file (images first, then texts)")
-    m.set_defaults(func=_handler("vltrain.export:embed_cli"))
+    m.set_defaults(func=_handler("vltrain.export.native:embed_cli"))
 
 
 def _data_commands(data: argparse.ArgumentParser) -> None:

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 import vltrain.model.interop.hf_clip as hf_clip
-from vltrain.checkpoint_storage import write_weights
+from vltrain.checkpoint.storage import write_weights
 from vltrain.config.job import JobConfig
 from vltrain.data.tokenizers import Tokenizer
 from vltrain.errors import UserError
