@@ -97,8 +97,8 @@ def _model(name: str, variant: str):
 
 def _encoded(model, b: int, width: int, rank: int):
     """Encoder outputs of the model's shapes, as leaves: the loss is all that runs on them."""
-    from vltrain.data.batch import ModelInputs
-    from vltrain.model.model import Encoded
+    from vltrain.types import ModelInputs
+    from vltrain.types import Encoded
 
     g = torch.Generator().manual_seed(rank)
     fusion = model.fusion is not None

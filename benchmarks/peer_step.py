@@ -93,7 +93,7 @@ VARIANTS = {
 def vltrain_step(folder: Path, precision: str, b: dict, device: torch.device, overrides: tuple[str, ...]):
     from vltrain.train.build import build_model_for, build_task, build_tokenizer, resolve_init
     from vltrain.config.job import load_config
-    from vltrain.data.batch import ModelInputs
+    from vltrain.types import ModelInputs
     from vltrain.train.optim import build_optimizer
     from vltrain.train.parallelize import compile_blocks
     from vltrain.runtime.precision import Precision

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from vltrain.data.batch import ModelInputs
+from vltrain.types import ModelInputs
 from vltrain.model import VLModel, build_model
 from vltrain.model.config import LossConfig, ModelConfig
 from vltrain.objectives.scoring import Objectives

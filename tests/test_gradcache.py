@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from vltrain.data.batch import ModelInputs
+from vltrain.types import ModelInputs
 from vltrain.train.gradcache import gradcache_backward
 from vltrain.train.step import plain_backward
 from vltrain.objectives.task import Task

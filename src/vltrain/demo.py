@@ -57,7 +57,7 @@ def random_pairs(batch: int, image_size: int, text_length: int, vocab: int, seed
     """``ModelInputs`` of ``batch`` random image-text pairs (ids from ``offset``), for timing steps."""
     import torch
 
-    from vltrain.data.batch import ModelInputs
+    from vltrain.types import ModelInputs
 
     g = torch.Generator().manual_seed(seed)
     ones = torch.ones(batch, dtype=torch.bool)

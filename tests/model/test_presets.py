@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import vltrain.model.presets as presets
-from vltrain.data.batch import ModelInputs
+from vltrain.types import ModelInputs
 from vltrain.errors import UserError
 from vltrain.model import build_model, count_parameters, list_presets
 from vltrain.model.config import LossConfig, ModelConfig

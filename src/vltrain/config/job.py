@@ -20,7 +20,7 @@ from typing import Any, Literal, Union
 import yaml
 
 from vltrain.data.config import DataConfig
-from vltrain.errors import ConfigError, UserError
+from vltrain.errors import ConfigError
 from vltrain.model.config import ModelConfig
 
 

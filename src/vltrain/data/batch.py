@@ -1,12 +1,14 @@
-"""The batch every loader yields (:class:`Batch`) and what the model takes from it (:class:`ModelInputs`)."""
+"""The batch every loader yields (:class:`Batch`), and its move to the device as the model's
+:class:`~vltrain.types.ModelInputs`."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, field, fields
 
 import torch
 
 from vltrain.data.config import ModalityWeights
+from vltrain.types import ModelInputs
 
 
 @dataclass
@@ -74,63 +76,6 @@ class Batch:
             has_image=batch.has_image, has_text=batch.has_text, ids=batch.ids, row_weights=row_weights,
             source=batch.source,
         )
-
-
-@dataclass
-class ModelInputs:
-    """One micro-batch as the model and the objectives take it: on the device, pixels normalized."""
-
-    pixels: torch.Tensor
-    """float [B, 3, H, W]; zeros where there is no image."""
-    input_ids: torch.Tensor
-    attention_mask: torch.Tensor
-    has_image: torch.Tensor
-    has_text: torch.Tensor
-    ids: torch.Tensor
-    """int64 [B] sample ids: a column with the row's id is never a negative."""
-    row_weights: torch.Tensor | None = None
-    """float [B] per-row weights in every objective (None: all 1); a row of weight 0 is absent."""
-    source: torch.Tensor | None = None
-    """int64 [B] the index of each row's source in ``data.train`` (for per-source metrics)."""
-
-    def __len__(self) -> int:
-        return int(self.ids.shape[0])
-
-    def rows(self) -> "Rows":
-        return Rows(self.has_image, self.has_text, self.ids, self.row_weights, self.source)
-
-    def present(self) -> "ModelInputs":
-        """Rows of weight 0 as if they had neither side: no objective sees them, not even as a negative."""
-        rows = self.rows().present()
-        return replace(self, has_image=rows.has_image, has_text=rows.has_text)
-
-
-@dataclass
-class Rows:
-    """What the contrastive objectives need of a batch besides the embeddings: which rows have both
-    sides, their ids and weights."""
-
-    has_image: torch.Tensor
-    has_text: torch.Tensor
-    ids: torch.Tensor
-    row_weights: torch.Tensor | None = None
-    source: torch.Tensor | None = None
-
-    def present(self) -> "Rows":
-        """Rows of weight 0 as if they had neither side."""
-        if self.row_weights is None:
-            return self
-        keep = self.row_weights > 0
-        return replace(self, has_image=self.has_image & keep, has_text=self.has_text & keep)
-
-    @staticmethod
-    def cat(parts: list["Rows"]) -> "Rows":
-        """Row-wise concatenation (the micro-batches of one step, for gradient caching)."""
-        def cat(name: str) -> torch.Tensor | None:
-            first = getattr(parts[0], name)
-            return None if first is None else torch.cat([getattr(p, name) for p in parts])
-
-        return Rows(cat("has_image"), cat("has_text"), cat("ids"), cat("row_weights"), cat("source"))
 
 
 def normalize_pixels(

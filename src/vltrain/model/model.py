@@ -15,28 +15,13 @@ No module uses dropout or other randomness in ``encode``, so replaying it (gradi
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 from torch import nn
 
-from vltrain.data.batch import ModelInputs
 from vltrain.model.fusion import FusionEncoder
 from vltrain.model.heads import ITMHead, MIMHead, MLMHead, Projection
 from vltrain.model.weight_decay import default_no_weight_decay
-
-@dataclass
-class Encoded:
-    image_embeds: torch.Tensor
-    """[B, D] L2-normalized; zero rows where there is no image."""
-    text_embeds: torch.Tensor
-    """[B, D] L2-normalized; zero rows where there is no text."""
-    image_tokens: torch.Tensor | None
-    """[B, N, Wv] the vision tower's tokens (fusion models only); zeros where there is no image."""
-    text_tokens: torch.Tensor | None
-    """[B, L, Wt] the text tower's tokens (fusion models only); zeros where there is no text."""
-    anchor: torch.Tensor
-    """A zero scalar connected to every parameter ``encode`` used."""
+from vltrain.types import Encoded, ModelInputs
 
 
 class VLModel(nn.Module):

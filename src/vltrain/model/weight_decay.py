@@ -1,8 +1,6 @@
-"""What the trainer asks of a model besides encoding, named once instead of probed with ``getattr``."""
+"""Which parameters take no weight decay: a model's ``no_weight_decay`` starts from these."""
 
 from __future__ import annotations
-
-from typing import Protocol, runtime_checkable
 
 from torch import nn
 
@@ -24,21 +22,3 @@ def default_no_weight_decay(model: nn.Module) -> set[str]:
         if isinstance(mod, _NORMS_AND_EMBEDDINGS):
             names.update(f"{mod_name}.{p}" if mod_name else p for p, _ in mod.named_parameters(recurse=False))
     return names
-
-
-@runtime_checkable
-class TrainableModel(Protocol):
-    def flops_per_sample(self, text_len: int | None = None) -> float:
-        """Training FLOPs (forward + backward) of one sample whose caption has ``text_len`` tokens."""
-
-    def blocks_for_sharding(self) -> list[nn.Module]:
-        """Transformer blocks in forward order: FSDP2 shards each one, ``train.compile`` compiles each."""
-
-    def no_weight_decay(self) -> set[str]:
-        """Names of the parameters that take no weight decay (e.g. ``default_no_weight_decay(self)``)."""
-
-    def layer_ids(self) -> dict[str, tuple[int, int]]:
-        """``name -> (layer, top)`` for layer-wise lr decay; a parameter left out is at the top."""
-
-    def set_activation_checkpointing(self, enabled: bool) -> None:
-        """Recompute each block's activations in the backward instead of keeping them."""

@@ -15,16 +15,17 @@ sampling and MLM masking draw from the default torch generator.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 import torch
 
-from vltrain.data.batch import ModelInputs, Rows
+from vltrain.types import ModelInputs, Rows
 from vltrain.runtime.distributed import all_gather_no_grad, all_gather_with_grad, exchange_shapes, pad_to
 from vltrain.objectives.losses import (itc_loss, itm_loss, mask_tokens, mim_loss, mlm_loss, patchify, sample_negatives, scale_of,
                             siglip_loss)
 from vltrain.model.config import LossConfig
-from vltrain.model.model import Encoded, VLModel
+from vltrain.model.model import VLModel
+from vltrain.types import Encoded
 from vltrain.objectives.ring import itc_loss_ring, siglip_loss_ring
 
 

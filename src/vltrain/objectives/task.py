@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from vltrain.data.batch import ModelInputs, Rows
+from vltrain.types import ModelInputs, Rows
 from vltrain.model.model import VLModel
 from vltrain.objectives.scoring import ObjectiveOutput, Objectives
 

@@ -24,7 +24,7 @@ from typing import Callable, ContextManager
 import torch
 from torch import nn
 
-from vltrain.data.batch import ModelInputs, Rows
+from vltrain.types import ModelInputs, Rows
 from vltrain.train.parallelize import gradient_sync
 from vltrain.train.step import StepLosses
 from vltrain.objectives.task import ContrastiveCache, GeneratorState

@@ -14,7 +14,8 @@ from torch import nn
 
 from vltrain.config.job import TrainConfig
 from vltrain.errors import ConfigError
-from vltrain.model.weight_decay import TrainableModel, default_no_weight_decay
+from vltrain.model.weight_decay import default_no_weight_decay
+from vltrain.types import TrainableModel
 
 
 def freeze_towers(model: nn.Module, towers: list[str], unlock_last: int | dict[str, int] = 0) -> None:

@@ -15,7 +15,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from vltrain.config.job import TrainConfig
 from vltrain.runtime.distributed import all_reduce_sum
-from vltrain.model.weight_decay import TrainableModel
+from vltrain.types import TrainableModel
 from vltrain.objectives.task import Task
 
 

@@ -13,7 +13,7 @@ from typing import Callable, ContextManager
 import torch
 from torch import nn
 
-from vltrain.data.batch import ModelInputs
+from vltrain.types import ModelInputs
 from vltrain.train.parallelize import gradient_sync
 
 

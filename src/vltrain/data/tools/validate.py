@@ -23,7 +23,7 @@ from vltrain.data.sources.shards import shard_paths
 from vltrain.data.sources.open import open_source
 from vltrain.data.sources.manifests import Problem, Source, is_shard_pattern
 from vltrain.data.tokenizers import load_tokenizer
-from vltrain.errors import DataError, UsageError, UserError
+from vltrain.errors import DataError, UsageError
 
 CHECK_SIZE = 32
 """Images are fully decoded to this size: it catches truncation without the cost of a full resize."""

@@ -1,0 +1,104 @@
+"""What every layer passes on: one micro-batch as the model takes it (:class:`ModelInputs`), the rows
+the objectives weigh (:class:`Rows`), what the model's ``encode`` returns (:class:`Encoded`), and what
+the trainer asks of a model besides encoding (:class:`TrainableModel`).
+
+They sit below the code that makes them (the loader, the model) so that a consumer (the objectives,
+the step, gradient caching) never imports a producer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Protocol, runtime_checkable
+
+import torch
+from torch import nn
+
+
+@dataclass
+class ModelInputs:
+    """One micro-batch as the model and the objectives take it: on the device, pixels normalized."""
+
+    pixels: torch.Tensor
+    """float [B, 3, H, W]; zeros where there is no image."""
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    has_image: torch.Tensor
+    has_text: torch.Tensor
+    ids: torch.Tensor
+    """int64 [B] sample ids: a column with the row's id is never a negative."""
+    row_weights: torch.Tensor | None = None
+    """float [B] per-row weights in every objective (None: all 1); a row of weight 0 is absent."""
+    source: torch.Tensor | None = None
+    """int64 [B] the index of each row's source in ``data.train`` (for per-source metrics)."""
+
+    def __len__(self) -> int:
+        return int(self.ids.shape[0])
+
+    def rows(self) -> "Rows":
+        return Rows(self.has_image, self.has_text, self.ids, self.row_weights, self.source)
+
+    def present(self) -> "ModelInputs":
+        """Rows of weight 0 as if they had neither side: no objective sees them, not even as a negative."""
+        rows = self.rows().present()
+        return replace(self, has_image=rows.has_image, has_text=rows.has_text)
+
+
+@dataclass
+class Rows:
+    """What the contrastive objectives need of a batch besides the embeddings: which rows have both
+    sides, their ids and weights."""
+
+    has_image: torch.Tensor
+    has_text: torch.Tensor
+    ids: torch.Tensor
+    row_weights: torch.Tensor | None = None
+    source: torch.Tensor | None = None
+
+    def present(self) -> "Rows":
+        """Rows of weight 0 as if they had neither side."""
+        if self.row_weights is None:
+            return self
+        keep = self.row_weights > 0
+        return replace(self, has_image=self.has_image & keep, has_text=self.has_text & keep)
+
+    @staticmethod
+    def cat(parts: list["Rows"]) -> "Rows":
+        """Row-wise concatenation (the micro-batches of one step, for gradient caching)."""
+        def cat(name: str) -> torch.Tensor | None:
+            first = getattr(parts[0], name)
+            return None if first is None else torch.cat([getattr(p, name) for p in parts])
+
+        return Rows(cat("has_image"), cat("has_text"), cat("ids"), cat("row_weights"), cat("source"))
+
+
+@dataclass
+class Encoded:
+    image_embeds: torch.Tensor
+    """[B, D] L2-normalized; zero rows where there is no image."""
+    text_embeds: torch.Tensor
+    """[B, D] L2-normalized; zero rows where there is no text."""
+    image_tokens: torch.Tensor | None
+    """[B, N, Wv] the vision tower's tokens (fusion models only); zeros where there is no image."""
+    text_tokens: torch.Tensor | None
+    """[B, L, Wt] the text tower's tokens (fusion models only); zeros where there is no text."""
+    anchor: torch.Tensor
+    """A zero scalar connected to every parameter ``encode`` used."""
+
+
+@runtime_checkable
+class TrainableModel(Protocol):
+    def flops_per_sample(self, text_len: int | None = None) -> float:
+        """Training FLOPs (forward + backward) of one sample whose caption has ``text_len`` tokens."""
+
+    def blocks_for_sharding(self) -> list[nn.Module]:
+        """Transformer blocks in forward order: FSDP2 shards each one, ``train.compile`` compiles each."""
+
+    def no_weight_decay(self) -> set[str]:
+        """Names of the parameters that take no weight decay (e.g. ``default_no_weight_decay(self)``)."""
+
+    def layer_ids(self) -> dict[str, tuple[int, int]]:
+        """``name -> (layer, top)`` for layer-wise lr decay; a parameter left out is at the top."""
+
+    def set_activation_checkpointing(self, enabled: bool) -> None:
+        """Recompute each block's activations in the backward instead of keeping them."""
