@@ -1,24 +1,20 @@
 """The job config: a tree of typed dataclasses, loaded from YAML, with dotted overrides.
 
 Each component keeps its own config dataclass next to its code (``vltrain.data.config``,
-``vltrain.model.config``); this module holds the job-level ones and the machinery that turns
-YAML plus ``key.path=value`` overrides into a validated tree. Validation errors name the key,
-what was expected and what was given, and suggest the closest valid keys, because a typo in a
-config should cost seconds, not a run.
+``vltrain.model.config``); this module holds the job-level ones and composes the tree.
+:mod:`vltrain.config.loading` turns YAML plus ``key.path=value`` overrides into it.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import difflib
-import types
-import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Union
 
 import yaml
 
+from vltrain.config.loading import apply_override, dotted_keys, from_dict, read_yaml
 from vltrain.data.config import DataConfig
 from vltrain.errors import ConfigError
 from vltrain.model.config import ModelConfig
@@ -242,211 +238,14 @@ class JobConfig:
 
 
 # ---------------------------------------------------------------------------------------------
-# Loading and validation
+# Loading
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> JobConfig:
     """Read a YAML file (optional), apply ``key.path=value`` overrides, validate, return the tree."""
-    raw: dict[str, Any] = {}
-    if path is not None:
-        p = Path(path)
-        if not p.is_file():
-            raise ConfigError(f"config file {p} does not exist")
-        try:
-            raw = yaml.safe_load(p.read_text()) or {}
-        except yaml.YAMLError as e:
-            raise ConfigError(f"{p} is not valid YAML: {e}") from None
-        if not isinstance(raw, dict):
-            raise ConfigError(f"{p}: the top level must be a mapping of sections, got {type(raw).__name__}")
+    raw: dict[str, Any] = read_yaml(path) if path is not None else {}
     for item in overrides or []:
-        apply_override(raw, item)
+        apply_override(JobConfig, raw, item)
     cfg = from_dict(JobConfig, raw)
-    cfg.given = frozenset(_dotted_keys(raw))
+    cfg.given = frozenset(dotted_keys(raw))
     return cfg
-
-
-def _dotted_keys(raw: dict[str, Any], prefix: str = "") -> list[str]:
-    """Every key path of a nested mapping: ``data``, ``data.image_size``, ..."""
-    out = []
-    for k, v in raw.items():
-        out.append(prefix + str(k))
-        if isinstance(v, dict):
-            out.extend(_dotted_keys(v, f"{prefix}{k}."))
-    return out
-
-
-def apply_override(raw: dict[str, Any], item: str) -> None:
-    """Set ``a.b.c=value`` in a nested dict; the value is parsed as YAML (so 3e-4, true, [1,2])."""
-    if "=" not in item:
-        raise ConfigError(f"override {item!r} must look like key.path=value (e.g. train.lr=3e-4)")
-    key, _, text = item.partition("=")
-    key = key.strip()
-    parts = key.split(".")
-    if not key or any(not p for p in parts):
-        raise ConfigError(f"override {item!r} has an empty key part")
-    _check_key_path(JobConfig, parts, key)
-    try:
-        value = yaml.safe_load(text) if text.strip() else ""
-    except yaml.YAMLError:
-        value = text
-    node = raw
-    for p in parts[:-1]:
-        nxt = node.get(p)
-        if not isinstance(nxt, dict):
-            nxt = {}
-            node[p] = nxt
-        node = nxt
-    node[parts[-1]] = value
-
-
-def all_keys(cls: type = JobConfig, prefix: str = "") -> list[str]:
-    """Every dotted key of the config tree, for suggestions and documentation."""
-    out = []
-    hints = typing.get_type_hints(cls)
-    for f in dataclasses.fields(cls):
-        name = prefix + f.name
-        out.append(name)
-        tp = hints[f.name]
-        if dataclasses.is_dataclass(tp):
-            out.extend(all_keys(tp, name + "."))
-    return out
-
-
-def _suggest(key: str, candidates: list[str]) -> str:
-    close = difflib.get_close_matches(key, candidates, n=3, cutoff=0.5)
-    if not close:
-        last = key.rsplit(".", 1)[-1]
-        close = [c for c in candidates if c.rsplit(".", 1)[-1] == last][:3]
-    return f"; did you mean {', '.join(close)}?" if close else ""
-
-
-def _check_key_path(cls: type, parts: list[str], full: str) -> None:
-    cur: Any = cls
-    for i, p in enumerate(parts):
-        if not dataclasses.is_dataclass(cur):
-            return  # inside a free-form value (a list or dict); its type is checked later
-        hints = typing.get_type_hints(cur)
-        if p not in hints:
-            prefix = ".".join(parts[:i])
-            raise ConfigError(
-                f"unknown config key {full!r}" + _suggest(full, all_keys(JobConfig))
-                + ("" if not prefix else f" (valid keys under {prefix}: {', '.join(hints) if hints else 'none'})")
-            )
-        cur = hints[p]
-
-
-def from_dict(cls: type, raw: Any, path: str = "") -> Any:
-    """Build dataclass ``cls`` from a nested dict, checking every key and type."""
-    if raw is None:
-        raw = {}
-    if not isinstance(raw, dict):
-        raise ConfigError(f"config key {path or '<root>'!r} must be a mapping, got {raw!r}")
-    hints = typing.get_type_hints(cls)
-    names = {f.name for f in dataclasses.fields(cls)}
-    for k in raw:
-        if k not in names:
-            full = f"{path}.{k}" if path else str(k)
-            raise ConfigError(f"unknown config key {full!r}" + _suggest(full, all_keys(JobConfig)))
-    kwargs = {}
-    for f in dataclasses.fields(cls):
-        if f.name in raw:
-            full = f"{path}.{f.name}" if path else f.name
-            kwargs[f.name] = _coerce(hints[f.name], raw[f.name], full)
-    obj = cls(**kwargs)
-    post = getattr(obj, "validate", None)
-    if callable(post):
-        post()
-    return obj
-
-
-def _type_name(tp: Any) -> str:
-    origin = typing.get_origin(tp)
-    if origin is Literal:
-        return " | ".join(repr(a) for a in typing.get_args(tp))
-    if origin in (Union, types.UnionType):
-        return " | ".join(_type_name(a) for a in typing.get_args(tp))
-    if origin is list:
-        (a,) = typing.get_args(tp)
-        return f"list of {_type_name(a)}"
-    if origin is dict:
-        return "mapping"
-    if dataclasses.is_dataclass(tp):
-        return f"mapping ({', '.join(f.name for f in dataclasses.fields(tp))})"
-    return getattr(tp, "__name__", str(tp))
-
-
-def _bad(tp: Any, value: Any, key: str) -> ConfigError:
-    return ConfigError(f"config key {key!r} expects {_type_name(tp)}, got {value!r} ({type(value).__name__})")
-
-
-def _coerce(tp: Any, value: Any, key: str) -> Any:
-    origin = typing.get_origin(tp)
-    if tp is Any:
-        return value
-    if origin is Literal:
-        if value in typing.get_args(tp):
-            return value
-        raise _bad(tp, value, key)
-    if origin in (Union, types.UnionType):
-        return _coerce_union(tp, value, key)
-    if origin is list:
-        (a,) = typing.get_args(tp)
-        if isinstance(value, tuple):
-            value = list(value)
-        if not isinstance(value, list):
-            raise _bad(tp, value, key)
-        return [_coerce(a, v, f"{key}[{i}]") for i, v in enumerate(value)]
-    if origin is dict:
-        if not isinstance(value, dict):
-            raise _bad(tp, value, key)
-        _, vt = typing.get_args(tp)
-        return {str(k): _coerce(vt, v, f"{key}.{k}") for k, v in value.items()}
-    if dataclasses.is_dataclass(tp):
-        if not isinstance(value, dict):
-            raise _bad(tp, value, key)
-        return from_dict(tp, value, key)
-    return _coerce_scalar(tp, value, key)
-
-
-def _coerce_union(tp: Any, value: Any, key: str) -> Any:
-    args = typing.get_args(tp)
-    if value is None and type(None) in args:
-        return None
-    errors = []
-    for a in args:
-        if a is type(None):
-            continue
-        try:
-            return _coerce(a, value, key)
-        except ConfigError as e:
-            errors.append(e)
-    # one candidate type: its own message is the most precise
-    non_none = [a for a in args if a is not type(None)]
-    if len(non_none) == 1 and errors:
-        raise errors[0]
-    raise _bad(tp, value, key)
-
-
-def _coerce_scalar(tp: Any, value: Any, key: str) -> Any:
-    if tp is bool:
-        if isinstance(value, bool):
-            return value
-    elif tp is int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-        if isinstance(value, float) and value.is_integer():
-            return int(value)
-    elif tp is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        if isinstance(value, str):
-            try:
-                return float(value)  # YAML reads "3e-4" (no dot) as a string
-            except ValueError:
-                pass
-    elif tp is str:
-        if isinstance(value, str):
-            return value
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return str(value)
-    raise _bad(tp, value, key)
