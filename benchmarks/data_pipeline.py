@@ -49,7 +49,7 @@ from vltrain.data.config import DataConfig
 from vltrain.data.dataset import build_dataset
 from vltrain.data.images import decode_image
 from vltrain.data.loading.loader import build_train_loader
-from vltrain.data.tokenizers import train_tokenizer
+from vltrain.data.tools.tokenizer_training import train_tokenizer
 
 MEAN, STD = [0.485, 0.456, 0.406], [0.229, 0.224, 0.225]
 SEED_MAX_LENGTH = 512

@@ -68,7 +68,8 @@ from vltrain.data.loading.loader import build_train_loader  # noqa: E402
 from vltrain.data.schedule.sampler import DistributedBatchSampler  # noqa: E402
 from vltrain.data.sources.shards import ShardSource, shard_paths, span_members  # noqa: E402
 from vltrain.data.sources.manifests import ManifestSource  # noqa: E402
-from vltrain.data.tokenizers import load_tokenizer, train_tokenizer  # noqa: E402
+from vltrain.data.tokenizers import load_tokenizer  # noqa: E402
+from vltrain.data.tools.tokenizer_training import train_tokenizer  # noqa: E402
 from _data_scale_data import (dataset, disk_read_rate, drop_cache, make_assets, shards_per,  # noqa: E402
                               tar_walk, tar_walk_rate)
 

@@ -30,7 +30,7 @@ import torch
 
 from data_pipeline import make_data, read_manifest
 from vltrain.config.job import load_config
-from vltrain.data.tokenizers import train_tokenizer
+from vltrain.data.tools.tokenizer_training import train_tokenizer
 from vltrain.train.metrics import peak_memory_bytes
 from vltrain.train.trainer import Trainer
 

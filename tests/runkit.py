@@ -27,7 +27,7 @@ EVERY = 4
 def make_shapes(root: Path) -> Path:
     """Synthetic shapes and a tokenizer trained on them (once per session)."""
     from vltrain.data.tools.synth import synthesize
-    from vltrain.data.tokenizers import source_texts, train_tokenizer
+    from vltrain.data.tools.tokenizer_training import source_texts, train_tokenizer
 
     if not (root / "tokenizer.json").exists():
         synthesize(root, 64, 16, text_only_fraction=0.2, seed=0, image_size=32)

@@ -18,7 +18,7 @@ MICRO_BATCH = 4
 def make_mixed_shapes(root: Path) -> Path:
     """Shapes with text-only, image-only and paired rows, and a tokenizer whose captions vary in length."""
     from vltrain.data.tools.synth import synthesize
-    from vltrain.data.tokenizers import source_texts, train_tokenizer
+    from vltrain.data.tools.tokenizer_training import source_texts, train_tokenizer
 
     if (root / "tokenizer.json").exists():
         return root

@@ -58,7 +58,7 @@ def cpu_kind() -> str:
 def make_data(root: Path) -> Path:
     """Shapes with 20% text-only rows, and every seventh image-text row made image-only."""
     from vltrain.data.tools.synth import synthesize
-    from vltrain.data.tokenizers import source_texts, train_tokenizer
+    from vltrain.data.tools.tokenizer_training import source_texts, train_tokenizer
 
     if (root / "tokenizer.json").exists():
         return root

@@ -22,7 +22,7 @@ STEPS = 20
 @pytest.fixture(scope="module")
 def shapes(tmp_path_factory) -> Path:
     from vltrain.data.tools.synth import synthesize
-    from vltrain.data.tokenizers import source_texts, train_tokenizer
+    from vltrain.data.tools.tokenizer_training import source_texts, train_tokenizer
 
     root = tmp_path_factory.mktemp("shapes")
     synthesize(root, 256, 64, text_only_fraction=0.2, seed=0, image_size=32)

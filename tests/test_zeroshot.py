@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from PIL import Image
 
 from vltrain.data.config import DataConfig
-from vltrain.data.tokenizers import train_tokenizer
+from vltrain.data.tools.tokenizer_training import train_tokenizer
 from vltrain.eval.zeroshot import class_embeddings, evaluate_zeroshot, open_zeroshot
 
 from multiproc import run_world

@@ -14,13 +14,11 @@ multiple of ``STEP_QUANTUM`` so a given machine gets the same count run after ru
 
 from __future__ import annotations
 
-import argparse
 import os
-import time
 from pathlib import Path
 
 from vltrain.config.job import load_config
-from vltrain.data.tools.synth import KINDS, TOKENIZER_VOCAB
+from vltrain.data.tools.synth import TOKENIZER_VOCAB
 from vltrain.errors import ConfigError
 from vltrain.runtime.world import cpu_has_bf16_matmul
 
@@ -154,24 +152,3 @@ def run_demo(run_dir: Path, data: Path, overrides: list[str], num: int = NUM_TRA
     finally:
         trainer.close(clean)
     return trainer, metrics
-
-
-def demo_cli(args: argparse.Namespace) -> int:
-    from vltrain.eval.evaluator import format_metrics
-
-    start = time.perf_counter()
-    run_dir = Path(args.dir)
-    trainer, metrics = run_demo(run_dir, Path(args.data), list(args.overrides or []), args.num, args.val)
-    if trainer.world.is_main:
-        minutes = (time.perf_counter() - start) / 60
-        print(f"\ndone in {minutes:.1f} min, {trainer.step} steps, {trainer.samples_seen:,} samples")
-        if metrics:
-            pairs = {k: v for k, v in metrics.items() if "/" not in k}
-            print(f"held-out retrieval ({metrics['num_pairs']} pairs): {format_metrics(pairs)}")
-            print(f"text->image R@1 = {metrics['t2i_r1']:.3f} (chance: {1 / max(metrics['num_pairs'], 1):.3f})")
-        if "zeroshot/shapes/top1" in metrics:
-            print(f"zero-shot shape kind ({metrics['zeroshot/shapes/num_images']} images, {len(KINDS)} classes): "
-                  f"top-1 = {metrics['zeroshot/shapes/top1']:.3f} (chance: {1 / len(KINDS):.3f})")
-        print(f"run:     {run_dir}  (metrics.jsonl, eval.json, tb/ for TensorBoard)")
-        print(f"curves:  {run_dir / 'curves.png'}")
-    return 0

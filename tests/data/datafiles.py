@@ -10,7 +10,8 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
-from vltrain.data.tokenizers import Tokenizer, train_tokenizer
+from vltrain.data.tokenizers import Tokenizer
+from vltrain.data.tools.tokenizer_training import train_tokenizer
 
 WORDS = "a an the red green blue small large circle square triangle left right of above below".split()
 

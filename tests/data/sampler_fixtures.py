@@ -18,7 +18,8 @@ from vltrain.data.sources.shards import write_shards
 from vltrain.data.sources.open import open_source
 from vltrain.data.tools.synth import describe, sample_scene, synthesize
 from vltrain.data.table import SampleTable
-from vltrain.data.tokenizers import load_tokenizer, source_texts, train_tokenizer
+from vltrain.data.tokenizers import load_tokenizer
+from vltrain.data.tools.tokenizer_training import source_texts, train_tokenizer
 
 def table(text_len, has_image=None, has_text=None, source=None) -> SampleTable:
     text_len = np.asarray(text_len, dtype=np.int32)

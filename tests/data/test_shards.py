@@ -290,7 +290,7 @@ def test_bulk_scan_reads_what_the_walk_and_tarfile_read(tmp_path, monkeypatch):
     samples, ids, image references, captions, spans and problems."""
     import mmap
 
-    from vltrain.data import shard_scan
+    from vltrain.data.sources import shard_scan
     from vltrain.data.sources.shards import shard_paths
 
     pattern = odd_shards(tmp_path / "sh")
@@ -309,7 +309,7 @@ def test_bulk_scan_of_random_shards(tmp_path, monkeypatch):
     and JSON) scan alike in bulk and header by header."""
     import random
 
-    from vltrain.data import shard_scan
+    from vltrain.data.sources import shard_scan
 
     rng = random.Random(11)
     texts = [b"a caption", b"", b"  ", "\u00a0".encode(), "\u2003x".encode(), b"\xff", "\u00e9t\u00e9".encode(),

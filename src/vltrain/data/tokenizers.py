@@ -1,4 +1,5 @@
-"""Tokenizers: load any Hugging Face ``tokenizer.json``, or train a BPE / WordPiece one.
+"""Tokenizers: load any Hugging Face ``tokenizer.json`` (:mod:`vltrain.data.tools.tokenizer_training`
+trains a BPE or WordPiece one).
 
 Trained tokenizers lowercase, reserve ``[PAD] [UNK] [CLS] [SEP] [MASK]`` as ids 0-4, and wrap
 every text as ``[CLS] ... [SEP]``. Padding is never done here: the collator pads each batch to
@@ -7,15 +8,12 @@ its own longest row.
 
 from __future__ import annotations
 
-import argparse
 import os
 from pathlib import Path
-from typing import Iterable, Iterator
+from typing import Iterable
 
 import tokenizers
-from tokenizers import decoders, models, normalizers, pre_tokenizers, processors, trainers
 
-from vltrain.data.sources.open import open_source
 from vltrain.errors import UserError
 
 SPECIAL_TOKENS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
@@ -113,70 +111,3 @@ def load_tokenizer(path: str) -> Tokenizer:
     except Exception as e:  # the library raises a bare Exception on unreadable files
         raise UserError(f"{p}: not a tokenizers JSON file ({e})") from e
     return Tokenizer(hf, str(p))
-
-
-def _pipeline(kind: str) -> tuple[tokenizers.Tokenizer, type, dict]:
-    """An untrained tokenizer of ``kind`` ('bpe' | 'wordpiece'), its trainer class and options."""
-    if kind == "bpe":
-        tok = tokenizers.Tokenizer(models.BPE(unk_token="[UNK]"))
-        tok.normalizer = normalizers.Sequence([normalizers.NFKC(), normalizers.Lowercase()])
-        # Byte-level: every string is representable, so trained BPE never emits [UNK].
-        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=True)
-        tok.decoder = decoders.ByteLevel()
-        trainer_cls = trainers.BpeTrainer
-        extra = {"initial_alphabet": pre_tokenizers.ByteLevel.alphabet()}
-    elif kind == "wordpiece":
-        tok = tokenizers.Tokenizer(models.WordPiece(unk_token="[UNK]"))
-        tok.normalizer = normalizers.BertNormalizer(lowercase=True)
-        tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
-        tok.decoder = decoders.WordPiece()
-        trainer_cls = trainers.WordPieceTrainer
-        extra = {}
-    else:
-        raise UserError(f"unknown tokenizer kind {kind!r}: use 'bpe' or 'wordpiece'")
-    return tok, trainer_cls, extra
-
-
-def train_tokenizer(
-    texts: Iterable[str], out: str | os.PathLike, vocab_size: int = 4096, kind: str = "bpe",
-    min_frequency: int = 2,
-) -> Tokenizer:
-    """Train on ``texts`` and write ``out`` (a .json file, or a folder that gets tokenizer.json)."""
-    tok, trainer_cls, extra = _pipeline(kind)
-    trainer = trainer_cls(
-        vocab_size=vocab_size, min_frequency=min_frequency, special_tokens=SPECIAL_TOKENS,
-        show_progress=False, **extra,
-    )
-    tok.train_from_iterator(texts, trainer=trainer)
-    cls, sep = SPECIAL_TOKENS[2], SPECIAL_TOKENS[3]
-    tok.post_processor = processors.TemplateProcessing(
-        single=f"{cls} $A {sep}",
-        pair=f"{cls} $A {sep} $B:1 {sep}:1",
-        special_tokens=[(cls, tok.token_to_id(cls)), (sep, tok.token_to_id(sep))],
-    )
-    out = Path(out)
-    if out.suffix != ".json":
-        out = out / "tokenizer.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tok.save(str(out))
-    return Tokenizer(tok, str(out))
-
-
-def source_texts(paths: list[str]) -> Iterator[str]:
-    """Every present text of the given manifests / shard patterns, in order."""
-    for path in paths:
-        for text in open_source(path).texts():
-            if text is not None:
-                yield text
-
-
-def train_tokenizer_cli(args: argparse.Namespace) -> int:
-    """``vltrain tokenizer train SOURCES --out FILE --vocab-size N --kind bpe|wordpiece``."""
-    if args.vocab_size < len(SPECIAL_TOKENS) + 1:
-        raise UserError(f"--vocab-size must be more than {len(SPECIAL_TOKENS)}, got {args.vocab_size}")
-    texts = list(source_texts(args.sources))
-    if not texts:
-        raise UserError(f"no texts found in {', '.join(args.sources)}")
-    tok = train_tokenizer(texts, args.out, vocab_size=args.vocab_size, kind=args.kind)
-    print(f"wrote {tok.path}: {args.kind}, vocabulary {tok.vocab_size}, trained on {len(texts)} texts")
-    return 0

@@ -9,9 +9,7 @@ evaluation times out the other ranks' collectives in some trainers).
 
 from __future__ import annotations
 
-import argparse
 import json
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -229,28 +227,6 @@ def format_table(m: dict[str, float]) -> str:
         lines.append("  " + "  ".join(f"{row[c]:>14.4f}" if isinstance(row[c], float) else f"{row[c]:>14}"
                                       for c in cols))
     return "\n".join(lines)
-
-
-def eval_cli(args: argparse.Namespace) -> int:
-    """``vltrain eval RUN_DIR``: metrics of the run's weights on its val set and evaluation sets, or on
-    the sets the command line names."""
-    overrides = list(args.overrides or [])
-    if args.zeroshot:
-        name = Path(args.zeroshot).stem or "zeroshot"
-        overrides.append(f"eval.zeroshot=[{{name: {json.dumps(name)}, path: {json.dumps(str(args.zeroshot))}, "
-                         f"templates: {json.dumps(args.templates or '')}}}]")
-    if args.retrieval:
-        name = Path(args.retrieval).stem or "retrieval"
-        overrides.append(f"eval.retrieval=[{{name: {json.dumps(name)}, path: {json.dumps(str(args.retrieval))}, "
-                         f"split: {json.dumps(args.split)}}}]")
-    only_sets = bool(args.zeroshot or args.retrieval)
-    if only_sets:
-        overrides += [] if args.zeroshot else ["eval.zeroshot=[]"]
-        overrides += [] if args.retrieval else ["eval.retrieval=[]"]
-    metrics = evaluate_run(Path(args.path), data=args.data, overrides=overrides, val=args.data is not None or not only_sets)
-    if os.environ.get("RANK", "0") == "0":
-        print(json.dumps(metrics, indent=1) if args.json else format_table(metrics))
-    return 0
 
 
 def evaluate_run(run_dir: Path, data: str | None = None, overrides: list[str] | None = None,

@@ -19,7 +19,6 @@ an OpenCLIP checkpoint.
 
 from __future__ import annotations
 
-import argparse
 import logging
 from pathlib import Path
 
@@ -201,27 +200,3 @@ def embed(model, tokenizer, cfg: JobConfig, images: list[str | Path], texts: lis
     if not rows:
         return np.zeros((0, 0), dtype=np.float32)
     return torch.cat(rows).numpy()
-
-
-def export_cli(args: argparse.Namespace) -> int:
-    """``vltrain export RUN_DIR --out DIR [--interpolate ALPHA]``."""
-    alpha = args.interpolate
-    out = export_model(args.run_dir, args.out, interpolate=alpha, fmt=args.format)
-    blend = "" if alpha is None else f" (weights: {1 - alpha:g} x initial + {alpha:g} x fine-tuned)"
-    files = ", ".join(sorted(p.name for p in out.iterdir() if p.is_file()))
-    print(f"exported to {out} ({args.format}): {files}{blend}")
-    return 0
-
-
-def embed_cli(args: argparse.Namespace) -> int:
-    """``vltrain embed PATH --images a.jpg b.png --texts "..." --out emb.npy``."""
-    if not args.images and not args.texts:
-        raise UserError("nothing to embed: give --images and/or --texts")
-    torch.set_grad_enabled(False)
-    overrides = list(args.set or []) + ([f"data.tokenizer={args.tokenizer}"] if args.tokenizer else [])
-    model, tokenizer, cfg = load_any(args.model_dir, overrides)
-    emb = embed(model, tokenizer, cfg, args.images, args.texts)
-    np.save(args.out, emb)
-    print(f"wrote {args.out}: {len(args.images)} image and {len(args.texts)} text embeddings of size "
-          f"{emb.shape[1]} (images first)")
-    return 0

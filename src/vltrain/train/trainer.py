@@ -7,11 +7,9 @@ Set-up: distributed -> model -> parallelize -> optimizer -> scheduler -> data ->
 
 from __future__ import annotations
 
-import argparse
 import math
 import random
 import signal
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -22,7 +20,7 @@ import torch
 from vltrain.train.build import (build_model_for, build_task, build_tokenizer, build_train_loader_for, describe_preprocessing,
                            resolve_init)
 from vltrain.checkpoint.manager import Checkpointer, ModelState, OptimizerState, latest_checkpoint, save_initial_weights
-from vltrain.config.job import JobConfig, load_config
+from vltrain.config.job import JobConfig
 from vltrain.data.batch import Batch
 from vltrain.data.dataset import source_specs
 from vltrain.runtime.distributed import all_reduce_sum
@@ -356,29 +354,3 @@ class Trainer:
         self.world.close(clean)
         if self.world.is_main:
             plot_curves(self.run_dir)
-
-
-def train_cli(args: argparse.Namespace) -> int:
-    """``vltrain train CONFIG [key=value ...]`` (under torchrun or in one process)."""
-    cfg = load_config(args.config, args.overrides)
-    trainer = Trainer(cfg)
-    clean = False
-    try:
-        metrics = trainer.train()
-        clean = True
-    except Preempted:
-        clean = True
-        raise
-    except BaseException as e:
-        # the line naming the failed rank; the other ranks then fail on the broken group (or are
-        # stopped by torchrun), within train.timeout_s at the latest
-        print(f"vltrain: rank {trainer.world.rank} failed at step {trainer.step}: {type(e).__name__}: {e}",
-              file=sys.stderr, flush=True)
-        raise
-    finally:
-        trainer.close(clean)
-    if trainer.world.is_main:
-        print(f"run: {trainer.run_dir}  steps: {trainer.step}  skipped: {trainer.guard.total}")
-        if metrics:
-            print(f"eval: {format_metrics(metrics)}")
-    return 0

@@ -7,11 +7,9 @@ token counts of a tokenizer.
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
 import os
-import time
 from pathlib import Path
 
 from vltrain.data.config import CsvConfig
@@ -21,8 +19,8 @@ from vltrain.data.index.build import build_structure, cache_root, csv_spec, inde
 from vltrain.data.index.lengths import build_lengths, lengths_file
 from vltrain.data.sources.remote import is_remote
 from vltrain.data.sources.shard_cache import ShardCache
-from vltrain.data.tokenizers import Tokenizer, load_tokenizer
-from vltrain.errors import DataError, UsageError
+from vltrain.data.tokenizers import Tokenizer
+from vltrain.errors import DataError
 
 
 def open_indexed(spec: str, tokenizer: Tokenizer | None, max_text_length: int, csv_cfg: CsvConfig | None = None,
@@ -83,55 +81,3 @@ def existing_index(spec: str, cache_dir: str | os.PathLike | None = None) -> Ind
         return None
     index_dir, meta = max(found, key=lambda f: f[0].stat().st_mtime)
     return IndexedSource(spec, index_dir, meta)
-
-
-def index_cli(args: argparse.Namespace) -> int:
-    """``vltrain data index SOURCES... [--tokenizer T]``: build (or find) each source's sample index,
-    and with a tokenizer its caption token counts.
-
-    Exit 0 clean, 1 when rows were dropped as malformed (they are listed in the index's
-    problems.jsonl), 2 on a usage error."""
-    tokenizer_path, max_len, csv_cfg, cache_dir = args.tokenizer, args.max_text_length, CsvConfig(), args.cache_dir
-    storage_options, cache_limit_gb = None, 50.0
-    if args.config:
-        from vltrain.config.job import load_config  # the job config sits above the data layer
-
-        cfg = load_config(args.config)
-        tokenizer_path = tokenizer_path or cfg.data.tokenizer
-        max_len = max_len or cfg.data.max_text_length
-        csv_cfg, cache_dir = cfg.data.csv, cache_dir or cfg.data.cache_dir
-        storage_options, cache_limit_gb = cfg.data.storage_options, cfg.data.cache_limit_gb
-    tokenizer = load_tokenizer(tokenizer_path) if tokenizer_path else None
-    workers = args.workers or os.cpu_count() or 1
-    dropped = 0
-    for spec in args.sources:
-        try:
-            source_files(spec, storage_options)
-        except DataError as e:
-            raise UsageError(str(e)) from None  # a source that is not there: the command was misused
-        started = time.monotonic()
-        source = open_indexed(spec, tokenizer, max_len or 77, csv_cfg, cache_dir or None, workers=workers,
-                              storage_options=storage_options, cache_limit_gb=cache_limit_gb)
-        took = time.monotonic() - started
-        _report(spec, source, took, tokenizer is not None)
-        dropped += source.meta["errors"]
-    return 1 if dropped else 0
-
-
-def _report(spec: str, source: IndexedSource, took: float, with_lengths: bool) -> None:
-    meta = source.meta
-    how = (f"built in {took:.1f} s ({len(source) / max(took, 1e-9):,.0f} rows/s)"
-           if source.built_now else "up to date")
-    print(f"{spec}: {len(source):,} samples, {meta['errors']} malformed row(s) dropped, "
-          f"{meta['warnings']} warning(s); index {how}\n  {source.index_dir}")
-    if with_lengths:
-        had = source.lengths_at_hand() is not None
-        started = time.monotonic()
-        source.text_len()
-        took = time.monotonic() - started
-        print("  token counts " + ("up to date" if had else
-                                   f"made in {took:.1f} s ({len(source) / max(took, 1e-9):,.0f} captions/s)"))
-    else:
-        print("  token counts: not made (give --tokenizer; budget batching makes them on first use)")
-    for p in source.errors()[:5]:
-        print(f"  dropped {p}")

@@ -13,7 +13,6 @@ mean the resume was not exact.
 
 from __future__ import annotations
 
-import argparse
 import json
 from collections import Counter
 from dataclasses import dataclass, field
@@ -178,16 +177,3 @@ def _check_epoch(epoch: int, world_size: int, headers: dict, batches: dict, repo
             f"epoch {epoch}: the schedule holds {head['distinct']} samples and drops {head['dropped']}, "
             f"but the source has {head['num_samples']}"
         )
-
-
-def audit_cli(args: argparse.Namespace) -> int:
-    report = audit_run(args.run_dir)
-    print(
-        f"audit of {args.run_dir}: {report.epochs} epoch(s), {report.complete_epochs} complete, "
-        f"{report.batches} batches, {report.samples} samples, {report.replaced} bad-sample replacements"
-    )
-    for p in report.problems:
-        print(f"  PROBLEM: {p}")
-    print("OK: no duplicates, nothing lost beyond the documented drop, ranks disjoint" if report.ok
-          else f"FAILED: {len(report.problems)} problem(s)")
-    return 0 if report.ok else 1

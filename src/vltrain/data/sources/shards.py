@@ -9,13 +9,11 @@ is cached next to the shard, or in a cache folder when the shard's folder is rea
 
 from __future__ import annotations
 
-import argparse
 import glob
 import hashlib
 import io
 import json
 import os
-import sys
 import tarfile
 from bisect import bisect_right
 from pathlib import Path
@@ -24,8 +22,8 @@ import numpy as np
 
 from vltrain.data.sources.filelock import build_once, private_tmp
 from vltrain.data.sources.shard_scan import IMAGE_EXTS, UnusualHeader, scan_shard, walk_members
-from vltrain.data.sources.manifests import Problem, Row, Source, expand_braces, is_shard_pattern, open_manifest
-from vltrain.errors import DataError, UserError
+from vltrain.data.sources.manifests import Problem, Row, Source, expand_braces
+from vltrain.errors import DataError
 
 INDEX_VERSION = 1
 
@@ -250,22 +248,3 @@ def _close(tar: tarfile.TarFile, path: Path) -> None:
     tar.close()
     os.replace(path.with_name(path.name + ".tmp"), path)
     load_index(path)  # index it now, while the shard is hot in the page cache
-
-
-def shard_cli(args: argparse.Namespace) -> int:
-    """``vltrain data shard MANIFEST --out DIR --shard-size N``; exit 1 if rows had to be skipped.
-
-    Shards are read too (to reshard); not through ``open_source``, which sits above this module."""
-    if args.shard_size < 1:
-        raise UserError(f"--shard-size must be >= 1, got {args.shard_size}")
-    source = ShardSource(args.manifest) if is_shard_pattern(args.manifest) else open_manifest(args.manifest)
-    written, not_copied = write_shards(source, args.out, args.shard_size)
-    n = len(source) - len(not_copied)
-    skipped = source.errors() + not_copied
-    pattern = f"{args.out}/{{00000..{len(written) - 1:05d}}}.tar" if written else "(none)"
-    print(f"wrote {n} samples in {len(written)} shard(s): {pattern}")
-    for p in skipped[:20]:
-        print(f"  skipped {p}", file=sys.stderr)
-    if skipped:
-        print(f"{len(skipped)} row(s) skipped", file=sys.stderr)
-    return 1 if skipped else 0

@@ -280,32 +280,9 @@ TOKENIZER_VOCAB = 512
 
 def write_tokenizer(out: str | Path, vocab_size: int = TOKENIZER_VOCAB) -> Path:
     """``out/tokenizer.json``: a BPE tokenizer trained on ``out/train.jsonl``'s captions (kept if there)."""
-    from vltrain.data.tokenizers import source_texts, train_tokenizer
+    from vltrain.data.tools.tokenizer_training import source_texts, train_tokenizer
 
     path = Path(out) / "tokenizer.json"
     if not path.exists():
         train_tokenizer(source_texts([str(Path(out) / "train.jsonl")]), path, vocab_size=vocab_size)
     return path
-
-
-def synth_cli(args) -> int:
-    if args.classify:
-        out = synthesize_classify(args.classify, args.per_class, args.seed, args.image_size, args.workers)
-        print(f"classify: {out} ({len(KINDS)} classes x {args.per_class} images: {', '.join(KINDS)})")
-        print(f"templates: {out / 'templates.txt'}")
-        print(f"next: vltrain eval RUN_DIR --zeroshot {out} --templates {out / 'templates.txt'}")
-        if not args.out:
-            return 0
-    if not args.out:
-        raise UserError("give --out DIR (image-text pairs) and/or --classify DIR (a class-per-folder set)")
-    paths = synthesize(
-        args.out, args.num, args.val, args.text_only_fraction, args.seed, args.image_size, args.workers,
-        image_only_fraction=args.image_only_fraction,
-    )
-    for split, p in paths.items():
-        print(f"{split}: {p}")
-    tokenizer = write_tokenizer(args.out)
-    print(f"tokenizer: {tokenizer} (BPE, {TOKENIZER_VOCAB} tokens, trained on the training captions)")
-    print(f"next: vltrain train configs/demo.yaml data.train={paths['train']} data.val={paths['val']} "
-          f"data.tokenizer={tokenizer}")
-    return 0

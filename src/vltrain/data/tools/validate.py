@@ -6,10 +6,8 @@ path that does not exist, a format it does not know).
 
 from __future__ import annotations
 
-import argparse
-import json
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -129,31 +127,6 @@ def validate(paths: list[str], workers: int = 1) -> list[SourceSummary]:
     return summaries
 
 
-def validate_cli(args: argparse.Namespace) -> int:
-    summaries = validate(args.sources, args.workers)
-    errors = sum(s.errors for s in summaries)
-    if args.json:
-        out = []
-        for s in summaries:
-            d = asdict(s)
-            d["problems"] = [asdict(p) for p in s.problems[: args.max_problems]]
-            out.append(d)
-        print(json.dumps({"ok": errors == 0, "sources": out}, indent=1, ensure_ascii=False))
-        return 1 if errors else 0
-    for s in summaries:
-        print(
-            f"{s.name}: {s.rows} rows ({s.image_text} image-text, {s.text_only} text-only, "
-            f"{s.image_only} image-only); {s.errors} error(s), {s.warnings} warning(s)"
-        )
-        ordered = [p for p in s.problems if p.level == "error"] + [p for p in s.problems if p.level != "error"]
-        for p in ordered[: args.max_problems]:
-            print(f"  {p.level}: {p}")
-        if len(ordered) > args.max_problems:
-            print(f"  ... and {len(ordered) - args.max_problems} more (--max-problems, --json)")
-    print("ok" if errors == 0 else f"{errors} problem(s) found")
-    return 1 if errors else 0
-
-
 # -- stats ----------------------------------------------------------------------------------------
 
 PERCENTILES = (5, 50, 95, 99)
@@ -217,23 +190,3 @@ def stats(paths: list[str], tokenizer_path: str | None, max_images: int) -> dict
         "image_width": _percentiles(widths),
         "image_height": _percentiles(heights),
     }
-
-
-def stats_cli(args: argparse.Namespace) -> int:
-    report = stats(args.sources, args.tokenizer, args.max_images)
-    if args.json:
-        print(json.dumps(report, indent=1))
-        return 0
-    n = max(report["rows"], 1)
-    print(f"rows: {report['rows']}")
-    for k in ("image_text", "text_only", "image_only"):
-        print(f"  {k.replace('_', '-'):<11} {report[k]:>10}  {100 * report[k] / n:5.1f}%")
-    cap = report["caption_length"]
-    header = "".join(f"{k:>8}" for k in [*(f"p{q}" for q in PERCENTILES), "mean", "max"])
-    print(f"{'':<24}{header}")
-    rows = [(f"caption ({cap['unit']})", cap), ("image width", report["image_width"]),
-            ("image height", report["image_height"])]
-    for name, d in rows:
-        print(f"{name:<24}" + "".join(f"{d.get(k, float('nan')):>8.1f}" for k in [*(f"p{q}" for q in PERCENTILES), "mean", "max"]))
-    print(f"images measured: {report['images_measured']} (unreadable: {report['images_unreadable']})")
-    return 0

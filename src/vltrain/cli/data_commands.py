@@ -1,0 +1,257 @@
+"""``vltrain data synth | validate | index | stats | shard | audit`` and ``vltrain tokenizer train``:
+their arguments, handlers and printed reports."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+
+def add_parsers(data: argparse.ArgumentParser, tokenizer: argparse.ArgumentParser) -> None:
+    dsub = data.add_subparsers(dest="data_command", required=True, metavar="DATA_COMMAND")
+    s = dsub.add_parser("synth", help="write the synthetic 'shapes' dataset (images + JSONL manifests)")
+    s.add_argument("--out", default=None, help="where the image-text pairs go")
+    s.add_argument("--classify", default=None, metavar="OUT",
+                   help="also (or only) write a class-per-folder set: one shape per image, class = shape kind")
+    s.add_argument("--per-class", type=int, default=50, help="images per class of --classify (default 50)")
+    s.add_argument("--num", type=int, default=10000, help="training rows")
+    s.add_argument("--val", type=int, default=1000, help="validation rows (image-text pairs)")
+    s.add_argument("--text-only-fraction", type=float, default=0.0, help="training rows without an image")
+    s.add_argument("--image-only-fraction", type=float, default=0.0, help="training rows without a caption")
+    s.add_argument("--image-size", type=int, default=48)
+    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--workers", type=int, default=0, help="processes (0: all cores)")
+    s.set_defaults(func=synth)
+
+    v = dsub.add_parser("validate", help="check every row; exit 0 clean, 1 problems found, 2 usage error")
+    v.add_argument("sources", nargs="+", help="manifests (.jsonl/.csv/.tsv) or shard patterns")
+    v.add_argument("--json", action="store_true", help="machine-readable report on stdout")
+    v.add_argument("--max-problems", type=int, default=20, help="problems to print (default 20)")
+    v.add_argument("--workers", type=int, default=1, help="processes decoding images (default 1)")
+    v.set_defaults(func=validate)
+
+    ix = dsub.add_parser("index", help="build the sample index of sources (else built on first use)")
+    ix.add_argument("sources", nargs="+", help="manifests (.jsonl/.csv/.tsv) or shard patterns")
+    ix.add_argument("--tokenizer", default=None, help="tokenizer.json whose token counts the index stores")
+    ix.add_argument("--max-text-length", type=int, default=None, help="token cap (default 77, or the config's)")
+    ix.add_argument("--config", default=None, help="take the tokenizer, text length and cache folder from a config")
+    ix.add_argument("--cache-dir", default=None, help="where indexes of read-only data go")
+    ix.add_argument("--workers", type=int, default=0, help="processes (0: all cores)")
+    ix.set_defaults(func=index)
+
+    st = dsub.add_parser("stats", help="counts by modality, caption token lengths, image sizes")
+    st.add_argument("sources", nargs="+")
+    st.add_argument("--tokenizer", default=None, help="count caption lengths in its tokens (default: words)")
+    st.add_argument("--json", action="store_true")
+    st.add_argument("--max-images", type=int, default=2000, help="images to measure (a sample, default 2000)")
+    st.set_defaults(func=stats)
+
+    sh = dsub.add_parser("shard", help="write img2dataset-style tar shards from a manifest")
+    sh.add_argument("manifest")
+    sh.add_argument("--out", required=True)
+    sh.add_argument("--shard-size", type=int, default=1000)
+    sh.set_defaults(func=shard)
+
+    a = dsub.add_parser("audit", help="check a run's consumed-id records: no duplicates, nothing lost")
+    a.add_argument("run_dir")
+    a.set_defaults(func=audit)
+
+    tsub = tokenizer.add_subparsers(dest="tokenizer_command", required=True, metavar="TOKENIZER_COMMAND")
+    tt = tsub.add_parser("train", help="train a BPE or WordPiece tokenizer on a manifest's texts")
+    tt.add_argument("sources", nargs="+")
+    tt.add_argument("--out", required=True, help="tokenizer.json to write")
+    tt.add_argument("--vocab-size", type=int, default=4096)
+    tt.add_argument("--kind", choices=["bpe", "wordpiece"], default="bpe")
+    tt.set_defaults(func=train_tokenizer)
+
+
+def synth(args: argparse.Namespace) -> int:
+    from vltrain.data.tools.synth import KINDS, TOKENIZER_VOCAB, synthesize, synthesize_classify, write_tokenizer
+    from vltrain.errors import UserError
+
+    if args.classify:
+        out = synthesize_classify(args.classify, args.per_class, args.seed, args.image_size, args.workers)
+        print(f"classify: {out} ({len(KINDS)} classes x {args.per_class} images: {', '.join(KINDS)})")
+        print(f"templates: {out / 'templates.txt'}")
+        print(f"next: vltrain eval RUN_DIR --zeroshot {out} --templates {out / 'templates.txt'}")
+        if not args.out:
+            return 0
+    if not args.out:
+        raise UserError("give --out DIR (image-text pairs) and/or --classify DIR (a class-per-folder set)")
+    paths = synthesize(
+        args.out, args.num, args.val, args.text_only_fraction, args.seed, args.image_size, args.workers,
+        image_only_fraction=args.image_only_fraction,
+    )
+    for split, p in paths.items():
+        print(f"{split}: {p}")
+    tokenizer = write_tokenizer(args.out)
+    print(f"tokenizer: {tokenizer} (BPE, {TOKENIZER_VOCAB} tokens, trained on the training captions)")
+    print(f"next: vltrain train configs/demo.yaml data.train={paths['train']} data.val={paths['val']} "
+          f"data.tokenizer={tokenizer}")
+    return 0
+
+
+def validate(args: argparse.Namespace) -> int:
+    """Exit 0 clean, 1 when problems were found."""
+    from dataclasses import asdict
+
+    from vltrain.data.tools.validate import validate as validate_sources
+
+    summaries = validate_sources(args.sources, args.workers)
+    errors = sum(s.errors for s in summaries)
+    if args.json:
+        out = []
+        for s in summaries:
+            d = asdict(s)
+            d["problems"] = [asdict(p) for p in s.problems[: args.max_problems]]
+            out.append(d)
+        print(json.dumps({"ok": errors == 0, "sources": out}, indent=1, ensure_ascii=False))
+        return 1 if errors else 0
+    for s in summaries:
+        print(
+            f"{s.name}: {s.rows} rows ({s.image_text} image-text, {s.text_only} text-only, "
+            f"{s.image_only} image-only); {s.errors} error(s), {s.warnings} warning(s)"
+        )
+        ordered = [p for p in s.problems if p.level == "error"] + [p for p in s.problems if p.level != "error"]
+        for p in ordered[: args.max_problems]:
+            print(f"  {p.level}: {p}")
+        if len(ordered) > args.max_problems:
+            print(f"  ... and {len(ordered) - args.max_problems} more (--max-problems, --json)")
+    print("ok" if errors == 0 else f"{errors} problem(s) found")
+    return 1 if errors else 0
+
+
+def stats(args: argparse.Namespace) -> int:
+    from vltrain.data.tools.validate import PERCENTILES
+    from vltrain.data.tools.validate import stats as source_stats
+
+    report = source_stats(args.sources, args.tokenizer, args.max_images)
+    if args.json:
+        print(json.dumps(report, indent=1))
+        return 0
+    n = max(report["rows"], 1)
+    print(f"rows: {report['rows']}")
+    for k in ("image_text", "text_only", "image_only"):
+        print(f"  {k.replace('_', '-'):<11} {report[k]:>10}  {100 * report[k] / n:5.1f}%")
+    cap = report["caption_length"]
+    header = "".join(f"{k:>8}" for k in [*(f"p{q}" for q in PERCENTILES), "mean", "max"])
+    print(f"{'':<24}{header}")
+    rows = [(f"caption ({cap['unit']})", cap), ("image width", report["image_width"]),
+            ("image height", report["image_height"])]
+    for name, d in rows:
+        print(f"{name:<24}" + "".join(f"{d.get(k, float('nan')):>8.1f}" for k in [*(f"p{q}" for q in PERCENTILES), "mean", "max"]))
+    print(f"images measured: {report['images_measured']} (unreadable: {report['images_unreadable']})")
+    return 0
+
+
+def index(args: argparse.Namespace) -> int:
+    """``vltrain data index SOURCES... [--tokenizer T]``: build (or find) each source's sample index,
+    and with a tokenizer its caption token counts.
+
+    Exit 0 clean, 1 when rows were dropped as malformed (they are listed in the index's
+    problems.jsonl), 2 on a usage error."""
+    from vltrain.config.job import load_config
+    from vltrain.data.config import CsvConfig
+    from vltrain.data.index.build import source_files
+    from vltrain.data.index.open import open_indexed
+    from vltrain.data.tokenizers import load_tokenizer
+    from vltrain.errors import DataError, UsageError
+
+    tokenizer_path, max_len, csv_cfg, cache_dir = args.tokenizer, args.max_text_length, CsvConfig(), args.cache_dir
+    storage_options, cache_limit_gb = None, 50.0
+    if args.config:
+        cfg = load_config(args.config)
+        tokenizer_path = tokenizer_path or cfg.data.tokenizer
+        max_len = max_len or cfg.data.max_text_length
+        csv_cfg, cache_dir = cfg.data.csv, cache_dir or cfg.data.cache_dir
+        storage_options, cache_limit_gb = cfg.data.storage_options, cfg.data.cache_limit_gb
+    tokenizer = load_tokenizer(tokenizer_path) if tokenizer_path else None
+    workers = args.workers or os.cpu_count() or 1
+    dropped = 0
+    for spec in args.sources:
+        try:
+            source_files(spec, storage_options)
+        except DataError as e:
+            raise UsageError(str(e)) from None  # a source that is not there: the command was misused
+        started = time.monotonic()
+        source = open_indexed(spec, tokenizer, max_len or 77, csv_cfg, cache_dir or None, workers=workers,
+                              storage_options=storage_options, cache_limit_gb=cache_limit_gb)
+        took = time.monotonic() - started
+        _index_report(spec, source, took, tokenizer is not None)
+        dropped += source.meta["errors"]
+    return 1 if dropped else 0
+
+
+def _index_report(spec: str, source, took: float, with_lengths: bool) -> None:
+    meta = source.meta
+    how = (f"built in {took:.1f} s ({len(source) / max(took, 1e-9):,.0f} rows/s)"
+           if source.built_now else "up to date")
+    print(f"{spec}: {len(source):,} samples, {meta['errors']} malformed row(s) dropped, "
+          f"{meta['warnings']} warning(s); index {how}\n  {source.index_dir}")
+    if with_lengths:
+        had = source.lengths_at_hand() is not None
+        started = time.monotonic()
+        source.text_len()
+        took = time.monotonic() - started
+        print("  token counts " + ("up to date" if had else
+                                   f"made in {took:.1f} s ({len(source) / max(took, 1e-9):,.0f} captions/s)"))
+    else:
+        print("  token counts: not made (give --tokenizer; budget batching makes them on first use)")
+    for p in source.errors()[:5]:
+        print(f"  dropped {p}")
+
+
+def shard(args: argparse.Namespace) -> int:
+    """``vltrain data shard MANIFEST --out DIR --shard-size N``; exit 1 if rows had to be skipped."""
+    from vltrain.data.sources.manifests import is_shard_pattern, open_manifest
+    from vltrain.data.sources.shards import ShardSource, write_shards
+    from vltrain.errors import UserError
+
+    if args.shard_size < 1:
+        raise UserError(f"--shard-size must be >= 1, got {args.shard_size}")
+    source = ShardSource(args.manifest) if is_shard_pattern(args.manifest) else open_manifest(args.manifest)
+    written, not_copied = write_shards(source, args.out, args.shard_size)
+    n = len(source) - len(not_copied)
+    skipped = source.errors() + not_copied
+    pattern = f"{args.out}/{{00000..{len(written) - 1:05d}}}.tar" if written else "(none)"
+    print(f"wrote {n} samples in {len(written)} shard(s): {pattern}")
+    for p in skipped[:20]:
+        print(f"  skipped {p}", file=sys.stderr)
+    if skipped:
+        print(f"{len(skipped)} row(s) skipped", file=sys.stderr)
+    return 1 if skipped else 0
+
+
+def audit(args: argparse.Namespace) -> int:
+    from vltrain.data.loading.audit import audit_run
+
+    report = audit_run(args.run_dir)
+    print(
+        f"audit of {args.run_dir}: {report.epochs} epoch(s), {report.complete_epochs} complete, "
+        f"{report.batches} batches, {report.samples} samples, {report.replaced} bad-sample replacements"
+    )
+    for p in report.problems:
+        print(f"  PROBLEM: {p}")
+    print("OK: no duplicates, nothing lost beyond the documented drop, ranks disjoint" if report.ok
+          else f"FAILED: {len(report.problems)} problem(s)")
+    return 0 if report.ok else 1
+
+
+def train_tokenizer(args: argparse.Namespace) -> int:
+    """``vltrain tokenizer train SOURCES --out FILE --vocab-size N --kind bpe|wordpiece``."""
+    from vltrain.data.tokenizers import SPECIAL_TOKENS
+    from vltrain.data.tools.tokenizer_training import source_texts
+    from vltrain.data.tools.tokenizer_training import train_tokenizer as train
+    from vltrain.errors import UserError
+
+    if args.vocab_size < len(SPECIAL_TOKENS) + 1:
+        raise UserError(f"--vocab-size must be more than {len(SPECIAL_TOKENS)}, got {args.vocab_size}")
+    texts = list(source_texts(args.sources))
+    if not texts:
+        raise UserError(f"no texts found in {', '.join(args.sources)}")
+    tok = train(texts, args.out, vocab_size=args.vocab_size, kind=args.kind)
+    print(f"wrote {tok.path}: {args.kind}, vocabulary {tok.vocab_size}, trained on {len(texts)} texts")
+    return 0

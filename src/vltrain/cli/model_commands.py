@@ -1,0 +1,175 @@
+"""``vltrain train | demo | eval | export | embed``: their arguments and handlers.
+
+Each handler imports what it runs when it runs, so ``vltrain --help`` and the data commands do not
+pay for importing the trainer.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+
+def add_parsers(sub) -> None:
+    t = sub.add_parser("train", help="train a model from a YAML config (torchrun-aware)")
+    t.add_argument("config", help="YAML config file")
+    t.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.lr=3e-4 data.batch_size=64")
+    t.set_defaults(func=train)
+
+    d = sub.add_parser("demo", help="synthesize shapes, train a tokenizer and a model, evaluate, plot")
+    d.add_argument("--dir", default="runs/demo", help="run folder (default runs/demo)")
+    d.add_argument("--data", default="data/shapes", help="where the synthetic data goes (default data/shapes)")
+    d.add_argument("--num", type=int, default=10000, help="synthetic training rows (default 10000)")
+    d.add_argument("--val", type=int, default=1000, help="held-out pairs (default 1000)")
+    d.add_argument("overrides", nargs="*", help="dotted overrides of configs/demo.yaml")
+    d.set_defaults(func=demo)
+
+    e = sub.add_parser("eval", help="retrieval and zero-shot metrics of a run's latest checkpoint or an exported model")
+    e.add_argument("path", help="a run folder, an exported model folder, a Hugging Face CLIPModel/SiglipModel "
+                                "folder or an OpenCLIP checkpoint")
+    e.add_argument("--data", default=None, help="val source (default: the run's data.val)")
+    e.add_argument("--zeroshot", default=None, metavar="DIR",
+                   help="zero-shot classification on a class-per-folder image set (or a manifest with labels)")
+    e.add_argument("--templates", default=None, metavar="FILE", help="prompt templates, one per line with {}")
+    e.add_argument("--retrieval", default=None, metavar="FILE", help="COCO-style caption JSON (Karpathy split or annotations)")
+    e.add_argument("--split", default="test", help="the Karpathy split to evaluate (default test)")
+    e.add_argument("--json", action="store_true", help="print the metrics as JSON instead of a table")
+    e.add_argument("overrides", nargs="*", help="dotted overrides")
+    e.set_defaults(func=evaluate)
+
+    x = sub.add_parser("export", help="write model.safetensors, the tokenizer and the config")
+    x.add_argument("run_dir")
+    x.add_argument("--out", required=True)
+    x.add_argument("--format", choices=["native", "hf"], default="native",
+                   help="native (vltrain's, the default) or hf (a folder transformers' CLIPModel/SiglipModel loads)")
+    x.add_argument("--interpolate", type=float, default=None, metavar="ALPHA",
+                   help="WiSE-FT: (1-ALPHA) x the run's initial weights + ALPHA x the trained ones (0..1)")
+    x.set_defaults(func=export)
+
+    m = sub.add_parser("embed", help="normalized embeddings of images and texts from an exported model")
+    m.add_argument("model_dir", help="an exported model folder, a run folder, a Hugging Face CLIPModel/SiglipModel "
+                                     "folder or an OpenCLIP checkpoint")
+    m.add_argument("--tokenizer", default=None, help="tokenizer.json (an OpenCLIP checkpoint without one beside it)")
+    m.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="a config value, e.g. model.preset=clip-vit-b16 or model.quick_gelu=true (repeatable)")
+    m.add_argument("--images", nargs="*", default=[])
+    m.add_argument("--texts", nargs="*", default=[])
+    m.add_argument("--out", required=True, help=".npy file (images first, then texts)")
+    m.set_defaults(func=embed)
+
+
+def train(args: argparse.Namespace) -> int:
+    """``vltrain train CONFIG [key=value ...]`` (under torchrun or in one process)."""
+    from vltrain.config.job import load_config
+    from vltrain.eval.evaluator import format_metrics
+    from vltrain.runtime.preemption import Preempted
+    from vltrain.train.trainer import Trainer
+
+    cfg = load_config(args.config, args.overrides)
+    trainer = Trainer(cfg)
+    clean = False
+    try:
+        metrics = trainer.train()
+        clean = True
+    except Preempted:
+        clean = True
+        raise
+    except BaseException as e:
+        # the line naming the failed rank; the other ranks then fail on the broken group (or are
+        # stopped by torchrun), within train.timeout_s at the latest
+        print(f"vltrain: rank {trainer.world.rank} failed at step {trainer.step}: {type(e).__name__}: {e}",
+              file=sys.stderr, flush=True)
+        raise
+    finally:
+        trainer.close(clean)
+    if trainer.world.is_main:
+        print(f"run: {trainer.run_dir}  steps: {trainer.step}  skipped: {trainer.guard.total}")
+        if metrics:
+            print(f"eval: {format_metrics(metrics)}")
+    return 0
+
+
+def demo(args: argparse.Namespace) -> int:
+    """``vltrain demo``: the shapes data, a tokenizer, a model trained for about 3 minutes, its figures."""
+    import time
+
+    from vltrain.data.tools.synth import KINDS
+    from vltrain.demo import run_demo
+    from vltrain.eval.evaluator import format_metrics
+
+    start = time.perf_counter()
+    run_dir = Path(args.dir)
+    trainer, metrics = run_demo(run_dir, Path(args.data), list(args.overrides or []), args.num, args.val)
+    if trainer.world.is_main:
+        minutes = (time.perf_counter() - start) / 60
+        print(f"\ndone in {minutes:.1f} min, {trainer.step} steps, {trainer.samples_seen:,} samples")
+        if metrics:
+            pairs = {k: v for k, v in metrics.items() if "/" not in k}
+            print(f"held-out retrieval ({metrics['num_pairs']} pairs): {format_metrics(pairs)}")
+            print(f"text->image R@1 = {metrics['t2i_r1']:.3f} (chance: {1 / max(metrics['num_pairs'], 1):.3f})")
+        if "zeroshot/shapes/top1" in metrics:
+            print(f"zero-shot shape kind ({metrics['zeroshot/shapes/num_images']} images, {len(KINDS)} classes): "
+                  f"top-1 = {metrics['zeroshot/shapes/top1']:.3f} (chance: {1 / len(KINDS):.3f})")
+        print(f"run:     {run_dir}  (metrics.jsonl, eval.json, tb/ for TensorBoard)")
+        print(f"curves:  {run_dir / 'curves.png'}")
+    return 0
+
+
+def evaluate(args: argparse.Namespace) -> int:
+    """``vltrain eval RUN_DIR``: metrics of the run's weights on its val set and evaluation sets, or on
+    the sets the command line names."""
+    from vltrain.eval.evaluator import evaluate_run, format_table
+
+    overrides = list(args.overrides or [])
+    if args.zeroshot:
+        name = Path(args.zeroshot).stem or "zeroshot"
+        overrides.append(f"eval.zeroshot=[{{name: {json.dumps(name)}, path: {json.dumps(str(args.zeroshot))}, "
+                         f"templates: {json.dumps(args.templates or '')}}}]")
+    if args.retrieval:
+        name = Path(args.retrieval).stem or "retrieval"
+        overrides.append(f"eval.retrieval=[{{name: {json.dumps(name)}, path: {json.dumps(str(args.retrieval))}, "
+                         f"split: {json.dumps(args.split)}}}]")
+    only_sets = bool(args.zeroshot or args.retrieval)
+    if only_sets:
+        overrides += [] if args.zeroshot else ["eval.zeroshot=[]"]
+        overrides += [] if args.retrieval else ["eval.retrieval=[]"]
+    metrics = evaluate_run(Path(args.path), data=args.data, overrides=overrides, val=args.data is not None or not only_sets)
+    if os.environ.get("RANK", "0") == "0":
+        print(json.dumps(metrics, indent=1) if args.json else format_table(metrics))
+    return 0
+
+
+def export(args: argparse.Namespace) -> int:
+    """``vltrain export RUN_DIR --out DIR [--interpolate ALPHA]``."""
+    from vltrain.export.native import export_model
+
+    alpha = args.interpolate
+    out = export_model(args.run_dir, args.out, interpolate=alpha, fmt=args.format)
+    blend = "" if alpha is None else f" (weights: {1 - alpha:g} x initial + {alpha:g} x fine-tuned)"
+    files = ", ".join(sorted(p.name for p in out.iterdir() if p.is_file()))
+    print(f"exported to {out} ({args.format}): {files}{blend}")
+    return 0
+
+
+def embed(args: argparse.Namespace) -> int:
+    """``vltrain embed PATH --images a.jpg b.png --texts "..." --out emb.npy``."""
+    import numpy as np
+    import torch
+
+    from vltrain.errors import UserError
+    from vltrain.export.native import embed as embed_inputs
+    from vltrain.export.native import load_any
+
+    if not args.images and not args.texts:
+        raise UserError("nothing to embed: give --images and/or --texts")
+    torch.set_grad_enabled(False)
+    overrides = list(args.set or []) + ([f"data.tokenizer={args.tokenizer}"] if args.tokenizer else [])
+    model, tokenizer, cfg = load_any(args.model_dir, overrides)
+    emb = embed_inputs(model, tokenizer, cfg, args.images, args.texts)
+    np.save(args.out, emb)
+    print(f"wrote {args.out}: {len(args.images)} image and {len(args.texts)} text embeddings of size "
+          f"{emb.shape[1]} (images first)")
+    return 0
