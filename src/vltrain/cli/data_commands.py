@@ -206,7 +206,8 @@ def _index_report(spec: str, source, took: float, with_lengths: bool) -> None:
 
 def shard(args: argparse.Namespace) -> int:
     """``vltrain data shard MANIFEST --out DIR --shard-size N``; exit 1 if rows had to be skipped."""
-    from vltrain.data.sources.manifests import is_shard_pattern, open_manifest
+    from vltrain.data.sources.manifests import open_manifest
+    from vltrain.data.sources.patterns import is_shard_pattern
     from vltrain.data.sources.shards import ShardSource, write_shards
     from vltrain.errors import UserError
 

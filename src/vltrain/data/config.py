@@ -5,8 +5,16 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal, Union
 
-from vltrain.data.schedule.budget import PAD_MULTIPLE, padded_width
 from vltrain.errors import ConfigError
+
+PAD_MULTIPLE = 8
+"""The default rounding of padded widths (``DataConfig.pad_multiple``)."""
+
+
+def padded_width(max_len: int, multiple: int = PAD_MULTIPLE) -> int:
+    """Text positions per row of a batch whose longest row has ``max_len`` tokens (at least one)."""
+    return max(multiple, -(-max(int(max_len), 1) // multiple) * multiple)
+
 
 MAX_IMAGE_PIXELS = 89_478_485
 """Decompression-bomb guard: Pillow's own default limit (``PIL.Image.MAX_IMAGE_PIXELS``), the

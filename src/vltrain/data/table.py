@@ -6,6 +6,9 @@ from typing import Callable
 
 import numpy as np
 
+MANIFEST_BLOCK = 4096
+"""Rows of a manifest that count as one block of the windowed shuffle."""
+
 
 class SampleTable:
     """Columns over a dataset's index space ``0..n-1``.
@@ -43,3 +46,8 @@ class SampleTable:
 
     def __len__(self) -> int:
         return int(self.has_image.shape[0])
+
+
+def default_blocks(n: int) -> np.ndarray:
+    """Block starts (then ``n``) of a source without shards: runs of ``MANIFEST_BLOCK`` rows."""
+    return np.r_[np.arange(0, n, MANIFEST_BLOCK, dtype=np.int64), n]

@@ -37,7 +37,8 @@ from vltrain.data.sources.json_bulk import SEPARATOR, loads_objects
 from vltrain.data.sources.shard_scan import scan_shard
 from vltrain.data.sources.shards import default_cache_dir, shard_paths
 from vltrain.data.sources.manifests import (IMAGE_KEYS, MANIFEST_SUFFIXES, TEXT_KEYS, check_row, csv_columns, csv_fields,
-                                  csv_separator, is_shard_pattern, json_fields)
+                                  csv_separator, json_fields)
+from vltrain.data.sources.patterns import is_shard_pattern
 from vltrain.errors import DataError
 
 PART_BYTES = 64 << 20
@@ -124,7 +125,7 @@ def plan_parts(identity: dict, cache: ShardCache | None, manifest_local: str) ->
             for lo in range(0, max(size, 1), PART_BYTES)]
 
 
-class Rows(NamedTuple):
+class RowColumns(NamedTuple):
     """Usable rows of a part, in index order, as columns."""
 
     line: np.ndarray  # manifests: the row's line (from 1, in its part); shards: the shard
@@ -141,7 +142,7 @@ _ID_TYPES = {type(None), str, int}
 
 
 def _jsonl_rows(part: dict, problems: list):
-    """The Rows of the lines starting in [lo, hi), a chunk at a time."""
+    """The RowColumns of the lines starting in [lo, hi), a chunk at a time."""
     with open(part["file"], "rb") as f:
         pos = part["lo"]
         if pos > 0:
@@ -168,8 +169,8 @@ def _jsonl_rows(part: dict, problems: list):
 
 
 def _plain_rows(values: list[dict], chunk: bytes, lines: np.ndarray, offsets: np.ndarray,
-                lengths: np.ndarray) -> Rows | None:
-    """The Rows of a chunk of lines when all are the usual row: ``text`` a non-blank string,
+                lengths: np.ndarray) -> RowColumns | None:
+    """The RowColumns of a chunk of lines when all are the usual row: ``text`` a non-blank string,
     ``image`` a non-blank string or absent (with no other image key), ``id`` absent, a string or
     an integer. That is what ``check_row`` passes without a word; None for any other chunk (its
     rows are then checked one by one)."""
@@ -196,7 +197,7 @@ def _plain_rows(values: list[dict], chunk: bytes, lines: np.ndarray, offsets: np
             "".join([*texts, *given, *(i for i in ids if type(i) is str)]).encode("utf-8")
         except UnicodeEncodeError:
             return None
-    return Rows(lines, offsets, lengths, has_image, np.ones(count, bool), texts)
+    return RowColumns(lines, offsets, lengths, has_image, np.ones(count, bool), texts)
 
 
 def _chunk_lines(chunk: bytes, values: list[dict] | None, lines: np.ndarray, offsets: np.ndarray,
@@ -255,7 +256,7 @@ def _csv_rows(part: dict):
 
 
 def part_chunks(part: dict, problems: list, texts: bool = False):
-    """The Rows of a part (manifests: all with their captions; shards: with them if ``texts``),
+    """The RowColumns of a part (manifests: all with their captions; shards: with them if ``texts``),
     in index order; malformed and suspicious rows go to ``problems`` as [line or where, why, level]."""
     if part["kind"] == "shards":
         yield from _shard_rows(part, problems, texts)
@@ -274,8 +275,8 @@ def part_rows(part: dict, problems: list):
                        rows.text)
 
 
-def _checked_rows(rows, keys: tuple, name: str, problems: list) -> Rows:
-    """The Rows of (line, offset, bytes, fields, why) rows checked one by one: ``why`` True for
+def _checked_rows(rows, keys: tuple, name: str, problems: list) -> RowColumns:
+    """The RowColumns of (line, offset, bytes, fields, why) rows checked one by one: ``why`` True for
     JSONL fields known to be valid Unicode, else what is wrong with the row (or None)."""
     out = []
     for line, start, length, fields, why in rows:
@@ -290,7 +291,7 @@ def _checked_rows(rows, keys: tuple, name: str, problems: list) -> Rows:
         if row is not None:
             out.append((line, start, length, row[1] is not None, row[2]))
     line, start, length, image, text = (list(c) for c in zip(*out)) if out else ([], [], [], [], [])
-    return Rows(np.array(line, np.int64), np.array(start, np.int64), np.array(length, np.int64),
+    return RowColumns(np.array(line, np.int64), np.array(start, np.int64), np.array(length, np.int64),
                 np.array(image, bool), np.array([t is not None for t in text], bool), text)
 
 
@@ -305,7 +306,7 @@ def _shard_rows(part: dict, problems: list, texts: bool):
         path = described["path"]
         scan = scan_shard(cache.local(path, described) if cache is not None else Path(path), samples=texts)
         problems += [[f"{path.rsplit('/', 1)[-1]}:{key}", reason, level] for key, reason, level in scan.problems]
-        yield Rows(np.full(len(scan.start), s), scan.start, scan.end - scan.start, scan.has_image, scan.has_text,
+        yield RowColumns(np.full(len(scan.start), s), scan.start, scan.end - scan.start, scan.has_image, scan.has_text,
                    [x[3] for x in scan.samples] if texts else None)
 
 

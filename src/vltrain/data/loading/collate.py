@@ -8,7 +8,7 @@ import torch
 from vltrain.data.batch import Batch
 from vltrain.data.dataset import Sample
 
-from vltrain.data.schedule.budget import PAD_MULTIPLE, padded_width
+from vltrain.data.config import PAD_MULTIPLE, padded_width
 
 
 class Collator:

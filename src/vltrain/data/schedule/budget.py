@@ -13,18 +13,12 @@ from __future__ import annotations
 
 import numpy as np
 
+from vltrain.data.config import PAD_MULTIPLE, padded_width
 from vltrain.data.table import SampleTable
 from vltrain.errors import UserError
 
-PAD_MULTIPLE = 8
-"""The default rounding of padded widths (``DataConfig.pad_multiple``)."""
 MEGABATCH = 32
 """A length-sorting window holds this many batch_size-sized batches."""
-
-
-def padded_width(max_len: int, multiple: int = PAD_MULTIPLE) -> int:
-    """Text positions per row of a batch whose longest row has ``max_len`` tokens (at least one)."""
-    return max(multiple, -(-max(int(max_len), 1) // multiple) * multiple)
 
 
 def _widths(text_len: np.ndarray, multiple: int = PAD_MULTIPLE) -> np.ndarray:

@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from vltrain.data.schedule.window import Windows, WindowedOrder, default_blocks, keep_two
+from vltrain.data.schedule.window import Windows, WindowedOrder, keep_two
+from vltrain.data.table import default_blocks
 from vltrain.errors import UserError
 
 # Distinct streams of randomness drawn from the same (seed, epoch); the sampler's batches take 2,

@@ -26,8 +26,6 @@ from abc import ABC, abstractmethod
 
 import numpy as np
 
-MANIFEST_BLOCK = 4096
-"""Rows of a manifest that count as one block of the windowed shuffle."""
 _TAG_WINDOW = 3
 
 
@@ -215,11 +213,6 @@ class LazyRepeats:
 
     def __getitem__(self, k: int) -> np.ndarray:
         return self.batches.repeats(k)
-
-
-def default_blocks(n: int) -> np.ndarray:
-    """Block starts (then ``n``) of a source without shards: runs of ``MANIFEST_BLOCK`` rows."""
-    return np.r_[np.arange(0, n, MANIFEST_BLOCK, dtype=np.int64), n]
 
 
 class LazyBudgetBatches:

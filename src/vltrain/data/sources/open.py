@@ -10,7 +10,8 @@ import os
 
 from vltrain.data.config import CsvConfig
 from vltrain.data.sources.shards import ShardSource
-from vltrain.data.sources.manifests import Source, is_shard_pattern, open_manifest
+from vltrain.data.sources.manifests import Source, open_manifest
+from vltrain.data.sources.patterns import is_shard_pattern
 
 
 def open_source(

@@ -21,7 +21,7 @@ import re
 import time
 from typing import Any, Callable
 
-from vltrain.data.sources.manifests import expand_braces
+from vltrain.data.sources.patterns import expand_braces
 from vltrain.errors import DataError
 
 CONNECT_TIMEOUT_S = 10.0

@@ -19,7 +19,8 @@ from vltrain.data.index.lengths import tokenizer_fingerprint
 from vltrain.data.index.open import existing_index
 from vltrain.data.sources.shards import shard_paths
 from vltrain.data.sources.open import open_source
-from vltrain.data.sources.manifests import Problem, Source, is_shard_pattern
+from vltrain.data.sources.manifests import Problem, Source
+from vltrain.data.sources.patterns import is_shard_pattern
 from vltrain.data.tokenizers import load_tokenizer
 from vltrain.errors import DataError, UsageError
 
