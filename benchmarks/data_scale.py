@@ -65,7 +65,7 @@ from vltrain.data.dataset import ImageTextDataset, build_dataset  # noqa: E402
 from vltrain.data.index.reader import BYTES_PER_SAMPLE  # noqa: E402
 from vltrain.data.index.open import open_indexed  # noqa: E402
 from vltrain.data.loading.loader import build_train_loader  # noqa: E402
-from vltrain.data.schedule.sampler import DistributedBatchSampler  # noqa: E402
+from vltrain.data.schedule.sampler import DistributedBatchSampler, Schedule  # noqa: E402
 from vltrain.data.sources.shards import ShardSource, shard_paths, span_members  # noqa: E402
 from vltrain.data.sources.manifests import ManifestSource  # noqa: E402
 from vltrain.data.tokenizers import load_tokenizer  # noqa: E402
@@ -266,7 +266,7 @@ def mixing(spec: str, tok_path: str, steps: int = 50) -> list[tuple]:
     table = ds.table()
     out = []
     for window in (WINDOW, 0):
-        sampler = DistributedBatchSampler(table, batch_size=BATCH, rank=0, world_size=WORLD, seed=0, window=window)
+        sampler = DistributedBatchSampler(table, Schedule(batch_size=BATCH, seed=0, window=window), rank=0, world_size=WORLD)
         batches = sampler.plan().batches
         shards = [np.searchsorted(table.blocks, batches[k], side="right") - 1 for k in range(min(steps, len(batches)))]
         distinct = np.mean([len(np.unique(s)) for s in shards])

@@ -27,7 +27,7 @@ import torch
 from vltrain.data.config import padded_width
 from vltrain.data.schedule.budget import batch_tokens
 from vltrain.data.config import DataConfig
-from vltrain.data.schedule.sampler import DistributedBatchSampler
+from vltrain.data.schedule.sampler import DistributedBatchSampler, Schedule
 from vltrain.data.table import SampleTable
 
 MAX_LEN = 512
@@ -104,8 +104,8 @@ def main() -> None:
     floor = sum(padded_width(int(x)) for x in lens) / lens.sum()
     print(f"floor: every row padded alone to a multiple of 8 computes {floor:.3f} positions per token")
     bs = args.batch_size
-    common = dict(rank=0, world_size=1, seed=args.seed)
-    fixed = list(DistributedBatchSampler(table, batch_size=bs, **common))
+    common = dict(seed=args.seed)
+    fixed = list(DistributedBatchSampler(table, Schedule(batch_size=bs, **common), rank=0, world_size=1))
     fixed = [np.asarray(b) for b in fixed]
     # Budget: the positions of a fixed batch of median-length rows (x4 headroom), up to 8x the rows.
     token_budget = max(bs * 4 * int(np.median(lens)), MAX_LEN)
@@ -116,9 +116,9 @@ def main() -> None:
         measure("fixed, pad to 512", fixed, table, [MAX_LEN] * len(fixed), args.timed_batches),
     ]
     for multiple in (DataConfig(batching="budget").resolve().pad_multiple, 8):
-        budget = [np.asarray(b) for b in DistributedBatchSampler(
-            table, batch_size=8 * bs, batching="budget", token_budget=token_budget, image_budget=8 * bs,
-            pad_multiple=multiple, **common)]
+        schedule = Schedule(batch_size=8 * bs, batching="budget", token_budget=token_budget, image_budget=8 * bs,
+                            pad_multiple=multiple, **common)
+        budget = [np.asarray(b) for b in DistributedBatchSampler(table, schedule, rank=0, world_size=1)]
         results.append(measure(f"budget ({token_budget} positions, multiple of {multiple})", budget, table,
                                [batch_tokens(lens[b], multiple) // len(b) for b in budget]))
     print("\n| batching | batches/epoch | mean rows | padding ratio | samples/s |")

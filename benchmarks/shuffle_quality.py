@@ -26,7 +26,7 @@ import time
 
 import numpy as np
 
-from vltrain.data.schedule.sampler import DistributedBatchSampler
+from vltrain.data.schedule.sampler import DistributedBatchSampler, Schedule
 from vltrain.data.table import SampleTable
 
 
@@ -57,8 +57,8 @@ def held(obj, seen: set) -> int:
 
 def measure(t: SampleTable, window: int, args, weights: list[float] | None = None) -> dict:
     started = time.perf_counter()
-    sampler = DistributedBatchSampler(t, batch_size=args.batch, rank=0, world_size=args.world, seed=0, window=window,
-                                      source_weights=weights)
+    schedule = Schedule(batch_size=args.batch, seed=0, window=window, source_weights=weights)
+    sampler = DistributedBatchSampler(t, schedule, rank=0, world_size=args.world)
     first = next(iter(sampler))
     took = time.perf_counter() - started
     plan = sampler.plan()

@@ -9,7 +9,7 @@ import pytest
 from sampler_fixtures import TableDataset, collate, shapes_lengths, table
 from vltrain.data.loading.audit import AuditLog, audit_run
 from vltrain.data.loading.loader import TrainLoader
-from vltrain.data.schedule.sampler import DistributedBatchSampler
+from vltrain.data.schedule.sampler import DistributedBatchSampler, Schedule
 
 N = 21
 
@@ -17,7 +17,7 @@ N = 21
 def record_run(run_dir, steps, world=2, **kw):
     t = table(shapes_lengths(N))
     for rank in range(world):
-        s = DistributedBatchSampler(t, batch_size=4, rank=rank, world_size=world, seed=0, **kw)
+        s = DistributedBatchSampler(t, Schedule(batch_size=4, seed=0, **kw), rank=rank, world_size=world)
         loader = TrainLoader(TableDataset(t), s, collate=collate, audit=AuditLog(run_dir, rank, world))
         for _ in range(steps):
             next(loader)

@@ -16,7 +16,7 @@ from sampler_fixtures import (TableDataset, collate, fork_workers, open_data, sh
 from vltrain.data.loading.audit import AuditLog, audit_run
 from vltrain.data.config import DataConfig, SourceSpec
 from vltrain.data.loading.loader import TrainLoader, build_eval_loader, build_train_loader
-from vltrain.data.schedule.sampler import DistributedBatchSampler
+from vltrain.data.schedule.sampler import DistributedBatchSampler, Schedule
 from vltrain.errors import DataError
 from vltrain.model import build_model
 from vltrain.model.config import LossConfig, ModelConfig
@@ -27,7 +27,7 @@ from vltrain.objectives.task import Task
 def make_loader(t, *, rank=0, world_size=1, workers=0, run_dir=None, **kw) -> TrainLoader:
     """A loader over a table-shaped dataset (no files), for behaviour that needs no decoding."""
     kw.setdefault("batch_size", 4)
-    sampler = DistributedBatchSampler(t, rank=rank, world_size=world_size, seed=7, **kw)
+    sampler = DistributedBatchSampler(t, Schedule(seed=7, **kw), rank=rank, world_size=world_size)
     audit = AuditLog(run_dir, rank, world_size) if run_dir else None
     return TrainLoader(TableDataset(t), sampler, collate=collate, num_workers=workers,
                        persistent_workers=workers > 0, audit=audit)

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from sampler_fixtures import shapes_lengths, table
-from vltrain.data.schedule.sampler import DistributedBatchSampler
+from vltrain.data.schedule.sampler import DistributedBatchSampler, Schedule
 from vltrain.errors import UserError
 
 
@@ -16,7 +16,7 @@ def samplers(t, world, **kw):
     kw.setdefault("batch_size", 4)
     kw.setdefault("image_budget", kw["batch_size"])  # DataConfig.resolve()'s default
     kw.setdefault("seed", 3)
-    return [DistributedBatchSampler(t, rank=r, world_size=world, **kw) for r in range(world)]
+    return [DistributedBatchSampler(t, Schedule(**kw), rank=r, world_size=world) for r in range(world)]
 
 
 def epoch_ids(ss) -> list[list[list[int]]]:

@@ -9,7 +9,7 @@ from sampler_fixtures import TableDataset, collate, shapes_lengths, table
 from vltrain.data.schedule import budget
 from vltrain.data.loading.audit import AuditLog, audit_run
 from vltrain.data.loading.loader import TrainLoader
-from vltrain.data.schedule.sampler import DistributedBatchSampler
+from vltrain.data.schedule.sampler import DistributedBatchSampler, Schedule
 from vltrain.data.schedule.window import WindowedOrder
 
 N = 103
@@ -41,8 +41,8 @@ def test_windowed_order_is_a_permutation_reading_few_blocks_at_a_time():
 @pytest.mark.parametrize("world,remainder", [(1, "pad"), (2, "pad"), (3, "drop"), (2, "drop")])
 def test_lazy_fixed_plan_equal_steps_disjoint_and_complete(world, remainder):
     t = blocked_table()
-    samplers = [DistributedBatchSampler(t, batch_size=4, rank=r, world_size=world, seed=0, remainder=remainder,
-                                        window=3) for r in range(world)]
+    schedule = Schedule(batch_size=4, seed=0, remainder=remainder, window=3)
+    samplers = [DistributedBatchSampler(t, schedule, rank=r, world_size=world) for r in range(world)]
     plans = [s.plan(epoch=1) for s in samplers]
     assert len({len(p) for p in plans}) == 1
     rows, repeated = [], []
@@ -65,13 +65,13 @@ def test_lazy_fixed_plan_equal_steps_disjoint_and_complete(world, remainder):
 
 def test_lazy_plan_resumes_exactly():
     t = blocked_table()
-    a = DistributedBatchSampler(t, batch_size=4, rank=1, world_size=2, seed=5, window=2)
+    a = DistributedBatchSampler(t, Schedule(batch_size=4, seed=5, window=2), rank=1, world_size=2)
     whole = list(a)
     a.mark_consumed(5)
-    b = DistributedBatchSampler(t, batch_size=4, rank=1, world_size=2, seed=5, window=2)
+    b = DistributedBatchSampler(t, Schedule(batch_size=4, seed=5, window=2), rank=1, world_size=2)
     b.load_state_dict(a.state_dict())
     assert list(b) == whole[5:]
-    c = DistributedBatchSampler(t, batch_size=4, rank=1, world_size=2, seed=5, window=0)
+    c = DistributedBatchSampler(t, Schedule(batch_size=4, seed=5, window=0), rank=1, world_size=2)
     with pytest.raises(Exception, match="shuffle_window"):
         c.load_state_dict(a.state_dict())
 
@@ -79,8 +79,9 @@ def test_lazy_plan_resumes_exactly():
 @pytest.mark.parametrize("world,remainder", [(2, "pad"), (3, "pad"), (3, "drop")])
 def test_lazy_budget_plan_equal_steps_within_budget_each_row_once(world, remainder):
     t = blocked_table(N, 7)
-    samplers = [DistributedBatchSampler(t, batch_size=8, rank=r, world_size=world, seed=0, batching="budget",
-                                        token_budget=96, image_budget=8, window=2, remainder=remainder)
+    schedule = Schedule(batch_size=8, seed=0, batching="budget", token_budget=96, image_budget=8, window=2,
+                        remainder=remainder)
+    samplers = [DistributedBatchSampler(t, schedule, rank=r, world_size=world)
                 for r in range(world)]
     plans = [s.plan() for s in samplers]
     assert len({len(p) for p in plans}) == 1
@@ -100,12 +101,11 @@ def test_lazy_budget_plan_equal_steps_within_budget_each_row_once(world, remaind
 
 def test_lazy_budget_plan_resumes_exactly_packing_only_what_it_reaches():
     t = blocked_table(N, 7)
-    kw = dict(batch_size=8, rank=0, world_size=2, seed=4, batching="budget", token_budget=96, image_budget=8,
-              window=3)
-    a = DistributedBatchSampler(t, **kw)
+    schedule = Schedule(batch_size=8, seed=4, batching="budget", token_budget=96, image_budget=8, window=3)
+    a = DistributedBatchSampler(t, schedule, rank=0, world_size=2)
     whole = list(a)
     a.mark_consumed(4)
-    b = DistributedBatchSampler(t, **kw)
+    b = DistributedBatchSampler(t, schedule, rank=0, world_size=2)
     b.load_state_dict(a.state_dict())
     it = iter(b)
     assert next(it) == whole[4]
@@ -117,8 +117,8 @@ def test_lazy_budget_plan_resumes_exactly_packing_only_what_it_reaches():
 def test_audit_passes_over_epochs_of_the_lazy_plan(tmp_path, batching):
     t = blocked_table()
     for rank in range(2):
-        s = DistributedBatchSampler(t, batch_size=4, rank=rank, world_size=2, seed=0, window=2, batching=batching,
-                                    token_budget=64, image_budget=4)
+        schedule = Schedule(batch_size=4, seed=0, window=2, batching=batching, token_budget=64, image_budget=4)
+        s = DistributedBatchSampler(t, schedule, rank=rank, world_size=2)
         loader = TrainLoader(TableDataset(t), s, collate=collate, audit=AuditLog(tmp_path, rank, 2))
         steps = len(s.plan(epoch=0))
         for _ in range(2 * steps + 3):  # two whole epochs and part of a third

@@ -12,7 +12,7 @@ from sampler_fixtures import TableDataset, collate, shapes_lengths, table
 from vltrain.data.schedule import budget
 from vltrain.data.loading.audit import AuditLog, audit_run
 from vltrain.data.loading.loader import TrainLoader
-from vltrain.data.schedule.sampler import DistributedBatchSampler
+from vltrain.data.schedule.sampler import DistributedBatchSampler, Schedule
 from vltrain.data.table import SampleTable
 from vltrain.errors import UserError
 
@@ -31,7 +31,7 @@ def mixture_table(sizes=SIZES, block=BLOCK):
 
 def samplers(t, world, mix, **kw):
     kw = {"batch_size": 4, "seed": 2, "window": 2, "token_budget": 64, "image_budget": 4, **mix, **kw}
-    return [DistributedBatchSampler(t, rank=r, world_size=world, **kw) for r in range(world)]
+    return [DistributedBatchSampler(t, Schedule(**kw), rank=r, world_size=world) for r in range(world)]
 
 
 def epoch(ss, e):
@@ -150,8 +150,8 @@ def test_a_two_million_row_mixture_holds_blocks_and_a_window_not_rows():
                     np.repeat(np.array([0, 1], np.int16), [n - small, small]), blocks=np.r_[np.arange(0, n, 1000), n])
     tracemalloc.start()
     try:
-        s = DistributedBatchSampler(t, batch_size=64, rank=1, world_size=4, seed=0, window=4,
-                                    source_weights=[1.0, 3.0])
+        schedule = Schedule(batch_size=64, seed=0, window=4, source_weights=[1.0, 3.0])
+        s = DistributedBatchSampler(t, schedule, rank=1, world_size=4)
         it = iter(s)
         batches = [np.array(next(it)) for _ in range(40)]
         peak = tracemalloc.get_traced_memory()[1]

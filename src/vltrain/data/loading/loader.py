@@ -30,7 +30,7 @@ from vltrain.data.batch import Batch
 from vltrain.data.schedule import mixing
 from vltrain.data.loading.collate import Collator
 from vltrain.data.config import DataConfig, SourceSpec
-from vltrain.data.schedule.sampler import DistributedBatchSampler
+from vltrain.data.schedule.sampler import DistributedBatchSampler, Schedule
 from vltrain.data.table import SampleTable
 from vltrain.errors import UserError
 
@@ -281,22 +281,13 @@ def build_train_loader(
     """
     table = dataset.table()
     resolved = data_cfg.resolve()
-    sampler = DistributedBatchSampler(
-        table,
-        batch_size=data_cfg.batch_size,
-        rank=rank,
-        world_size=world_size,
-        seed=seed,
-        shuffle=data_cfg.shuffle,
-        remainder=data_cfg.remainder,
-        batching=data_cfg.batching,
-        token_budget=resolved.token_budget,
-        image_budget=resolved.image_budget,
-        source_weights=source_shares(data_cfg.train, table),
-        epoch_size=data_cfg.epoch_size or None,
-        pad_multiple=resolved.pad_multiple,
-        window=shuffle_window(data_cfg, dataset),
+    schedule = Schedule(
+        batch_size=data_cfg.batch_size, seed=seed, shuffle=data_cfg.shuffle, remainder=data_cfg.remainder,
+        batching=data_cfg.batching, token_budget=resolved.token_budget, image_budget=resolved.image_budget,
+        source_weights=source_shares(data_cfg.train, table), epoch_size=data_cfg.epoch_size or None,
+        pad_multiple=resolved.pad_multiple, window=shuffle_window(data_cfg, dataset),
     )
+    sampler = DistributedBatchSampler(table, schedule, rank=rank, world_size=world_size)
     if getattr(dataset, "remote", False):
         sampler.lookahead = dataset.prefetch
     collate = Collator(pad_id, data_cfg.max_text_length, data_cfg.image_size, resolved.pad_multiple)

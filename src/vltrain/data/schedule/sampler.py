@@ -117,45 +117,48 @@ class LazyBudgetPlan:
         return self.num_samples - self.dropped - self.batches.repeated
 
 
+@dataclass(frozen=True)
+class Schedule:
+    """How an epoch is cut into steps, the same on every rank: what the sampler is given besides
+    the table and the rank. The loader fills it from ``DataConfig`` and its ``resolve()``."""
+
+    batch_size: int = 0
+    """Rows per rank per step (fixed batching; budget batching's count cap)."""
+    seed: int = 0
+    shuffle: bool = True
+    remainder: Literal["pad", "drop"] = "pad"
+    batching: Literal["fixed", "budget"] = "fixed"
+    token_budget: int = 0
+    image_budget: int = 0
+    source_weights: list[float] | None = None
+    """Per-source sampling weights of a mixture; None: every row once per epoch."""
+    epoch_size: int | None = None
+    pad_multiple: int = budget.PAD_MULTIPLE
+    window: int = 0
+    """Blocks per window of the windowed shuffle (vltrain.data.schedule.window); 0: a full permutation."""
+
+
 class DistributedBatchSampler:
     """Yields this rank's batches (lists of dataset indices) of the current epoch."""
 
-    def __init__(
-        self,
-        table: SampleTable,
-        *,
-        batch_size: int,
-        rank: int,
-        world_size: int,
-        seed: int,
-        shuffle: bool = True,
-        remainder: Literal["pad", "drop"] = "pad",
-        batching: Literal["fixed", "budget"] = "fixed",
-        token_budget: int = 0,
-        image_budget: int = 0,
-        source_weights: list[float] | None = None,
-        epoch_size: int | None = None,
-        pad_multiple: int = budget.PAD_MULTIPLE,
-        window: int = 0,
-    ) -> None:
+    def __init__(self, table: SampleTable, schedule: Schedule, *, rank: int, world_size: int) -> None:
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} outside world of {world_size}")
         if len(table) == 0:
             raise UserError("the training data holds no samples")
-        if source_weights is not None:
-            mixing.check_weights(table.source, source_weights)
-        self.table = table
-        self.batch_size = batch_size
-        self.rank, self.world_size, self.seed = rank, world_size, seed
-        self.shuffle, self.remainder, self.batching = shuffle, remainder, batching
+        if schedule.source_weights is not None:
+            mixing.check_weights(table.source, schedule.source_weights)
+        self.table, self.schedule = table, schedule
+        self.rank, self.world_size = rank, world_size
+        s = schedule
+        self.batch_size, self.seed, self.shuffle, self.remainder = s.batch_size, s.seed, s.shuffle, s.remainder
+        self.batching, self.source_weights, self.epoch_size = s.batching, s.source_weights, s.epoch_size
         # Budget batching packs under these as given: DataConfig.resolve() decides them.
-        self.pad_multiple, self.token_budget, self.image_budget = pad_multiple, token_budget, image_budget
-        self.source_weights, self.epoch_size = source_weights, epoch_size
+        self.pad_multiple, self.token_budget, self.image_budget = s.pad_multiple, s.token_budget, s.image_budget
+        self.window = int(s.window)
         self.lookahead: Callable[[np.ndarray], None] | None = None
         """Called with the batch ``LOOKAHEAD`` steps ahead of each one yielded (remote data
         starts downloading its shards)."""
-        self.window = int(window)
-        """Blocks per window of the windowed shuffle (vltrain.data.schedule.window); 0: a full permutation."""
         self.epoch = 0
         self.consumed = 0
         """Batches of the current epoch the trainer has consumed; iteration resumes after them."""
