@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from modelkit import grads, make_batch, max_relative_error, rows, small_task
 from multiproc import run_world
 from vltrain.objectives.losses import itc_loss, mask_tokens, mlm_loss, sample_negatives, siglip_loss
+from vltrain.types import Rows
 
 
 def _embeds(n: int, d: int = 8, seed: int = 0):
@@ -25,7 +26,7 @@ def test_itc_matches_clip_reference():
     logits = scale.exp() * img @ txt.t()
     target = torch.arange(6)
     expected = (F.cross_entropy(logits, target) + F.cross_entropy(logits.t(), target)) / 2
-    torch.testing.assert_close(itc_loss(img, txt, scale, ones, ones, torch.arange(6)), expected)
+    torch.testing.assert_close(itc_loss(img, txt, scale, Rows(ones, ones, torch.arange(6))), expected)
 
 
 def test_siglip_matches_reference():
@@ -35,14 +36,14 @@ def test_siglip_matches_reference():
     logits = scale.exp() * img @ txt.t() + bias
     labels = 2 * torch.eye(5) - 1
     expected = -F.logsigmoid(labels * logits).sum() / 5
-    torch.testing.assert_close(siglip_loss(img, txt, scale, bias, ones, ones, torch.arange(5)), expected)
+    torch.testing.assert_close(siglip_loss(img, txt, scale, bias, Rows(ones, ones, torch.arange(5))), expected)
 
 
 def test_temperature_is_clamped_at_100():
     img, txt = _embeds(4)
     ones = torch.ones(4, dtype=torch.bool)
-    high = itc_loss(img, txt, torch.tensor(9.0), ones, ones, torch.arange(4))
-    capped = itc_loss(img, txt, torch.log(torch.tensor(100.0)), ones, ones, torch.arange(4))
+    high = itc_loss(img, txt, torch.tensor(9.0), Rows(ones, ones, torch.arange(4)))
+    capped = itc_loss(img, txt, torch.log(torch.tensor(100.0)), Rows(ones, ones, torch.arange(4)))
     torch.testing.assert_close(high, capped)
 
 
@@ -55,7 +56,7 @@ def test_same_id_is_not_a_negative():
     logits[0, 3] = logits[3, 0] = float("-inf")
     target = torch.arange(4)
     expected = (F.cross_entropy(logits, target) + F.cross_entropy(logits.t(), target)) / 2
-    torch.testing.assert_close(itc_loss(img, txt, torch.tensor(1.0), ones, ones, ids), expected)
+    torch.testing.assert_close(itc_loss(img, txt, torch.tensor(1.0), Rows(ones, ones, ids)), expected)
 
 
 @pytest.mark.parametrize("objective", ["itc", "siglip"])
@@ -80,7 +81,7 @@ def test_no_valid_pair_gives_zero_loss_and_finite_gradients():
     img, txt = _embeds(3)
     img.requires_grad_()
     none = torch.zeros(3, dtype=torch.bool)
-    loss = itc_loss(img, txt, torch.tensor(1.0), none, torch.ones(3, dtype=torch.bool), torch.arange(3))
+    loss = itc_loss(img, txt, torch.tensor(1.0), Rows(none, torch.ones(3, dtype=torch.bool), torch.arange(3)))
     loss.backward()
     assert loss.item() == 0.0 and torch.isfinite(img.grad).all() and not img.grad.any()
 

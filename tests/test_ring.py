@@ -9,6 +9,7 @@ import torch
 from multiproc import run_world
 from vltrain.objectives.losses import itc_loss, siglip_loss
 from vltrain.objectives.ring import itc_loss_ring, siglip_loss_ring
+from vltrain.types import Rows
 
 
 def _batch(rank: int, rows: int, seed: int = 0):
@@ -31,10 +32,8 @@ def _value_and_grads(fn, siglip: bool, img, txt, has_image, has_text, ids, weigh
     txt = txt.clone().requires_grad_(True)
     scale = torch.tensor(scale0, requires_grad=True)
     bias = torch.tensor(-3.0, requires_grad=True)
-    if siglip:
-        loss = fn(img, txt, scale, bias, has_image, has_text, ids, weights)
-    else:
-        loss = fn(img, txt, scale, has_image, has_text, ids, weights)
+    rows = Rows(has_image, has_text, ids, weights)
+    loss = fn(img, txt, scale, bias, rows) if siglip else fn(img, txt, scale, rows)
     loss.backward()
     out = {"loss": loss.detach(), "img": img.grad, "txt": txt.grad, "scale": scale.grad}
     if siglip:
@@ -86,7 +85,7 @@ def test_what_the_backward_keeps_does_not_depend_on_the_world_size():
 
     img, txt, has_image, has_text, ids, weights = _batch(0, 6)
     img.requires_grad_(True)
-    loss = itc_loss_ring(img, txt, torch.tensor(2.0, requires_grad=True), has_image, has_text, ids, weights)
+    loss = itc_loss_ring(img, txt, torch.tensor(2.0, requires_grad=True), Rows(has_image, has_text, ids, weights))
     node = loss.grad_fn
     assert node.name().startswith(_RingITC.__name__)
     shapes = [tuple(t.shape) for t in node.saved_tensors]

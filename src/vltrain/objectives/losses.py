@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from vltrain.runtime.distributed import all_gather_no_grad, all_gather_with_grad, all_reduce_sum, exchange_shapes, world_info
+from vltrain.types import Rows
 
 MAX_LOGIT_SCALE = math.log(100.0)
 _MASKED = -1e9  # finite, so rows with nothing valid stay NaN-free in forward and backward
@@ -76,16 +77,16 @@ def itc_loss(
     image_embeds: torch.Tensor,
     text_embeds: torch.Tensor,
     logit_scale: torch.Tensor,
-    has_image: torch.Tensor,
-    has_text: torch.Tensor,
-    ids: torch.Tensor,
-    weights: torch.Tensor | None = None,
+    rows: Rows,
     rows_out: list | None = None,
 ) -> torch.Tensor:
     """CLIP InfoNCE in both directions over the global batch; embeddings are L2-normalized [B, D].
-    ``rows_out`` receives each row's unweighted loss (detached; for per-source metrics)."""
-    valid = has_image & has_text
-    w = _row_weights(valid, weights)
+    Rows with both sides take part, weighted by ``rows.row_weights``; a column with the row's id is
+    never its negative. ``rows_out`` receives each row's unweighted loss (detached; for per-source
+    metrics)."""
+    ids = rows.ids
+    valid = rows.has_image & rows.has_text
+    w = _row_weights(valid, rows.row_weights)
     g = GlobalBatch.build(ids, valid, w, image_embeds, text_embeds)
     all_images = all_gather_with_grad(image_embeds.float(), g.shapes[0])
     all_texts = all_gather_with_grad(text_embeds.float(), g.shapes[1])
@@ -108,10 +109,7 @@ def siglip_loss(
     text_embeds: torch.Tensor,
     logit_scale: torch.Tensor,
     logit_bias: torch.Tensor | None,
-    has_image: torch.Tensor,
-    has_text: torch.Tensor,
-    ids: torch.Tensor,
-    weights: torch.Tensor | None = None,
+    rows: Rows,
     rows_out: list | None = None,
 ) -> torch.Tensor:
     """Sigmoid loss: every (image, text) pair is a binary match / no-match decision.
@@ -119,8 +117,9 @@ def siglip_loss(
     Each rank scores its images against all texts, so every global pair is counted once; a pair with
     the same sample id is a match. Normalized by the (weighted) number of valid images, as in SigLIP.
     """
-    valid = has_image & has_text
-    w = _row_weights(valid, weights)
+    ids = rows.ids
+    valid = rows.has_image & rows.has_text
+    w = _row_weights(valid, rows.row_weights)
     g = GlobalBatch.build(ids, valid, w, text_embeds)
     all_texts = all_gather_with_grad(text_embeds.float(), g.shapes[0])
     logits = scale_of(logit_scale) * image_embeds.float() @ all_texts.t()

@@ -26,6 +26,7 @@ import torch.nn.functional as F
 
 from vltrain.runtime.distributed import issue, world_info
 from vltrain.objectives.losses import _MASKED, GlobalBatch, _row_weights, scale_of
+from vltrain.types import Rows
 
 
 def ring_pass(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -169,11 +170,11 @@ class _RingSigLIP(torch.autograd.Function):
         return g_img, home[: ids.shape[0]], g_scale, g_bias, None, None, None, None, None
 
 
-def itc_loss_ring(image_embeds, text_embeds, logit_scale, has_image, has_text, ids, weights=None,
-                  rows_out: list | None = None) -> torch.Tensor:
+def itc_loss_ring(image_embeds, text_embeds, logit_scale, rows: Rows, rows_out: list | None = None) -> torch.Tensor:
     """``losses.itc_loss`` computed around the ring (same arguments, value and gradients)."""
-    valid = has_image & has_text
-    w = _row_weights(valid, weights)
+    ids = rows.ids
+    valid = rows.has_image & rows.has_text
+    w = _row_weights(valid, rows.row_weights)
     g = GlobalBatch.build(ids, valid, w)
     total = torch.where(g.weight_total > 0, g.weight_total, torch.ones_like(g.weight_total))
     coef = w * g.world / total / 2
@@ -181,11 +182,12 @@ def itc_loss_ring(image_embeds, text_embeds, logit_scale, has_image, has_text, i
                           max(g.sizes), rows_out)
 
 
-def siglip_loss_ring(image_embeds, text_embeds, logit_scale, logit_bias, has_image, has_text, ids,
-                     weights=None, rows_out: list | None = None) -> torch.Tensor:
+def siglip_loss_ring(image_embeds, text_embeds, logit_scale, logit_bias, rows: Rows,
+                     rows_out: list | None = None) -> torch.Tensor:
     """``losses.siglip_loss`` computed around the ring (same arguments, value and gradients)."""
-    valid = has_image & has_text
-    w = _row_weights(valid, weights)
+    ids = rows.ids
+    valid = rows.has_image & rows.has_text
+    w = _row_weights(valid, rows.row_weights)
     g = GlobalBatch.build(ids, valid, w)
     total = torch.where(g.weight_total > 0, g.weight_total, torch.ones_like(g.weight_total))
     coef = w * g.world / total

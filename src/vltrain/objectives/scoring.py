@@ -134,11 +134,10 @@ class Objectives:
         itc, siglip = (itc_loss_ring, siglip_loss_ring) if self.ring else (itc_loss, siglip_loss)
         per_row: dict[str, list] = {k: [] for k in ("itc", "siglip")}
         if "itc" in self.loss_weights:
-            out["itc"] = itc(image_embeds, text_embeds, model.logit_scale, rows.has_image, rows.has_text, rows.ids,
-                             rows.row_weights, per_row["itc"])
+            out["itc"] = itc(image_embeds, text_embeds, model.logit_scale, rows, per_row["itc"])
         if "siglip" in self.loss_weights:
-            out["siglip"] = siglip(image_embeds, text_embeds, model.logit_scale, model.logit_bias, rows.has_image,
-                                   rows.has_text, rows.ids, rows.row_weights, per_row["siglip"])
+            out["siglip"] = siglip(image_embeds, text_embeds, model.logit_scale, model.logit_bias, rows,
+                                   per_row["siglip"])
         if row_losses is not None:
             paired = rows.has_image & rows.has_text
             row_losses.update({k: RowLosses(v[0], paired) for k, v in per_row.items() if v})
