@@ -28,6 +28,7 @@ from vltrain.data.tools.synth import synthesize, synthesize_classify, write_toke
 from vltrain.data.tokenizers import load_tokenizer
 from vltrain.demo import measure_rate
 from vltrain.runtime.precision import Precision
+from vltrain.eval.embedding import Encoder
 from vltrain.eval.zeroshot import evaluate_zeroshot, open_zeroshot
 
 
@@ -38,11 +39,11 @@ def zeroshot_rate(cfg, root: Path, tokenizer, repeats: int) -> tuple[float, int]
     zs = open_zeroshot("shapes", str(root), str(root / "templates.txt"), cfg.data, tokenizer, rank=0,
                        world_size=1, batch_size=cfg.eval.batch_size)
     autocast = Precision(cfg.train.precision, torch.device("cpu")).autocast
-    evaluate_zeroshot(task, zs, cfg.data, torch.device("cpu"), autocast)  # warm-up
+    evaluate_zeroshot(Encoder(task, cfg.data, torch.device("cpu"), autocast), zs)  # warm-up
     best = float("inf")
     for _ in range(repeats):
         start = time.perf_counter()
-        m = evaluate_zeroshot(task, zs, cfg.data, torch.device("cpu"), autocast)
+        m = evaluate_zeroshot(Encoder(task, cfg.data, torch.device("cpu"), autocast), zs)
         best = min(best, time.perf_counter() - start)
     n = int(m["zeroshot/shapes/num_images"])
     return n / best, n

@@ -11,6 +11,7 @@ from PIL import Image
 
 from vltrain.data.config import DataConfig
 from vltrain.data.tools.tokenizer_training import train_tokenizer
+from vltrain.eval.embedding import Encoder
 from vltrain.eval.zeroshot import class_embeddings, evaluate_zeroshot, open_zeroshot
 
 from multiproc import run_world
@@ -61,7 +62,7 @@ def _evaluate(root, tok, class_tokens, rank=0, world=1, batch_size=2):
     assert task.classnames == ["bird", "cat", "dog"]  # folder order
     import contextlib
 
-    return evaluate_zeroshot(ToyTask(class_tokens), task, cfg, torch.device("cpu"), contextlib.nullcontext)
+    return evaluate_zeroshot(Encoder(ToyTask(class_tokens), cfg, torch.device("cpu"), contextlib.nullcontext), task)
 
 
 def test_exact_accuracies_on_a_toy_model_with_chosen_embeddings(tmp_path):

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import multiprocessing
-import os
 import shutil
 from pathlib import Path
 
@@ -16,7 +15,6 @@ from vltrain.data.index import build as index_build, lengths as index_lengths
 from vltrain.data.index.open import open_indexed
 from vltrain.data.sources.shards import ShardSource, write_shards
 from vltrain.data.sources.manifests import ManifestSource
-from vltrain.errors import DataError
 
 
 @pytest.fixture(scope="module")

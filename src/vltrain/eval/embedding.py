@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 from torch import nn
@@ -21,6 +21,17 @@ from vltrain.eval.labeled import TextListDataset
 from vltrain.data.loading.loader import EvalLoader, build_eval_loader
 from vltrain.data.tokenizers import Tokenizer
 from vltrain.runtime.distributed import all_gather_no_grad, pad_to
+
+
+@dataclass(frozen=True)
+class Encoder:
+    """What every evaluation embeds with: the wrapped task (its ``encode`` part), the device, the
+    training's autocast, and the data config whose mean and std normalize the pixels."""
+
+    wrapped: nn.Module
+    data_cfg: DataConfig
+    device: torch.device
+    autocast: Callable
 
 
 @dataclass
@@ -68,14 +79,13 @@ def cat_padded(parts: list[torch.Tensor]) -> torch.Tensor:
 
 
 @torch.no_grad()
-def embed_list(wrapped: nn.Module, loader: EvalLoader, side: str, data_cfg: DataConfig, device: torch.device,
-               autocast, keep_tokens: bool = False) -> Embedded:
+def embed_list(encoder: Encoder, loader: EvalLoader, side: str, keep_tokens: bool = False) -> Embedded:
     """This rank's rows of ``loader`` (``side``: "image" or "text"), in order, without padding rows."""
     embeds, present, tokens, masks, errors = [], [], [], [], {}
     for batch in loader:
-        inputs = batch.to_model_inputs(device, data_cfg.mean, data_cfg.std)
-        with autocast():
-            enc = wrapped("encode", inputs)
+        inputs = batch.to_model_inputs(encoder.device, encoder.data_cfg.mean, encoder.data_cfg.std)
+        with encoder.autocast():
+            enc = encoder.wrapped("encode", inputs)
         image = side == "image"
         embeds.append((enc.image_embeds if image else enc.text_embeds).float())
         present.append(inputs.has_image if image else inputs.has_text)
@@ -101,9 +111,8 @@ def eval_mode(module: nn.Module) -> Iterator[None]:
         module.train(was_training)
 
 
-def embed_gathered(wrapped: nn.Module, loader: EvalLoader, side: str, data_cfg: DataConfig, device: torch.device,
-                   autocast, keep_tokens: bool = False) -> Embedded:
+def embed_gathered(encoder: Encoder, loader: EvalLoader, side: str, keep_tokens: bool = False) -> Embedded:
     """:func:`embed_list`, then every rank's rows (the whole list, in order) on every rank."""
-    with eval_mode(wrapped):
-        local = embed_list(wrapped, loader, side, data_cfg, device, autocast, keep_tokens)
+    with eval_mode(encoder.wrapped):
+        local = embed_list(encoder, loader, side, keep_tokens)
     return local.gathered()

@@ -23,7 +23,7 @@ from vltrain.data.dataset import source_specs
 from vltrain.data.tokenizers import Tokenizer
 from vltrain.runtime.distributed import World, all_gather_no_grad, all_reduce_sum
 from vltrain.errors import ConfigError, UserError
-from vltrain.eval.embedding import Embedded, cat_padded, eval_mode
+from vltrain.eval.embedding import Embedded, Encoder, cat_padded, eval_mode
 from vltrain.export.native import is_exported, load_exported
 from vltrain.model.interop.pretrained import is_pretrained
 from vltrain.runtime.precision import Precision
@@ -91,8 +91,7 @@ class Pairs:
 
 
 @torch.no_grad()
-def embed_pairs(wrapped: nn.Module, loader, data_cfg, device: torch.device, autocast, max_samples: int = 0,
-                keep_tokens: bool = False) -> Pairs:
+def embed_pairs(encoder: Encoder, loader, max_samples: int = 0, keep_tokens: bool = False) -> Pairs:
     """This rank's image-text pairs (rows missing either side are skipped), with their tokens for
     ITM re-ranking when ``keep_tokens``.
 
@@ -100,10 +99,10 @@ def embed_pairs(wrapped: nn.Module, loader, data_cfg, device: torch.device, auto
     parts: list[Pairs] = []
     seen = 0
     for batch in loader:
-        inputs = batch.to_model_inputs(device, data_cfg.mean, data_cfg.std)
+        inputs = batch.to_model_inputs(encoder.device, encoder.data_cfg.mean, encoder.data_cfg.std)
         keep = inputs.has_image & inputs.has_text
-        with autocast():
-            enc = wrapped("encode", inputs)
+        with encoder.autocast():
+            enc = encoder.wrapped("encode", inputs)
         images = Embedded(enc.image_embeds[keep].float(), keep[keep])
         texts = Embedded(enc.text_embeds[keep].float(), keep[keep])
         if keep_tokens:
@@ -127,14 +126,14 @@ def _cat_pairs(parts: list[Pairs]) -> Pairs:
     return Pairs(sides["images"], sides["texts"], torch.cat([p.ids for p in parts]), torch.cat([p.source for p in parts]))
 
 
-def evaluate(wrapped: nn.Module, loader, data_cfg, device: torch.device, autocast, max_samples: int = 0,
-             rerank_k: int = 0, batch_size: int = 256, source_names: list[str] | None = None) -> dict[str, float]:
+def evaluate(encoder: Encoder, loader, *, max_samples: int = 0, rerank_k: int = 0, batch_size: int = 256,
+             source_names: list[str] | None = None) -> dict[str, float]:
     """Retrieval metrics over the val set (one caption per image); the same dict on every rank.
     With ``rerank_k`` (fusion models), also the ITM re-ranked recalls, as ``itm_i2t_r1`` ...; with
     several ``source_names`` (``data.val`` lists several sources), each source's own recalls too, as
     ``val/NAME/t2i_r1`` ... (each source's pairs searched among themselves)."""
-    with eval_mode(wrapped):
-        pairs = embed_pairs(wrapped, loader, data_cfg, device, autocast, max_samples, keep_tokens=bool(rerank_k))
+    with eval_mode(encoder.wrapped):
+        pairs = embed_pairs(encoder, loader, max_samples, keep_tokens=bool(rerank_k))
     pairs = pairs.gathered()
     # an evenly split val set repeats a few samples on some ranks; count each pair once
     order = torch.argsort(pairs.ids, stable=True)
@@ -153,7 +152,7 @@ def evaluate(wrapped: nn.Module, loader, data_cfg, device: torch.device, autocas
             out.update({f"val/{name}/{k}": v for k, v in per.items()})
     if rerank_k and len(keep):
         one_each = torch.arange(len(keep), device=pairs.images.embeds.device)
-        rescored = itm_rerank(wrapped, pairs.images, pairs.texts, rerank_k, batch_size, autocast)
+        rescored = itm_rerank(encoder.wrapped, pairs.images, pairs.texts, rerank_k, batch_size, encoder.autocast)
         out.update(multi_caption_recall(pairs.images.embeds, pairs.texts.embeds, one_each, rescored, prefix="itm_"))
     return out
 
@@ -177,14 +176,15 @@ class Evaluator:
         ec, data = self.cfg.eval, self.cfg.data
         rerank_k = ec.itm_rerank_k if getattr(model, "itm_head", None) is not None else 0
         out: dict[str, float] = {}
+        encoder = Encoder(wrapped, data, device, autocast)
         if self.val is not None:
             names = [s.display_name() for s in source_specs(data.val)]
-            out.update(evaluate(wrapped, self.val, data, device, autocast, ec.max_samples, rerank_k, ec.batch_size,
-                                names))
+            out.update(evaluate(encoder, self.val, max_samples=ec.max_samples, rerank_k=rerank_k,
+                                batch_size=ec.batch_size, source_names=names))
         for z in self.zeroshot:
-            out.update(evaluate_zeroshot(wrapped, z, data, device, autocast))
+            out.update(evaluate_zeroshot(encoder, z))
         for r in self.retrieval:
-            out.update(evaluate_retrieval(wrapped, r, data, device, autocast, rerank_k, ec.batch_size))
+            out.update(evaluate_retrieval(encoder, r, rerank_k, ec.batch_size))
         return out
 
 

@@ -32,7 +32,7 @@ from vltrain.eval.labeled import ImageListDataset
 from vltrain.data.loading.loader import EvalLoader, build_eval_loader
 from vltrain.data.tokenizers import Tokenizer
 from vltrain.runtime.distributed import all_gather_no_grad, world_info
-from vltrain.eval.embedding import Embedded, embed_gathered, eval_mode, text_loader
+from vltrain.eval.embedding import Embedded, Encoder, embed_gathered, eval_mode, text_loader
 
 KS = (1, 5, 10)
 RERANKED = 1e4
@@ -151,12 +151,11 @@ def open_retrieval(name: str, path: str, split: str, image_root: str, data_cfg: 
     return RetrievalTask(name, torch.tensor(sets.image_of), images, captions)
 
 
-def evaluate_retrieval(wrapped: nn.Module, task: RetrievalTask, data_cfg: DataConfig, device: torch.device,
-                       autocast, rerank_k: int, batch_size: int) -> dict[str, float]:
+def evaluate_retrieval(encoder: Encoder, task: RetrievalTask, rerank_k: int, batch_size: int) -> dict[str, float]:
     """``retrieval/NAME/i2t_r1`` ... on every rank. An unreadable image is left out with its captions."""
     keep = bool(rerank_k)
-    images = embed_gathered(wrapped, task.images, "image", data_cfg, device, autocast, keep_tokens=keep)
-    texts = embed_gathered(wrapped, task.captions, "text", data_cfg, device, autocast, keep_tokens=keep)
+    images = embed_gathered(encoder, task.images, "image", keep_tokens=keep)
+    texts = embed_gathered(encoder, task.captions, "text", keep_tokens=keep)
     image_of = task.image_of.to(images.embeds.device)
     readable = images.present
     unreadable = int((~readable).sum())
@@ -170,7 +169,7 @@ def evaluate_retrieval(wrapped: nn.Module, task: RetrievalTask, data_cfg: DataCo
                          None if texts.mask is None else texts.mask[captions])
         image_of = renumber[image_of[captions]]
     prefix = f"retrieval/{task.name}/"
-    out = recall_with_rerank(wrapped, images, texts, image_of, rerank_k, batch_size, autocast, prefix)
+    out = recall_with_rerank(encoder.wrapped, images, texts, image_of, rerank_k, batch_size, encoder.autocast, prefix)
     out.update({f"{prefix}num_images": images.embeds.shape[0], f"{prefix}num_captions": texts.embeds.shape[0],
                 f"{prefix}num_unreadable": unreadable})
     return out

@@ -20,14 +20,13 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 from vltrain.data.config import DataConfig
 from vltrain.eval.labeled import ImageListDataset, open_labeled, read_templates
 from vltrain.data.loading.loader import EvalLoader, build_eval_loader
 from vltrain.data.tokenizers import Tokenizer
 from vltrain.runtime.distributed import all_reduce_sum
-from vltrain.eval.embedding import embed_gathered, embed_list, eval_mode, text_loader
+from vltrain.eval.embedding import Encoder, embed_gathered, embed_list, eval_mode, text_loader
 
 log = logging.getLogger(__name__)
 
@@ -92,16 +91,15 @@ def accuracy_metrics(counts: torch.Tensor, unreadable: int, prefix: str = "") ->
     }
 
 
-def evaluate_zeroshot(wrapped: nn.Module, task: ZeroShotTask, data_cfg: DataConfig, device: torch.device,
-                      autocast) -> dict[str, float]:
+def evaluate_zeroshot(encoder: Encoder, task: ZeroShotTask) -> dict[str, float]:
     """``zeroshot/NAME/top1`` ... on every rank (the same dict on each)."""
-    prompts = embed_gathered(wrapped, task.prompts, "text", data_cfg, device, autocast)
+    prompts = embed_gathered(encoder, task.prompts, "text")
     classes = class_embeddings(prompts.embeds, task.prompt_index)
-    with eval_mode(wrapped):
-        local = embed_list(wrapped, task.images, "image", data_cfg, device, autocast)
+    with eval_mode(encoder.wrapped):
+        local = embed_list(encoder, task.images, "image")
     offset = task.images.offset
     readable = local.present
-    labels = task.labels[offset: offset + readable.shape[0]].to(device)[readable]
+    labels = task.labels[offset: offset + readable.shape[0]].to(encoder.device)[readable]
     counts = class_counts(local.embeds[readable], labels, classes)
     unreadable = (~readable).sum().to(torch.float64).reshape(1)
     packet = all_reduce_sum(torch.cat([counts.flatten(), unreadable]))
