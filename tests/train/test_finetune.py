@@ -15,7 +15,7 @@ from vltrain.checkpoint.manager import INITIAL_FILE
 from vltrain.config.job import load_config
 from vltrain.errors import UserError
 
-RECIPE = Path(__file__).resolve().parents[1] / "configs" / "finetune-clip.yaml"
+RECIPE = Path(__file__).resolve().parents[2] / "configs" / "finetune-clip.yaml"
 
 
 def test_recipe_loads_with_the_users_overrides():

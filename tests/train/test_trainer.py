@@ -61,7 +61,7 @@ def train(shapes: Path, run_dir: Path, nproc: int = 1, timeout: float = 240, **e
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
                "--master-addr", "127.0.0.1", "--master-port", str(free_port()), "-m", "vltrain"]
     cmd += ["train", "configs/demo.yaml", *overrides(shapes, run_dir, **extra)]
-    repo = Path(__file__).resolve().parents[1]
+    repo = Path(__file__).resolve().parents[2]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=repo)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     return [r for r in read_jsonl(run_dir / "metrics.jsonl") if "loss" in r]
@@ -112,7 +112,7 @@ def test_nonfinite_steps_in_a_row_stop_with_a_clear_error(shapes, tmp_path):
     from vltrain.errors import NonFiniteError
     from vltrain.train.trainer import Trainer
 
-    cfg = load_config(Path(__file__).resolve().parents[1] / "configs" / "demo.yaml", overrides(
+    cfg = load_config(Path(__file__).resolve().parents[2] / "configs" / "demo.yaml", overrides(
         shapes, tmp_path / "div", **{"train.lr": 1e9, "train.warmup_steps": 0, "train.grad_clip": 0,
                                     "train.max_nonfinite_steps": 2, "data.val": ""}))
     trainer = Trainer(cfg)

@@ -5,7 +5,7 @@ import os
 import socket
 
 import pytest
-from test_shards import make_manifest
+from shardkit import make_manifest
 
 from vltrain.data.sources import shards
 from vltrain.data.sources.shards import ShardSource, index_path, load_index, write_shards

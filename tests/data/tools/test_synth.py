@@ -81,7 +81,7 @@ def test_synth_writes_a_tokenizer_and_the_next_command_trains(cli, tmp_path):
     assert (tmp_path / "D" / "tokenizer.json").is_file()
     next_line = next(line for line in proc.stdout.splitlines() if line.startswith("next: "))
     args = next_line.removeprefix("next: vltrain ").split()
-    args[1] = str(Path(__file__).resolve().parents[2] / "configs" / "demo.yaml")
+    args[1] = str(Path(__file__).resolve().parents[3] / "configs" / "demo.yaml")
     run = cli(*args, "train.max_steps=2", "data.batch_size=8", "eval.batch_size=8", "run.dir=R",
               "train.progress=false", "data.num_workers=0", timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
@@ -89,7 +89,7 @@ def test_synth_writes_a_tokenizer_and_the_next_command_trains(cli, tmp_path):
 
 def test_a_missing_tokenizer_names_the_command_that_makes_it(cli, tmp_path):
     synth.synthesize(tmp_path / "D", num=20, val=4, workers=1)
-    repo_config = Path(__file__).resolve().parents[2] / "configs" / "demo.yaml"
+    repo_config = Path(__file__).resolve().parents[3] / "configs" / "demo.yaml"
     proc = cli("train", repo_config, "data.train=D/train.jsonl", "data.val=D/val.jsonl", "train.max_steps=1")
     assert proc.returncode != 0 and "Traceback" not in proc.stderr
     assert "tokenizer not found: data/shapes/tokenizer.json" in proc.stderr
