@@ -1,4 +1,4 @@
-"""Building a source's sample index (``index.py``): once, in parallel, resumable.
+"""Building a source's sample index (``reader.py``): once, in parallel, resumable.
 
 The work is cut into parts: byte ranges of a JSONL manifest (a row belongs to the part its first
 byte falls in), groups of tar shards, or a CSV manifest whole (a quoted field may hold a line
@@ -9,7 +9,7 @@ appears under its final name in one rename.
 
 The index is keyed by the files it describes (path, size, modification time or ETag) and the CSV
 settings: change a file and another index is built; a stale one is never read. Caption token
-counts, which depend on a tokenizer, are a column of their own (``index_lengths.py``).
+counts, which depend on a tokenizer, are a column of their own (``lengths.py``).
 """
 
 from __future__ import annotations

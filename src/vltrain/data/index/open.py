@@ -1,7 +1,7 @@
 """Opening a source through its sample index: find it or build it, and its token counts.
 
 ``open_indexed`` is what datasets call; ``vltrain data index`` builds ahead of time. The pieces:
-``index.py`` reads an index, ``index_build.py`` builds one, ``index_lengths.py`` adds the caption
+``reader.py`` reads an index, ``build.py`` builds one, ``lengths.py`` adds the caption
 token counts of a tokenizer.
 """
 

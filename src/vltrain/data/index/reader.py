@@ -2,7 +2,7 @@
 
 A billion-row dataset cannot be parsed into Python lists by every rank and every loader worker
 at start-up. So each source is scanned once (``vltrain data index``, or automatically on first
-use: ``index_build.py``) into a folder of numpy columns, a few bytes per sample::
+use: ``build.py``) into a folder of numpy columns, a few bytes per sample::
 
     INDEX/meta.json        what was indexed (files, sizes, mtimes, tokenizer, text length, counts)
     INDEX/problems.jsonl   every malformed (dropped) or suspicious (kept) row, with file and line
