@@ -83,9 +83,9 @@ def loopback_tx() -> int:
 
 
 def _model(name: str, variant: str):
-    from vltrain.train.build import build_task
     from vltrain.config.job import load_config
     from vltrain.model import build_model
+    from vltrain.train.build import build_task
 
     _, negatives, impl = VARIANTS[variant]
     cfg = load_config(None, [f"model.preset={name}", *MODELS[name], f"model.loss.itm_negatives={negatives}",
@@ -97,8 +97,7 @@ def _model(name: str, variant: str):
 
 def _encoded(model, b: int, width: int, rank: int):
     """Encoder outputs of the model's shapes, as leaves: the loss is all that runs on them."""
-    from vltrain.types import ModelInputs
-    from vltrain.types import Encoded
+    from vltrain.types import Encoded, ModelInputs
 
     g = torch.Generator().manual_seed(rank)
     fusion = model.fusion is not None

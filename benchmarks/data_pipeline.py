@@ -44,10 +44,10 @@ import torch
 from PIL import Image, ImageDraw
 from torch.utils.data import DataLoader, Dataset
 
-from vltrain.data.loading.collate import Collator
 from vltrain.data.config import DataConfig
 from vltrain.data.dataset import build_dataset
 from vltrain.data.images import decode_image
+from vltrain.data.loading.collate import Collator
 from vltrain.data.loading.loader import build_train_loader
 from vltrain.data.tools.tokenizer_training import train_tokenizer
 

@@ -60,18 +60,18 @@ import psutil
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "src"))
 
+from _data_scale_data import dataset, disk_read_rate, drop_cache, make_assets, shards_per, tar_walk, tar_walk_rate  # noqa: E402
+
 from vltrain.data.config import DataConfig  # noqa: E402
 from vltrain.data.dataset import ImageTextDataset, build_dataset  # noqa: E402
-from vltrain.data.index.reader import BYTES_PER_SAMPLE  # noqa: E402
 from vltrain.data.index.open import open_indexed  # noqa: E402
+from vltrain.data.index.reader import BYTES_PER_SAMPLE  # noqa: E402
 from vltrain.data.loading.loader import build_train_loader  # noqa: E402
 from vltrain.data.schedule.sampler import DistributedBatchSampler, Schedule  # noqa: E402
-from vltrain.data.sources.shards import ShardSource, shard_paths, span_members  # noqa: E402
 from vltrain.data.sources.manifests import ManifestSource  # noqa: E402
+from vltrain.data.sources.shards import ShardSource, shard_paths, span_members  # noqa: E402
 from vltrain.data.tokenizers import load_tokenizer  # noqa: E402
 from vltrain.data.tools.tokenizer_training import train_tokenizer  # noqa: E402
-from _data_scale_data import (dataset, disk_read_rate, drop_cache, make_assets, shards_per,  # noqa: E402
-                              tar_walk, tar_walk_rate)
 
 TINY = 2000
 WORLD, LOADER_WORKERS, BATCH, WINDOW = 2, 2, 256, 16

@@ -26,10 +26,11 @@ import torch
 
 def worker(args: argparse.Namespace) -> None:
     from _demo_model import demo_config, demo_task, random_inputs
-    from vltrain.train.optim import build_optimizer
-    from vltrain.train.parallelize import parallelize
+
     from vltrain.runtime.precision import Precision
     from vltrain.runtime.world import setup_world
+    from vltrain.train.optim import build_optimizer
+    from vltrain.train.parallelize import parallelize
     from vltrain.train.step import plain_backward
 
     cfg = demo_config(f"train.precision={args.precision}", *([f"model.preset={args.preset}"] if args.preset else []))

@@ -21,15 +21,15 @@ import time
 from pathlib import Path
 
 import torch
-
 from _demo_model import demo_config, load_average
-from vltrain.train.build import build_model_for, build_task
-from vltrain.data.tools.synth import synthesize, synthesize_classify, write_tokenizer
+
 from vltrain.data.tokenizers import load_tokenizer
+from vltrain.data.tools.synth import synthesize, synthesize_classify, write_tokenizer
 from vltrain.demo import measure_rate
-from vltrain.runtime.precision import Precision
 from vltrain.eval.embedding import Encoder
 from vltrain.eval.zeroshot import evaluate_zeroshot, open_zeroshot
+from vltrain.runtime.precision import Precision
+from vltrain.train.build import build_model_for, build_task
 
 
 def zeroshot_rate(cfg, root: Path, tokenizer, repeats: int) -> tuple[float, int]:

@@ -27,8 +27,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-
 from data_pipeline import make_data, read_manifest
+
 from vltrain.config.job import load_config
 from vltrain.data.tools.tokenizer_training import train_tokenizer
 from vltrain.train.metrics import peak_memory_bytes

@@ -25,10 +25,11 @@ import torch
 
 def worker(mode: str, global_batch: int, micro: int, precision: str) -> None:
     from _demo_model import demo_config, demo_task, random_inputs
-    from vltrain.train.gradcache import gradcache_backward
-    from vltrain.train.optim import build_optimizer
+
     from vltrain.runtime.precision import Precision
     from vltrain.runtime.world import keep_freed_memory
+    from vltrain.train.gradcache import gradcache_backward
+    from vltrain.train.optim import build_optimizer
     from vltrain.train.step import plain_backward
 
     torch.set_num_threads(2)

@@ -9,8 +9,8 @@ from __future__ import annotations
 import torch
 
 from vltrain.model import build_model, list_presets
-from vltrain.objectives.scoring import Objectives
 from vltrain.model.config import LossConfig, ModelConfig
+from vltrain.objectives.scoring import Objectives
 
 REFERENCE = {  # vocab, text length, image size
     "tiny-clip": (1000, 32, 64),

@@ -24,9 +24,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from vltrain.data.config import padded_width
+from vltrain.data.config import DataConfig, padded_width
 from vltrain.data.schedule.budget import batch_tokens
-from vltrain.data.config import DataConfig
 from vltrain.data.schedule.sampler import DistributedBatchSampler, Schedule
 from vltrain.data.table import SampleTable
 

@@ -91,14 +91,14 @@ VARIANTS = {
 
 
 def vltrain_step(folder: Path, precision: str, b: dict, device: torch.device, overrides: tuple[str, ...]):
-    from vltrain.train.build import build_model_for, build_task, build_tokenizer, resolve_init
     from vltrain.config.job import load_config
-    from vltrain.types import ModelInputs
-    from vltrain.train.optim import build_optimizer
-    from vltrain.train.parallelize import compile_blocks
     from vltrain.runtime.precision import Precision
     from vltrain.runtime.world import keep_freed_memory
+    from vltrain.train.build import build_model_for, build_task, build_tokenizer, resolve_init
+    from vltrain.train.optim import build_optimizer
+    from vltrain.train.parallelize import compile_blocks
     from vltrain.train.step import plain_backward
+    from vltrain.types import ModelInputs
 
     keep_freed_memory()
     cfg = load_config(None, [f"model.init={folder}", f"train.precision={precision}", "train.lr=1e-5", *overrides])

@@ -26,13 +26,13 @@ import time
 from collections import defaultdict
 
 import torch
+from _demo_model import demo_config, demo_task, load_average, random_inputs
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from _demo_model import demo_config, demo_task, load_average, random_inputs
-from vltrain.train.metrics import measure_cpu_peak
-from vltrain.train.optim import build_optimizer
 from vltrain.runtime.precision import Precision
 from vltrain.runtime.world import keep_freed_memory
+from vltrain.train.metrics import measure_cpu_peak
+from vltrain.train.optim import build_optimizer
 from vltrain.train.step import plain_backward
 
 # the matmul ops as they reach the dispatcher (linear and matmul decompose into these first)

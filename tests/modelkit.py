@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import torch
 
-from vltrain.types import ModelInputs
 from vltrain.model import VLModel, build_model
 from vltrain.model.config import LossConfig, ModelConfig
 from vltrain.objectives.scoring import Objectives
 from vltrain.objectives.task import Task
+from vltrain.types import ModelInputs
 
 VOCAB, PAD, MASK, IMAGE, LENGTH = 50, 0, 1, 32, 8
 

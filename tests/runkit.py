@@ -14,8 +14,8 @@ import sys
 from pathlib import Path
 
 import torch
-
 from multiproc import free_port
+
 from vltrain.checkpoint.manager import find_checkpoint
 from vltrain.checkpoint.storage import read_tensors
 

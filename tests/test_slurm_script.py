@@ -12,7 +12,6 @@ import time
 from pathlib import Path
 
 import pytest
-
 from multiproc import free_port
 from runkit import overrides, session_shapes
 

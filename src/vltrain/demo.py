@@ -74,11 +74,11 @@ def measure_rate(cfg, vocab: int = TOKENIZER_VOCAB, steps: int = 3) -> float:
 
     import torch
 
-    from vltrain.train.build import build_task
     from vltrain.model import build_model
-    from vltrain.train.optim import build_optimizer
     from vltrain.runtime.precision import Precision
     from vltrain.runtime.world import keep_freed_memory
+    from vltrain.train.build import build_task
+    from vltrain.train.optim import build_optimizer
     from vltrain.train.step import plain_backward
 
     keep_freed_memory()

@@ -12,9 +12,9 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from multiproc import free_port
 from torch import nn
 
-from multiproc import free_port
 from vltrain.checkpoint.manager import (
     Checkpointer,
     ModelState,

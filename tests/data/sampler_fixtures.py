@@ -10,16 +10,17 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from vltrain.data.loading.collate import Collator
 from vltrain.data.config import DataConfig
 from vltrain.data.dataset import ImageTextDataset, Sample, build_dataset
 from vltrain.data.ids import stable_uid
-from vltrain.data.sources.shards import write_shards
+from vltrain.data.loading.collate import Collator
 from vltrain.data.sources.open import open_source
-from vltrain.data.tools.synth import describe, sample_scene, synthesize
+from vltrain.data.sources.shards import write_shards
 from vltrain.data.table import SampleTable
 from vltrain.data.tokenizers import load_tokenizer
+from vltrain.data.tools.synth import describe, sample_scene, synthesize
 from vltrain.data.tools.tokenizer_training import source_texts, train_tokenizer
+
 
 def table(text_len, has_image=None, has_text=None, source=None) -> SampleTable:
     text_len = np.asarray(text_len, dtype=np.int32)

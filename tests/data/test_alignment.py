@@ -11,13 +11,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch.utils.data import DataLoader, RandomSampler
 
-from vltrain.data.loading.collate import Collator
 from vltrain.data.config import DataConfig
 from vltrain.data.dataset import build_dataset
 from vltrain.data.ids import stable_uid
 from vltrain.data.images import decode_image
-from vltrain.data.sources.shards import write_shards
+from vltrain.data.loading.collate import Collator
 from vltrain.data.sources.manifests import ManifestSource
+from vltrain.data.sources.shards import write_shards
 
 IMAGE_SIZE, MAX_LEN = 8, 24
 

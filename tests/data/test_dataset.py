@@ -5,13 +5,13 @@ import pytest
 import torch
 from datafiles import caption, distinct_image, save, tiny_tokenizer, write_csv, write_jsonl
 
-from vltrain.data.loading.collate import Collator
 from vltrain.data.config import DataConfig, SourceSpec
 from vltrain.data.dataset import MAX_TRIES, build_dataset
 from vltrain.data.ids import stable_uid
 from vltrain.data.images import decode_image
-from vltrain.data.sources.shards import write_shards
+from vltrain.data.loading.collate import Collator
 from vltrain.data.sources.manifests import ManifestSource
+from vltrain.data.sources.shards import write_shards
 from vltrain.errors import DataError
 
 

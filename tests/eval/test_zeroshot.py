@@ -7,14 +7,13 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.nn.functional as F
+from multiproc import run_world
 from PIL import Image
 
 from vltrain.data.config import DataConfig
 from vltrain.data.tools.tokenizer_training import train_tokenizer
 from vltrain.eval.embedding import Encoder
 from vltrain.eval.zeroshot import class_embeddings, evaluate_zeroshot, open_zeroshot
-
-from multiproc import run_world
 
 CLASSES = ("cat", "dog", "bird")
 # (class folder, red level of the image): the toy maps red level k to class k's direction, so an

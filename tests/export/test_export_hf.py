@@ -14,10 +14,11 @@ transformers = pytest.importorskip("transformers")
 from modelkit import small_model  # noqa: E402
 from pretrainedkit import TEXTS, image_file, make_clip, make_siglip, normalized  # noqa: E402
 from runkit import overrides, session_shapes  # noqa: E402
+
 from vltrain.config.job import load_config  # noqa: E402
 from vltrain.errors import UserError  # noqa: E402
-from vltrain.export.native import embed, export_model, load_any  # noqa: E402
 from vltrain.export.hf import hf_family  # noqa: E402
+from vltrain.export.native import embed, export_model, load_any  # noqa: E402
 
 FAMILIES = {"clip": (make_clip, "CLIPModel", "CLIPImageProcessor"),
             "siglip": (make_siglip, "SiglipModel", "SiglipImageProcessor")}

@@ -7,8 +7,8 @@ import json
 import numpy as np
 import pytest
 import torch
-
 from runkit import overrides, session_shapes
+
 from vltrain.config.job import load_config
 from vltrain.errors import UserError
 from vltrain.export.native import load_exported
@@ -34,8 +34,8 @@ def trained(tmp_path_factory):
 @pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_export_then_embed_gives_the_trainers_embeddings(trained, tmp_path, cli):
-    from vltrain.data.loading.collate import Collator
     from vltrain.data.dataset import build_dataset
+    from vltrain.data.loading.collate import Collator
 
     trainer, shapes = trained
     out = tmp_path / "exported"

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from modelkit import grads, make_batch, max_relative_error, rows, small_model, small_task
 from multiproc import run_world
 

@@ -8,12 +8,12 @@ import pytest
 import torch
 
 import vltrain.model.presets as presets
-from vltrain.types import ModelInputs
 from vltrain.errors import UserError
 from vltrain.model import build_model, count_parameters, list_presets
 from vltrain.model.config import LossConfig, ModelConfig
 from vltrain.objectives.scoring import Objectives
 from vltrain.objectives.task import Task
+from vltrain.types import ModelInputs
 
 
 def documented() -> dict[str, tuple[int, int, int, int]]:

@@ -10,10 +10,9 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-from torch.nn.parallel import DistributedDataParallel
-
 from modelkit import make_batch, small_task
 from multiproc import run_world
+from torch.nn.parallel import DistributedDataParallel
 
 STEPS = 4
 

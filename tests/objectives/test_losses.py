@@ -7,9 +7,9 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-
 from modelkit import grads, make_batch, max_relative_error, rows, small_task
 from multiproc import run_world
+
 from vltrain.objectives.losses import itc_loss, mask_tokens, mlm_loss, sample_negatives, siglip_loss
 from vltrain.types import Rows
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from multiproc import run_world
+
 from vltrain.objectives.losses import itc_loss, siglip_loss
 from vltrain.objectives.ring import itc_loss_ring, siglip_loss_ring
 from vltrain.types import Rows

@@ -4,9 +4,15 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from multiproc import run_world
-from vltrain.runtime.distributed import all_gather_no_grad, all_gather_with_grad, gather_sizes, init_distributed, world_info
+
+from vltrain.runtime.distributed import (
+    all_gather_no_grad,
+    all_gather_with_grad,
+    gather_sizes,
+    init_distributed,
+    world_info,
+)
 from vltrain.runtime.world import allow_tf32
 
 

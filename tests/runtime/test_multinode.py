@@ -14,8 +14,8 @@ import time
 import uuid
 
 import pytest
-
 import runkit
+
 from vltrain.train.metrics import read_jsonl
 
 STEPS = 10

@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 
 import pytest
-
 from runkit import assert_identical, assert_resumed_exactly, final_state, ok, reference, session_shapes, train
 
 
@@ -33,9 +32,9 @@ def test_sigterm_to_the_agent_saves_the_current_step_and_resumes_exactly(tmp_pat
 
 @pytest.mark.slow
 def test_one_process_exits_75_with_a_checkpoint(tmp_path_factory, tmp_path, cli):
-    from runkit import overrides
-
     import os
+
+    from runkit import overrides
 
     shapes = session_shapes(tmp_path_factory)
     os.environ["VLTRAIN_FAULT"] = "preempt:at=step:step=3"

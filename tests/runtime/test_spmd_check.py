@@ -11,7 +11,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from multiproc import run_world
 from spmd_fixtures import config, make_mixed_shapes, run_trainer
 

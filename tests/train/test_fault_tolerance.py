@@ -9,7 +9,6 @@ from __future__ import annotations
 import time
 
 import pytest
-
 from runkit import EVERY, assert_identical, assert_resumed_exactly, final_state, ok, reference, session_shapes, train
 
 

@@ -8,9 +8,9 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from runkit import final_state, overrides, session_shapes
 from safetensors.torch import load_file
 
-from runkit import final_state, overrides, session_shapes
 from vltrain.checkpoint.manager import INITIAL_FILE
 from vltrain.config.job import load_config
 from vltrain.errors import UserError
@@ -60,8 +60,9 @@ def test_users_command_on_a_hugging_face_clip(tmp_path_factory, tmp_path, cli):
     CLIPModel): the pretrained weights are kept as init.safetensors, and --interpolate 0 exports them."""
     pytest.importorskip("transformers")
     from pretrainedkit import make_clip
-    from vltrain.train.build import build_model_for, build_tokenizer, resolve_init
+
     from vltrain.export.native import export_model
+    from vltrain.train.build import build_model_for, build_tokenizer, resolve_init
 
     shapes = session_shapes(tmp_path_factory)
     make_clip(tmp_path / "clip")
@@ -182,6 +183,7 @@ def test_fsdp_run_interpolates_from_its_consolidated_weights(tmp_path_factory, t
     """Two FSDP2 ranks with layer decay and an unlocked block of the frozen vision tower: the initial
     weights are written whole before sharding, and export blends them with the consolidated shards."""
     from runkit import ok, train
+
     from vltrain.export.native import export_model
 
     shapes = session_shapes(tmp_path_factory)

@@ -10,10 +10,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from vltrain.types import ModelInputs
+from vltrain.objectives.task import Task
 from vltrain.train.gradcache import gradcache_backward
 from vltrain.train.step import plain_backward
-from vltrain.objectives.task import Task
+from vltrain.types import ModelInputs
 
 
 @dataclass

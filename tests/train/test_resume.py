@@ -12,9 +12,16 @@ import json
 import shutil
 
 import pytest
-
 from runkit import (
-    EVERY, STEPS, assert_identical, assert_resumed_exactly, final_state, ok, reference, session_shapes, train,
+    EVERY,
+    STEPS,
+    assert_identical,
+    assert_resumed_exactly,
+    final_state,
+    ok,
+    reference,
+    session_shapes,
+    train,
 )
 
 

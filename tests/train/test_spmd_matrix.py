@@ -12,7 +12,6 @@ import itertools
 from pathlib import Path
 
 import pytest
-
 from multiproc import run_world
 from spmd_fixtures import config, make_mixed_shapes, modality_counts, run_trainer
 

@@ -12,8 +12,8 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from multiproc import free_port
+
 from vltrain.train.metrics import read_jsonl
 
 STEPS = 20

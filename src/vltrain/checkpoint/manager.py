@@ -55,8 +55,8 @@ from vltrain.checkpoint.storage import (
     write_weights,
 )
 from vltrain.config.job import CheckpointConfig
-from vltrain.runtime.distributed import all_gather_object, barrier, broadcast_object, is_initialized, world_info
 from vltrain.errors import UserError
+from vltrain.runtime.distributed import all_gather_object, barrier, broadcast_object, is_initialized, world_info
 from vltrain.runtime.faults import maybe_fail
 
 STATE_FILE = "state.json"

@@ -27,8 +27,8 @@ import torch
 from vltrain.data.config import DataConfig, SourceSpec
 from vltrain.data.ids import stable_uid
 from vltrain.data.images import ImageError, decode_image, image_problem
-from vltrain.data.index.reader import IndexedSource
 from vltrain.data.index.open import open_indexed
+from vltrain.data.index.reader import IndexedSource
 from vltrain.data.sources.manifests import Row, Source, refuse_malformed
 from vltrain.data.table import SampleTable
 from vltrain.data.tokenizers import Tokenizer

@@ -17,9 +17,9 @@ import torch
 from torch import nn
 
 from vltrain.data.config import DataConfig
-from vltrain.eval.labeled import TextListDataset
 from vltrain.data.loading.loader import EvalLoader, build_eval_loader
 from vltrain.data.tokenizers import Tokenizer
+from vltrain.eval.labeled import TextListDataset
 from vltrain.runtime.distributed import all_gather_no_grad, pad_to
 
 

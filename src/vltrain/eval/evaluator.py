@@ -16,20 +16,20 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from vltrain.train.build import build_model_for, build_task, build_tokenizer, build_val_loader, resolve_init
 from vltrain.checkpoint.manager import find_checkpoint, load_model_weights
 from vltrain.config.job import JobConfig, load_config
 from vltrain.data.dataset import source_specs
 from vltrain.data.tokenizers import Tokenizer
-from vltrain.runtime.distributed import World, all_gather_no_grad, all_reduce_sum
 from vltrain.errors import ConfigError, UserError
 from vltrain.eval.embedding import Embedded, Encoder, cat_padded, eval_mode
+from vltrain.eval.retrieval import evaluate_retrieval, itm_rerank, multi_caption_recall, open_retrieval
+from vltrain.eval.zeroshot import evaluate_zeroshot, open_zeroshot
 from vltrain.export.native import is_exported, load_exported
 from vltrain.model.interop.pretrained import is_pretrained
+from vltrain.runtime.distributed import World, all_gather_no_grad, all_reduce_sum
 from vltrain.runtime.precision import Precision
-from vltrain.eval.retrieval import evaluate_retrieval, itm_rerank, multi_caption_recall, open_retrieval
 from vltrain.runtime.world import setup_world
-from vltrain.eval.zeroshot import evaluate_zeroshot, open_zeroshot
+from vltrain.train.build import build_model_for, build_task, build_tokenizer, build_val_loader, resolve_init
 
 KS = (1, 5, 10)
 

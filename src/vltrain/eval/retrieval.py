@@ -26,13 +26,13 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from vltrain.eval.captions import open_captions
 from vltrain.data.config import DataConfig
-from vltrain.eval.labeled import ImageListDataset
 from vltrain.data.loading.loader import EvalLoader, build_eval_loader
 from vltrain.data.tokenizers import Tokenizer
-from vltrain.runtime.distributed import all_gather_no_grad, world_info
+from vltrain.eval.captions import open_captions
 from vltrain.eval.embedding import Embedded, Encoder, embed_gathered, eval_mode, text_loader
+from vltrain.eval.labeled import ImageListDataset
+from vltrain.runtime.distributed import all_gather_no_grad, world_info
 
 KS = (1, 5, 10)
 RERANKED = 1e4

@@ -22,11 +22,11 @@ import torch
 import torch.nn.functional as F
 
 from vltrain.data.config import DataConfig
-from vltrain.eval.labeled import ImageListDataset, open_labeled, read_templates
 from vltrain.data.loading.loader import EvalLoader, build_eval_loader
 from vltrain.data.tokenizers import Tokenizer
-from vltrain.runtime.distributed import all_reduce_sum
 from vltrain.eval.embedding import Encoder, embed_gathered, embed_list, eval_mode, text_loader
+from vltrain.eval.labeled import ImageListDataset, open_labeled, read_templates
+from vltrain.runtime.distributed import all_reduce_sum
 
 log = logging.getLogger(__name__)
 

@@ -25,7 +25,6 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from vltrain.train.build import build_model_for, build_tokenizer, resolve_init
 from vltrain.checkpoint.manager import CONFIG_FILE, INITIAL_FILE, check_shapes, find_checkpoint, load_model_weights
 from vltrain.checkpoint.storage import write_weights
 from vltrain.config.job import JobConfig, load_config
@@ -33,6 +32,7 @@ from vltrain.data.tokenizers import load_tokenizer
 from vltrain.errors import UserError
 from vltrain.export.hf import hf_family, write_hf
 from vltrain.model.interop.pretrained import is_pretrained
+from vltrain.train.build import build_model_for, build_tokenizer, resolve_init
 
 log = logging.getLogger("vltrain")
 WEIGHTS_FILE = "model.safetensors"
@@ -173,9 +173,9 @@ def load_any(path: str | Path, overrides: list[str] | None = None, device: str |
 def embed(model, tokenizer, cfg: JobConfig, images: list[str | Path], texts: list[str],
           batch_size: int = 64, device: str | torch.device = "cpu") -> np.ndarray:
     """Normalized embeddings [len(images) + len(texts), D], images first, float32."""
-    from vltrain.data.loading.collate import Collator
     from vltrain.data.dataset import Sample
     from vltrain.data.images import ImageError, decode_image
+    from vltrain.data.loading.collate import Collator
 
     dc = cfg.data
     samples = []

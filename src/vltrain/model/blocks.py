@@ -18,9 +18,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from vltrain.runtime.precision import cpu_has_bf16_matmul
-from torch.utils.checkpoint import checkpoint
 
 
 def quick_gelu(x: torch.Tensor) -> torch.Tensor:

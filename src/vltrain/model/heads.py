@@ -6,7 +6,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-
 PROJECTIONS = ("linear", "linear_bias", "none")
 
 

@@ -23,7 +23,13 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from vltrain.runtime.distributed import all_gather_no_grad, all_gather_with_grad, all_reduce_sum, exchange_shapes, world_info
+from vltrain.runtime.distributed import (
+    all_gather_no_grad,
+    all_gather_with_grad,
+    all_reduce_sum,
+    exchange_shapes,
+    world_info,
+)
 from vltrain.types import Rows
 
 MAX_LOGIT_SCALE = math.log(100.0)

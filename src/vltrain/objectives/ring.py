@@ -24,8 +24,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from vltrain.runtime.distributed import issue, world_info
 from vltrain.objectives.losses import _MASKED, GlobalBatch, _row_weights, scale_of
+from vltrain.runtime.distributed import issue, world_info
 from vltrain.types import Rows
 
 

@@ -19,14 +19,22 @@ from dataclasses import dataclass, field
 
 import torch
 
-from vltrain.types import ModelInputs, Rows
-from vltrain.runtime.distributed import all_gather_no_grad, all_gather_with_grad, exchange_shapes, pad_to
-from vltrain.objectives.losses import (itc_loss, itm_loss, mask_tokens, mim_loss, mlm_loss, patchify, sample_negatives, scale_of,
-                            siglip_loss)
 from vltrain.model.config import LossConfig
 from vltrain.model.model import VLModel
-from vltrain.types import Encoded
+from vltrain.objectives.losses import (
+    itc_loss,
+    itm_loss,
+    mask_tokens,
+    mim_loss,
+    mlm_loss,
+    patchify,
+    sample_negatives,
+    scale_of,
+    siglip_loss,
+)
 from vltrain.objectives.ring import itc_loss_ring, siglip_loss_ring
+from vltrain.runtime.distributed import all_gather_no_grad, all_gather_with_grad, exchange_shapes, pad_to
+from vltrain.types import Encoded, ModelInputs, Rows
 
 
 @dataclass

@@ -21,9 +21,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from vltrain.types import ModelInputs, Rows
 from vltrain.model.model import VLModel
 from vltrain.objectives.scoring import ObjectiveOutput, Objectives
+from vltrain.types import ModelInputs, Rows
+
 
 class GeneratorState:
     """The default generators' state (the CPU's and, on CUDA, the device's), taken at creation.

@@ -13,8 +13,8 @@ import os
 
 import torch
 
-from vltrain.runtime.distributed import World, init_distributed
 from vltrain.errors import ConfigError
+from vltrain.runtime.distributed import World, init_distributed
 from vltrain.runtime.precision import cpu_has_bf16_matmul  # noqa: F401  (where the trainer and demo look)
 from vltrain.runtime.spmd import RECORDER
 

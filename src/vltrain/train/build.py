@@ -13,13 +13,13 @@ from vltrain.config.job import JobConfig
 from vltrain.data.dataset import build_dataset, source_specs
 from vltrain.data.loading.loader import TrainLoader, build_eval_loader, build_train_loader
 from vltrain.data.tokenizers import Tokenizer, load_tokenizer
-from vltrain.runtime.distributed import World
 from vltrain.errors import ConfigError
 from vltrain.model import VLModel, build_model, hf_tokenizer_file
-from vltrain.model.presets import Architecture
 from vltrain.model.interop.pretrained import Pretrained, load_pretrained, open_pretrained
+from vltrain.model.presets import Architecture
 from vltrain.objectives.scoring import Objectives
 from vltrain.objectives.task import Task
+from vltrain.runtime.distributed import World
 
 
 def tokenizer_path(cfg: JobConfig) -> str:

@@ -24,10 +24,10 @@ from typing import Callable, ContextManager
 import torch
 from torch import nn
 
-from vltrain.types import ModelInputs, Rows
+from vltrain.objectives.task import ContrastiveCache, GeneratorState
 from vltrain.train.parallelize import gradient_sync
 from vltrain.train.step import StepLosses
-from vltrain.objectives.task import ContrastiveCache, GeneratorState
+from vltrain.types import ModelInputs, Rows
 
 
 def _cache(wrapped: nn.Module, micro: list[ModelInputs], autocast, loss_scale: float

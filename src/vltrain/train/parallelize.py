@@ -14,9 +14,9 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from vltrain.config.job import TrainConfig
+from vltrain.objectives.task import Task
 from vltrain.runtime.distributed import all_reduce_sum
 from vltrain.types import TrainableModel
-from vltrain.objectives.task import Task
 
 
 def compile_blocks(model: TrainableModel, backend: str = "inductor") -> None:

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import torch
 
-from vltrain.runtime.distributed import all_reduce_sum
 from vltrain.objectives.scoring import RowLosses
+from vltrain.runtime.distributed import all_reduce_sum
 
 
 class SourceMeter:

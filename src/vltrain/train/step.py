@@ -13,8 +13,8 @@ from typing import Callable, ContextManager
 import torch
 from torch import nn
 
-from vltrain.types import ModelInputs
 from vltrain.train.parallelize import gradient_sync
+from vltrain.types import ModelInputs
 
 
 @dataclass

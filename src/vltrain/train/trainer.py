@@ -17,27 +17,35 @@ from typing import Any
 import numpy as np
 import torch
 
-from vltrain.train.build import (build_model_for, build_task, build_tokenizer, build_train_loader_for, describe_preprocessing,
-                           resolve_init)
 from vltrain.checkpoint.manager import Checkpointer, ModelState, OptimizerState, latest_checkpoint, save_initial_weights
 from vltrain.config.job import JobConfig
 from vltrain.data.batch import Batch
 from vltrain.data.dataset import source_specs
-from vltrain.runtime.distributed import all_reduce_sum
 from vltrain.eval.evaluator import Evaluator, append_eval, check_early_stop_metric, format_metrics
+from vltrain.runtime.distributed import all_reduce_sum
 from vltrain.runtime.faults import maybe_fail
+from vltrain.runtime.precision import Precision
+from vltrain.runtime.preemption import EXIT_CODE as PREEMPTED_EXIT
+from vltrain.runtime.preemption import Preempted, PreemptionWatch, clear_marker, write_marker
+from vltrain.runtime.rng import RngState
+from vltrain.runtime.spmd import RECORDER
+from vltrain.runtime.world import setup_world
+from vltrain.train.build import (
+    build_model_for,
+    build_task,
+    build_tokenizer,
+    build_train_loader_for,
+    describe_preprocessing,
+    resolve_init,
+)
 from vltrain.train.gradcache import gradcache_backward
-from vltrain.train.nonfinite import NonFiniteGuard
 from vltrain.train.metrics import GpuUtilization, MetricsLogger, Throughput, peak_flops, peak_memory_bytes, plot_curves
+from vltrain.train.nonfinite import NonFiniteGuard
 from vltrain.train.optim import build_optimizer, build_scheduler, freeze_towers
 from vltrain.train.parallelize import clip_grad_norm, parallelize, reduce_replicated_grads
-from vltrain.runtime.precision import Precision
-from vltrain.runtime.preemption import EXIT_CODE as PREEMPTED_EXIT, Preempted, PreemptionWatch, clear_marker, write_marker
-from vltrain.runtime.rng import RngState
 from vltrain.train.source_metrics import SourceMeter
-from vltrain.runtime.world import setup_world
-from vltrain.runtime.spmd import RECORDER
 from vltrain.train.step import StepLosses, plain_backward
+
 
 class Trainer:
     def __init__(self, cfg: JobConfig):

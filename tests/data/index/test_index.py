@@ -9,12 +9,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
 from datafiles import caption, distinct_image, save, sha, tiny_tokenizer, write_jsonl
-from vltrain.data.index import build as index_build, lengths as index_lengths
+
+from vltrain.data.index import build as index_build
+from vltrain.data.index import lengths as index_lengths
 from vltrain.data.index.open import open_indexed
-from vltrain.data.sources.shards import ShardSource, write_shards
 from vltrain.data.sources.manifests import ManifestSource
+from vltrain.data.sources.shards import ShardSource, write_shards
 
 
 @pytest.fixture(scope="module")

@@ -3,8 +3,8 @@ import json
 import pytest
 import torch
 
-from vltrain.data.loading.bad_samples import BadSampleLog
 from vltrain.data.batch import Batch
+from vltrain.data.loading.bad_samples import BadSampleLog
 from vltrain.errors import DataError
 
 

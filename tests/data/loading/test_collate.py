@@ -1,8 +1,8 @@
 import pytest
 import torch
 
-from vltrain.data.loading.collate import Collator
 from vltrain.data.dataset import Sample
+from vltrain.data.loading.collate import Collator
 
 
 def sample(uid, n_tokens, image=True, truncated=False, errors=()):

@@ -9,12 +9,11 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
-
 from multiproc import run_world
-from sampler_fixtures import (TableDataset, collate, fork_workers, open_data, shapes_lengths, synth_files, table,
-                              uid)
-from vltrain.data.loading.audit import AuditLog, audit_run
+from sampler_fixtures import TableDataset, collate, fork_workers, open_data, shapes_lengths, synth_files, table, uid
+
 from vltrain.data.config import DataConfig, SourceSpec
+from vltrain.data.loading.audit import AuditLog, audit_run
 from vltrain.data.loading.loader import TrainLoader, build_eval_loader, build_train_loader
 from vltrain.data.schedule.sampler import DistributedBatchSampler, Schedule
 from vltrain.errors import DataError

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
 from sampler_fixtures import TableDataset, collate, shapes_lengths, table
-from vltrain.data.schedule import budget
+
 from vltrain.data.loading.audit import AuditLog, audit_run
 from vltrain.data.loading.loader import TrainLoader
+from vltrain.data.schedule import budget
 from vltrain.data.schedule.sampler import DistributedBatchSampler, Schedule
 from vltrain.data.schedule.window import WindowedOrder
 

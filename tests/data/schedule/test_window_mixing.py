@@ -7,11 +7,11 @@ from collections import Counter
 
 import numpy as np
 import pytest
-
 from sampler_fixtures import TableDataset, collate, shapes_lengths, table
-from vltrain.data.schedule import budget
+
 from vltrain.data.loading.audit import AuditLog, audit_run
 from vltrain.data.loading.loader import TrainLoader
+from vltrain.data.schedule import budget
 from vltrain.data.schedule.sampler import DistributedBatchSampler, Schedule
 from vltrain.data.table import SampleTable
 from vltrain.errors import UserError

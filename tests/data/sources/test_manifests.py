@@ -2,8 +2,8 @@ import pytest
 from datafiles import distinct_image, save, write_csv, write_jsonl
 
 from vltrain.data.config import CsvConfig
-from vltrain.data.sources.open import open_source
 from vltrain.data.sources.manifests import ManifestSource, refuse_malformed
+from vltrain.data.sources.open import open_source
 from vltrain.data.sources.patterns import expand_braces
 from vltrain.errors import DataError
 

@@ -17,11 +17,11 @@ pytest.importorskip("s3fs")
 pytest.importorskip("moto.server")
 
 from s3kit import S3, s3, s3_server, tar_shard  # noqa: E402,F401  (fixtures)
+
 from vltrain.config.job import load_config  # noqa: E402
 from vltrain.data.sources import remote  # noqa: E402
+from vltrain.data.sources.remote import RemoteReadError, expand_remote, filesystem, is_remote, stat_remote  # noqa: E402
 from vltrain.data.sources.shard_cache import ShardCache  # noqa: E402
-from vltrain.data.sources.remote import (RemoteReadError, expand_remote, filesystem, is_remote,  # noqa: E402
-                                 stat_remote)
 from vltrain.errors import ConfigError, DataError  # noqa: E402
 
 FAST = {"retries": 1, "backoff_s": 0.05}

@@ -15,10 +15,11 @@ pytest.importorskip("moto.server")
 from multiproc import free_port  # noqa: E402
 from runkit import STEPS, assert_identical, final_state, ok, session_shapes, train  # noqa: E402
 from s3kit import s3, s3_server  # noqa: E402,F401  (fixtures)
+
 from vltrain.data.config import DataConfig  # noqa: E402
 from vltrain.data.dataset import build_dataset  # noqa: E402
-from vltrain.data.sources.shards import write_shards  # noqa: E402
 from vltrain.data.sources.manifests import open_manifest  # noqa: E402
+from vltrain.data.sources.shards import write_shards  # noqa: E402
 from vltrain.data.tokenizers import load_tokenizer  # noqa: E402
 from vltrain.errors import DataError  # noqa: E402
 

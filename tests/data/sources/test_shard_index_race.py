@@ -8,8 +8,8 @@ import pytest
 from shardkit import make_manifest
 
 from vltrain.data.sources import shards
-from vltrain.data.sources.shards import ShardSource, index_path, load_index, write_shards
 from vltrain.data.sources.manifests import ManifestSource
+from vltrain.data.sources.shards import ShardSource, index_path, load_index, write_shards
 from vltrain.errors import DataError
 
 

@@ -10,10 +10,11 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from pretrainedkit import TEXTS, clip_tokenizer, make_clip, normalized  # noqa: E402
-from vltrain.train.build import build_model_for, build_tokenizer, resolve_init  # noqa: E402
+
 from vltrain.config.job import load_config  # noqa: E402
 from vltrain.errors import UserError  # noqa: E402
 from vltrain.export.native import embed  # noqa: E402
+from vltrain.train.build import build_model_for, build_tokenizer, resolve_init  # noqa: E402
 
 
 def _block(sd: dict, ours: str, hf: str) -> dict:

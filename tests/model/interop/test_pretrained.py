@@ -8,11 +8,12 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from pretrainedkit import TEXTS, image_file, make_clip, make_siglip, normalized  # noqa: E402
-from vltrain.train.build import build_model_for, build_tokenizer, resolve_init  # noqa: E402
+
 from vltrain.config.job import load_config  # noqa: E402
 from vltrain.errors import UserError  # noqa: E402
 from vltrain.export.native import embed  # noqa: E402
 from vltrain.model.interop.convert import OPENAI_MEAN  # noqa: E402
+from vltrain.train.build import build_model_for, build_tokenizer, resolve_init  # noqa: E402
 
 
 def load(init, *overrides):

@@ -31,14 +31,22 @@ import numpy as np
 from vltrain.data.config import CsvConfig
 from vltrain.data.index.reader import COLUMNS
 from vltrain.data.sources.filelock import private_tmp
+from vltrain.data.sources.json_bulk import SEPARATOR, loads_objects
+from vltrain.data.sources.manifests import (
+    IMAGE_KEYS,
+    MANIFEST_SUFFIXES,
+    TEXT_KEYS,
+    check_row,
+    csv_columns,
+    csv_fields,
+    csv_separator,
+    json_fields,
+)
+from vltrain.data.sources.patterns import is_shard_pattern
 from vltrain.data.sources.remote import expand_remote, is_remote, stat_many, stat_remote
 from vltrain.data.sources.shard_cache import ShardCache
-from vltrain.data.sources.json_bulk import SEPARATOR, loads_objects
 from vltrain.data.sources.shard_scan import scan_shard
 from vltrain.data.sources.shards import default_cache_dir, shard_paths
-from vltrain.data.sources.manifests import (IMAGE_KEYS, MANIFEST_SUFFIXES, TEXT_KEYS, check_row, csv_columns, csv_fields,
-                                  csv_separator, json_fields)
-from vltrain.data.sources.patterns import is_shard_pattern
 from vltrain.errors import DataError
 
 PART_BYTES = 64 << 20

@@ -20,9 +20,9 @@ from pathlib import Path
 
 import numpy as np
 
-from vltrain.data.sources.filelock import build_once, private_tmp
-from vltrain.data.index.reader import IndexedSource
 from vltrain.data.index.build import part_rows, plan_parts, run_parts
+from vltrain.data.index.reader import IndexedSource
+from vltrain.data.sources.filelock import build_once, private_tmp
 from vltrain.data.sources.shard_cache import ShardCache
 from vltrain.data.tokenizers import Tokenizer, load_tokenizer
 from vltrain.errors import DataError

@@ -13,10 +13,10 @@ import os
 from pathlib import Path
 
 from vltrain.data.config import CsvConfig
-from vltrain.data.sources.filelock import build_once
-from vltrain.data.index.reader import INDEX_VERSION, IndexedSource, read_meta
 from vltrain.data.index.build import build_structure, cache_root, csv_spec, index_dir_for, source_files
 from vltrain.data.index.lengths import build_lengths, lengths_file
+from vltrain.data.index.reader import INDEX_VERSION, IndexedSource, read_meta
+from vltrain.data.sources.filelock import build_once
 from vltrain.data.sources.remote import is_remote
 from vltrain.data.sources.shard_cache import ShardCache
 from vltrain.data.tokenizers import Tokenizer

@@ -27,11 +27,20 @@ from pathlib import Path
 
 import numpy as np
 
+from vltrain.data.sources.manifests import (
+    IMAGE_KEYS,
+    TEXT_KEYS,
+    Problem,
+    Row,
+    Source,
+    check_row,
+    csv_fields,
+    json_fields,
+)
 from vltrain.data.sources.remote import is_remote
 from vltrain.data.sources.shard_cache import ShardCache
 from vltrain.data.sources.shards import IMAGE_EXTS, span_members
 from vltrain.data.table import default_blocks
-from vltrain.data.sources.manifests import IMAGE_KEYS, TEXT_KEYS, Problem, Row, Source, check_row, csv_fields, json_fields
 
 INDEX_VERSION = 1
 COLUMNS = {"offset": np.uint64, "length": np.uint32, "line": np.uint32, "has_image": np.bool_, "has_text": np.bool_}

@@ -6,9 +6,8 @@ import numpy as np
 import torch
 
 from vltrain.data.batch import Batch
-from vltrain.data.dataset import Sample
-
 from vltrain.data.config import PAD_MULTIPLE, padded_width
+from vltrain.data.dataset import Sample
 
 
 class Collator:

@@ -24,12 +24,12 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, get_worker_info
 
+from vltrain.data.batch import Batch
+from vltrain.data.config import DataConfig, SourceSpec
 from vltrain.data.loading.audit import AuditLog
 from vltrain.data.loading.bad_samples import BadSampleLog
-from vltrain.data.batch import Batch
-from vltrain.data.schedule import mixing
 from vltrain.data.loading.collate import Collator
-from vltrain.data.config import DataConfig, SourceSpec
+from vltrain.data.schedule import mixing
 from vltrain.data.schedule.sampler import DistributedBatchSampler, Schedule
 from vltrain.data.table import SampleTable
 from vltrain.errors import UserError

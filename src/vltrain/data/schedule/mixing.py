@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from vltrain.data.schedule.window import Windows, WindowedOrder, keep_two
+from vltrain.data.schedule.window import WindowedOrder, Windows, keep_two
 from vltrain.data.table import default_blocks
 from vltrain.errors import UserError
 

@@ -31,9 +31,8 @@ from typing import Callable, Iterator, Literal
 import numpy as np
 
 from vltrain.data.schedule import budget, mixing
-from vltrain.data.table import SampleTable
 from vltrain.data.schedule.window import LazyBatches, LazyBudgetBatches, LazyRepeats, WindowedOrder, Windows
-from vltrain.data.table import default_blocks
+from vltrain.data.table import SampleTable, default_blocks
 from vltrain.errors import UserError
 
 log = logging.getLogger(__name__)

@@ -9,9 +9,9 @@ from __future__ import annotations
 import os
 
 from vltrain.data.config import CsvConfig
-from vltrain.data.sources.shards import ShardSource
 from vltrain.data.sources.manifests import Source, open_manifest
 from vltrain.data.sources.patterns import is_shard_pattern
+from vltrain.data.sources.shards import ShardSource
 
 
 def open_source(

@@ -20,8 +20,16 @@ from pathlib import Path
 from typing import Any, BinaryIO, Iterable
 
 from vltrain.data.sources import filelock
-from vltrain.data.sources.remote import (BACKOFF_S, RETRIES, RemoteReadError, describe_error, filesystem, missing_error,
-                                 retrying, stat_remote)
+from vltrain.data.sources.remote import (
+    BACKOFF_S,
+    RETRIES,
+    RemoteReadError,
+    describe_error,
+    filesystem,
+    missing_error,
+    retrying,
+    stat_remote,
+)
 from vltrain.errors import DataError
 
 CHUNK_BYTES = 16 << 20

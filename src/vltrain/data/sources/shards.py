@@ -21,9 +21,9 @@ from pathlib import Path
 import numpy as np
 
 from vltrain.data.sources.filelock import build_once, private_tmp
-from vltrain.data.sources.shard_scan import IMAGE_EXTS, UnusualHeader, scan_shard, walk_members
 from vltrain.data.sources.manifests import Problem, Row, Source
 from vltrain.data.sources.patterns import expand_braces
+from vltrain.data.sources.shard_scan import IMAGE_EXTS, UnusualHeader, scan_shard, walk_members
 from vltrain.errors import DataError
 
 INDEX_VERSION = 1

@@ -12,15 +12,14 @@ from pathlib import Path
 
 import numpy as np
 
-from vltrain.data.images import (DECODE_ERRORS, MAX_IMAGE_PIXELS, ImageError, decode_image, image_problem,
-                                 open_image)
-from vltrain.data.index.reader import IndexedSource
+from vltrain.data.images import DECODE_ERRORS, MAX_IMAGE_PIXELS, ImageError, decode_image, image_problem, open_image
 from vltrain.data.index.lengths import tokenizer_fingerprint
 from vltrain.data.index.open import existing_index
-from vltrain.data.sources.shards import shard_paths
-from vltrain.data.sources.open import open_source
+from vltrain.data.index.reader import IndexedSource
 from vltrain.data.sources.manifests import Problem, Source
+from vltrain.data.sources.open import open_source
 from vltrain.data.sources.patterns import is_shard_pattern
+from vltrain.data.sources.shards import shard_paths
 from vltrain.data.tokenizers import load_tokenizer
 from vltrain.errors import DataError, UsageError
 

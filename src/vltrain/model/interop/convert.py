@@ -16,7 +16,6 @@ import torch
 
 from vltrain.errors import UserError
 
-
 OPENAI_MEAN = [0.48145466, 0.4578275, 0.40821073]
 OPENAI_STD = [0.26862954, 0.26130258, 0.27577711]
 """The pixel statistics OpenAI's CLIP (and most OpenCLIP and Hugging Face CLIP checkpoints) use."""

@@ -18,9 +18,9 @@ from pathlib import Path
 
 import torch
 
-from vltrain.errors import UserError
 import vltrain.model.interop.hf_clip as hf_clip
 import vltrain.model.interop.openclip as openclip
+from vltrain.errors import UserError
 from vltrain.model.interop.convert import Link, Preprocessing, convert_in, leftover
 from vltrain.model.presets import PRESETS, Architecture
 
