@@ -66,6 +66,9 @@ class TrainConfig:
     """Process-group timeout: a rank that fails makes the others exit within this time."""
     threads: int = 0
     """Intra-op threads per process (0: the machine's cores divided by the local world size)."""
+    deterministic: bool = False
+    """CUDA: bit-identical runs (deterministic kernels, a fixed cuBLAS workspace, attention in the math
+    backend), at a cost in speed. A CPU step is deterministic at any fixed thread count without it."""
     progress: bool = True
     """A tqdm bar on rank 0 (only when stderr is a terminal)."""
     device: str = "auto"

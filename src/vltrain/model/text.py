@@ -119,7 +119,7 @@ class TextTransformer(nn.Module):
             return x, pool(x, attention_mask, self.cfg.pooling)
         packed.mask = mask
         n = input_ids.shape[1]
-        x = self.token_embedding(input_ids.reshape(-1)[packed.index]) + self.pos_embed[packed.index % n]
+        x = self.token_embedding(input_ids.reshape(-1)[packed.index]) + self.pos_embed.index_select(0, packed.index % n)
         x = self.norm(run_blocks(self.blocks, x, packed, checkpointing=self.checkpointing))
         tokens = packed.unpack(x)
         return tokens, pool(tokens, attention_mask, self.cfg.pooling)

@@ -182,9 +182,9 @@ class Objectives:
         neg_image, image_found = sample_negatives(sim_t2i, ids, cols.ids, cols.has_image)
         valid = (inputs.has_image & inputs.has_text).float()
         return ITMPairs(
-            text_tokens=torch.cat([text_tokens, cols.text_tokens[neg_text], text_tokens]),
+            text_tokens=torch.cat([text_tokens, cols.text_tokens.index_select(0, neg_text), text_tokens]),
             attention_mask=torch.cat([attention_mask, cols.attention_mask[neg_text], attention_mask]),
-            image_tokens=torch.cat([enc.image_tokens, enc.image_tokens, cols.image_tokens[neg_image]]),
+            image_tokens=torch.cat([enc.image_tokens, enc.image_tokens, cols.image_tokens.index_select(0, neg_image)]),
             labels=torch.cat([torch.ones(b, dtype=torch.long, device=ids.device), ids.new_zeros(2 * b)]),
             pair_weights=torch.cat([valid, valid * text_found, valid * image_found]),
             negative_text_ids=cols.ids[neg_text],

@@ -62,10 +62,26 @@ def keep_freed_memory(mmap_threshold: int = 32 << 20, trim_threshold: int = 1 <<
     return bool(mallopt(_M_MMAP_THRESHOLD, mmap_threshold)) and bool(mallopt(_M_TRIM_THRESHOLD, trim_threshold))
 
 
+def make_deterministic(device: torch.device) -> None:
+    """Only deterministic kernels from here on (``train.deterministic``), so two runs on a GPU are
+    bit-identical: a kernel without a deterministic version raises instead of running.
+
+    cuBLAS needs a fixed workspace (set before its first call); cuDNN may not pick kernels by timing;
+    the fused attention kernels accumulate some gradients with atomics, so attention falls back to
+    the math backend. On a CPU the step is deterministic at any fixed thread count without this
+    (gathers whose backward accumulates use ``index_select``, whose backward adds in a fixed order)."""
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True)
+    if device.type == "cuda":
+        torch.backends.cudnn.deterministic = True
+        torch.backends.cudnn.benchmark = False
+        torch.backends.cuda.enable_flash_sdp(False)
+        torch.backends.cuda.enable_mem_efficient_sdp(False)
+        torch.backends.cuda.enable_cudnn_sdp(False)
 
 
 def setup_world(*, timeout_s: float = 600.0, device: str = "auto", threads: int = 0, tf32: bool = True,
-                debug_spmd: bool = False) -> World:
+                debug_spmd: bool = False, deterministic: bool = False) -> World:
     """Join torchrun's process group (or run alone), pick the device, matmul precision, threads and,
     on CPU, the allocator's reuse of freed memory (``keep_freed_memory``); ``debug_spmd`` turns the
     SPMD check of every collective on (``vltrain.runtime.spmd``).
@@ -80,6 +96,8 @@ def setup_world(*, timeout_s: float = 600.0, device: str = "auto", threads: int 
     rank, world_size = init_distributed(backend=backend, timeout_s=timeout_s)
     RECORDER.checking = debug_spmd
     allow_tf32(dev, tf32)
+    if deterministic:
+        make_deterministic(dev)
     if dev.type == "cpu":
         keep_freed_memory()
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))

@@ -55,7 +55,7 @@ class Trainer:
 
         # distributed: process group, device, threads
         self.world = setup_world(timeout_s=tc.timeout_s, device=tc.device, threads=tc.threads, tf32=tc.tf32,
-                                 debug_spmd=tc.debug_spmd)
+                                 debug_spmd=tc.debug_spmd, deterministic=tc.deterministic)
         self.device = self.world.device
         self._prepare_run_dir()
 

@@ -1,0 +1,56 @@
+"""Bit-identical at the default thread count: a one-process run uses every core (two threads on a
+2-core machine), and two such runs, or a run stopped and resumed, end with the same tensors.
+
+The ranks of the other resume tests run one thread each (the default under ``torchrun`` on 2
+cores), which cannot show an operation whose sum depends on how threads split it; these runs can.
+"""
+
+from __future__ import annotations
+
+import pytest
+from runkit import EVERY, assert_identical, assert_resumed_exactly, final_state, ok, train
+
+THREADS = 2
+
+
+@pytest.fixture(scope="module")
+def shapes(tmp_path_factory):
+    """256 rows: batches of 32 are large enough for the threads to split the step's gathers."""
+    from vltrain.data.tools.synth import synthesize
+    from vltrain.data.tools.tokenizer_training import source_texts, train_tokenizer
+
+    root = tmp_path_factory.mktemp("shapes256")
+    synthesize(root, 256, 0, text_only_fraction=0.1, seed=0, image_size=32)
+    train_tokenizer(source_texts([str(root / "train.jsonl")]), root / "tokenizer.json", vocab_size=200)
+    (root / "base.yaml").write_text("{}\n")
+    return root
+
+
+def _run(shapes, run, preset: str, **extra):
+    return train(shapes, run, nproc=1, model__preset=preset, train__threads=THREADS, data__batch_size=32, **extra)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("preset", ["tiny-clip", "tiny-albef"])
+def test_two_runs_and_a_resumed_one_are_bit_identical_at_two_threads(shapes, tmp_path, preset):
+    first, second, resumed = tmp_path / "first", tmp_path / "second", tmp_path / "resumed"
+    ok(_run(shapes, first, preset))
+    ok(_run(shapes, second, preset))
+    assert_identical(final_state(first), final_state(second))
+
+    stopped = _run(shapes, resumed, preset, fault="kill:at=step:step=6")
+    assert stopped.returncode != 0
+    proc = ok(_run(shapes, resumed, preset))
+    assert_resumed_exactly(proc, resumed, EVERY)
+    assert_identical(final_state(first), final_state(resumed))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_deterministic_mode_trains_on_a_cpu(shapes, tmp_path):
+    """``train.deterministic`` turns on torch's deterministic algorithms: every op of the step has one."""
+    a, b = tmp_path / "a", tmp_path / "b"
+    ok(_run(shapes, a, "tiny-albef", train__deterministic=True, train__max_steps=4))
+    ok(_run(shapes, b, "tiny-albef", train__deterministic=True, train__max_steps=4))
+    assert_identical(final_state(a), final_state(b))
