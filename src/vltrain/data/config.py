@@ -128,6 +128,8 @@ class DataConfig:
     pin_memory: bool = True
     on_error: Literal["skip", "fail"] = "skip"
     max_bad_fraction: float = 0.01
+    """Stop when the rate of samples that fail to load is above this with confidence (from 100 samples
+    on), or at once when the first 16 all fail; 0: stop on the first (docs/formats.md#bad-samples)."""
     # sampling and batching
     shuffle: bool = True
     shuffle_window: int = -1

@@ -3,28 +3,60 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 from vltrain.data.batch import Batch
 from vltrain.errors import DataError
 
 
+Z = 3.0
+"""The bad fraction is judged at the lower end of its Wilson interval at this many standard
+deviations (one-sided, about 99.9%): the run stops only once the evidence says the rate is above
+the limit, not when an early batch happens to hold two bad files."""
+MIN_SEEN = 100
+"""Below this many samples tried, only ``ALL_BAD`` stops a run: the interval of a handful is too
+wide to say anything (its lower end exceeds 1% at 1 failure in 9)."""
+ALL_BAD = 16
+"""Every one of the first this many samples failed: the data is unreadable as given (a wrong image
+root, a missing mount), and waiting for more evidence would only waste the run's start."""
+
+
+def rate_lower_bound(bad: int, seen: int, z: float = Z) -> float:
+    """The Wilson score interval's lower end for ``bad`` failures in ``seen`` tries."""
+    if seen == 0:
+        return 0.0
+    p = bad / seen
+    centre = p + z * z / (2 * seen)
+    margin = z * math.sqrt(p * (1 - p) / seen + z * z / (4 * seen * seen))
+    return max(0.0, (centre - margin) / (1 + z * z / seen))
+
+
 class BadSampleLog:
     """Counts every sample tried (delivered + replaced) and every failure.
 
     A few bad files in a web-scale set are normal; many mean a broken mount or a wrong path
-    prefix, and training on the remainder would be silently skewed. So the run stops once the
-    bad fraction passes ``max_bad_fraction``, but only after ``min_seen`` samples, so that one
-    early bad sample does not end a run.
+    prefix, and training on the remainder would be silently skewed. So the run stops once the bad
+    rate is above ``max_bad_fraction`` with confidence (:func:`rate_lower_bound`, from ``MIN_SEEN``
+    samples on), whatever the batch size or the order the samples came in, and at once when the
+    first ``ALL_BAD`` all failed. ``max_bad_fraction=0`` stops on the first failure.
     """
 
-    def __init__(self, run_dir: str | Path | None, max_bad_fraction: float, min_seen: int = 100):
+    def __init__(self, run_dir: str | Path | None, max_bad_fraction: float):
         self.path = Path(run_dir) / "bad_samples.jsonl" if run_dir else None
         self.max_bad_fraction = max_bad_fraction
-        self.min_seen = min_seen
         self.num_bad = 0
         self.num_seen = 0
         self.last: tuple[str, str] | None = None
+
+    def too_many(self) -> bool:
+        if self.num_bad == 0 or self.max_bad_fraction >= 1:
+            return False
+        if self.num_bad == self.num_seen >= ALL_BAD:
+            return True
+        if self.num_seen < MIN_SEEN and self.max_bad_fraction > 0:
+            return False
+        return rate_lower_bound(self.num_bad, self.num_seen) > self.max_bad_fraction
 
     def record(self, batch: Batch) -> None:
         self.num_bad += len(batch.errors)
@@ -36,11 +68,13 @@ class BadSampleLog:
             with open(self.path, "a", encoding="utf-8") as f:
                 for key, reason in batch.errors:
                     f.write(json.dumps({"key": key, "reason": reason}, ensure_ascii=False) + "\n")
-        if self.num_seen >= self.min_seen and self.num_bad > self.max_bad_fraction * self.num_seen:
+        if self.too_many():
             where = f" (listed in {self.path})" if self.path else ""
             last_key, last_reason = self.last
+            judged = ("every one of them" if self.num_bad == self.num_seen else
+                      f"at least {rate_lower_bound(self.num_bad, self.num_seen):.2%} with confidence")
             raise DataError(
-                f"{self.num_bad} of {self.num_seen} samples failed to load{where}, more than "
+                f"{self.num_bad} of {self.num_seen} samples failed to load{where}: {judged}, more than "
                 f"data.max_bad_fraction={self.max_bad_fraction:g}. Last: {last_key}: {last_reason}. "
                 "Check the data with `vltrain data validate`, or raise data.max_bad_fraction."
             )
