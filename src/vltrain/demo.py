@@ -104,7 +104,7 @@ def choose_steps(rate: float, batch: int) -> int:
 
 
 def _step_overrides(cfg) -> list[str]:
-    """``train.max_steps`` and a tenth of it as warm-up, from this machine's measured rate."""
+    """``train.max_steps`` from this machine's measured rate (the config warms up over a tenth of it)."""
     rate = measure_rate(cfg)
     steps = choose_steps(rate, cfg.data.batch_size)
     note = ""
@@ -112,7 +112,7 @@ def _step_overrides(cfg) -> list[str]:
         note = f"; this CPU needs about {steps * cfg.data.batch_size / rate / 60:.1f} min for them"
     print(f"this CPU trains the demo model at about {rate:.0f} samples/s: {steps} steps{note} "
           f"(train.max_steps=N pins the count)", flush=True)
-    return [f"train.max_steps={steps}", f"train.warmup_steps={steps // 10}"]
+    return [f"train.max_steps={steps}"]
 
 
 def _cuda() -> bool:

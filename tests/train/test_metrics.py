@@ -23,6 +23,46 @@ def test_logger_writes_jsonl_tensorboard_and_plot(tmp_path):
     assert out is not None and out.stat().st_size > 1000
 
 
+def test_a_resumed_run_records_each_step_once(tmp_path):
+    """A run killed at step 6 whose checkpoint is step 4: the restarted logger drops steps 5 and 6
+    (metrics.jsonl, eval.json) and purges them from TensorBoard, then logs them again."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    log = MetricsLogger(tmp_path, enabled=True, total_steps=8, progress=False)
+    for step in range(1, 7):
+        log.log(step, {"loss": float(step)})
+    log.close()
+    (tmp_path / "eval.json").write_text(json.dumps([{"step": 4, "t2i_r1": 0.1}, {"step": 6, "t2i_r1": 0.2}]))
+    time.sleep(1.1)  # TensorBoard names event files by the second
+    log = MetricsLogger(tmp_path, enabled=True, total_steps=8, progress=False, start_step=4)
+    for step in range(5, 9):
+        log.log(step, {"loss": 10.0 + step})
+    log.close()
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(1, 9))
+    assert [r["loss"] for r in rows][4:] == [15.0, 16.0, 17.0, 18.0]
+    assert [e["step"] for e in json.loads((tmp_path / "eval.json").read_text())] == [4]
+    events = EventAccumulator(str(tmp_path / "tb"), purge_orphaned_data=True)
+    events.Reload()
+    assert [(e.step, e.value) for e in events.Scalars("loss")] == \
+        [(s, float(s)) for s in range(1, 5)] + [(s, 10.0 + s) for s in range(5, 9)]
+
+
+def test_the_plot_draws_every_evaluation_sets_figure(tmp_path, monkeypatch):
+    import matplotlib.axes
+
+    (tmp_path / "metrics.jsonl").write_text(json.dumps({"step": 1, "loss": 1.0, "lr": 0.1}) + "\n")
+    (tmp_path / "eval.json").write_text(json.dumps([
+        {"step": 1, "t2i_r1": 0.5, "zeroshot/pets/top1": 0.3, "zeroshot/pets/num_images": 30},
+        {"step": 2, "t2i_r1": 0.6, "zeroshot/pets/top1": 0.4, "retrieval/coco/t2i_r1": 0.2}]))
+    drawn = []
+    real = matplotlib.axes.Axes.plot
+    monkeypatch.setattr(matplotlib.axes.Axes, "plot", lambda ax, *a, label=None, **kw: (drawn.append(label),
+                                                                                       real(ax, *a, **kw))[1])
+    plot_curves(tmp_path)
+    assert {"t2i_r1", "zeroshot/pets/top1", "retrieval/coco/t2i_r1"} <= set(drawn)
+
+
 def test_disabled_logger_writes_nothing(tmp_path):
     log = MetricsLogger(tmp_path / "r", enabled=False, total_steps=3)
     log.log(1, {"loss": 1.0})

@@ -381,7 +381,13 @@ class Checkpointer:
         saved_keys = [k for name in self.states for k in tensor_keys(saved[name])]
         _read_fitting(path, targets, saved_keys, no_dist=not is_initialized())
         for name, st in self.states.items():
-            st.load_state_dict(join_tensors(saved[name], targets))
+            try:
+                st.load_state_dict(join_tensors(saved[name], targets))
+            except UserError as e:
+                raise UserError(
+                    f"{e}.\nTo keep this checkpoint's weights under the new settings, start a new run from them: "
+                    f"model.init={path} run.dir=NEW_FOLDER (the optimizer and the data order start afresh)"
+                ) from None
         if rank_file is not None:
             for name, st in self.rank_states.items():
                 st.load_state_dict(join_tensors(rank_file[name], {}))

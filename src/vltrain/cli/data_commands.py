@@ -30,7 +30,7 @@ def add_parsers(data: argparse.ArgumentParser, tokenizer: argparse.ArgumentParse
     v.add_argument("sources", nargs="+", help="manifests (.jsonl/.csv/.tsv) or shard patterns")
     v.add_argument("--json", action="store_true", help="machine-readable report on stdout")
     v.add_argument("--max-problems", type=int, default=20, help="problems to print (default 20)")
-    v.add_argument("--workers", type=int, default=1, help="processes decoding images (default 1)")
+    v.add_argument("--workers", type=int, default=0, help="processes decoding images (default 0: one per core)")
     v.set_defaults(func=validate)
 
     ix = dsub.add_parser("index", help="build the sample index of sources (else built on first use)")
@@ -100,7 +100,7 @@ def validate(args: argparse.Namespace) -> int:
 
     from vltrain.data.tools.validate import validate as validate_sources
 
-    summaries = validate_sources(args.sources, args.workers)
+    summaries = validate_sources(args.sources, args.workers, progress=not args.json and sys.stderr.isatty())
     errors = sum(s.errors for s in summaries)
     if args.json:
         out = []

@@ -47,8 +47,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return int(args.func(args) or 0)
     except UserError as e:
-        if os.environ.get("RANK", "0") == "0" or getattr(e, "label", "error") == "error":
-            print(f"vltrain: {getattr(e, 'label', 'error')}: {e}", file=sys.stderr)
+        rank = os.environ.get("RANK", "0")
+        if rank == "0" or getattr(e, "label", "error") == "error":
+            where = "" if rank == "0" else f"[rank {rank}]"
+            print(f"vltrain{where}: {getattr(e, 'label', 'error')}: {e}", file=sys.stderr)
         return e.exit_code
     except KeyboardInterrupt:
         print("vltrain: interrupted", file=sys.stderr)

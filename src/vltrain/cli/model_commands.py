@@ -64,6 +64,7 @@ def add_parsers(sub) -> None:
 def train(args: argparse.Namespace) -> int:
     """``vltrain train CONFIG [key=value ...]`` (under torchrun or in one process)."""
     from vltrain.config.job import load_config
+    from vltrain.errors import UserError
     from vltrain.eval.evaluator import format_metrics
     from vltrain.runtime.preemption import Preempted
     from vltrain.train.trainer import Trainer
@@ -77,16 +78,20 @@ def train(args: argparse.Namespace) -> int:
     except Preempted:
         clean = True
         raise
+    except (UserError, KeyboardInterrupt):
+        raise  # said once, by vltrain.cli.main
     except BaseException as e:
-        # the line naming the failed rank; the other ranks then fail on the broken group (or are
-        # stopped by torchrun), within train.timeout_s at the latest
+        # a fault of vltrain's own: the line naming the failed rank, then its traceback; the other
+        # ranks then fail on the broken group (or are stopped by torchrun), within train.timeout_s
         print(f"vltrain: rank {trainer.world.rank} failed at step {trainer.step}: {type(e).__name__}: {e}",
               file=sys.stderr, flush=True)
         raise
     finally:
         trainer.close(clean)
     if trainer.world.is_main:
-        print(f"run: {trainer.run_dir}  steps: {trainer.step}  skipped: {trainer.guard.total}")
+        bad = trainer.bad_samples
+        replaced = f"  bad samples: {bad} replaced ({trainer.run_dir / 'bad_samples.jsonl'})" if bad else ""
+        print(f"run: {trainer.run_dir}  steps: {trainer.step}  skipped: {trainer.guard.total}{replaced}")
         if metrics:
             print(f"eval: {format_metrics(metrics)}")
     return 0
@@ -107,7 +112,7 @@ def demo(args: argparse.Namespace) -> int:
         minutes = (time.perf_counter() - start) / 60
         print(f"\ndone in {minutes:.1f} min, {trainer.step} steps, {trainer.samples_seen:,} samples")
         if metrics:
-            pairs = {k: v for k, v in metrics.items() if "/" not in k}
+            pairs = {k: v for k, v in metrics.items() if "/" not in k and k != "num_pairs"}
             print(f"held-out retrieval ({metrics['num_pairs']} pairs): {format_metrics(pairs)}")
             print(f"text->image R@1 = {metrics['t2i_r1']:.3f} (chance: {1 / max(metrics['num_pairs'], 1):.3f})")
         if "zeroshot/shapes/top1" in metrics:

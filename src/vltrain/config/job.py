@@ -25,24 +25,39 @@ class RunConfig:
     dir: str = "runs/default"
     """Everything a run writes goes here: config.yaml, metrics, checkpoints, bad_samples.jsonl."""
     name: str = ""
+    """A label saved with the config; vltrain does not read it."""
 
 
 @dataclass
 class TrainConfig:
     max_steps: int = 1000
+    """Optimizer steps of the run."""
     lr: float = 5e-4
+    """Peak learning rate of AdamW."""
     min_lr_ratio: float = 0.0
-    warmup_steps: int = 100
+    """The cosine schedule ends at lr x this."""
+    warmup_steps: Union[int, float] = 100
+    """Linear warmup: a number of steps, or a fraction of max_steps (a number below 1: 0.05 is 5%)."""
     weight_decay: float = 0.1
+    """AdamW decay of weight matrices (never of norms, biases, embeddings, positions, temperature)."""
     betas: list[float] = field(default_factory=lambda: [0.9, 0.98])
+    """AdamW betas."""
     eps: float = 1e-6
+    """AdamW epsilon."""
     grad_clip: float = 1.0
+    """Clip the global gradient norm to this (0: no clipping)."""
     precision: Literal["fp32", "bf16", "fp16"] = "bf16"
+    """fp32; bf16 autocast (CPU and GPU); fp16 autocast with loss scaling (CUDA only). Weights and optimizer state
+    stay fp32."""
     seed: int = 0
+    """Seed of the initial weights, the data order and every rank's generators."""
     accumulation: int = 1
     """Micro-batches per optimizer step; global batch = data.batch_size x accumulation x world."""
     contrastive_accumulation: Literal["none", "gradcache"] = "none"
+    """none: each micro-batch's contrastive loss sees only itself; gradcache: the exact contrastive gradient over
+    the whole step."""
     parallelism: Literal["ddp", "fsdp"] = "ddp"
+    """ddp: replicated parameters; fsdp: FSDP2, each transformer block sharded."""
     compile: bool = False
     """torch.compile each transformer block of the towers (the first steps pay for compilation)."""
     activation_checkpointing: bool = False
@@ -61,7 +76,9 @@ class TrainConfig:
     resume: str = "auto"
     """auto (latest complete checkpoint of run.dir) | never | a checkpoint path."""
     log_every: int = 10
+    """Log a metrics line every N steps (and at the last step)."""
     max_nonfinite_steps: int = 5
+    """Consecutive skipped (non-finite) steps that stop the run with exit code 3 (0: never stop)."""
     timeout_s: float = 600.0
     """Process-group timeout: a rank that fails makes the others exit within this time."""
     threads: int = 0
@@ -82,6 +99,11 @@ class TrainConfig:
     dtype, shape, and a fingerprint of the step's collectives so far); a divergence stops every
     rank with one message naming the step, the two ranks and the collective. Costs one small
     all_gather per collective."""
+
+    def warmup(self) -> int:
+        """Warmup steps, a fraction (``train.warmup_steps`` below 1) taken of ``max_steps``."""
+        w = self.warmup_steps
+        return int(round(w * self.max_steps)) if isinstance(w, float) and w < 1 else int(w)
 
     def validate(self) -> None:
         if self.max_steps < 1:
@@ -151,9 +173,14 @@ class EvalConfig:
     every: int = 0
     """Evaluate on data.val, eval.zeroshot and eval.retrieval every N steps (0: only at the end)."""
     batch_size: int = 256
+    """Evaluation batch per rank."""
     max_samples: int = 0
+    """Evaluate on at most this many pairs (0: all of data.val)."""
     early_stop_metric: str = ""
+    """Any key of `eval.json`: i2t_r1 ... mean_recall, itm_t2i_r1 ..., zeroshot/NAME/top1, retrieval/NAME/t2i_r1 ...
+    (empty: no early stop; a key the evaluation does not produce stops the run with the list of those it does)."""
     early_stop_patience: int = 0
+    """Evaluations without improvement before stopping (0: never)."""
     early_stop_mode: Literal["max", "min"] = "max"
     """Early stopping: stop when eval metric early_stop_metric (e.g. t2i_r1 or zeroshot/NAME/top1)
     has not improved for early_stop_patience evaluations (0: never stop early)."""
@@ -203,11 +230,13 @@ class MetricsConfig:
     Biases (rank 0; needs the optional `wandb` package). The W&B run id is kept in RUN_DIR/wandb_id,
     so a resumed run continues the same W&B run. WANDB_MODE=offline writes it locally."""
     wandb_project: str = "vltrain"
+    """W&B project."""
     wandb_entity: str = ""
     """Empty: W&B's default entity for the logged-in user."""
     wandb_name: str = ""
     """Empty: run.name, else the run folder's name."""
     wandb_tags: list[str] = field(default_factory=list)
+    """W&B tags."""
 
 
 @dataclass

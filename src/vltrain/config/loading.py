@@ -130,15 +130,15 @@ def from_dict(cls: type, raw: Any, path: str = "", root: type | None = None) -> 
     return obj
 
 
-def _type_name(tp: Any) -> str:
+def type_name(tp: Any) -> str:
     origin = typing.get_origin(tp)
     if origin is Literal:
         return " | ".join(repr(a) for a in typing.get_args(tp))
     if origin in (Union, types.UnionType):
-        return " | ".join(_type_name(a) for a in typing.get_args(tp))
+        return " | ".join(type_name(a) for a in typing.get_args(tp))
     if origin is list:
         (a,) = typing.get_args(tp)
-        return f"list of {_type_name(a)}"
+        return f"list of {type_name(a)}"
     if origin is dict:
         return "mapping"
     if dataclasses.is_dataclass(tp):
@@ -147,7 +147,7 @@ def _type_name(tp: Any) -> str:
 
 
 def _bad(tp: Any, value: Any, key: str) -> ConfigError:
-    return ConfigError(f"config key {key!r} expects {_type_name(tp)}, got {value!r} ({type(value).__name__})")
+    return ConfigError(f"config key {key!r} expects {type_name(tp)}, got {value!r} ({type(value).__name__})")
 
 
 def _coerce(tp: Any, value: Any, key: str, root: type) -> Any:

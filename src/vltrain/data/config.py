@@ -46,8 +46,11 @@ class CsvConfig:
     """Column names and separator for CSV/TSV manifests (OpenCLIP writes filepath/title, tab-separated)."""
 
     image_key: str = "filepath"
+    """Image column of CSV/TSV manifests (absent: the aliases image, image_path, filepath)."""
     text_key: str = "title"
+    """Text column (absent: the aliases text, caption, title)."""
     id_key: str = "id"
+    """Id column (absent: ids are derived)."""
     separator: str = ""
     """Empty: a tab for .tsv files, a comma otherwise."""
 
@@ -57,8 +60,11 @@ class ModalityWeights:
     """Loss weights of rows by modality, for objectives that accept single-modality rows."""
 
     image_text: float = 1.0
+    """Loss weight of image-text rows."""
     text_only: float = 1.0
+    """Loss weight of text-only rows (in `model.loss.text_mlm`)."""
     image_only: float = 1.0
+    """Loss weight of image-only rows (in `model.loss.image_mim`)."""
 
 
 @dataclass(frozen=True)
@@ -79,12 +85,17 @@ class DataConfig:
     train: Union[str, list[SourceSpec]] = ""
     """A manifest path, a shard pattern ('shards/{00000..00009}.tar'), or a list of {path, weight}."""
     val: Union[str, list[SourceSpec]] = ""
+    """Held-out pairs for retrieval recall, same forms as data.train (empty: no evaluation)."""
     batch_size: int = 64
     """Per-rank micro-batch (with budget batching: the largest a batch may be)."""
     image_size: int = 224
+    """Side of the square images fed to the model; a multiple of the preset's patch size."""
     resize: Literal["crop", "squash"] = "crop"
+    """crop: shorter side to image_size, then center crop; squash: both sides to image_size."""
     mean: list[float] = field(default_factory=lambda: [0.485, 0.456, 0.406])
+    """Per-channel normalization mean, applied once per batch on the device."""
     std: list[float] = field(default_factory=lambda: [0.229, 0.224, 0.225])
+    """Per-channel normalization standard deviation."""
     jpeg_draft_ratio: float = 1.0
     """JPEGs may be decoded at 1/2, 1/4 or 1/8 scale down to this fraction of image_size, then
     upsampled: 1.0 never upsamples (exact); 0.8 decodes a 500x375 photo at 250x188 for 224, a
@@ -105,6 +116,7 @@ class DataConfig:
     tokenizer: str = ""
     """A tokenizer.json file, or a folder holding one (e.g. a local Hugging Face model folder)."""
     max_text_length: int = 77
+    """Token cap per caption, special tokens included; longer captions are cut and counted."""
     pad_multiple: int = 0
     """Padded text widths are rounded up to a multiple of this, by the collator and the budget
     packer alike. 0 picks per batching: 8 with fixed batching (tensor-core friendly, few
@@ -123,15 +135,21 @@ class DataConfig:
     """Passed to fsspec for remote URLs, over the defaults (e.g. {endpoint_url: ..., anon: true});
     credentials otherwise come from the usual variables (AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID, ...)."""
     num_workers: int = 2
+    """Loader worker processes per rank (0: load in the training process)."""
     prefetch_factor: int = 2
+    """Batches each worker prepares ahead."""
     persistent_workers: bool = True
+    """Keep workers alive across epochs."""
     pin_memory: bool = True
+    """Page-locked host batches for asynchronous copies to the GPU (ignored without CUDA)."""
     on_error: Literal["skip", "fail"] = "skip"
+    """skip: replace unreadable samples and drop malformed rows, logging both; fail: stop at the first."""
     max_bad_fraction: float = 0.01
     """Stop when the rate of samples that fail to load is above this with confidence (from 100 samples
     on), or at once when the first 16 all fail; 0: stop on the first (docs/formats.md#bad-samples)."""
     # sampling and batching
     shuffle: bool = True
+    """A new order every epoch from (train.seed, epoch); false keeps the dataset order."""
     shuffle_window: int = -1
     """-1: 0 for local data, REMOTE_WINDOW (16) when a training source is remote.
     0: each epoch is a full permutation of the samples (exact mixing; every rank holds 8 bytes
@@ -142,6 +160,7 @@ class DataConfig:
     remainder: Literal["pad", "drop"] = "pad"
     """Equal batch counts on every rank: pad the epoch by repeating samples, or drop the tail."""
     batching: Literal["fixed", "budget"] = "fixed"
+    """fixed: data.batch_size rows per batch; budget: batches packed under token_budget and image_budget."""
     token_budget: int = 0
     """Budget batching: the most padded text positions per batch (0: batch_size x max_text_length / 2,
     at least one padded caption of max_text_length)."""

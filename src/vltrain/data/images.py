@@ -33,6 +33,9 @@ except ImportError:  # optional at run time: Pillow decodes JPEGs too, a little 
 
 # decode_image wraps the read-only bytes of a decoded image and never writes to them.
 warnings.filterwarnings("ignore", message="The given buffer is not writable", module=__name__)
+# An image over the pixel limit is refused by check_pixels and reported as a bad sample (counted, in
+# bad_samples.jsonl); Pillow's own warning would only print a site-packages path once per process.
+warnings.filterwarnings("ignore", category=Image.DecompressionBombWarning)
 
 WHITE = (255, 255, 255, 255)
 ALPHA_MODES = ("RGBA", "LA", "PA", "RGBa", "La")

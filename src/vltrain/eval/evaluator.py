@@ -203,11 +203,17 @@ def append_eval(run_dir: str | Path, step: int, metrics: dict[str, float]) -> No
 
 
 def format_metrics(m: dict[str, float]) -> str:
-    """One line: the val recalls (and re-ranked ones), then each set's headline figure."""
+    """One line: the val recalls (and re-ranked ones) with the pairs they were measured on, then each
+    set's headline figure with its images (a recall on 3 pairs is not a recall on 3,000)."""
     keys = [f"{p}{d}_r{k}" for p in ("", "itm_") for d in ("i2t", "t2i") for k in KS]
     parts = [f"{k}={m[k]:.3f}" for k in keys if k in m]
-    parts += [f"{k}={v:.3f}" for k, v in m.items()
-              if k.startswith(("zeroshot/", "retrieval/")) and k.endswith(("/top1", "/t2i_r1", "/itm_t2i_r1"))]
+    if "num_pairs" in m:
+        parts.append(f"[{int(m['num_pairs']):,} pairs]")
+    for k, v in m.items():
+        if k.startswith(("zeroshot/", "retrieval/")) and k.endswith(("/top1", "/t2i_r1", "/itm_t2i_r1")):
+            images = m.get(f"{k.rsplit('/', 1)[0]}/num_images")
+            parts.append(f"{k}={v:.3f}" + ("" if images is None or k.endswith("/itm_t2i_r1")
+                                           else f" [{int(images):,} images]"))
     return "  ".join(parts)
 
 

@@ -28,10 +28,16 @@ class LossConfig:
     is ignored, so one loss section serves every preset."""
 
     itc: float = 1.0
+    """Weight of the CLIP contrastive loss (0: off)."""
     siglip: float = 0.0
+    """Weight of the SigLIP sigmoid loss (0: off); itc or siglip must be > 0."""
     itm: float = 1.0
+    """Weight of image-text matching with hard negatives (fusion presets only)."""
     mlm: float = 0.0
+    """Weight of masked language modelling through the fusion encoder (fusion presets; needs a tokenizer with a mask
+    token)."""
     mlm_probability: float = 0.15
+    """Fraction of real tokens picked for MLM (80% masked, 10% random, 10% kept)."""
     siglip_bias: bool = True
     """Learnable logit bias for SigLIP (initialized at -10, with logit_scale at ln 10)."""
     contrastive_impl: str = "gather"

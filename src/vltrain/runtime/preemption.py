@@ -1,4 +1,5 @@
-"""Preemption: SIGTERM or SIGUSR1 ends the run with a checkpoint of the step it was on.
+"""Preemption and Ctrl-C: SIGTERM, SIGUSR1 or SIGINT ends the run with a checkpoint of the step it
+was on.
 
 Slurm (``--signal=USR1@120``, or SIGTERM before its kill) and Kubernetes (SIGTERM, then SIGKILL
 after the grace period) warn a job before stopping it. A handler here only notes the signal; the
@@ -12,6 +13,9 @@ later (torch's default), so the checkpoint must fit in that time; torchrun itsel
 which is why a requeue script looks for ``preempted.json`` (``scripts/slurm/train.sbatch``). A
 second signal while the checkpoint is written changes nothing: the handler never raises, and the
 checkpoint's commit is atomic anyway.
+
+Ctrl-C (SIGINT) is handled the same way, without the marker (a person stopped the run, no scheduler
+should requeue it), and exits 130 as an interrupted program does. A second Ctrl-C stops at once.
 """
 
 from __future__ import annotations
@@ -24,15 +28,19 @@ from pathlib import Path
 from vltrain.errors import UserError
 
 EXIT_CODE = 75
+INTERRUPTED_EXIT_CODE = 130
 MARKER = "preempted.json"
-SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 
 
 class Preempted(UserError):
     """The run stopped on a signal after saving a checkpoint: run the same command to resume."""
 
-    exit_code = EXIT_CODE
     label = "stopped"
+
+    def __init__(self, message: str, exit_code: int = EXIT_CODE):
+        super().__init__(message)
+        self.exit_code = exit_code
 
 
 class PreemptionWatch:
@@ -48,6 +56,13 @@ class PreemptionWatch:
     def _note(self, signum: int, frame) -> None:
         if self.signum is None:
             self.signum = signum
+        elif signum == signal.SIGINT:
+            raise KeyboardInterrupt  # Ctrl-C twice: do not wait for the step to end
+
+    @property
+    def interrupted(self) -> bool:
+        """The signal was Ctrl-C (SIGINT), not a scheduler's warning."""
+        return self.signum == signal.SIGINT
 
     @property
     def requested(self) -> float:

@@ -148,7 +148,20 @@ def build_train_loader_for(cfg: JobConfig, tokenizer: Tokenizer, world: World, r
 
 
 def build_val_loader(cfg: JobConfig, tokenizer: Tokenizer, world: World, run_dir: Path | None = None):
+    """The loader of ``data.val``; a set without a single image-text pair is refused, since retrieval
+    recall on it would read 0.000 at every evaluation and mean nothing."""
     dataset = build_dataset(cfg.data, "val", tokenizer, run_dir=run_dir)
+    table = dataset.table()
+    pairs = int((table.has_image & table.has_text).sum())
+    if pairs == 0:
+        names = ", ".join(s.path for s in source_specs(cfg.data.val))
+        text_only = int((table.has_text & ~table.has_image).sum())
+        image_only = int((table.has_image & ~table.has_text).sum())
+        raise ConfigError(
+            f"data.val ({names}) holds no image-text pairs ({len(table)} rows: {text_only} text-only, "
+            f"{image_only} image-only), so retrieval recall on it would mean nothing. Give a val set with "
+            "pairs, or data.val='' to train without it (eval.zeroshot and eval.retrieval sets still run)."
+        )
     return build_eval_loader(
         cfg.data, dataset, rank=world.rank, world_size=world.world_size, batch_size=cfg.eval.batch_size,
         pad_id=tokenizer.pad_id,

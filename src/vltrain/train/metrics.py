@@ -184,11 +184,15 @@ class MetricsLogger:
         if not enabled:
             return
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        # a run that starts from step s replays every step after it: the records a stopped run made
+        # past its checkpoint go, so each step is recorded once (TensorBoard purges its own)
+        drop_records_after(self.run_dir / "metrics.jsonl", start_step)
+        drop_records_after(self.run_dir / "eval.json", start_step)
         self.jsonl = open(self.run_dir / "metrics.jsonl", "a")
         try:
             from torch.utils.tensorboard import SummaryWriter
 
-            self.tb = SummaryWriter(str(self.run_dir / "tb"))
+            self.tb = SummaryWriter(str(self.run_dir / "tb"), purge_step=start_step + 1 if start_step else None)
         except ImportError:
             self.tb = None
         if progress and sys.stderr.isatty():
@@ -244,9 +248,50 @@ class MetricsLogger:
         self.bar = self.tb = self.jsonl = self.wandb = None
 
 
+def drop_records_after(path: Path, step: int) -> None:
+    """Rewrite ``metrics.jsonl`` (a record a line) or ``eval.json`` (a list) without the records of
+    steps after ``step``; atomically, so a crash leaves the old file or the new one."""
+    if not path.exists():
+        return
+    text = path.read_text()
+    if path.suffix == ".jsonl":
+        lines = [line for line in text.splitlines() if line.strip()]
+        kept = [line for line in lines if json.loads(line).get("step", 0) <= step]
+        if len(kept) == len(lines):
+            return
+        new = "".join(line + "\n" for line in kept)
+    else:
+        history = json.loads(text)
+        kept = [h for h in history if h.get("step", 0) <= step]
+        if len(kept) == len(history):
+            return
+        new = json.dumps(kept, indent=1) + "\n"
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(new)
+    os.replace(tmp, path)
+
+
 def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
     p = Path(path)
     return [json.loads(line) for line in p.read_text().splitlines() if line.strip()] if p.exists() else []
+
+
+EVAL_CURVES = ("i2t_r1", "t2i_r1", "i2t_r5", "t2i_r5")
+"""The val recalls drawn; each zero-shot and retrieval set adds its headline figure."""
+
+
+def _plot_evals(ax, evals: list[dict[str, Any]]) -> None:
+    """Val recall and every evaluation set's headline figure (zero-shot top-1, retrieval t2i R@1)."""
+    keys = [k for k in EVAL_CURVES if any(k in e for e in evals)]
+    keys += sorted({k for e in evals for k in e if k.startswith(("zeroshot/", "retrieval/"))
+                    and k.endswith(("/top1", "/t2i_r1"))})
+    for k in keys:
+        points = [(e["step"], e[k]) for e in evals if k in e]
+        ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=k)
+    if keys:
+        ax.legend(fontsize=8)
+        ax.set_ylim(0, 1)
+    ax.set_title("evaluation")
 
 
 def plot_curves(run_dir: str | Path) -> Path | None:
@@ -282,14 +327,7 @@ def plot_curves(run_dir: str | Path) -> Path | None:
     ax.plot(steps, [r.get("samples_per_s") for r in rows])
     ax.set_title("samples/s")
 
-    ax = axes[1][1]
-    if evals:
-        es = [e["step"] for e in evals]
-        for k in ("i2t_r1", "t2i_r1", "i2t_r5", "t2i_r5"):
-            ax.plot(es, [e.get(k) for e in evals], marker="o", label=k)
-        ax.legend(fontsize=8)
-        ax.set_ylim(0, 1)
-    ax.set_title("retrieval recall (val)")
+    _plot_evals(axes[1][1], evals)
     for row in axes:
         for a in row:
             a.set_xlabel("step")

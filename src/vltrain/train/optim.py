@@ -7,6 +7,7 @@ group per (lr scale, weight decay).
 
 from __future__ import annotations
 
+import logging
 import math
 
 import torch
@@ -16,6 +17,8 @@ from vltrain.config.job import TrainConfig
 from vltrain.errors import ConfigError
 from vltrain.model.weight_decay import default_no_weight_decay
 from vltrain.types import TrainableModel
+
+log = logging.getLogger(__name__)
 
 
 def freeze_towers(model: nn.Module, towers: list[str], unlock_last: int | dict[str, int] = 0) -> None:
@@ -126,7 +129,13 @@ class WarmupCosine:
 
 
 def build_scheduler(optimizer: torch.optim.Optimizer, cfg: TrainConfig) -> torch.optim.lr_scheduler.LambdaLR:
-    """A LambdaLR (Stateful: its step count is checkpointed) over :class:`WarmupCosine`."""
+    """A LambdaLR (Stateful: its step count is checkpointed) over :class:`WarmupCosine`. A warmup
+    longer than half the run is said: the learning rate would barely reach its peak."""
+    warmup = cfg.warmup()
+    if warmup > cfg.max_steps / 2:
+        log.warning("train.warmup_steps=%s is %d of train.max_steps=%d steps: the learning rate reaches its peak "
+                    "only at step %d. Give a fraction instead (train.warmup_steps=0.05 warms up over 5%% of the run) "
+                    "or fewer steps.", cfg.warmup_steps, warmup, cfg.max_steps, warmup)
     return torch.optim.lr_scheduler.LambdaLR(
-        optimizer, WarmupCosine(cfg.warmup_steps, cfg.max_steps, cfg.min_lr_ratio)
+        optimizer, WarmupCosine(warmup, cfg.max_steps, cfg.min_lr_ratio)
     )

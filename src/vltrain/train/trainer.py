@@ -17,7 +17,15 @@ from typing import Any
 import numpy as np
 import torch
 
-from vltrain.checkpoint.manager import Checkpointer, ModelState, OptimizerState, latest_checkpoint, save_initial_weights
+from vltrain.checkpoint.init_from import adopt_checkpoint_model, vltrain_checkpoint
+from vltrain.checkpoint.manager import (
+    Checkpointer,
+    ModelState,
+    OptimizerState,
+    latest_checkpoint,
+    load_model_weights,
+    save_initial_weights,
+)
 from vltrain.config.job import JobConfig
 from vltrain.data.batch import Batch
 from vltrain.data.dataset import source_specs
@@ -26,6 +34,7 @@ from vltrain.runtime.distributed import all_reduce_sum
 from vltrain.runtime.faults import maybe_fail
 from vltrain.runtime.precision import Precision
 from vltrain.runtime.preemption import EXIT_CODE as PREEMPTED_EXIT
+from vltrain.runtime.preemption import INTERRUPTED_EXIT_CODE as INTERRUPTED_EXIT
 from vltrain.runtime.preemption import Preempted, PreemptionWatch, clear_marker, write_marker
 from vltrain.runtime.rng import RngState
 from vltrain.runtime.spmd import RECORDER
@@ -63,6 +72,8 @@ class Trainer:
         torch.manual_seed(tc.seed)
         self.tokenizer = build_tokenizer(cfg)
         self.model = build_model_for(cfg, self.tokenizer, self.device)
+        if self.init_checkpoint is not None:
+            load_model_weights(self.init_checkpoint, self.model)
         freeze_towers(self.model, tc.freeze, tc.unlock_last)
         self._save_initial()
         self.precision = Precision(tc.precision, self.device)
@@ -88,7 +99,7 @@ class Trainer:
         self.evaluator = Evaluator(cfg, self.tokenizer, self.world, self.run_dir)
 
         # counters (Stateful through this object)
-        self.step, self.samples_seen = 0, 0
+        self.step, self.samples_seen, self.bad_samples = 0, 0, 0
         self.best_metric: float | None = None
         self.evals_without_improvement = 0
 
@@ -127,12 +138,21 @@ class Trainer:
         """Rank 0 keeps the weights the run starts from (``checkpoint.save_initial``), before
         parallelize shards them: ``vltrain export --interpolate`` blends them with the trained ones."""
         when = self.cfg.checkpoint.save_initial
-        if self.world.is_main and (when == "always" or (when == "auto" and self.cfg.model.init)):
+        started_from = self.cfg.model.init or self.init_checkpoint
+        if self.world.is_main and (when == "always" or (when == "auto" and started_from)):
             save_initial_weights(self.run_dir, self.model)
 
     def _resolve_init(self) -> None:
         """``model.init``: the checkpoint's architecture and preprocessing enter the config before it
-        is saved with the run; rank 0 says what they are."""
+        is saved with the run; rank 0 says what they are. A vltrain checkpoint (or run folder) gives
+        its model section and tokenizer instead, and its weights once the model is built."""
+        self.init_checkpoint = vltrain_checkpoint(self.cfg.model.init)
+        if self.init_checkpoint is not None:
+            adopt_checkpoint_model(self.cfg, self.init_checkpoint)
+            if self.world.is_main:
+                print(f"model.init {self.init_checkpoint}: a vltrain checkpoint (its model section, tokenizer "
+                      "and weights; a new optimizer and schedule)", flush=True)
+            return
         source = resolve_init(self.cfg)
         if source is not None and self.world.is_main:
             print(describe_preprocessing(self.cfg, source), flush=True)
@@ -212,6 +232,7 @@ class Trainer:
         if self.evaluator and evaluated_at != self.step:
             last_eval = self.run_eval()
         self._checkpoint(final=True)
+        self.bad_samples = self._bad_samples()
         return last_eval
 
     def _next_micro_batches(self) -> tuple[list[Batch], float]:
@@ -282,6 +303,12 @@ class Trainer:
             for source, row_losses in result.rows:
                 self.source_meter.add(source, row_losses)
 
+    def _bad_samples(self) -> int:
+        """Samples replaced so far on every rank together (one all-reduce: call it on every rank)."""
+        log = self.loader.bad_log
+        count = torch.tensor(float(log.num_bad if log is not None else 0), dtype=torch.float64, device=self.device)
+        return int(all_reduce_sum(count).item()) if self.world.world_size > 1 else int(count.item())
+
     def _log(self, result: StepLosses, grad_norm: torch.Tensor, finite: bool) -> None:
         values: dict[str, Any] = {
             "loss": float(result.loss),
@@ -291,6 +318,7 @@ class Trainer:
             "skipped": not finite,
             "skipped_total": self.guard.total,
             "samples_seen": self.samples_seen,
+            "data/bad_samples": self._bad_samples(),
             **self.throughput.read(),
             **self.source_meter.read(),
             "peak_memory_gb": peak_memory_bytes(self.device) / 2**30,
@@ -344,14 +372,17 @@ class Trainer:
         self.checkpointer.maybe_save(self.step, final=final)
 
     def _stop_preempted(self) -> None:
-        """A rank got SIGTERM/SIGUSR1: every rank saves this step, then the run stops (exit 75)."""
+        """A rank got SIGTERM/SIGUSR1/SIGINT: every rank saves this step, then the run stops (exit 75, or
+        130 after Ctrl-C, which leaves no requeue marker)."""
         name = signal.Signals(self.preemption.signum).name if self.preemption.signum else "a signal on another rank"
         self.checkpointer.maybe_save(self.step, final=True)
         path = latest_checkpoint(self.checkpointer.folder)
-        if self.world.is_main:
+        interrupted = self.preemption.interrupted
+        if self.world.is_main and not interrupted:
             write_marker(self.run_dir, self.step, path)
+        code = INTERRUPTED_EXIT if interrupted else PREEMPTED_EXIT
         raise Preempted(f"{name} at step {self.step}: checkpoint {path} written; run the same "
-                        f"command again to resume (exit code {PREEMPTED_EXIT})")
+                        f"command again to resume (exit code {code})", exit_code=code)
 
     def close(self, clean: bool = True) -> None:
         """Flush the sinks, leave the process group (``clean``: after a run that did not fail),

@@ -6,6 +6,7 @@ path that does not exist, a format it does not know).
 
 from __future__ import annotations
 
+import os
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -76,15 +77,29 @@ def check_rows(source: Source, start: int, stop: int, max_pixels: int = MAX_IMAG
     return problems
 
 
-def _check_source(source: Source, workers: int) -> list[Problem]:
+def _check_source(source: Source, workers: int, progress: bool = False) -> list[Problem]:
+    """Every image of ``source`` decoded, in ``workers`` processes (0: one per core); a bar on a
+    terminal when ``progress``."""
+    from tqdm import tqdm
+
     n = len(source)
-    if workers <= 1 or n < 256:
-        return check_rows(source, 0, n)
-    chunk = -(-n // (workers * 4))
-    with ProcessPoolExecutor(workers) as pool:
-        parts = pool.map(check_rows, [source] * len(range(0, n, chunk)), range(0, n, chunk),
-                         [min(s + chunk, n) for s in range(0, n, chunk)])
-        return [p for part in parts for p in part]
+    workers = workers or os.cpu_count() or 1
+    chunk = max(64, -(-n // (workers * 16)))
+    starts = list(range(0, n, chunk))
+    bar = tqdm(total=n, desc=f"validating {source.name}", unit="row", disable=not progress, leave=False)
+    found: list[Problem] = []
+    with bar:
+        if workers <= 1 or n < 256:
+            for start in starts:
+                found += check_rows(source, start, min(start + chunk, n))
+                bar.update(min(start + chunk, n) - start)
+            return found
+        with ProcessPoolExecutor(workers) as pool:
+            for start, part in zip(starts, pool.map(check_rows, [source] * len(starts), starts,
+                                                    [min(s + chunk, n) for s in starts])):
+                found += part
+                bar.update(min(start + chunk, n) - start)
+    return found
 
 
 def _duplicates(source: Source, seen: dict[str, str]) -> list[Problem]:
@@ -102,7 +117,9 @@ def _position(p: Problem) -> tuple:
     return (name, int(pos) if pos.isdigit() else 0, pos)
 
 
-def validate(paths: list[str], workers: int = 1) -> list[SourceSummary]:
+def validate(paths: list[str], workers: int = 0, progress: bool = False) -> list[SourceSummary]:
+    """Every row of every source read and every image decoded (``workers`` processes, 0: one per
+    core); a source with no rows is a problem, as training refuses it."""
     summaries, seen = [], {}
     for path in paths:
         s = SourceSummary(path)
@@ -115,7 +132,9 @@ def validate(paths: list[str], workers: int = 1) -> list[SourceSummary]:
             continue
         s.rows = len(source)
         s.image_text, s.text_only, s.image_only = modality_counts(source)
-        found = _duplicates(source, seen) + _check_source(source, workers)
+        found = _duplicates(source, seen) + _check_source(source, workers, progress)
+        if s.rows == 0:
+            found.append(Problem(path, "no rows: training refuses an empty source (nothing to read in it)"))
         found_errors = sum(p.level == "error" for p in found)
         s.problems = sorted(source.problems + found, key=_position)
         # an index holds its first problems in memory and counts all of them
