@@ -49,3 +49,19 @@ def test_append_eval_keeps_history(tmp_path):
     append_eval(tmp_path, 20, {"t2i_r1": 0.3})
     hist = json.loads((tmp_path / "eval.json").read_text())
     assert hist == [{"step": 10, "t2i_r1": 0.1}, {"step": 20, "t2i_r1": 0.3}]
+
+
+def test_every_metric_is_rounded_alike_in_eval_json(tmp_path):
+    append_eval(tmp_path, 5, {"i2t_r1": 0.645, "zeroshot/pets/top1": 65 / 180,
+                              "zeroshot/pets/mean_per_class": 0.36111111111111116, "num_pairs": 1000})
+    (row,) = json.loads((tmp_path / "eval.json").read_text())
+    assert row == {"step": 5, "i2t_r1": 0.645, "zeroshot/pets/top1": 0.361111,
+                   "zeroshot/pets/mean_per_class": 0.361111, "num_pairs": 1000}
+
+
+def test_each_evaluation_line_says_what_it_was_measured_on():
+    from vltrain.eval.evaluator import format_metrics
+
+    line = format_metrics({"i2t_r1": 0.5, "t2i_r1": 0.25, "num_pairs": 3, "zeroshot/pets/top1": 0.2,
+                           "zeroshot/pets/num_images": 30})
+    assert line == "i2t_r1=0.500  t2i_r1=0.250  [3 pairs]  zeroshot/pets/top1=0.200 [30 images]"

@@ -249,3 +249,25 @@ def test_fine_tuning_keys_are_checked_when_loaded(overrides, message):
 
     with pytest.raises(ConfigError, match=message):
         load_config(None, overrides)
+
+
+def test_warmup_as_a_fraction_of_the_run():
+    assert TrainConfig(warmup_steps=0.1, max_steps=40).warmup() == 4
+    assert TrainConfig(warmup_steps=0.05, max_steps=1000).warmup() == 50
+    assert TrainConfig(warmup_steps=100, max_steps=40).warmup() == 100
+    with pytest.raises(ConfigError):
+        TrainConfig(warmup_steps=-0.1).validate()
+
+
+def test_a_warmup_longer_than_half_the_run_is_said(caplog):
+    opt = torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=1.0)
+    with caplog.at_level("WARNING", logger="vltrain.train.optim"):
+        build_scheduler(opt, TrainConfig(lr=1.0, warmup_steps=100, max_steps=40))
+    assert "train.warmup_steps=100 is 100 of train.max_steps=40 steps" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="vltrain.train.optim"):
+        sched = build_scheduler(opt, TrainConfig(lr=1.0, warmup_steps=0.1, max_steps=40))
+    assert caplog.text == ""
+    for _ in range(4):
+        sched.step()
+    assert opt.param_groups[0]["lr"] == pytest.approx(1.0)  # the peak, reached at step 4 of 40

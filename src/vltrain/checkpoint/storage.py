@@ -187,9 +187,16 @@ def write_weights(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[s
     tensors = {k: v.detach().cpu().contiguous().clone() for k, v in tensors.items()}
     tmp = path.with_name(path.name + PART_SUFFIX)
     save_file(tensors, str(tmp), metadata=metadata)
+    os.chmod(tmp, 0o666 & ~_umask())  # safetensors writes 0600; weights are meant to be shared
     with open(tmp, "rb") as f:
         os.fsync(f.fileno())
     rename_durably(tmp, path)
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
 
 
 def rename_durably(src: Path, dst: Path) -> None:

@@ -13,10 +13,22 @@ import sys
 from pathlib import Path
 
 
+def _add_overrides(parser, help_text: str = "dotted overrides, e.g. train.lr=3e-4 data.batch_size=64") -> None:
+    """Every command that reads a config takes overrides the same two ways: ``key=value`` after its
+    positional arguments, or ``--set key=value`` anywhere (repeatable)."""
+    parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help=help_text)
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", dest="set_overrides",
+                        help="the same, as an option (repeatable), e.g. --set model.preset=clip-vit-b16")
+
+
+def overrides_of(args: argparse.Namespace) -> list[str]:
+    return list(args.overrides or []) + list(args.set_overrides or [])
+
+
 def add_parsers(sub) -> None:
     t = sub.add_parser("train", help="train a model from a YAML config (torchrun-aware)")
     t.add_argument("config", help="YAML config file")
-    t.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.lr=3e-4 data.batch_size=64")
+    _add_overrides(t)
     t.set_defaults(func=train)
 
     d = sub.add_parser("demo", help="synthesize shapes, train a tokenizer and a model, evaluate, plot")
@@ -24,7 +36,7 @@ def add_parsers(sub) -> None:
     d.add_argument("--data", default="data/shapes", help="where the synthetic data goes (default data/shapes)")
     d.add_argument("--num", type=int, default=10000, help="synthetic training rows (default 10000)")
     d.add_argument("--val", type=int, default=1000, help="held-out pairs (default 1000)")
-    d.add_argument("overrides", nargs="*", help="dotted overrides of configs/demo.yaml")
+    _add_overrides(d, "dotted overrides of configs/demo.yaml")
     d.set_defaults(func=demo)
 
     e = sub.add_parser("eval", help="retrieval and zero-shot metrics of a run's latest checkpoint or an exported model")
@@ -37,7 +49,7 @@ def add_parsers(sub) -> None:
     e.add_argument("--retrieval", default=None, metavar="FILE", help="COCO-style caption JSON (Karpathy split or annotations)")
     e.add_argument("--split", default="test", help="the Karpathy split to evaluate (default test)")
     e.add_argument("--json", action="store_true", help="print the metrics as JSON instead of a table")
-    e.add_argument("overrides", nargs="*", help="dotted overrides")
+    _add_overrides(e)
     e.set_defaults(func=evaluate)
 
     x = sub.add_parser("export", help="write model.safetensors, the tokenizer and the config")
@@ -53,8 +65,7 @@ def add_parsers(sub) -> None:
     m.add_argument("model_dir", help="an exported model folder, a run folder, a Hugging Face CLIPModel/SiglipModel "
                                      "folder or an OpenCLIP checkpoint")
     m.add_argument("--tokenizer", default=None, help="tokenizer.json (an OpenCLIP checkpoint without one beside it)")
-    m.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                   help="a config value, e.g. model.preset=clip-vit-b16 or model.quick_gelu=true (repeatable)")
+    _add_overrides(m, "config values, e.g. model.preset=clip-vit-b16 or model.quick_gelu=true")
     m.add_argument("--images", nargs="*", default=[])
     m.add_argument("--texts", nargs="*", default=[])
     m.add_argument("--out", required=True, help=".npy file (images first, then texts)")
@@ -69,7 +80,7 @@ def train(args: argparse.Namespace) -> int:
     from vltrain.runtime.preemption import Preempted
     from vltrain.train.trainer import Trainer
 
-    cfg = load_config(args.config, args.overrides)
+    cfg = load_config(args.config, overrides_of(args))
     trainer = Trainer(cfg)
     clean = False
     try:
@@ -107,7 +118,7 @@ def demo(args: argparse.Namespace) -> int:
 
     start = time.perf_counter()
     run_dir = Path(args.dir)
-    trainer, metrics = run_demo(run_dir, Path(args.data), list(args.overrides or []), args.num, args.val)
+    trainer, metrics = run_demo(run_dir, Path(args.data), overrides_of(args), args.num, args.val)
     if trainer.world.is_main:
         minutes = (time.perf_counter() - start) / 60
         print(f"\ndone in {minutes:.1f} min, {trainer.step} steps, {trainer.samples_seen:,} samples")
@@ -126,9 +137,9 @@ def demo(args: argparse.Namespace) -> int:
 def evaluate(args: argparse.Namespace) -> int:
     """``vltrain eval RUN_DIR``: metrics of the run's weights on its val set and evaluation sets, or on
     the sets the command line names."""
-    from vltrain.eval.evaluator import evaluate_run, format_table
+    from vltrain.eval.evaluator import evaluate_run, format_table, rounded
 
-    overrides = list(args.overrides or [])
+    overrides = overrides_of(args)
     if args.zeroshot:
         name = Path(args.zeroshot).stem or "zeroshot"
         overrides.append(f"eval.zeroshot=[{{name: {json.dumps(name)}, path: {json.dumps(str(args.zeroshot))}, "
@@ -143,7 +154,7 @@ def evaluate(args: argparse.Namespace) -> int:
         overrides += [] if args.retrieval else ["eval.retrieval=[]"]
     metrics = evaluate_run(Path(args.path), data=args.data, overrides=overrides, val=args.data is not None or not only_sets)
     if os.environ.get("RANK", "0") == "0":
-        print(json.dumps(metrics, indent=1) if args.json else format_table(metrics))
+        print(json.dumps(rounded(metrics), indent=1) if args.json else format_table(metrics))
     return 0
 
 
@@ -171,7 +182,7 @@ def embed(args: argparse.Namespace) -> int:
     if not args.images and not args.texts:
         raise UserError("nothing to embed: give --images and/or --texts")
     torch.set_grad_enabled(False)
-    overrides = list(args.set or []) + ([f"data.tokenizer={args.tokenizer}"] if args.tokenizer else [])
+    overrides = overrides_of(args) + ([f"data.tokenizer={args.tokenizer}"] if args.tokenizer else [])
     model, tokenizer, cfg = load_any(args.model_dir, overrides)
     emb = embed_inputs(model, tokenizer, cfg, args.images, args.texts)
     np.save(args.out, emb)

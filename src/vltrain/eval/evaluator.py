@@ -194,11 +194,20 @@ def check_early_stop_metric(metric: str, metrics: dict[str, float]) -> None:
                           + ", ".join(k for k in metrics if not k.rsplit("/", 1)[-1].startswith("num_")))
 
 
+EVAL_DECIMALS = 6
+
+
+def rounded(metrics: dict[str, float]) -> dict[str, float]:
+    """Every fraction rounded alike (eval.json, ``vltrain eval --json``): a recall of 1 in 25,000
+    stays, float noise goes."""
+    return {k: round(v, EVAL_DECIMALS) if isinstance(v, float) else v for k, v in metrics.items()}
+
+
 def append_eval(run_dir: str | Path, step: int, metrics: dict[str, float]) -> None:
     """RUN_DIR/eval.json: a list of {"step": N, metrics...}, newest last."""
     path = Path(run_dir) / "eval.json"
     history = json.loads(path.read_text()) if path.exists() else []
-    history = [h for h in history if h.get("step") != step] + [{"step": step, **metrics}]
+    history = [h for h in history if h.get("step") != step] + [{"step": step, **rounded(metrics)}]
     path.write_text(json.dumps(history, indent=1) + "\n")
 
 

@@ -140,3 +140,10 @@ def test_every_image_problem_names_the_image_path_and_a_plain_reason(cli, tmp_pa
         locked = tmp_path / "img" / "trunc.jpg"
         locked.chmod(0)
         assert "permission denied" in cli("data", "validate", "bad.jsonl").stdout
+
+
+def test_an_empty_manifest_is_a_problem_as_training_says(tmp_path, capsys, monkeypatch):
+    (tmp_path / "empty.jsonl").write_text("")
+    code, out, _ = run_cli(capsys, "data", "validate", str(tmp_path / "empty.jsonl"))
+    assert code == 1
+    assert "0 rows" in out and "no rows: training refuses an empty source" in out and "ok" not in out.splitlines()
