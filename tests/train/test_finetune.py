@@ -88,7 +88,8 @@ def _fake_trainer(run_dir: Path, save_initial: str, init: str, main: bool = True
     from modelkit import small_model
 
     cfg = load_config(None, [f"checkpoint.save_initial={save_initial}", f"model.init={init}"])
-    return SimpleNamespace(cfg=cfg, world=SimpleNamespace(is_main=main), run_dir=run_dir, model=small_model(seed=seed))
+    return SimpleNamespace(cfg=cfg, world=SimpleNamespace(is_main=main), run_dir=run_dir, model=small_model(seed=seed),
+                           init_checkpoint=None)
 
 
 @pytest.mark.parametrize("save_initial, init, main, written", [

@@ -147,3 +147,12 @@ def test_an_empty_manifest_is_a_problem_as_training_says(tmp_path, capsys, monke
     code, out, _ = run_cli(capsys, "data", "validate", str(tmp_path / "empty.jsonl"))
     assert code == 1
     assert "0 rows" in out and "no rows: training refuses an empty source" in out and "ok" not in out.splitlines()
+
+
+def test_validate_uses_every_core_and_shows_progress_on_a_terminal(tmp_path, capsys):
+    from vltrain.cli.main import build_parser
+
+    assert build_parser().parse_args(["data", "validate", "m.jsonl"]).workers == 0  # one per core
+    clean_manifest(tmp_path)
+    validate([str(tmp_path / "clean.jsonl")], progress=True)
+    assert "validating " in capsys.readouterr().err
