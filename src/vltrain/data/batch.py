@@ -28,6 +28,8 @@ class Batch:
     attention_mask: torch.Tensor  # int64 [B, L]
     source: torch.Tensor | None = None  # int64 [B], index of the source in a mixture
     num_truncated: int = 0
+    counts: tuple[int, int] | None = None
+    """Rows with an image, rows with text: counted by the collator, so the step need not ask the device."""
     errors: list[tuple[str, str]] = field(default_factory=list)
 
     def __len__(self) -> int:
@@ -74,7 +76,7 @@ class Batch:
         return ModelInputs(
             pixels=batch.pixels(mean, std), input_ids=batch.input_ids, attention_mask=batch.attention_mask,
             has_image=batch.has_image, has_text=batch.has_text, ids=batch.ids, row_weights=row_weights,
-            source=batch.source,
+            source=batch.source, counts=self.counts,
         )
 
 

@@ -238,6 +238,27 @@ def all_reduce_sum(x: torch.Tensor) -> torch.Tensor:
     return out
 
 
+_HOST_GROUP: list = []
+"""A gloo group beside an NCCL one, for flags that live on the host (made on first use)."""
+
+
+def host_any(flag: bool) -> bool:
+    """Whether ``flag`` is set on any rank: an all-reduce of host memory (over gloo), so nothing
+    waits for an accelerator. Every rank must call it at the same point."""
+    world = world_info()[1]
+    if world == 1:
+        return flag
+    group = None
+    if dist.get_backend() != "gloo":
+        if not _HOST_GROUP:
+            _HOST_GROUP.append(dist.new_group(backend="gloo"))
+        group = _HOST_GROUP[0]
+    t = torch.tensor([int(flag)], dtype=torch.int32)
+    # recorded without the tensor: train.debug_spmd compares on the main group's device
+    issue("all_reduce", None, lambda: dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group), sent=4)
+    return t.numpy()[0] > 0
+
+
 def barrier() -> None:
     if world_info()[1] > 1:
         issue("barrier", None, dist.barrier)

@@ -22,7 +22,7 @@ from vltrain.config.job import JobConfig
 from vltrain.data.batch import Batch
 from vltrain.data.dataset import source_specs
 from vltrain.eval.evaluator import Evaluator, append_eval, check_early_stop_metric, format_metrics
-from vltrain.runtime.distributed import all_reduce_sum
+from vltrain.runtime.distributed import all_reduce_sum, host_any
 from vltrain.runtime.faults import maybe_fail
 from vltrain.runtime.precision import Precision
 from vltrain.runtime.preemption import EXIT_CODE as PREEMPTED_EXIT
@@ -44,7 +44,7 @@ from vltrain.train.nonfinite import NonFiniteGuard
 from vltrain.train.optim import build_optimizer, build_scheduler, freeze_towers
 from vltrain.train.parallelize import clip_grad_norm, parallelize, reduce_replicated_grads
 from vltrain.train.source_metrics import SourceMeter
-from vltrain.train.step import StepLosses, plain_backward
+from vltrain.train.step import StepLosses, apply_update, plain_backward
 
 
 class Trainer:
@@ -78,6 +78,7 @@ class Trainer:
         self.scaler = self.precision.grad_scaler()
         self.guard = NonFiniteGuard(tc.max_nonfinite_steps)
         self.preemption, self.preempt_agreed = PreemptionWatch(), False
+        self._samples_pending: torch.Tensor | None = None
 
         # data: from here on each rank draws its own random numbers (ITM negatives, MLM masks)
         self.rng = self._seed_rank(tc.seed + 1 + self.world.rank)
@@ -165,6 +166,7 @@ class Trainer:
         }
 
     def state_dict(self) -> dict[str, Any]:
+        self.settle()
         return {
             "step": self.step,
             "samples_seen": self.samples_seen,
@@ -191,14 +193,13 @@ class Trainer:
         while self.step < tc.max_steps:
             micro, wait = self._next_micro_batches()
             RECORDER.begin(f"in step {self.step + 1}")
-            result, grad_norm, finite, samples = self.train_step(micro)
+            result, grad_norm = self.train_step(micro)
             RECORDER.end(self.device)
             self.step += 1
-            self.samples_seen += samples
-            self.throughput.add(samples, wait, self._flops(micro))
+            self.throughput.add(0, wait, self._flops(micro))
             self.metrics.advance()
-            if self.step % tc.log_every == 0 or self.step == tc.max_steps or not finite:
-                self._log(result, grad_norm, finite)
+            if self.step % tc.log_every == 0 or self.step == tc.max_steps:
+                self._log(result, grad_norm)
             if self.cfg.eval.every and self.step % self.cfg.eval.every == 0 and self.evaluator:
                 last_eval, evaluated_at = self.run_eval(), self.step
                 if self._should_stop(last_eval):
@@ -219,11 +220,12 @@ class Trainer:
         micro = [next(self.loader) for _ in range(self.cfg.train.accumulation)]
         return micro, time.perf_counter() - start
 
-    def train_step(self, micro: list[Batch]) -> tuple[StepLosses, torch.Tensor, bool, int]:
+    def train_step(self, micro: list[Batch]) -> tuple[StepLosses, torch.Tensor]:
         """Forward/backward over the micro-batches, agree on finiteness, step or skip.
 
-        Returns the losses averaged over ranks, the gradient norm, whether the step was
-        applied, and the global number of samples in it.
+        Returns the losses averaged over ranks and the gradient norm, on the device: nothing in
+        a step waits for the device (``tests/train/test_host_sync.py``). The skip is decided
+        there too; what the host needs of it (samples, skipped steps) it reads in :meth:`settle`.
         """
         tc = self.cfg.train
         data = self.cfg.data
@@ -241,54 +243,58 @@ class Trainer:
         self.scaler.unscale_(self.optimizer)
         grad_norm = clip_grad_norm(self.params, tc.grad_clip)
 
-        # one all-reduce: [non-finite flag, samples, preemption flag, loss, per-objective losses]
+        # one all-reduce: [non-finite flag, samples, loss, per-objective losses]
         names = sorted(result.losses)
-        local_bad = not bool(torch.isfinite(result.loss)) or (
-            not self.scaler.is_enabled() and not bool(torch.isfinite(grad_norm))
-        )
-        packet = torch.stack([
-            torch.tensor(float(local_bad), device=self.device),
-            torch.tensor(float(sum(len(b) for b in micro)), device=self.device),
-            torch.tensor(self.preemption.requested, device=self.device),
-            result.loss.float(),
-            *[result.losses[k].float() for k in names],
-        ])
+        bad = ~torch.isfinite(result.loss)
+        if not self.scaler.is_enabled():
+            bad = bad | ~torch.isfinite(grad_norm)
+        samples = torch.tensor([float(sum(len(b) for b in micro))]).to(self.device, non_blocking=True)
+        packet = torch.cat([bad.float().reshape(1), samples, result.loss.float().reshape(1),
+                            *[result.losses[k].float().reshape(1) for k in names]])
         if self.world.world_size > 1:
             packet = all_reduce_sum(packet)
-            packet[3:] /= self.world.world_size
-        finite = packet[0].item() == 0
-        self.preempt_agreed = packet[2].item() > 0
-        if finite:
-            self.scaler.step(self.optimizer)
-        else:
-            self.optimizer.zero_grad(set_to_none=True)
+            packet[2:] /= self.world.world_size
+        skip = packet[0] > 0
+        apply_update(self.optimizer, self.scaler, skip)
         self.scaler.update()
         # a skipped step still consumed its data: the schedule follows the step count
         self.scheduler.step()
-        self.guard.record(self.step, finite)
-        self._meter_sources(inputs, result, finite)
-        losses = StepLosses(packet[3], {k: packet[4 + i] for i, k in enumerate(names)})
-        return losses, grad_norm, finite, int(packet[1].item())
+        self.guard.record_on_device(skip)
+        self._samples_pending = packet[1] if self._samples_pending is None else self._samples_pending + packet[1]
+        self._meter_sources(inputs, result, ~skip)
+        # the preemption flag lives on the host: agreed over host memory, every step
+        self.preempt_agreed = host_any(self.preemption.requested)
+        return StepLosses(packet[2], {k: packet[3 + i] for i, k in enumerate(names)}), grad_norm
+
+    def settle(self) -> int:
+        """Bring the steps' device-side counts to the host (a log step, a checkpoint): samples seen,
+        skipped steps (the guard may stop the run here). Returns the steps skipped since the last."""
+        if self._samples_pending is not None:
+            samples = int(self._samples_pending)
+            self._samples_pending = None
+            self.samples_seen += samples
+            self.throughput.add(samples, 0.0)
+        return self.guard.settle(self.step)
 
     def _flops(self, micro: list[Batch]) -> float:
         """Model FLOPs of this rank's forward + backward (``flops_per_sample`` counts both)."""
         return float(sum(len(b) * self.model.flops_per_sample(b.input_ids.shape[1]) for b in micro))
 
-    def _meter_sources(self, inputs: list, result: StepLosses, finite: bool) -> None:
-        """Count each source's samples, and (if the step was applied) its per-row losses."""
+    def _meter_sources(self, inputs: list, result: StepLosses, applied: torch.Tensor) -> None:
+        """Count each source's samples, and (if the step was applied: a device bool) its per-row losses."""
         for m in inputs:
             self.source_meter.count(m.source)
-        if finite:
-            for source, row_losses in result.rows:
-                self.source_meter.add(source, row_losses)
+        for source, row_losses in result.rows:
+            self.source_meter.add(source, row_losses, applied)
 
-    def _log(self, result: StepLosses, grad_norm: torch.Tensor, finite: bool) -> None:
+    def _log(self, result: StepLosses, grad_norm: torch.Tensor) -> None:
+        skipped = self.settle()
         values: dict[str, Any] = {
             "loss": float(result.loss),
             **{f"loss/{k}": float(v) for k, v in result.losses.items()},
             "lr": self.scheduler.get_last_lr()[0],
             "grad_norm": float(grad_norm),
-            "skipped": not finite,
+            "skipped": skipped > 0,  # a step since the last log line (log_every 1: this step)
             "skipped_total": self.guard.total,
             "samples_seen": self.samples_seen,
             **self.throughput.read(),
@@ -300,9 +306,10 @@ class Trainer:
         util = self.gpu_util.read()
         if util is not None:
             values["gpu_util"] = util
-        if not finite:
-            self.metrics.write(f"step {self.step}: non-finite loss or gradient norm on some rank; step skipped "
-                               f"({self.guard.in_a_row} in a row, {self.guard.total} in all)")
+        if skipped:
+            self.metrics.write(f"by step {self.step}: {skipped} step(s) skipped since the last log line, for a "
+                               f"non-finite loss or gradient norm on some rank ({self.guard.in_a_row} in a row now, "
+                               f"{self.guard.total} in all)")
         self.metrics.log(self.step, values)
         self.throughput.reset()
 

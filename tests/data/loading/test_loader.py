@@ -114,7 +114,8 @@ def test_workers_prefetch_the_next_epoch_before_the_trainer_asks(tmp_path):
 
     t, log = table(shapes_lengths(16)), tmp_path / "loaded.txt"
     sampler = DistributedBatchSampler(t, Schedule(seed=7, batch_size=4), rank=0, world_size=1)
-    loader = TrainLoader(_CountingDataset(t, log), sampler, collate=collate, num_workers=2, prefetch_factor=2)
+    loader = TrainLoader(_CountingDataset(t, log), sampler, collate=collate, num_workers=2, prefetch_factor=2,
+                         persistent_workers=True)
     got = [next(loader).ids.tolist() for _ in range(len(loader))]  # the whole of epoch 0
     assert loader.epoch == 0
     deadline = time.monotonic() + 30

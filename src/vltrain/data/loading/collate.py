@@ -34,6 +34,7 @@ class Collator:
         attention_mask = np.zeros((n, length), dtype=np.int64)
         pixel_values = torch.empty((n, 3, self.image_size, self.image_size), dtype=torch.uint8)
         has_image = torch.zeros(n, dtype=torch.bool)
+        texts = [len(s.input_ids) > 0 for s in samples]
         for i, s in enumerate(samples):
             ids = s.input_ids[:length]
             input_ids[i, : len(ids)] = ids
@@ -47,10 +48,11 @@ class Collator:
             ids=torch.tensor([s.uid for s in samples], dtype=torch.int64),
             pixel_values=pixel_values,
             has_image=has_image,
-            has_text=torch.tensor([len(s.input_ids) > 0 for s in samples], dtype=torch.bool),
+            has_text=torch.tensor(texts, dtype=torch.bool),
             input_ids=torch.from_numpy(input_ids),
             attention_mask=torch.from_numpy(attention_mask),
             source=torch.tensor([s.source for s in samples], dtype=torch.int64),
             num_truncated=sum(s.truncated for s in samples),
+            counts=(sum(s.image is not None for s in samples), sum(texts)),
             errors=[e for s in samples for e in s.errors],
         )

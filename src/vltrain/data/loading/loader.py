@@ -203,7 +203,8 @@ class TrainLoader:
 
     def close(self) -> None:
         """Stop the worker processes now, through the loader's own shutdown; close the audit file."""
-        it = getattr(self._loader, "_iterator", None) or self._it
+        it = getattr(self._loader, "_iterator", None)
+        it = self._it if it is None else it  # not ``or``: an endless iterator has no length to be truthy by
         shutdown = getattr(it, "_shutdown_workers", None)
         if callable(shutdown):
             shutdown()
