@@ -48,6 +48,9 @@ from vltrain.train.step import StepLosses, apply_update, plain_backward
 
 
 class Trainer:
+    _samples_pending: torch.Tensor | None = None
+    """Samples of the steps since the last settle, on the device (read on log steps)."""
+
     def __init__(self, cfg: JobConfig):
         self.cfg = cfg
         tc = cfg.train
@@ -78,7 +81,6 @@ class Trainer:
         self.scaler = self.precision.grad_scaler()
         self.guard = NonFiniteGuard(tc.max_nonfinite_steps)
         self.preemption, self.preempt_agreed = PreemptionWatch(), False
-        self._samples_pending: torch.Tensor | None = None
 
         # data: from here on each rank draws its own random numbers (ITM negatives, MLM masks)
         self.rng = self._seed_rank(tc.seed + 1 + self.world.rank)
