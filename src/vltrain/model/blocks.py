@@ -43,8 +43,31 @@ def cpu_multiplies_bf16() -> bool:
     return cpu_has_bf16_matmul()
 
 
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+class CausalPrefix:
+    """The mask of causal, right-padded text, left to the kernel as ``is_causal``.
+
+    An explicit [B, 1, L, L] mask rules out the flash and cuDNN kernels on a GPU. With right
+    padding every key before a real query is real, so a real position attends to the same keys
+    either way; only padded positions differ, and no real position, pooling or loss reads them.
+    Used on CUDA only (:func:`text_mask`): CPU results stay those of the explicit mask.
+    """
+
+
+CAUSAL_PREFIX = CausalPrefix()
+
+
+def text_mask(attention_mask: torch.Tensor, causal: bool) -> torch.Tensor | CausalPrefix:
+    """The self-attention mask of a right-padded text batch (see :class:`CausalPrefix`)."""
+    if causal and attention_mask.device.type == "cuda":
+        return CAUSAL_PREFIX
+    return key_padding_mask(attention_mask, causal)
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+              mask: torch.Tensor | CausalPrefix | None = None) -> torch.Tensor:
     """softmax(q k^T / sqrt(d) masked) v over [B, heads, L, d]; ``mask`` is boolean, True = may attend."""
+    if isinstance(mask, CausalPrefix):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
     if q.device.type != "cpu" or q.dtype == torch.float32 or not cpu_multiplies_bf16():
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
     # CPU, low precision: PyTorch's CPU flash kernel has a slow bf16 backward and its math fallback

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from vltrain.errors import UserError
-from vltrain.model.blocks import Block, Packed, block_flops, key_padding_mask, run_blocks
+from vltrain.model.blocks import Block, Packed, block_flops, key_padding_mask, run_blocks, text_mask
 
 
 @dataclass
@@ -112,12 +112,13 @@ class TextTransformer(nn.Module):
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if self.cfg.pad_to_max_length:
             return self._forward_fixed_length(input_ids, attention_mask)
-        packed = None if self.cfg.pooling == "last" else packed_tokens(attention_mask, self.cfg.layout)
-        mask = key_padding_mask(attention_mask, self.cfg.causal)
+        last = self.cfg.pooling == "last"  # reads the batch's last position, padded or not
+        packed = None if last else packed_tokens(attention_mask, self.cfg.layout)
         if packed is None:
+            mask = (key_padding_mask if last else text_mask)(attention_mask, self.cfg.causal)
             x = self.norm(run_blocks(self.blocks, self._embed(input_ids), mask, checkpointing=self.checkpointing))
             return x, pool(x, attention_mask, self.cfg.pooling)
-        packed.mask = mask
+        packed.mask = key_padding_mask(attention_mask, self.cfg.causal)
         n = input_ids.shape[1]
         x = self.token_embedding(input_ids.reshape(-1)[packed.index]) + self.pos_embed[packed.index % n]
         x = self.norm(run_blocks(self.blocks, x, packed, checkpointing=self.checkpointing))
