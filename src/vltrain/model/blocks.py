@@ -37,6 +37,31 @@ ACTIVATIONS = {"gelu": F.gelu, "gelu_tanh": _gelu_tanh, "quick_gelu": quick_gelu
 (SigLIP) and QuickGELU (OpenAI's CLIP)."""
 
 
+class LayerNorm(nn.LayerNorm):
+    """LayerNorm that computes in fp32 and returns its input's dtype.
+
+    Under CUDA autocast ``layer_norm`` runs in fp32 and returns fp32: the residual stream then
+    turns fp32 and every Linear after it casts its input back to bf16, extra passes over memory
+    in every block. Here only the statistics are fp32; a bf16 stream stays bf16. Outside
+    autocast an fp32 input takes ``nn.LayerNorm``'s own path, so fp32 results are unchanged.
+    """
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        device = x.device.type
+        if x.dtype == torch.float32 and not torch.is_autocast_enabled(device):
+            return super().forward(x)
+        weight = None if self.weight is None else self.weight.float()
+        bias = None if self.bias is None else self.bias.float()
+        with torch.autocast(device, enabled=False):
+            return F.layer_norm(x.float(), self.normalized_shape, weight, bias, self.eps).to(x.dtype)
+
+
+def in_autocast_dtype(x: torch.Tensor) -> torch.Tensor:
+    """``x`` in the autocast dtype when autocast is on (a tower's residual stream starts there), else ``x``."""
+    device = x.device.type
+    return x.to(torch.get_autocast_dtype(device)) if torch.is_autocast_enabled(device) else x
+
+
 @functools.cache
 def cpu_multiplies_bf16() -> bool:
     """Whether this CPU has bf16 matrix instructions (AVX-512 BF16 or AMX): asked once."""
@@ -163,9 +188,9 @@ class Block(nn.Module):
 
     def __init__(self, width: int, heads: int, mlp_ratio: float = 4.0, act: str = "gelu", eps: float = 1e-5):
         super().__init__()
-        self.norm1 = nn.LayerNorm(width, eps=eps)
+        self.norm1 = LayerNorm(width, eps=eps)
         self.attn = SelfAttention(width, heads)
-        self.norm2 = nn.LayerNorm(width, eps=eps)
+        self.norm2 = LayerNorm(width, eps=eps)
         self.mlp = MLP(width, mlp_width(width, mlp_ratio), act)
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor | Packed | None = None) -> torch.Tensor:
@@ -180,11 +205,11 @@ class CrossBlock(nn.Module):
 
     def __init__(self, width: int, heads: int, image_width: int, mlp_ratio: float = 4.0):
         super().__init__()
-        self.norm1 = nn.LayerNorm(width)
+        self.norm1 = LayerNorm(width)
         self.attn = SelfAttention(width, heads)
-        self.norm2 = nn.LayerNorm(width)
+        self.norm2 = LayerNorm(width)
         self.cross = CrossAttention(width, heads, image_width)
-        self.norm3 = nn.LayerNorm(width)
+        self.norm3 = LayerNorm(width)
         self.mlp = MLP(width, mlp_width(width, mlp_ratio))
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor | None, image: torch.Tensor) -> torch.Tensor:
