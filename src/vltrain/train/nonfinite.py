@@ -51,12 +51,6 @@ class NonFiniteGuard:
             )
         return skipped
 
-    def record(self, step: int, finite: bool) -> None:
-        """Count a verdict already on the host."""
-        self.settle(step)
-        self.record_on_device(torch.tensor(not finite))
-        self.settle(step)
-
     def state_dict(self) -> dict:
         return {"in_a_row": self.in_a_row, "total": self.total}
 
