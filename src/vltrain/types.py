@@ -31,6 +31,9 @@ class ModelInputs:
     """float [B] per-row weights in every objective (None: all 1); a row of weight 0 is absent."""
     source: torch.Tensor | None = None
     """int64 [B] the index of each row's source in ``data.train`` (for per-source metrics)."""
+    counts: tuple[int, int] | None = None
+    """How many rows have an image and how many have text, known on the host (the collator counts
+    them): the model splits rows between its towers without asking the device (None: it asks)."""
 
     def __len__(self) -> int:
         return int(self.ids.shape[0])
@@ -41,7 +44,7 @@ class ModelInputs:
     def present(self) -> "ModelInputs":
         """Rows of weight 0 as if they had neither side: no objective sees them, not even as a negative."""
         rows = self.rows().present()
-        return replace(self, has_image=rows.has_image, has_text=rows.has_text)
+        return replace(self, has_image=rows.has_image, has_text=rows.has_text, counts=None)
 
 
 @dataclass

@@ -28,10 +28,25 @@ class Batch:
     attention_mask: torch.Tensor  # int64 [B, L]
     source: torch.Tensor | None = None  # int64 [B], index of the source in a mixture
     num_truncated: int = 0
+    counts: tuple[int, int] | None = None
+    """Rows with an image, rows with text: counted by the collator, so the step need not ask the device."""
     errors: list[tuple[str, str]] = field(default_factory=list)
 
     def __len__(self) -> int:
         return int(self.ids.shape[0])
+
+    def __reduce__(self):
+        """Tensors that are views of one buffer (a loader worker's, ``collate.batch_buffers``) are
+        sent as that buffer, once, and viewed again on arrival; any others as usual."""
+        tensors = {f.name: getattr(self, f.name) for f in fields(self) if isinstance(getattr(self, f.name), torch.Tensor)}
+        storages = {t.untyped_storage().data_ptr() for t in tensors.values()}
+        rest = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in tensors}
+        if len(storages) != 1 or not all(t.is_contiguous() and t.device.type == "cpu" for t in tensors.values()):
+            return (_rebuild, (tensors, rest))
+        storage = next(iter(tensors.values())).untyped_storage()
+        flat = torch.empty(0, dtype=torch.uint8).set_(storage, 0, (storage.nbytes(),))
+        layout = {k: (t.dtype, t.storage_offset(), tuple(t.shape)) for k, t in tensors.items()}
+        return (_rebuild_flat, (flat, layout, rest))
 
     def _map(self, fn) -> "Batch":
         kw = {}
@@ -74,8 +89,18 @@ class Batch:
         return ModelInputs(
             pixels=batch.pixels(mean, std), input_ids=batch.input_ids, attention_mask=batch.attention_mask,
             has_image=batch.has_image, has_text=batch.has_text, ids=batch.ids, row_weights=row_weights,
-            source=batch.source,
+            source=batch.source, counts=self.counts,
         )
+
+
+def _rebuild(tensors: dict, rest: dict) -> Batch:
+    return Batch(**tensors, **rest)
+
+
+def _rebuild_flat(flat: torch.Tensor, layout: dict, rest: dict) -> Batch:
+    storage = flat.untyped_storage()
+    tensors = {k: torch.empty(0, dtype=dtype).set_(storage, offset, shape) for k, (dtype, offset, shape) in layout.items()}
+    return Batch(**tensors, **rest)
 
 
 def normalize_pixels(

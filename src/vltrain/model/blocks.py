@@ -37,14 +37,62 @@ ACTIVATIONS = {"gelu": F.gelu, "gelu_tanh": _gelu_tanh, "quick_gelu": quick_gelu
 (SigLIP) and QuickGELU (OpenAI's CLIP)."""
 
 
+class LayerNorm(nn.LayerNorm):
+    """LayerNorm that computes in fp32 and returns its input's dtype.
+
+    Under CUDA autocast ``layer_norm`` runs in fp32 and returns fp32: the residual stream then
+    turns fp32 and every Linear after it casts its input back to bf16, extra passes over memory
+    in every block. Here only the statistics are fp32; a bf16 stream stays bf16. Outside
+    autocast an fp32 input takes ``nn.LayerNorm``'s own path, so fp32 results are unchanged.
+    """
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        device = x.device.type
+        if x.dtype == torch.float32 and not torch.is_autocast_enabled(device):
+            return super().forward(x)
+        weight = None if self.weight is None else self.weight.float()
+        bias = None if self.bias is None else self.bias.float()
+        with torch.autocast(device, enabled=False):
+            return F.layer_norm(x.float(), self.normalized_shape, weight, bias, self.eps).to(x.dtype)
+
+
+def in_autocast_dtype(x: torch.Tensor) -> torch.Tensor:
+    """``x`` in the autocast dtype when autocast is on (a tower's residual stream starts there), else ``x``."""
+    device = x.device.type
+    return x.to(torch.get_autocast_dtype(device)) if torch.is_autocast_enabled(device) else x
+
+
 @functools.cache
 def cpu_multiplies_bf16() -> bool:
     """Whether this CPU has bf16 matrix instructions (AVX-512 BF16 or AMX): asked once."""
     return cpu_has_bf16_matmul()
 
 
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+class CausalPrefix:
+    """The mask of causal, right-padded text, left to the kernel as ``is_causal``.
+
+    An explicit [B, 1, L, L] mask rules out the flash and cuDNN kernels on a GPU. With right
+    padding every key before a real query is real, so a real position attends to the same keys
+    either way; only padded positions differ, and no real position, pooling or loss reads them.
+    Used on CUDA only (:func:`text_mask`): CPU results stay those of the explicit mask.
+    """
+
+
+CAUSAL_PREFIX = CausalPrefix()
+
+
+def text_mask(attention_mask: torch.Tensor, causal: bool) -> torch.Tensor | CausalPrefix:
+    """The self-attention mask of a right-padded text batch (see :class:`CausalPrefix`)."""
+    if causal and attention_mask.device.type == "cuda":
+        return CAUSAL_PREFIX
+    return key_padding_mask(attention_mask, causal)
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+              mask: torch.Tensor | CausalPrefix | None = None) -> torch.Tensor:
     """softmax(q k^T / sqrt(d) masked) v over [B, heads, L, d]; ``mask`` is boolean, True = may attend."""
+    if isinstance(mask, CausalPrefix):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
     if q.device.type != "cpu" or q.dtype == torch.float32 or not cpu_multiplies_bf16():
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
     # CPU, low precision: PyTorch's CPU flash kernel has a slow bf16 backward and its math fallback
@@ -140,9 +188,9 @@ class Block(nn.Module):
 
     def __init__(self, width: int, heads: int, mlp_ratio: float = 4.0, act: str = "gelu", eps: float = 1e-5):
         super().__init__()
-        self.norm1 = nn.LayerNorm(width, eps=eps)
+        self.norm1 = LayerNorm(width, eps=eps)
         self.attn = SelfAttention(width, heads)
-        self.norm2 = nn.LayerNorm(width, eps=eps)
+        self.norm2 = LayerNorm(width, eps=eps)
         self.mlp = MLP(width, mlp_width(width, mlp_ratio), act)
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor | Packed | None = None) -> torch.Tensor:
@@ -157,11 +205,11 @@ class CrossBlock(nn.Module):
 
     def __init__(self, width: int, heads: int, image_width: int, mlp_ratio: float = 4.0):
         super().__init__()
-        self.norm1 = nn.LayerNorm(width)
+        self.norm1 = LayerNorm(width)
         self.attn = SelfAttention(width, heads)
-        self.norm2 = nn.LayerNorm(width)
+        self.norm2 = LayerNorm(width)
         self.cross = CrossAttention(width, heads, image_width)
-        self.norm3 = nn.LayerNorm(width)
+        self.norm3 = LayerNorm(width)
         self.mlp = MLP(width, mlp_width(width, mlp_ratio))
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor | None, image: torch.Tensor) -> torch.Tensor:

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from vltrain.model.blocks import CrossBlock, block_flops, key_padding_mask, run_blocks
+from vltrain.model.blocks import CrossBlock, LayerNorm, block_flops, key_padding_mask, run_blocks
 
 
 @dataclass
@@ -25,7 +25,7 @@ class FusionEncoder(nn.Module):
         self.width = width
         self.image_width = image_width
         self.blocks = nn.ModuleList(CrossBlock(width, cfg.heads, image_width, cfg.mlp_ratio) for _ in range(cfg.depth))
-        self.norm = nn.LayerNorm(width)
+        self.norm = LayerNorm(width)
         self.checkpointing = False
 
     def forward(self, text_tokens: torch.Tensor, attention_mask: torch.Tensor, image_tokens: torch.Tensor) -> torch.Tensor:

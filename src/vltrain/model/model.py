@@ -75,12 +75,20 @@ class VLModel(nn.Module):
         tokens, pooled = self.text(input_ids, attention_mask)
         return tokens, self.text_proj(pooled)
 
-    def _encode_present(self, fn, inputs: tuple, dummy: tuple, present: torch.Tensor):
+    def _encode_present(self, fn, inputs: tuple, dummy: tuple, present: torch.Tensor, n: int | None):
         """Run ``fn`` on the rows where ``present`` (or on ``dummy`` when there is none); scatter the
-        results back to the full batch with zero rows elsewhere. Returns (tokens | None, embeds, anchor)."""
+        results back to the full batch with zero rows elsewhere. Returns (tokens | None, embeds, anchor).
+
+        ``n``, the number of present rows, comes from the host when the collator counted it: the
+        rows are then found by a sort on the device, with no wait for it (``nonzero`` waits).
+        """
         b = present.shape[0]
-        index = present.nonzero().squeeze(1)
-        n = index.numel()
+        if n is None:
+            index = present.nonzero().squeeze(1)
+            n = index.numel()
+        elif 0 < n < b:
+            # the present rows first, in order (a stable sort): the indices nonzero would give
+            index = torch.sort((~present).to(torch.uint8), stable=True).indices[:n]
         if n == b:
             tokens, embeds = fn(*inputs)
         else:
@@ -101,11 +109,12 @@ class VLModel(nn.Module):
     def encode(self, inputs: ModelInputs) -> Encoded:
         pixels, input_ids, attention_mask = inputs.pixels, inputs.input_ids, inputs.attention_mask
         image_tokens, image_embeds, a_img = self._encode_present(
-            self._vision, (pixels,), (torch.zeros_like(pixels[:1]),), inputs.has_image
+            self._vision, (pixels,), (torch.zeros_like(pixels[:1]),), inputs.has_image,
+            None if inputs.counts is None else inputs.counts[0],
         )
         text_tokens, text_embeds, a_txt = self._encode_present(
             self._text, (input_ids, attention_mask), (input_ids[:1], torch.ones_like(attention_mask[:1])),
-            inputs.has_text,
+            inputs.has_text, None if inputs.counts is None else inputs.counts[1],
         )
         return Encoded(image_embeds, text_embeds, image_tokens, text_tokens, a_img + a_txt)
 

@@ -15,7 +15,16 @@ import torch.nn.functional as F
 from torch import nn
 
 from vltrain.errors import UserError
-from vltrain.model.blocks import Block, Packed, block_flops, key_padding_mask, run_blocks
+from vltrain.model.blocks import (
+    Block,
+    LayerNorm,
+    Packed,
+    block_flops,
+    in_autocast_dtype,
+    key_padding_mask,
+    run_blocks,
+    text_mask,
+)
 
 
 @dataclass
@@ -105,27 +114,29 @@ class TextTransformer(nn.Module):
         self.blocks = nn.ModuleList(
             Block(cfg.width, cfg.heads, cfg.mlp_ratio, cfg.act, cfg.norm_eps) for _ in range(cfg.depth)
         )
-        self.norm = nn.LayerNorm(cfg.width, eps=cfg.norm_eps)
+        self.norm = LayerNorm(cfg.width, eps=cfg.norm_eps)
         nn.init.normal_(self.token_embedding.weight, std=0.02)
         self.checkpointing = False
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if self.cfg.pad_to_max_length:
             return self._forward_fixed_length(input_ids, attention_mask)
-        packed = None if self.cfg.pooling == "last" else packed_tokens(attention_mask, self.cfg.layout)
-        mask = key_padding_mask(attention_mask, self.cfg.causal)
+        last = self.cfg.pooling == "last"  # reads the batch's last position, padded or not
+        packed = None if last else packed_tokens(attention_mask, self.cfg.layout)
         if packed is None:
+            mask = (key_padding_mask if last else text_mask)(attention_mask, self.cfg.causal)
             x = self.norm(run_blocks(self.blocks, self._embed(input_ids), mask, checkpointing=self.checkpointing))
             return x, pool(x, attention_mask, self.cfg.pooling)
-        packed.mask = mask
+        packed.mask = key_padding_mask(attention_mask, self.cfg.causal)
         n = input_ids.shape[1]
         x = self.token_embedding(input_ids.reshape(-1)[packed.index]) + self.pos_embed.index_select(0, packed.index % n)
+        x = in_autocast_dtype(x)
         x = self.norm(run_blocks(self.blocks, x, packed, checkpointing=self.checkpointing))
         tokens = packed.unpack(x)
         return tokens, pool(tokens, attention_mask, self.cfg.pooling)
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.token_embedding(input_ids) + self.pos_embed[: input_ids.shape[1]]
+        return in_autocast_dtype(self.token_embedding(input_ids) + self.pos_embed[: input_ids.shape[1]])
 
     def _forward_fixed_length(self, input_ids: torch.Tensor, attention_mask: torch.Tensor):
         """Every row padded with ``pad_id`` to ``max_length`` and attended in full; the tokens come

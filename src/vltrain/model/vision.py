@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from vltrain.model.blocks import MLP, Block, attention, block_flops, mlp_width, run_blocks
+from vltrain.model.blocks import MLP, Block, LayerNorm, attention, block_flops, mlp_width, run_blocks
 
 VISION_POOLINGS = ("cls", "mean", "map")
 
@@ -62,11 +62,11 @@ class VisionTransformer(nn.Module):
         self.patch_embed = nn.Conv2d(3, cfg.width, cfg.patch_size, stride=cfg.patch_size, bias=cfg.patch_bias)
         self.cls_token = nn.Parameter(torch.randn(cfg.width) * cfg.width**-0.5) if cfg.class_token else None
         self.pos_embed = nn.Parameter(torch.randn(cfg.num_patches + self.num_prefix, cfg.width) * cfg.width**-0.5)
-        self.norm_pre = nn.LayerNorm(cfg.width, eps=cfg.norm_eps) if cfg.pre_norm else None
+        self.norm_pre = LayerNorm(cfg.width, eps=cfg.norm_eps) if cfg.pre_norm else None
         self.blocks = nn.ModuleList(
             Block(cfg.width, cfg.heads, cfg.mlp_ratio, cfg.act, cfg.norm_eps) for _ in range(cfg.depth)
         )
-        self.norm = nn.LayerNorm(cfg.width, eps=cfg.norm_eps)
+        self.norm = LayerNorm(cfg.width, eps=cfg.norm_eps)
         self.head = AttentionPool(cfg) if cfg.pooling == "map" else None
         self.checkpointing = False
 
@@ -134,7 +134,7 @@ class AttentionPool(nn.Module):
         self.probe = nn.Parameter(torch.randn(1, 1, cfg.width) * cfg.width**-0.5)
         self.qkv = nn.Linear(cfg.width, 3 * cfg.width)
         self.out = nn.Linear(cfg.width, cfg.width)
-        self.norm = nn.LayerNorm(cfg.width, eps=cfg.norm_eps)
+        self.norm = LayerNorm(cfg.width, eps=cfg.norm_eps)
         self.mlp = MLP(cfg.width, mlp_width(cfg.width, cfg.mlp_ratio), cfg.act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -69,9 +69,23 @@ def issue(op: str, tensor: torch.Tensor | None, run: Callable[[], T], *, sent: i
     itself comes here, so ``train.debug_spmd`` can compare the ranks before it runs and
     ``benchmarks/comm_cost.py`` can count the bytes each rank sends."""
     issued = Issued(op) if tensor is None else Issued(op, tensor.dtype, tuple(tensor.shape))
-    device = tensor.device if tensor is not None else _collective_device()
+    # host tensors travel over the host group (gloo); the check runs on the main group's device
+    device = tensor.device if tensor is not None and tensor.device.type != "cpu" else _collective_device()
     RECORDER.before(issued, sent, device)
     return run()
+
+
+_HOST_GROUP: list = []
+
+
+def host_group() -> dist.ProcessGroup | None:
+    """The group for host values (shapes, flags): the main group under gloo, else a gloo group
+    beside it, made on first use (every rank reaches that first use at the same point)."""
+    if dist.get_backend() == "gloo":
+        return None
+    if not _HOST_GROUP:
+        _HOST_GROUP.append(dist.new_group(backend="gloo"))
+    return _HOST_GROUP[0]
 
 
 def _collective_device() -> torch.device:
@@ -83,7 +97,8 @@ def exchange_shapes(*tensors: torch.Tensor) -> list[list[tuple[int, ...]]]:
 
     One small all_gather of a fixed-size vector, whatever the tensors hold, so it cannot itself
     mismatch. Every rank must pass the same number of tensors with the same number of dimensions
-    (that is code, not data).
+    (that is code, not data). Shapes are host values: they travel over host memory (gloo), so
+    the step never waits for the device to learn them.
     """
     rank, world = world_info()
     if world == 1:
@@ -95,17 +110,18 @@ def exchange_shapes(*tensors: torch.Tensor) -> list[list[tuple[int, ...]]]:
             raise ValueError(f"exchange_shapes supports up to {MAX_DIMS} dimensions, got {t.ndim}")
         local[i, 0] = t.ndim
         local[i, 1 : 1 + t.ndim] = torch.tensor(t.shape, dtype=torch.int64)
-    local = local.flatten().to(tensors[0].device)
+    local = local.flatten()
     parts = [torch.empty_like(local) for _ in range(world)]
-    issue("shapes", local, lambda: dist.all_gather(parts, local), sent=local.numel() * 8 * (world - 1))
-    table = torch.stack(parts).cpu().view(world, len(tensors), width)
+    group = host_group()
+    issue("shapes", local, lambda: dist.all_gather(parts, local, group=group), sent=local.numel() * 8 * (world - 1))
+    table = torch.stack(parts).view(world, len(tensors), width).tolist()  # host memory: no wait
     out = []
     for i in range(len(tensors)):
-        ndims = {int(table[r, i, 0]) for r in range(world)}
+        ndims = {table[r][i][0] for r in range(world)}
         if len(ndims) != 1:
             raise SPMDError(f"exchange_shapes: tensor {i} has {sorted(ndims)} dimensions on different ranks")
         n = ndims.pop()
-        out.append([tuple(int(d) for d in table[r, i, 1 : 1 + n]) for r in range(world)])
+        out.append([tuple(table[r][i][1 : 1 + n]) for r in range(world)])
     return out
 
 
@@ -236,6 +252,17 @@ def all_reduce_sum(x: torch.Tensor) -> torch.Tensor:
     issue("all_reduce", out, lambda: dist.all_reduce(out, op=dist.ReduceOp.SUM),
           sent=2 * out.numel() * out.element_size() * (world - 1) // world)
     return out
+
+
+def host_any(flag: bool) -> bool:
+    """Whether ``flag`` is set on any rank: an all-reduce of host memory (over gloo), so nothing
+    waits for an accelerator. Every rank must call it at the same point."""
+    if world_info()[1] == 1:
+        return flag
+    t = torch.tensor([int(flag)], dtype=torch.int32)
+    group = host_group()
+    issue("all_reduce", t, lambda: dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group), sent=4)
+    return t.tolist()[0] > 0
 
 
 def barrier() -> None:

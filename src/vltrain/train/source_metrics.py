@@ -21,14 +21,20 @@ class SourceMeter:
     def count(self, source: torch.Tensor) -> None:
         self.sums[:, 0].index_add_(0, source, torch.ones_like(source, dtype=self.sums.dtype))
 
-    def add(self, source: torch.Tensor, row_losses: dict[str, RowLosses]) -> None:
-        """Accumulate on the device, without a host synchronization (no boolean indexing)."""
+    def add(self, source: torch.Tensor, row_losses: dict[str, RowLosses], applied: torch.Tensor | None = None) -> None:
+        """Accumulate on the device, without a host synchronization (no boolean indexing). ``applied``
+        (a 0-dim bool on the device): whether the step counts at all (a skipped step's losses do not)."""
         for k, name in enumerate(self.objectives):
             rows = row_losses.get(name)
             if rows is None:
                 continue
             applies = rows.applies.to(self.sums.dtype)
-            self.sums[:, 1 + 2 * k].index_add_(0, source, rows.values.to(self.sums.dtype) * applies)
+            values = rows.values.to(self.sums.dtype) * applies
+            if applied is not None:
+                # where, not a product: a skipped step's losses may be NaN, and NaN x 0 is NaN
+                applies = applies * applied.to(self.sums.dtype)
+                values = torch.where(applied, values, 0.0)
+            self.sums[:, 1 + 2 * k].index_add_(0, source, values)
             self.sums[:, 2 + 2 * k].index_add_(0, source, applies)
 
     def read(self) -> dict[str, float]:

@@ -57,3 +57,24 @@ def plain_backward(
         result.add(out.losses, 1.0 / n)
         result.rows.append((m.source, out.rows))
     return result
+
+
+def apply_update(optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler, skip: torch.Tensor) -> None:
+    """Apply the optimizer step unless ``skip`` (a 0-dim bool on the device that every rank agreed).
+
+    A fused optimizer skips on the device, through the ``found_inf`` it reads as a gradient
+    scaler's verdict: the parameters, both moments and the step count stay as they were, and
+    the host never waits to learn which. With fp16's gradient scaler (whose step reads its own
+    verdict on the host) or an unfused optimizer, the verdict is read here.
+    """
+    if not scaler.is_enabled() and optimizer.defaults.get("fused"):
+        optimizer.found_inf = skip.to(torch.float32)  # type: ignore[attr-defined]
+        try:
+            optimizer.step()
+        finally:
+            del optimizer.found_inf  # type: ignore[attr-defined]
+        return
+    if bool(skip):
+        optimizer.zero_grad(set_to_none=True)
+    else:
+        scaler.step(optimizer)

@@ -30,7 +30,7 @@ from vltrain.config.job import JobConfig
 from vltrain.data.batch import Batch
 from vltrain.data.dataset import source_specs
 from vltrain.eval.evaluator import Evaluator, append_eval, check_early_stop_metric, format_metrics
-from vltrain.runtime.distributed import all_reduce_sum
+from vltrain.runtime.distributed import all_reduce_sum, host_any
 from vltrain.runtime.faults import maybe_fail
 from vltrain.runtime.precision import Precision
 from vltrain.runtime.preemption import EXIT_CODE as PREEMPTED_EXIT
@@ -53,10 +53,13 @@ from vltrain.train.nonfinite import NonFiniteGuard
 from vltrain.train.optim import build_optimizer, build_scheduler, freeze_towers
 from vltrain.train.parallelize import clip_grad_norm, parallelize, reduce_replicated_grads
 from vltrain.train.source_metrics import SourceMeter
-from vltrain.train.step import StepLosses, plain_backward
+from vltrain.train.step import StepLosses, apply_update, plain_backward
 
 
 class Trainer:
+    _samples_pending: torch.Tensor | None = None
+    """Samples of the steps since the last settle, on the device (read on log steps)."""
+
     def __init__(self, cfg: JobConfig):
         self.cfg = cfg
         tc = cfg.train
@@ -68,15 +71,7 @@ class Trainer:
         self.device = self.world.device
         self._prepare_run_dir()
 
-        # model: the same initial weights on every rank
-        torch.manual_seed(tc.seed)
-        self.tokenizer = build_tokenizer(cfg)
-        self.model = build_model_for(cfg, self.tokenizer, self.device)
-        if self.init_checkpoint is not None:
-            load_model_weights(self.init_checkpoint, self.model)
-        freeze_towers(self.model, tc.freeze, tc.unlock_last)
-        self._save_initial()
-        self.precision = Precision(tc.precision, self.device)
+        self._build_model()
 
         # parallelize
         task = build_task(cfg, self.model)
@@ -119,6 +114,18 @@ class Trainer:
                                      progress=tc.progress, start_step=self.step, wandb=cfg.metrics, config=cfg.to_dict())
         if self.restored is not None:
             self._say_resumed()
+
+    def _build_model(self) -> None:
+        """The tokenizer, and the model with the same initial weights on every rank."""
+        tc = self.cfg.train
+        torch.manual_seed(tc.seed)
+        self.tokenizer = build_tokenizer(self.cfg)
+        self.model = build_model_for(self.cfg, self.tokenizer, self.device)
+        if self.init_checkpoint is not None:
+            load_model_weights(self.init_checkpoint, self.model)
+        freeze_towers(self.model, tc.freeze, tc.unlock_last)
+        self._save_initial()
+        self.precision = Precision(tc.precision, self.device)
 
     @staticmethod
     def _seed_rank(seed: int) -> RngState:
@@ -185,6 +192,7 @@ class Trainer:
         }
 
     def state_dict(self) -> dict[str, Any]:
+        self.settle()
         return {
             "step": self.step,
             "samples_seen": self.samples_seen,
@@ -211,14 +219,13 @@ class Trainer:
         while self.step < tc.max_steps:
             micro, wait = self._next_micro_batches()
             RECORDER.begin(f"in step {self.step + 1}")
-            result, grad_norm, finite, samples = self.train_step(micro)
+            result, grad_norm = self.train_step(micro)
             RECORDER.end(self.device)
             self.step += 1
-            self.samples_seen += samples
-            self.throughput.add(samples, wait, self._flops(micro))
+            self.throughput.add(0, wait, self._flops(micro))
             self.metrics.advance()
-            if self.step % tc.log_every == 0 or self.step == tc.max_steps or not finite:
-                self._log(result, grad_norm, finite)
+            if self.step % tc.log_every == 0 or self.step == tc.max_steps:
+                self._log(result, grad_norm)
             if self.cfg.eval.every and self.step % self.cfg.eval.every == 0 and self.evaluator:
                 last_eval, evaluated_at = self.run_eval(), self.step
                 if self._should_stop(last_eval):
@@ -240,11 +247,12 @@ class Trainer:
         micro = [next(self.loader) for _ in range(self.cfg.train.accumulation)]
         return micro, time.perf_counter() - start
 
-    def train_step(self, micro: list[Batch]) -> tuple[StepLosses, torch.Tensor, bool, int]:
+    def train_step(self, micro: list[Batch]) -> tuple[StepLosses, torch.Tensor]:
         """Forward/backward over the micro-batches, agree on finiteness, step or skip.
 
-        Returns the losses averaged over ranks, the gradient norm, whether the step was
-        applied, and the global number of samples in it.
+        Returns the losses averaged over ranks and the gradient norm, on the device: nothing in
+        a step waits for the device (``tests/train/test_host_sync.py``). The skip is decided
+        there too; what the host needs of it (samples, skipped steps) it reads in :meth:`settle`.
         """
         tc = self.cfg.train
         data = self.cfg.data
@@ -262,46 +270,49 @@ class Trainer:
         self.scaler.unscale_(self.optimizer)
         grad_norm = clip_grad_norm(self.params, tc.grad_clip)
 
-        # one all-reduce: [non-finite flag, samples, preemption flag, loss, per-objective losses]
+        # one all-reduce: [non-finite flag, samples, loss, per-objective losses]
         names = sorted(result.losses)
-        local_bad = not bool(torch.isfinite(result.loss)) or (
-            not self.scaler.is_enabled() and not bool(torch.isfinite(grad_norm))
-        )
-        packet = torch.stack([
-            torch.tensor(float(local_bad), device=self.device),
-            torch.tensor(float(sum(len(b) for b in micro)), device=self.device),
-            torch.tensor(self.preemption.requested, device=self.device),
-            result.loss.float(),
-            *[result.losses[k].float() for k in names],
-        ])
+        bad = ~torch.isfinite(result.loss)
+        if not self.scaler.is_enabled():
+            bad = bad | ~torch.isfinite(grad_norm)
+        samples = torch.tensor([float(sum(len(b) for b in micro))]).to(self.device, non_blocking=True)
+        packet = torch.cat([bad.float().reshape(1), samples, result.loss.float().reshape(1),
+                            *[result.losses[k].float().reshape(1) for k in names]])
         if self.world.world_size > 1:
             packet = all_reduce_sum(packet)
-            packet[3:] /= self.world.world_size
-        finite = packet[0].item() == 0
-        self.preempt_agreed = packet[2].item() > 0
-        if finite:
-            self.scaler.step(self.optimizer)
-        else:
-            self.optimizer.zero_grad(set_to_none=True)
+            packet[2:] /= self.world.world_size
+        skip = packet[0] > 0
+        apply_update(self.optimizer, self.scaler, skip)
         self.scaler.update()
         # a skipped step still consumed its data: the schedule follows the step count
         self.scheduler.step()
-        self.guard.record(self.step, finite)
-        self._meter_sources(inputs, result, finite)
-        losses = StepLosses(packet[3], {k: packet[4 + i] for i, k in enumerate(names)})
-        return losses, grad_norm, finite, int(packet[1].item())
+        self.guard.record_on_device(skip)
+        self._samples_pending = packet[1] if self._samples_pending is None else self._samples_pending + packet[1]
+        self._meter_sources(inputs, result, ~skip)
+        # the preemption flag lives on the host: agreed over host memory, every step
+        self.preempt_agreed = host_any(self.preemption.requested)
+        return StepLosses(packet[2], {k: packet[3 + i] for i, k in enumerate(names)}), grad_norm
+
+    def settle(self) -> int:
+        """Bring the steps' device-side counts to the host (a log step, a checkpoint): samples seen,
+        skipped steps (the guard may stop the run here). Returns the steps skipped since the last."""
+        if self._samples_pending is not None:
+            samples = int(self._samples_pending)
+            self._samples_pending = None
+            self.samples_seen += samples
+            self.throughput.add(samples, 0.0)
+        return self.guard.settle(self.step)
 
     def _flops(self, micro: list[Batch]) -> float:
         """Model FLOPs of this rank's forward + backward (``flops_per_sample`` counts both)."""
         return float(sum(len(b) * self.model.flops_per_sample(b.input_ids.shape[1]) for b in micro))
 
-    def _meter_sources(self, inputs: list, result: StepLosses, finite: bool) -> None:
-        """Count each source's samples, and (if the step was applied) its per-row losses."""
+    def _meter_sources(self, inputs: list, result: StepLosses, applied: torch.Tensor) -> None:
+        """Count each source's samples, and (if the step was applied: a device bool) its per-row losses."""
         for m in inputs:
             self.source_meter.count(m.source)
-        if finite:
-            for source, row_losses in result.rows:
-                self.source_meter.add(source, row_losses)
+        for source, row_losses in result.rows:
+            self.source_meter.add(source, row_losses, applied)
 
     def _bad_samples(self) -> int:
         """Samples replaced so far on every rank together (one all-reduce: call it on every rank)."""
@@ -309,13 +320,14 @@ class Trainer:
         count = torch.tensor(float(log.num_bad if log is not None else 0), dtype=torch.float64, device=self.device)
         return int(all_reduce_sum(count).item()) if self.world.world_size > 1 else int(count.item())
 
-    def _log(self, result: StepLosses, grad_norm: torch.Tensor, finite: bool) -> None:
+    def _log(self, result: StepLosses, grad_norm: torch.Tensor) -> None:
+        skipped = self.settle()
         values: dict[str, Any] = {
             "loss": float(result.loss),
             **{f"loss/{k}": float(v) for k, v in result.losses.items()},
             "lr": self.scheduler.get_last_lr()[0],
             "grad_norm": float(grad_norm),
-            "skipped": not finite,
+            "skipped": skipped > 0,  # a step since the last log line (log_every 1: this step)
             "skipped_total": self.guard.total,
             "samples_seen": self.samples_seen,
             "data/bad_samples": self._bad_samples(),
@@ -328,9 +340,10 @@ class Trainer:
         util = self.gpu_util.read()
         if util is not None:
             values["gpu_util"] = util
-        if not finite:
-            self.metrics.write(f"step {self.step}: non-finite loss or gradient norm on some rank; step skipped "
-                               f"({self.guard.in_a_row} in a row, {self.guard.total} in all)")
+        if skipped:
+            self.metrics.write(f"by step {self.step}: {skipped} step(s) skipped since the last log line, for a "
+                               f"non-finite loss or gradient norm on some rank ({self.guard.in_a_row} in a row now, "
+                               f"{self.guard.total} in all)")
         self.metrics.log(self.step, values)
         self.throughput.reset()
 

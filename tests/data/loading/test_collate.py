@@ -36,3 +36,26 @@ def test_batch_fields():
     assert b.source.tolist() == [1, 0, 1]
     assert b.num_truncated == 1
     assert b.errors == [("bad", "image file not found: x.png")]
+
+
+class _Samples(torch.utils.data.Dataset):
+    def __len__(self):
+        return 6
+
+    def __getitem__(self, i):
+        return sample(i + 1, i + 1, image=i % 3 != 0, errors=[("k", "bad")] if i == 4 else [])
+
+
+def test_a_worker_collates_into_one_shared_buffer_that_arrives_as_the_same_batch():
+    collate = Collator(pad_id=0, max_text_length=20, image_size=4)
+    expected = [collate([_Samples()[i] for i in range(s, s + 3)]) for s in (0, 3)]
+    loader = torch.utils.data.DataLoader(_Samples(), batch_size=3, num_workers=1, collate_fn=collate)
+    got = list(loader)
+    for g, e in zip(got, expected):
+        for name in ("ids", "pixel_values", "has_image", "has_text", "input_ids", "attention_mask", "source"):
+            a, b = getattr(g, name), getattr(e, name)
+            assert a.dtype == b.dtype and torch.equal(a, b), name
+        assert (g.counts, g.errors, g.num_truncated) == (e.counts, e.errors, e.num_truncated)
+        # one buffer for every tensor, shared with the worker that wrote it
+        assert len({t.untyped_storage().data_ptr() for t in (g.ids, g.pixel_values, g.input_ids)}) == 1
+        assert g.pixel_values.is_shared()

@@ -94,6 +94,44 @@ def test_state_restored_at_step_k_yields_the_same_sequence_with_workers(tmp_path
     assert head[0] != tail[0]
 
 
+class _CountingDataset(TableDataset):
+    """Appends one line to ``path`` per sample loaded, from whichever process loads it."""
+
+    def __init__(self, t, path) -> None:
+        super().__init__(t)
+        self.path = str(path)
+
+    def __getitem__(self, i: int):
+        with open(self.path, "a") as f:
+            f.write(f"{i}\n")
+        return super().__getitem__(i)
+
+
+def test_workers_prefetch_the_next_epoch_before_the_trainer_asks(tmp_path):
+    """No drain at the boundary: with the epoch's last batch taken, the workers are already
+    loading the next epoch's first batches, and the stream is the one a 0-worker loader gives."""
+    import time
+
+    t, log = table(shapes_lengths(16)), tmp_path / "loaded.txt"
+    sampler = DistributedBatchSampler(t, Schedule(seed=7, batch_size=4), rank=0, world_size=1)
+    loader = TrainLoader(_CountingDataset(t, log), sampler, collate=collate, num_workers=2, prefetch_factor=2,
+                         persistent_workers=True)
+    got = [next(loader).ids.tolist() for _ in range(len(loader))]  # the whole of epoch 0
+    assert loader.epoch == 0
+    deadline = time.monotonic() + 30
+    while len(log.read_text().split()) < 16 + 4 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert len(log.read_text().split()) >= 16 + 4  # epoch 1's first batch, loaded unasked
+    got += [next(loader).ids.tolist() for _ in range(6)]
+    assert (loader.epoch, loader.step_in_epoch) == (2, 2)
+    loader.close()
+    assert got == _take_ids(make_loader(t), 10)
+
+
+def _take_ids(loader, n):
+    return [next(loader).ids.tolist() for _ in range(n)]
+
+
 def test_a_checkpoint_of_another_world_size_resumes_by_samples_seen():
     t = table(shapes_lengths(40))
     two = [make_loader(t, rank=r, world_size=2) for r in range(2)]

@@ -97,18 +97,21 @@ class _SeededDataset(Dataset):
 
 
 class _SeededBatches:
-    """The sampler's batches of the current epoch, each index paired with its sample seed."""
+    """The sampler's batches from its position on, across epochs and without end, each index
+    paired with its sample seed.
+
+    One DataLoader iterator therefore serves the whole run: its workers prefetch the next
+    epoch's first batches while the trainer takes the current epoch's last, instead of
+    draining at every boundary.
+    """
 
     def __init__(self, sampler: DistributedBatchSampler) -> None:
         self.sampler = sampler
 
-    def __len__(self) -> int:
-        return len(self.sampler)
-
     def __iter__(self) -> Iterator[list[tuple[int, int]]]:
         s = self.sampler
-        for step, batch in enumerate(s, start=s.consumed):
-            yield list(zip(batch, _batch_seeds(s.seed, s.rank, s.epoch, step, len(batch))))
+        for epoch, step, batch in s.endless():
+            yield list(zip(batch, _batch_seeds(s.seed, s.rank, epoch, step, len(batch))))
 
 
 def _own_process_group(worker_id: int = 0) -> None:
@@ -150,6 +153,8 @@ class TrainLoader:
         self.samples_seen = 0
         extra = {}
         if num_workers > 0:
+            # The batches never end (one iterator for the whole run), so workers persist anyway;
+            # ``persistent_workers`` only keeps them over a resume's repositioning.
             extra = dict(prefetch_factor=prefetch_factor, persistent_workers=persistent_workers,
                          worker_init_fn=functools.partial(_worker_init, sampler.seed, sampler.rank))
         # DataLoader draws its workers' base seed from this generator; left to the global one,
@@ -179,19 +184,14 @@ class TrainLoader:
         return self
 
     def __next__(self) -> Batch:
-        while True:
-            if self._it is None:
-                if self.sampler.exhausted():
-                    self.sampler.set_epoch(self.sampler.epoch + 1)
-                if self.audit is not None and self.sampler.consumed == 0:
-                    self.audit.epoch_header(self.sampler.epoch, self.sampler)
-                self._it = iter(self._loader)
-            try:
-                with plain_worker_errors():
-                    batch = next(self._it)
-                break
-            except StopIteration:
-                self._it = None
+        if self.sampler.exhausted():
+            self.sampler.set_epoch(self.sampler.epoch + 1)
+        if self.audit is not None and self.sampler.consumed == 0:
+            self.audit.epoch_header(self.sampler.epoch, self.sampler)
+        if self._it is None:
+            self._it = iter(self._loader)
+        with plain_worker_errors():
+            batch = next(self._it)
         epoch, step = self.sampler.epoch, self.sampler.consumed
         self.sampler.mark_consumed()
         self.samples_seen += len(batch)
@@ -203,7 +203,8 @@ class TrainLoader:
 
     def close(self) -> None:
         """Stop the worker processes now, through the loader's own shutdown; close the audit file."""
-        it = getattr(self._loader, "_iterator", None) or self._it
+        it = getattr(self._loader, "_iterator", None)
+        it = self._it if it is None else it  # not ``or``: an endless iterator has no length to be truthy by
         shutdown = getattr(it, "_shutdown_workers", None)
         if callable(shutdown):
             shutdown()

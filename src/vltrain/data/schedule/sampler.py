@@ -161,17 +161,23 @@ class DistributedBatchSampler:
         self.epoch = 0
         self.consumed = 0
         """Batches of the current epoch the trainer has consumed; iteration resumes after them."""
-        self._plan: tuple[int, EpochPlan] | None = None
+        self._plans: dict[int, EpochPlan] = {}
         self._mixture: mixing.Mixture | None = None
 
     # -- the schedule ----------------------------------------------------------------------
 
     def plan(self, epoch: int | None = None) -> EpochPlan:
-        """This rank's schedule for ``epoch`` (default: the current one); cached for the last epoch."""
+        """This rank's schedule for ``epoch`` (default: the current one).
+
+        Two epochs are cached (the last asked for and its nearest): across an epoch boundary the loader's workers
+        already read the next epoch while the trainer still takes the current one's batches.
+        """
         e = self.epoch if epoch is None else epoch
-        if self._plan is None or self._plan[0] != e:
-            self._plan = (e, self._compute(e))
-        return self._plan[1]
+        if e not in self._plans:
+            if len(self._plans) >= 2:
+                del self._plans[max(self._plans, key=lambda k: abs(k - e))]
+            self._plans[e] = self._compute(e)
+        return self._plans[e]
 
     def _windowed(self, epoch: int) -> Windows:
         """The epoch's order under the windowed shuffle; with source weights, the mixture's."""
@@ -270,12 +276,28 @@ class DistributedBatchSampler:
         return len(self.plan())
 
     def __iter__(self) -> Iterator[list[int]]:
-        plan, k = self.plan(), self.consumed
-        while _has(plan.batches, k):
-            if self.lookahead is not None and _has(plan.batches, k + LOOKAHEAD):
-                self.lookahead(plan.batches[k + LOOKAHEAD])
-            yield plan.batches[k].tolist()
-            k += 1
+        for _, _, batch in self._walk(self.epoch, self.consumed, endless=False):
+            yield batch
+
+    def endless(self) -> Iterator[tuple[int, int, list[int]]]:
+        """``(epoch, step, batch)`` from the current position on, across epoch boundaries, forever.
+
+        Reading ahead does not move the position (``epoch``, ``consumed``): the trainer moves it
+        as it takes batches, in the same order.
+        """
+        return self._walk(self.epoch, self.consumed, endless=True)
+
+    def _walk(self, epoch: int, k: int, *, endless: bool) -> Iterator[tuple[int, int, list[int]]]:
+        while True:
+            plan = self.plan(epoch)
+            while _has(plan.batches, k):
+                if self.lookahead is not None and _has(plan.batches, k + LOOKAHEAD):
+                    self.lookahead(plan.batches[k + LOOKAHEAD])
+                yield epoch, k, plan.batches[k].tolist()
+                k += 1
+            if not endless:
+                return
+            epoch, k = epoch + 1, 0
 
     def exhausted(self) -> bool:
         """The trainer has taken every batch of the current epoch (a lazy plan packs no further)."""
