@@ -86,7 +86,7 @@ def batch(n: int, seed: int = 0) -> dict[str, torch.Tensor]:
 VARIANTS = {
     "vltrain": (),
     "vltrain-padded": ("model.text.layout=padded",),  # the text tower over the batch padded to its longest
-    "vltrain-compiled": ("train.compile=true",),  # each transformer block through torch.compile (GPU rows)
+    "vltrain-compiled": ("train.compile=true",),  # each tower whole through torch.compile (GPU rows)
 }
 
 
@@ -96,7 +96,7 @@ def vltrain_step(folder: Path, precision: str, b: dict, device: torch.device, ov
     from vltrain.runtime.world import keep_freed_memory
     from vltrain.train.build import build_model_for, build_task, build_tokenizer, resolve_init
     from vltrain.train.optim import build_optimizer
-    from vltrain.train.parallelize import compile_blocks
+    from vltrain.train.parallelize import compile_towers
     from vltrain.train.step import plain_backward
     from vltrain.types import ModelInputs
 
@@ -105,7 +105,7 @@ def vltrain_step(folder: Path, precision: str, b: dict, device: torch.device, ov
     resolve_init(cfg)
     model = build_model_for(cfg, build_tokenizer(cfg)).to(device)
     if cfg.train.compile:
-        compile_blocks(model)
+        compile_towers(model)
     task, optimizer = build_task(cfg, model), build_optimizer(model, cfg.train)
     autocast = Precision(precision, device).autocast
     n = b["pixels"].shape[0]

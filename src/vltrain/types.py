@@ -95,7 +95,7 @@ class TrainableModel(Protocol):
         """Training FLOPs (forward + backward) of one sample whose caption has ``text_len`` tokens."""
 
     def blocks_for_sharding(self) -> list[nn.Module]:
-        """Transformer blocks in forward order: FSDP2 shards each one, ``train.compile`` compiles each."""
+        """Transformer blocks in forward order: FSDP2 shards (and ``train.compile`` then compiles) each."""
 
     def no_weight_decay(self) -> set[str]:
         """Names of the parameters that take no weight decay (e.g. ``default_no_weight_decay(self)``)."""

@@ -8,7 +8,7 @@ from modelkit import make_batch, small_model, small_task
 
 from vltrain.config.job import TrainConfig
 from vltrain.train.optim import build_optimizer
-from vltrain.train.parallelize import compile_blocks, parallelize
+from vltrain.train.parallelize import compile_blocks, compile_towers, parallelize
 
 CPU = torch.device("cpu")
 
@@ -55,7 +55,8 @@ def _train(model, wrapped, steps: int) -> list[float]:
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_compiled_towers_train_like_eager():
-    """Compiled blocks (inductor, dynamic shapes) give the eager loss curve within float tolerance."""
+    """Compiled towers (inductor; shapes that change become dynamic) give the eager loss curve
+    within float tolerance."""
     torch._dynamo.reset()
     eager = small_task(seed=3)
     compiled = small_task(seed=3)
@@ -69,3 +70,21 @@ def test_compile_blocks_compiles_every_block():
     compile_blocks(model, backend="eager")
     blocks = list(model.vision.blocks) + list(model.text.blocks)
     assert all(b._compiled_call_impl is not None for b in blocks)
+
+
+def test_compile_towers_compiles_each_tower_whole():
+    model = small_model()
+    compile_towers(model, backend="eager")
+    assert all(t._compiled_call_impl is not None for t in (model.vision, model.text))
+    assert all(b._compiled_call_impl is None for b in model.blocks_for_sharding())  # inside, not apart
+
+
+def test_train_compile_picks_towers_and_blocks_under_fsdp(monkeypatch):
+    import vltrain.train.parallelize as par
+
+    chosen = []
+    monkeypatch.setattr(par, "compile_towers", lambda m: chosen.append("towers"))
+    monkeypatch.setattr(par, "compile_blocks", lambda m: chosen.append("blocks"))
+    parallelize(small_task(), TrainConfig(compile=True), CPU)
+    parallelize(small_task(), TrainConfig(compile=True, parallelism="fsdp"), CPU)  # no group: FSDP not applied
+    assert chosen == ["towers", "blocks"]

@@ -59,7 +59,7 @@ class TrainConfig:
     parallelism: Literal["ddp", "fsdp"] = "ddp"
     """ddp: replicated parameters; fsdp: FSDP2, each transformer block sharded."""
     compile: bool = False
-    """torch.compile each transformer block of the towers (the first steps pay for compilation)."""
+    """torch.compile each tower whole (under fsdp: each block); the first steps pay for compilation."""
     activation_checkpointing: bool = False
     """Recompute each block's activations in the backward: less memory, ~1/3 more compute."""
     tf32: bool = True

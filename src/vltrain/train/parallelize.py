@@ -20,29 +20,41 @@ from vltrain.types import TrainableModel
 
 
 def compile_blocks(model: TrainableModel, backend: str = "inductor") -> None:
-    """``torch.compile`` every transformer block of the towers, in place.
-
-    Blocks, not the whole model: the model picks the rows that have an image (or text) before
-    each tower, so a tower's batch size changes from step to step, and the loss code has
-    data-dependent branches. A block is a clean graph; with ``dynamic=True`` one compiled graph
-    serves every batch size and text length instead of recompiling for each. Blocks of one
-    tower share their code, so the first block's compilation serves the others.
+    """``torch.compile`` every transformer block of the towers, in place: what FSDP2 needs, whose
+    all-gathers run between blocks. ``dynamic=True``: one graph serves every batch size and text
+    width; blocks of one tower share their code, so the first block's compilation serves the rest.
     """
     for block in model.blocks_for_sharding():
         block.compile(backend=backend, dynamic=True)
 
 
+def compile_towers(model: TrainableModel, backend: str = "inductor") -> None:
+    """``torch.compile`` each tower whole, in place: embeddings, blocks and final norm in one graph
+    (a tower traces without a break: tests/model/test_tower_graphs.py), so the norms, the patch
+    embedding and the residual adds between blocks fuse too.
+
+    Shapes are left to dynamo's automatic dynamism: a tower is compiled for its first shapes and
+    once more, with the dimension that changed (a text width, or a tower's rows under mixed
+    modalities) marked dynamic. Fixed batching with one modality keeps every shape static.
+    The model code outside the towers (picking each tower's rows, the losses) stays eager.
+    """
+    for tower in (model.vision, model.text, model.fusion):
+        if tower is not None:
+            tower.compile(backend=backend)
+
+
 def parallelize(task: Task, cfg: TrainConfig, device: torch.device) -> nn.Module:
     """Return the module the trainer calls: the task, wrapped for the process group.
 
-    Order matters: activation checkpointing and compilation act on blocks before sharding,
-    so that FSDP2's per-block all-gathers wrap the compiled, checkpointed blocks.
+    Order matters: activation checkpointing and compilation act before sharding, so that FSDP2's
+    per-block all-gathers wrap the compiled, checkpointed blocks. ``train.compile`` compiles whole
+    towers, except under FSDP, whose per-block hooks need the blocks as the compiled units.
     """
     model = task.model
     if cfg.activation_checkpointing:
         model.set_activation_checkpointing(True)
     if cfg.compile:
-        compile_blocks(model)
+        (compile_blocks if cfg.parallelism == "fsdp" else compile_towers)(model)
     wrapped: nn.Module = task
     distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
     if cfg.parallelism == "fsdp":
