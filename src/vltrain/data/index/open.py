@@ -17,6 +17,7 @@ from vltrain.data.index.build import build_structure, cache_root, csv_spec, inde
 from vltrain.data.index.lengths import build_lengths, lengths_file
 from vltrain.data.index.reader import INDEX_VERSION, IndexedSource, read_meta
 from vltrain.data.sources.filelock import build_once
+from vltrain.data.sources.parquet import parquet_columns
 from vltrain.data.sources.remote import is_remote
 from vltrain.data.sources.shard_cache import ShardCache
 from vltrain.data.tokenizers import Tokenizer
@@ -34,10 +35,12 @@ def open_indexed(spec: str, tokenizer: Tokenizer | None, max_text_length: int, c
     files = [f["path"] for f in described]
     cache = ShardCache(cache_root(cache_dir), int(cache_limit_gb * 2**30), storage_options) if is_remote(spec) \
         else None
-    manifest_local = files[0] if cache is None or kind != "manifest" else str(cache.local(files[0], described[0]))
+    manifest_local = files[0] if cache is None or kind == "shards" else str(cache.local(files[0], described[0]))
     csv = csv_spec(manifest_local, csv_cfg or CsvConfig()) if kind == "manifest" \
         and not files[0].endswith(".jsonl") else None
     identity = {"version": INDEX_VERSION, "kind": kind, "files": described, "csv": csv}
+    if kind == "parquet":  # the columns of the first file (every file must have them)
+        identity["parquet"] = parquet_columns(manifest_local, csv_cfg)
     key = hashlib.blake2b(json.dumps(identity, sort_keys=True).encode(), digest_size=6).hexdigest()
     index_dir = index_dir_for(spec, files, key, cache_dir)
 

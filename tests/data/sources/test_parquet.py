@@ -1,0 +1,112 @@
+import numpy as np
+import pytest
+from parquetkit import hub_parquet, img2dataset_parquet, shapes
+from s3kit import s3, s3_server  # noqa: F401  (fixtures)
+
+from vltrain.data.config import CsvConfig
+from vltrain.data.index.open import open_indexed
+from vltrain.data.sources.parquet import is_parquet
+from vltrain.errors import DataError
+
+pytest.importorskip("pyarrow")
+
+
+@pytest.fixture(scope="module")
+def hub(tmp_path_factory):
+    """12 shapes in 3 Hub-style files of 4 rows, 2 rows per row group, written by ``datasets``."""
+    pytest.importorskip("datasets")
+    root = tmp_path_factory.mktemp("hub")
+    pairs = shapes(12)
+    return root, pairs, hub_parquet(root, pairs, files=3, row_group=2, text_column="caption")
+
+
+def test_hub_parquet_rows_come_back_in_order_with_their_images(hub):
+    root, pairs, files = hub
+    source = open_indexed(str(root / "data" / "train-{00000..00002}-of-00003.parquet"), None, 77)
+    assert source.kind == "parquet" and len(source) == 12
+    assert source.meta["parquet"]["image_kind"] == "struct"
+    for i, (data, caption) in enumerate(pairs):
+        assert source.row(i).text == caption
+        assert source.read_image(i) == data
+    assert source.row(5).key == "train-00001-of-00003:0:1"  # file, row group, row: stable
+    # the shuffle's blocks are the row groups: 2 rows each
+    assert source.blocks().tolist() == list(range(0, 13, 2))
+    assert source.has_image().all() and source.has_text().all()
+
+
+def test_rows_are_read_in_any_order_and_after_pickling(hub):
+    import pickle
+
+    root, pairs, _ = hub
+    source = open_indexed(str(root / "data" / "train-00001-of-00003.parquet"), None, 77)
+    order = [3, 0, 2, 1, 3]
+    assert [source.read_image(i) for i in order] == [pairs[4 + i][0] for i in order]
+    copy = pickle.loads(pickle.dumps(source))
+    assert copy.row(2).text == pairs[6][1]
+
+
+def test_img2dataset_layout_drops_failed_downloads_and_counts_them(tmp_path):
+    pairs = shapes(10, seed=1, fmt="JPEG")
+    path = img2dataset_parquet(tmp_path / "00000.parquet", pairs, failed=(2, 7), row_group=4)
+    source = open_indexed(str(path), None, 77)
+    spec = source.meta["parquet"]
+    assert (spec["image"], spec["image_kind"], spec["text"], spec["id"]) == ("jpg", "binary", "caption", "key")
+    assert len(source) == 8
+    kept = [i for i in range(10) if i not in (2, 7)]
+    assert [source.row(i).key for i in range(8)] == [f"{k:09d}" for k in kept]
+    assert [source.read_image(i) for i in range(8)] == [pairs[k][0] for k in kept]
+    assert [str(p) for p in source.problems] == ["00000.parquet: 2 row(s) without an image skipped: img2dataset "
+                                                 "status is not 'success'"]
+    assert source.error_count() == 0
+
+
+def test_image_paths_are_relative_to_the_parquet_file(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pairs = shapes(3, seed=2)
+    (tmp_path / "imgs").mkdir()
+    for i, (data, _) in enumerate(pairs):
+        (tmp_path / "imgs" / f"{i}.png").write_bytes(data)
+    pq.write_table(pa.table({"file": [f"imgs/{i}.png" for i in range(3)], "text": [c for _, c in pairs]}),
+                   tmp_path / "t.parquet")
+    source = open_indexed(str(tmp_path / "t.parquet"), None, 77, CsvConfig(image_key="file"))
+    assert source.meta["parquet"]["image_kind"] == "path"
+    assert [source.read_image(i) for i in range(3)] == [d for d, _ in pairs]
+
+
+def test_bad_parquet_input_gets_one_clear_error(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"a": [1], "b": ["x"]}), tmp_path / "none.parquet")
+    with pytest.raises(DataError, match=r"none.parquet: columns \['a', 'b'\] hold no image"):
+        open_indexed(str(tmp_path / "none.parquet"), None, 77)
+    with pytest.raises(DataError, match=r"1 of 2 file\(s\) not found"):
+        open_indexed(str(tmp_path / "{none,gone}.parquet"), None, 77)
+    pq.write_table(pa.table({"image": [b"x"], "text": ["x"]}), tmp_path / "a.parquet")
+    pq.write_table(pa.table({"other": [b"x"], "text": ["x"]}), tmp_path / "b.parquet")
+    with pytest.raises(DataError, match=r"b.parquet: no column \['image'\]"):
+        open_indexed(str(tmp_path / "{a,b}.parquet"), None, 77)
+    (tmp_path / "c.parquet").write_bytes(b"PAR1 not really")
+    pq.write_table(pa.table({"image": [b"x"], "text": ["x"]}), tmp_path / "d.parquet")
+    with pytest.raises(DataError, match="c.parquet: not a readable parquet file"):
+        open_indexed(str(tmp_path / "{d,c}.parquet"), None, 77)
+
+
+def test_is_parquet():
+    assert is_parquet("data/train-{00000..00003}-of-00004.parquet") and is_parquet("s3://b/x.PARQUET")
+    assert not is_parquet("shards/{00000..00003}.tar") and not is_parquet("train.jsonl")
+
+
+def test_remote_parquet_is_cached_whole_and_reads_like_local(hub, s3, tmp_path):
+    root, pairs, files = hub
+    s3.fs.mkdir("bucket")
+    for f in files:
+        s3.fs.put(str(f), f"bucket/hub/{f.name}")
+    source = open_indexed("s3://bucket/hub/train-{00000..00002}-of-00003.parquet", None, 77,
+                          cache_dir=tmp_path / "cache")
+    assert source.cache is not None and len(source) == 12
+    source.prefetch(np.arange(12))
+    assert [source.read_image(i) for i in range(12)] == [d for d, _ in pairs]
+    assert [source.row(i).text for i in range(12)] == [c for _, c in pairs]
