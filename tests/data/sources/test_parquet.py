@@ -110,3 +110,39 @@ def test_remote_parquet_is_cached_whole_and_reads_like_local(hub, s3, tmp_path):
     source.prefetch(np.arange(12))
     assert [source.read_image(i) for i in range(12)] == [d for d, _ in pairs]
     assert [source.row(i).text for i in range(12)] == [c for _, c in pairs]
+
+
+def test_the_data_tools_read_parquet(hub, capsys, tmp_path):
+    import json
+    import tarfile
+
+    from datafiles import run_cli
+
+    root, pairs, _ = hub
+    pattern = str(root / "data" / "train-{00000..00002}-of-00003.parquet")
+    code, out, err = run_cli(capsys, "data", "validate", pattern, "--json", "--workers", "1")
+    report = json.loads(out)
+    assert code == 0, err
+    assert report["sources"][0]["rows"] == 12 and report["sources"][0]["image_text"] == 12
+    code, out, _ = run_cli(capsys, "data", "stats", pattern, "--json")
+    assert code == 0 and json.loads(out)["image_text"] == 12 and json.loads(out)["image_width"]["max"] == 32
+    code, out, _ = run_cli(capsys, "data", "index", pattern)
+    assert code == 0 and "12" in out
+    code, _, err = run_cli(capsys, "tokenizer", "train", pattern, "--out", tmp_path / "tok.json", "--vocab-size", "200")
+    assert code == 0, err
+    assert (tmp_path / "tok.json").is_file()
+    code, out, err = run_cli(capsys, "data", "shard", pattern, "--out", tmp_path / "shards", "--shard-size", "5")
+    assert code == 0, err
+    assert out.startswith("wrote 12 samples in 3 shard(s)")
+    with tarfile.open(tmp_path / "shards" / "00000.tar") as tar:
+        names = tar.getnames()
+        assert names[:3] == ["000000000.png", "000000000.txt", "000000000.json"]
+        assert tar.extractfile(names[0]).read() == pairs[0][0]  # copied as it is: no re-encoding
+
+
+def test_validate_names_a_damaged_parquet_file(tmp_path, capsys):
+    from datafiles import run_cli
+
+    (tmp_path / "t.parquet").write_bytes(b"PAR1 cut off")
+    code, out, err = run_cli(capsys, "data", "validate", tmp_path / "t.parquet")
+    assert code == 1 and "t.parquet: not a readable parquet file" in out + err and "Traceback" not in err

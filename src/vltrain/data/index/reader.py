@@ -38,7 +38,7 @@ from vltrain.data.sources.manifests import (
     csv_fields,
     json_fields,
 )
-from vltrain.data.sources.parquet import RowGroupReader, image_path, row_key
+from vltrain.data.sources.parquet import RowGroupReader, image_ext, image_path, row_key
 from vltrain.data.sources.remote import is_remote
 from vltrain.data.sources.shard_cache import ShardCache
 from vltrain.data.sources.shards import IMAGE_EXTS, span_members
@@ -224,7 +224,7 @@ class IndexedSource(Source):
         key = row_key(file, g, r)
         if isinstance(image, str):
             image = image_path(file, image)
-        ref = image if isinstance(image, str) else None if image is None else f"{file}:{g}:{r}"
+        ref = image if isinstance(image, str) else None if image is None else f"{file}:{g}:{r}.{image_ext(image)}"
         return Row(given if given is not None else key, ref, text, f"{Path(file).name}:{g}:{r}"), image
 
     def read_image(self, i: int) -> bytes:

@@ -55,7 +55,12 @@ def parquet_columns(path: str, cfg: CsvConfig | None = None, schema=None) -> dic
     import pyarrow as pa
 
     cfg = cfg or CsvConfig()
-    schema = schema if schema is not None else require_pyarrow().read_schema(path)
+    if schema is None:
+        pq = require_pyarrow()
+        try:
+            schema = pq.read_schema(path)
+        except Exception as e:  # pyarrow raises ArrowInvalid, OSError, ... for a damaged file
+            raise DataError(f"{Path(path).name}: not a readable parquet file ({e})") from e
     names = list(schema.names)
     image = _pick(names, cfg.image_key, BINARY_IMAGE_KEYS)
     text = _pick(names, cfg.text_key, TEXT_KEYS)
@@ -221,6 +226,17 @@ def image_path(file: str, image: str) -> str:
     if "://" in file:
         return f"{file.rsplit('/', 1)[0]}/{image}"
     return os.path.abspath(os.path.join(os.path.dirname(file), image))
+
+
+def image_ext(data: bytes) -> str:
+    """The usual file extension of encoded image bytes, from their magic number ("img" if unknown)."""
+    if data[:3] == b"\xff\xd8\xff":
+        return "jpg"
+    if data[:8] == b"\x89PNG\r\n\x1a\n":
+        return "png"
+    if data[:4] == b"RIFF" and data[8:12] == b"WEBP":
+        return "webp"
+    return "img"
 
 
 def row_key(file: str, g: int, r: int) -> str:
