@@ -23,7 +23,7 @@ def shapes(n: int, seed: int = 0, size: int = 32, fmt: str = "PNG") -> list[tupl
     return out
 
 
-def hub_parquet(out: Path, pairs: list[tuple[bytes, str]], files: int, row_group: int,
+def hub_parquet(out: Path, pairs: list[tuple[bytes | None, str]], files: int, row_group: int,
                 text_column: str = "text") -> list[Path]:
     """``out/data/train-0000K-of-0000N.parquet`` as the Hub serves them: the images are first
     files on disk, cast to the Image feature, then embedded into the table as ``push_to_hub`` does;
@@ -36,8 +36,9 @@ def hub_parquet(out: Path, pairs: list[tuple[bytes, str]], files: int, row_group
     paths = []
     for i, (data, _) in enumerate(pairs):
         p = images / f"{i:05d}.png"
-        p.write_bytes(data)
-        paths.append(str(p))
+        if data is not None:  # None: a text-only row
+            p.write_bytes(data)
+        paths.append(str(p) if data is not None else None)
     ds = Dataset.from_dict({"image": paths, text_column: [c for _, c in pairs]}).cast_column("image", Image())
     ds = ds.with_format("arrow").map(embed_table_storage, batched=True).with_format(None)
     (out / "data").mkdir(parents=True, exist_ok=True)
