@@ -104,7 +104,7 @@ class IndexedSource(Source):
         self._fds: dict[str, int] = {}
         self._pid = os.getpid()
         self._span: tuple[int, dict[str, bytes], str] | None = None
-        self._row: tuple[int, Row] | None = None
+        self._row: tuple[int, Row | tuple] | None = None  # parquet: (Row, image)
         if self.kind == "manifest" and meta.get("csv"):
             self._csv = meta["csv"]
         self._groups = RowGroupReader(meta["parquet"]) if self.kind == "parquet" else None
@@ -177,7 +177,7 @@ class IndexedSource(Source):
                 self._row = (i, self._manifest_row(offset, length, line))
             return self._row[1]
         if self.kind == "parquet":
-            return self._parquet_row(offset, length, line)[0]
+            return self._parquet_row(i, offset, length, line)[0]
         return self._shard_row(i, offset, length, line)[0]
 
     def _manifest_row(self, offset: int, length: int, line: int) -> Row:
@@ -216,16 +216,19 @@ class IndexedSource(Source):
         text = text if text is not None and text.strip() else None
         return Row(sid if sid is not None else key, image, text, f"{name}:{key}"), members
 
-    def _parquet_row(self, r: int, g: int, k: int) -> tuple[Row, object]:
-        """The row and its image (bytes, a resolved path, or None) of row ``r`` of row group ``g``
-        of file ``k``."""
+    def _parquet_row(self, i: int, r: int, g: int, k: int) -> tuple[Row, object]:
+        """Row ``i`` (row ``r`` of row group ``g`` of file ``k``) and its image: bytes, a resolved
+        path, or None. Kept until another row is asked for: read_image(i) follows row(i)."""
+        if self._row is not None and self._row[0] == i:
+            return self._row[1]
         file = self.files[k]
         given, text, image = self._groups.fields(self._local(file), g, r)
-        key = row_key(file, g, r)
         if isinstance(image, str):
             image = image_path(file, image)
         ref = image if isinstance(image, str) else None if image is None else f"{file}:{g}:{r}.{image_ext(image)}"
-        return Row(given if given is not None else key, ref, text, f"{Path(file).name}:{g}:{r}"), image
+        key = given if given is not None else row_key(file, g, r)
+        self._row = (i, (Row(key, ref, text, f"{file.rsplit('/', 1)[-1]}:{g}:{r}"), image))
+        return self._row[1]
 
     def read_image(self, i: int) -> bytes:
         c = self.columns
@@ -236,7 +239,7 @@ class IndexedSource(Source):
                 raise ValueError(f"row {i} of {self.name} has no image")
             return self._read_image_file(row.image)
         if self.kind == "parquet":
-            image = self._parquet_row(offset, length, line)[1]
+            image = self._parquet_row(i, offset, length, line)[1]
             if image is None:
                 raise ValueError(f"row {i} of {self.name} has no image")
             return image if isinstance(image, bytes) else self._read_image_file(image)

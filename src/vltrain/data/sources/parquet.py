@@ -240,4 +240,6 @@ def image_ext(data: bytes) -> str:
 
 
 def row_key(file: str, g: int, r: int) -> str:
-    return f"{Path(file).stem}:{g}:{r}"
+    """The key of a row without an id: file stem, row group, row."""
+    name = file.rsplit("/", 1)[-1]
+    return f"{name[: -len('.parquet')] if name.lower().endswith('.parquet') else name}:{g}:{r}"
