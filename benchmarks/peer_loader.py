@@ -188,6 +188,14 @@ def timed(run, repeats: int) -> tuple[float, float]:
     return best_cpu, best_wall
 
 
+def cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            return next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        return platform.processor() or platform.machine()
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--num", type=int, default=1000)
@@ -213,7 +221,7 @@ def main() -> None:
             "(c) vltrain loader + normalize on this CPU": timed(
                 lambda: vltrain_pipeline(cfg, tokenizer, True), args.repeats),
         }
-    print(f"CPU: {platform.processor() or platform.machine()} ({os.cpu_count()} cores), torch {torch.__version__}, "
+    print(f"CPU: {cpu_name()} ({os.cpu_count()} cores), torch {torch.__version__}, "
           f"{args.num} images 256x256 JPEG q95 in {args.files} parquet files, row groups of {args.row_group}, "
           f"batch {args.batch_size}, 1 worker")
     print(f"{'pipeline':<48}{'samples/CPU-s':>15}{'samples/s':>12}")
