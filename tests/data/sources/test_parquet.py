@@ -146,3 +146,32 @@ def test_validate_names_a_damaged_parquet_file(tmp_path, capsys):
     (tmp_path / "t.parquet").write_bytes(b"PAR1 cut off")
     code, out, err = run_cli(capsys, "data", "validate", tmp_path / "t.parquet")
     assert code == 1 and "t.parquet: not a readable parquet file" in out + err and "Traceback" not in err
+
+
+def test_parquet_in_a_weighted_mixture_with_budget_batches(hub, tmp_path):
+    from vltrain.data.config import DataConfig, SourceSpec
+    from vltrain.data.dataset import build_dataset
+    from vltrain.data.loading.loader import build_train_loader
+    from vltrain.data.tools.tokenizer_training import train_tokenizer
+
+    root, pairs, _ = hub
+    i2d = img2dataset_parquet(tmp_path / "00000.parquet", shapes(10, seed=3, fmt="JPEG"), failed=(4,), row_group=3)
+    tok = train_tokenizer(iter([c for _, c in pairs]), tmp_path / "tok.json", vocab_size=200)
+    cfg = DataConfig(train=[SourceSpec(str(root / "data" / "train-{00000..00002}-of-00003.parquet"), 2.0),
+                            SourceSpec(str(i2d))],
+                     image_size=16, max_text_length=16, batch_size=4, batching="budget", epoch_size=30,
+                     num_workers=0, pin_memory=False)
+    ds = build_dataset(cfg, "train", tok, plan_aware=True)
+    assert len(ds) == 12 + 9
+    sources, ids = [], []
+    for rank in (0, 1):
+        loader = build_train_loader(cfg, ds, rank=rank, world_size=2, seed=0, run_dir=None, pad_id=tok.pad_id)
+        it = iter(loader)
+        for _ in range(len(loader)):
+            b = next(it)
+            assert b.pixel_values.shape[1:] == (3, 16, 16) and int(b.input_ids.ne(tok.pad_id).sum(1).min()) > 0
+            sources += b.source.tolist()
+            ids += b.ids.tolist()
+    assert len(ids) >= 30
+    # 2:1 per row over 12 and 9 rows: 24/33 of the epoch from the Hub files
+    assert abs(sources.count(0) / len(sources) - 24 / 33) < 0.1, sources
