@@ -222,7 +222,7 @@ class IndexedSource(Source):
         if self._row is not None and self._row[0] == i:
             return self._row[1]
         file = self.files[k]
-        given, text, image = self._groups.fields(self._local(file), g, r)
+        given, text, image = self._groups.fields(file, g, r, self._local)
         if isinstance(image, str):
             image = image_path(file, image)
         ref = image if isinstance(image, str) else None if image is None else f"{file}:{g}:{r}.{image_ext(image)}"

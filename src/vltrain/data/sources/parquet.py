@@ -176,20 +176,22 @@ class RowGroupReader:
         self._bytes = 0
         self._pid = os.getpid()
 
-    def group(self, local: str, g: int) -> dict:
-        """Row group ``g`` of ``local`` as {column: list}; read (all wanted columns) on first use."""
+    def group(self, file: str, g: int, local) -> dict:
+        """Row group ``g`` of ``file`` as {column: array}, read (the wanted columns) on first use
+        from ``local(file)``, the file itself or its copy in the shard cache; the open file is
+        held, so it survives the copy's eviction."""
         if os.getpid() != self._pid:  # a forked loader worker reads on its own
             self._files, self._groups, self._bytes, self._pid = {}, OrderedDict(), 0, os.getpid()
-        key = (local, g)
+        key = (file, g)
         found = self._groups.get(key)
         if found is not None:
             self._groups.move_to_end(key)
             return found
-        f = self._files.get(local)
+        f = self._files.get(file)
         if f is None:
             if len(self._files) >= 64:
                 self._files.pop(next(iter(self._files)))
-            f = self._files[local] = require_pyarrow().ParquetFile(local)
+            f = self._files[file] = require_pyarrow().ParquetFile(local(file))
         columns = [c for c in (self.spec["image"], self.spec["text"], self.spec["id"]) if c]
         table = f.read_row_group(g, columns=columns)
         found = {"columns": {c: table.column(c) for c in columns}, "nbytes": table.nbytes}
@@ -200,9 +202,9 @@ class RowGroupReader:
             self._bytes -= old["nbytes"]
         return found
 
-    def fields(self, local: str, g: int, r: int) -> tuple[str | None, str | None, object]:
+    def fields(self, file: str, g: int, r: int, local) -> tuple[str | None, str | None, object]:
         """(id, text, image) of a row; image: bytes, a path string, or None."""
-        cols = self.group(local, g)["columns"]
+        cols = self.group(file, g, local)["columns"]
         spec = self.spec
         given = cols[spec["id"]][r].as_py() if spec["id"] else None
         text = cols[spec["text"]][r].as_py() if spec["text"] else None
