@@ -66,13 +66,38 @@ def stored_jpeg(rng: np.random.Generator, size: int = 256) -> bytes:
     return buf.getvalue()
 
 
-def make_parquet(folder: Path, num: int, files: int, row_group: int) -> tuple[str, list[str]]:
-    from datasets import Dataset, Features, Image as ImageFeature, Value
-
+def make_pairs(num: int) -> tuple[list[bytes], list[str]]:
     rng = np.random.default_rng(0)
     vocab = [f"{a}{b}" for a in ("red", "tall", "old", "dark", "wet", "big") for b in ("", "dish", "tree", "car", "dog")]
-    images = [{"bytes": stored_jpeg(rng), "path": None} for _ in range(num)]
-    texts = [" ".join(rng.choice(vocab, size=int(rng.integers(5, 41)))) for _ in range(num)]
+    images = [stored_jpeg(rng) for _ in range(num)]
+    return images, [" ".join(rng.choice(vocab, size=int(rng.integers(5, 41)))) for _ in range(num)]
+
+
+def make_shards(folder: Path, jpegs: list[bytes], texts: list[str], files: int) -> str:
+    """img2dataset's tar layout: ``NNNNN.tar`` of ``KEY.jpg``, ``KEY.txt``, ``KEY.json``."""
+    import io
+    import json
+    import tarfile
+
+    (folder / "shards").mkdir(parents=True)
+    per = -(-len(jpegs) // files)
+    for k in range(files):
+        with tarfile.open(folder / "shards" / f"{k:05d}.tar", "w") as tar:
+            for i in range(k * per, min(len(jpegs), (k + 1) * per)):
+                key = f"{k:05d}{i:04d}"
+                for ext, data in (("jpg", jpegs[i]), ("txt", texts[i].encode()),
+                                  ("json", json.dumps({"key": key}).encode())):
+                    info = tarfile.TarInfo(f"{key}.{ext}")
+                    info.size = len(data)
+                    tar.addfile(info, io.BytesIO(data))
+    return str(folder / "shards" / f"{{00000..{files - 1:05d}}}.tar")
+
+
+def make_parquet(folder: Path, jpegs: list[bytes], texts: list[str], files: int, row_group: int) -> str:
+    from datasets import Dataset, Features, Value
+    from datasets import Image as ImageFeature
+
+    images = [{"bytes": b, "path": None} for b in jpegs]
     ds = Dataset.from_dict({"image": images, "text": texts},
                            features=Features({"image": ImageFeature(), "text": Value("string")}))
     (folder / "data").mkdir(parents=True)
@@ -81,8 +106,7 @@ def make_parquet(folder: Path, num: int, files: int, row_group: int) -> tuple[st
         path = folder / "data" / f"train-{k:05d}-of-{files:05d}.parquet"
         ds.shard(num_shards=files, index=k, contiguous=True).to_parquet(str(path), batch_size=row_group)
         paths.append(str(path))
-    pattern = str(folder / "data" / f"train-{{00000..{files - 1:05d}}}-of-{files:05d}.parquet")
-    return pattern, texts
+    return str(folder / "data" / f"train-{{00000..{files - 1:05d}}}-of-{files:05d}.parquet")
 
 
 # -- OpenCLIP's train preprocess, with Pillow and torch ------------------------------------------
@@ -119,11 +143,16 @@ class Preprocess:
         self.std = torch.tensor(STD).view(3, 1, 1)
         self.rng = random.Random(0)
 
-    def __call__(self, example: dict) -> dict:
-        im = random_resized_crop(example["image"].convert("RGB"), self.size, self.rng)
+    def image(self, im: Image.Image) -> torch.Tensor:
+        im = random_resized_crop(im.convert("RGB"), self.size, self.rng)
         x = torch.from_numpy(np.asarray(im, dtype=np.uint8).copy()).permute(2, 0, 1).float().div_(255)
-        x = (x - self.mean) / self.std
-        return {"image": x, "text": torch.tensor(self.tok.encode(example["text"]).ids)}
+        return (x - self.mean) / self.std
+
+    def text(self, text: str) -> torch.Tensor:
+        return torch.tensor(self.tok.encode(text).ids)
+
+    def __call__(self, example: dict) -> dict:
+        return {"image": self.image(example["image"]), "text": self.text(example["text"])}
 
 
 def collate(samples: list[dict]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -136,6 +165,30 @@ def datasets_pipeline(paths: list[str], tokenizer_json: str, batch_size: int) ->
     ds = Dataset.from_parquet(paths).to_iterable_dataset(num_shards=len(paths))
     ds = ds.shuffle(seed=0, buffer_size=1000).map(Preprocess(tokenizer_json), remove_columns=["image"])
     loader = torch.utils.data.DataLoader(ds, batch_size=batch_size, num_workers=1, collate_fn=collate)
+    n = 0
+    for images, _ in loader:
+        n += len(images)
+    return n
+
+
+def webdataset_pipeline(pattern: str, tokenizer_json: str, batch_size: int) -> int:
+    """OpenCLIP's training input pipeline as ``open_clip_train/data.py`` builds it for one epoch
+    (``--dataset-resampled`` off): shard list, split by worker, tar to samples, shuffle(5000),
+    decode ``pilrgb``, rename, train preprocess and tokenize, batched, WebLoader."""
+    import webdataset as wds
+
+    from vltrain.data.sources.patterns import expand_braces
+
+    pre = Preprocess(tokenizer_json)
+    pipeline = wds.DataPipeline(
+        wds.SimpleShardList(expand_braces(pattern)), wds.split_by_worker,
+        wds.tarfile_to_samples(handler=wds.warn_and_continue), wds.shuffle(5000, initial=1000, rng=random.Random(0)),
+        wds.decode("pilrgb", handler=wds.warn_and_continue),
+        wds.rename(image="jpg;png;jpeg;webp", text="txt"),
+        wds.map_dict(image=pre.image, text=pre.text), wds.to_tuple("image", "text"),
+        wds.batched(batch_size, partial=True),
+    )
+    loader = wds.WebLoader(pipeline, batch_size=None, shuffle=False, num_workers=1)
     n = 0
     for images, _ in loader:
         n += len(images)
@@ -203,33 +256,47 @@ def main() -> None:
     p.add_argument("--row-group", type=int, default=100)
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--half", choices=("parquet", "webdataset", "both"), default="both")
     args = p.parse_args()
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
-        pattern, texts = make_parquet(folder, args.num, args.files, args.row_group)
+        jpegs, texts = make_pairs(args.num)
         tokenizer = train_tokenizer(iter(texts), folder / "tok.json", vocab_size=300, kind="wordpiece",
                                     min_frequency=1)
-        cfg = DataConfig(train=pattern, image_size=224, max_text_length=CONTEXT, batch_size=args.batch_size,
-                         num_workers=1, pin_memory=False, mean=MEAN, std=STD)
-        paths = sorted(str(q) for q in (folder / "data").glob("*.parquet"))
-        rows = {
-            "(a) datasets to_iterable_dataset + DataLoader": timed(
-                lambda: datasets_pipeline(paths, str(folder / "tok.json"), args.batch_size), args.repeats),
-            "(b) vltrain loader (uint8 out, as trained)": timed(
-                lambda: vltrain_pipeline(cfg, tokenizer, False), args.repeats),
-            "(c) vltrain loader + normalize on this CPU": timed(
-                lambda: vltrain_pipeline(cfg, tokenizer, True), args.repeats),
-        }
-    print(f"CPU: {cpu_name()} ({os.cpu_count()} cores), torch {torch.__version__}, "
-          f"{args.num} images 256x256 JPEG q95 in {args.files} parquet files, row groups of {args.row_group}, "
-          f"batch {args.batch_size}, 1 worker")
-    print(f"{'pipeline':<48}{'samples/CPU-s':>15}{'samples/s':>12}")
+        print(f"CPU: {cpu_name()} ({os.cpu_count()} cores), torch {torch.__version__}, {args.num} images "
+              f"256x256 JPEG q95 in {args.files} files, batch {args.batch_size}, 1 worker")
+        if args.half in ("webdataset", "both"):
+            pattern = make_shards(folder, jpegs, texts, args.files)
+            table("tar shards (img2dataset layout)", {
+                "(a) OpenCLIP's webdataset pipeline": timed(
+                    lambda: webdataset_pipeline(pattern, str(folder / "tok.json"), args.batch_size), args.repeats),
+                **ours(pattern, tokenizer, args)})
+        if args.half in ("parquet", "both"):
+            pattern = make_parquet(folder, jpegs, texts, args.files, args.row_group)
+            paths = sorted(str(q) for q in (folder / "data").glob("*.parquet"))
+            table(f"Hub parquet, row groups of {args.row_group}", {
+                "(a) datasets to_iterable_dataset + DataLoader": timed(
+                    lambda: datasets_pipeline(paths, str(folder / "tok.json"), args.batch_size), args.repeats),
+                **ours(pattern, tokenizer, args)})
+
+
+def ours(pattern: str, tokenizer, args) -> dict[str, tuple[float, float]]:
+    cfg = DataConfig(train=pattern, image_size=224, max_text_length=CONTEXT, batch_size=args.batch_size,
+                     num_workers=1, pin_memory=False, mean=MEAN, std=STD)
+    return {"(b) vltrain loader (uint8 out, as trained)": timed(lambda: vltrain_pipeline(cfg, tokenizer, False),
+                                                                args.repeats),
+            "(c) vltrain loader + normalize on this CPU": timed(lambda: vltrain_pipeline(cfg, tokenizer, True),
+                                                                args.repeats)}
+
+
+def table(title: str, rows: dict[str, tuple[float, float]]) -> None:
+    print(f"\n{title}\n{'pipeline':<48}{'samples/CPU-s':>15}{'samples/s':>12}")
     for name, (cpu, wall) in rows.items():
         print(f"{name:<48}{cpu:>15.1f}{wall:>12.1f}")
-    (a_cpu, a_wall), *ours = rows.values()
-    for name, (cpu, wall) in zip("bc", ours):
-        print(f"{f'ratio ({name})/(a)':<48}{cpu / a_cpu:>14.2f}x{wall / a_wall:>11.2f}x")
+    (a_cpu, a_wall), *rest = rows.values()
+    for name, (cpu, wall) in zip("bc", rest):
+        print(f"{f'ratio ({name})/(a)':<48}{cpu / a_cpu:>14.2f}x{wall / a_wall:>11.2f}x", flush=True)
 
 
 if __name__ == "__main__":
