@@ -88,10 +88,31 @@ def test_bad_parquet_input_gets_one_clear_error(tmp_path):
     pq.write_table(pa.table({"other": [b"x"], "text": ["x"]}), tmp_path / "b.parquet")
     with pytest.raises(DataError, match=r"b.parquet: no column \['image'\]"):
         open_indexed(str(tmp_path / "{a,b}.parquet"), None, 77)
-    (tmp_path / "c.parquet").write_bytes(b"PAR1 not really")
+    # a file cut off (no footer) after a good one: skipped, counted, the good one kept
     pq.write_table(pa.table({"image": [b"x"], "text": ["x"]}), tmp_path / "d.parquet")
-    with pytest.raises(DataError, match="c.parquet: not a readable parquet file"):
-        open_indexed(str(tmp_path / "{d,c}.parquet"), None, 77)
+    (tmp_path / "c.parquet").write_bytes((tmp_path / "d.parquet").read_bytes()[:-20])
+    source = open_indexed(str(tmp_path / "{d,c}.parquet"), None, 77)
+    assert len(source) == 1 and source.error_count() == 1
+    assert str(source.problems[0]).startswith("c.parquet: not a readable parquet file (")
+
+
+def test_a_damaged_row_group_is_skipped_and_counted(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    path = tmp_path / "t.parquet"
+    pq.write_table(pa.table({"image": [b"img%d" % i for i in range(9)], "text": [f"caption {i}" for i in range(9)]}),
+                   path, row_group_size=3, compression="snappy")
+    column = pq.ParquetFile(path).metadata.row_group(1).column(1)  # row group 1's text chunk
+    data = bytearray(path.read_bytes())
+    start = column.dictionary_page_offset if column.has_dictionary_page else column.data_page_offset
+    data[start : start + column.total_compressed_size] = b"\xff" * column.total_compressed_size
+    path.write_bytes(bytes(data))
+    source = open_indexed(str(path), None, 77)
+    assert [source.row(i).text for i in range(len(source))] == [f"caption {i}" for i in (0, 1, 2, 6, 7, 8)]
+    assert source.error_count() == 1
+    assert str(source.problems[0]).startswith("t.parquet:row group 1: unreadable (")
+    assert str(source.problems[0]).endswith("its 3 rows are skipped")
 
 
 def test_is_parquet():
@@ -175,3 +196,21 @@ def test_parquet_in_a_weighted_mixture_with_budget_batches(hub, tmp_path):
     assert len(ids) >= 30
     # 2:1 per row over 12 and 9 rows: 24/33 of the epoch from the Hub files
     assert abs(sources.count(0) / len(sources) - 24 / 33) < 0.1, sources
+
+
+def test_an_image_chunk_damaged_after_indexing_is_a_bad_sample(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    path = tmp_path / "t.parquet"
+    pq.write_table(pa.table({"image": [b"img%d" % i for i in range(6)], "text": [f"caption {i}" for i in range(6)]}),
+                   path, row_group_size=3)
+    source = open_indexed(str(path), None, 77)  # the build reads no image: statistics say none is missing
+    column = pq.ParquetFile(path).metadata.row_group(1).column(0)
+    data = bytearray(path.read_bytes())
+    start = column.dictionary_page_offset if column.has_dictionary_page else column.data_page_offset
+    data[start : start + column.total_compressed_size] = b"\xff" * column.total_compressed_size
+    path.write_bytes(bytes(data))
+    assert source.read_image(0) == b"img0"
+    with pytest.raises(OSError):  # what the dataset replaces and logs as a bad sample
+        source.read_image(4)

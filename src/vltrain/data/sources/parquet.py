@@ -100,12 +100,17 @@ def scan_parquet(local: str, spec: dict, name: str, problems: list, texts: bool)
 
     Rows img2dataset failed to download (``status`` not ``success``, no image) are dropped and
     counted in one problem per file, as its tar output leaves them out. Only the text column is
-    read when the row group's statistics say the image column has no nulls."""
+    read when the row group's statistics say the image column has no nulls.
+
+    A file pyarrow cannot open (a cut download: no footer) or a row group it cannot read (a
+    damaged page) is skipped and recorded as an error problem, with the rows lost where known:
+    the other files and row groups are kept."""
     pq = require_pyarrow()
     try:
         f = pq.ParquetFile(local)
     except Exception as e:  # pyarrow raises ArrowInvalid, OSError, ... for a damaged file
-        raise DataError(f"{name}: not a readable parquet file ({e})") from e
+        problems.append([name, f"not a readable parquet file ({e}); its rows are skipped", "error"])
+        return
     _check_columns(f.schema_arrow, spec, name)
     failed = 0
     for g in range(f.num_row_groups):
@@ -113,7 +118,11 @@ def scan_parquet(local: str, spec: dict, name: str, problems: list, texts: bool)
         wanted = [c for c in (spec["text"], spec["status"]) if c]
         if spec["image"] and _image_nulls(f, g, spec):
             wanted.append(spec["image"])
-        table = f.read_row_group(g, columns=wanted)
+        try:
+            table = f.read_row_group(g, columns=wanted)
+        except Exception as e:  # a damaged page: ArrowInvalid, OSError (bad compression, thrift)
+            problems.append([f"{name}:row group {g}", f"unreadable ({e}); its {n} rows are skipped", "error"])
+            continue
         caps = table.column(spec["text"]).to_pylist() if spec["text"] else [None] * n
         has_text = np.fromiter((isinstance(c, str) and bool(c.strip()) for c in caps), bool, n)
         has_image = _has_image(table, spec, n)
@@ -193,7 +202,12 @@ class RowGroupReader:
                 self._files.pop(next(iter(self._files)))
             f = self._files[file] = require_pyarrow().ParquetFile(local(file))
         columns = [c for c in (self.spec["image"], self.spec["text"], self.spec["id"]) if c]
-        table = f.read_row_group(g, columns=columns)
+        try:
+            table = f.read_row_group(g, columns=columns)
+        except OSError:
+            raise
+        except Exception as e:  # ArrowInvalid and the like: a bad sample to the loader, as OSError is
+            raise OSError(f"{file.rsplit('/', 1)[-1]}: row group {g} unreadable ({e})") from e
         found = {"columns": {c: table.column(c) for c in columns}, "nbytes": table.nbytes}
         self._groups[key] = found
         self._bytes += table.nbytes
