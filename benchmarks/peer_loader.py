@@ -1,28 +1,29 @@
-"""vltrain's training loader against a peer's input pipeline on the same files: parquet half.
+"""vltrain's training loader against its peers' input pipelines, on the same files.
 
 Writes ``--num`` photo-like images as img2dataset stores them (shorter side resized to 256, centre
-crop 256x256, JPEG quality 95) with captions of 5 to 40 words, as Hugging Face Hub parquet: the
-``datasets`` library's Image feature (a ``{bytes, path}`` struct) in ``--files`` files of
-``--row-group`` rows per row group (``datasets`` writes image sets in row groups of 100). Then
-one epoch is timed of
+crop 256x256, JPEG quality 95) with captions of 5 to 40 words, in ``--files`` files twice: as
+img2dataset tar shards (``KEY.jpg``, ``KEY.txt``, ``KEY.json``) and as Hugging Face Hub parquet
+(the ``datasets`` library's Image feature, a ``{bytes, path}`` struct, ``--row-group`` rows per
+row group: ``datasets`` writes image sets in row groups of 100). Then one epoch is timed of
 
-  (a) the ``datasets`` library's own route: ``Dataset.from_parquet(...).to_iterable_dataset
-      (num_shards=files)``, shuffled with a buffer, in a torch DataLoader with 1 worker; per
-      sample the Image feature decodes with Pillow, then OpenCLIP's train preprocess written with
-      Pillow and torch (torchvision cannot be imported beside this CPU torch):
-      RandomResizedCrop(224, scale=(0.9, 1.0), bicubic) + ToTensor + Normalize; captions
+  (a) the peer: on the shards, OpenCLIP's training pipeline with the ``webdataset`` library
+      (``webdataset_pipeline``); on the parquet files, the ``datasets`` library's own route,
+      ``Dataset.from_parquet(...).to_iterable_dataset(num_shards=files)`` shuffled with a buffer
+      in a torch DataLoader. 1 worker; per sample Pillow decodes, then OpenCLIP's train
+      preprocess written with Pillow and torch (torchvision cannot be imported beside this CPU
+      torch): RandomResizedCrop(224, scale=(0.9, 1.0), bicubic) + ToTensor + Normalize; captions
       tokenized with the same tokenizer, padded to 77 (OpenCLIP's context length);
-  (b) vltrain's training loader on the same files (``data.train`` the brace pattern), 1 worker,
-      the same batch size and tokenizer; its batches stay uint8 until the device normalizes
-      them (on a GPU, where training puts them);
+  (b) vltrain's training loader on the same files (``data.train`` their brace pattern), 1
+      worker, the same batch size and tokenizer; its batches stay uint8 until the device
+      normalizes them (on a GPU, where training puts them);
   (c) the same, with the normalization to (a)'s float output done here on the CPU
       (``Batch.pixels``) and counted.
 
 Each is reported in samples per CPU-second (this process and its loader worker: psutil for the
 live worker, ``getrusage(RUSAGE_CHILDREN)`` for reaped ones) and per wall-second, the best of
-``--repeats`` epochs, with the ratios (b)/(a) and (c)/(a).
+``--repeats`` epochs, with the ratios (b)/(a) and (c)/(a). ``--half`` runs one table only.
 
-    OMP_NUM_THREADS=1 PYTHONPATH=src python benchmarks/peer_loader.py [--num 1000] [--repeats 2]
+    OMP_NUM_THREADS=1 PYTHONPATH=src python benchmarks/peer_loader.py [--num 1000] [--repeats 3] [--half both]
 """
 
 from __future__ import annotations

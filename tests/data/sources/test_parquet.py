@@ -32,6 +32,8 @@ def test_hub_parquet_rows_come_back_in_order_with_their_images(hub):
     # the shuffle's blocks are the row groups: 2 rows each
     assert source.blocks().tolist() == list(range(0, 13, 2))
     assert source.has_image().all() and source.has_text().all()
+    globbed = open_indexed(str(root / "data" / "train-*.parquet"), None, 77)
+    assert globbed.files == source.files and len(globbed) == 12
 
 
 def test_rows_are_read_in_any_order_and_after_pickling(hub):
