@@ -46,11 +46,12 @@ class CsvConfig:
     """Column names and separator for CSV/TSV manifests (OpenCLIP writes filepath/title, tab-separated)."""
 
     image_key: str = "filepath"
-    """Image column of CSV/TSV manifests (absent: the aliases image, image_path, filepath)."""
+    """Image column of CSV/TSV manifests and parquet files (absent: the aliases image, image_path,
+    filepath; for parquet then jpg, jpeg, png, webp, img)."""
     text_key: str = "title"
     """Text column (absent: the aliases text, caption, title)."""
     id_key: str = "id"
-    """Id column (absent: ids are derived)."""
+    """Id column (absent: ids are derived; parquet tries id, then key)."""
     separator: str = ""
     """Empty: a tab for .tsv files, a comma otherwise."""
 
