@@ -216,3 +216,13 @@ def test_an_image_chunk_damaged_after_indexing_is_a_bad_sample(tmp_path):
     assert source.read_image(0) == b"img0"
     with pytest.raises(OSError):  # what the dataset replaces and logs as a bad sample
         source.read_image(4)
+
+
+def test_without_pyarrow_the_error_names_the_extra(tmp_path, monkeypatch):
+    import sys
+
+    (tmp_path / "t.parquet").write_bytes(b"PAR1")
+    monkeypatch.setitem(sys.modules, "pyarrow", None)
+    monkeypatch.setitem(sys.modules, "pyarrow.parquet", None)
+    with pytest.raises(DataError, match=r"pip install 'vltrain\[parquet\]'"):
+        open_indexed(str(tmp_path / "t.parquet"), None, 77)

@@ -52,11 +52,11 @@ def parquet_columns(path: str, cfg: CsvConfig | None = None, schema=None) -> dic
     """Which columns of a parquet file hold the image, text and id, and how the image is stored:
     ``{"image", "image_kind": struct | binary | path, "text", "id"}`` (absent ones None). Named in
     config (``data.csv.image_key`` ...) or found by the manifests' aliases."""
+    pq = require_pyarrow()
     import pyarrow as pa
 
     cfg = cfg or CsvConfig()
     if schema is None:
-        pq = require_pyarrow()
         try:
             schema = pq.read_schema(path)
         except Exception as e:  # pyarrow raises ArrowInvalid, OSError, ... for a damaged file
