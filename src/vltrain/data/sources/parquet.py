@@ -29,7 +29,7 @@ BINARY_IMAGE_KEYS = (*IMAGE_KEYS, "jpg", "jpeg", "png", "webp", "img")
 ID_KEYS = ("id", "key")
 CACHED_GROUPS = 24
 """Row groups a reader keeps decoded: more than a default window (16) of the shuffle."""
-CACHED_BYTES = 1 << 30
+CACHED_BYTES = 512 << 20
 """... unless they hold more than this many bytes together (the oldest go first)."""
 
 
