@@ -226,3 +226,13 @@ def test_without_pyarrow_the_error_names_the_extra(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "pyarrow.parquet", None)
     with pytest.raises(DataError, match=r"pip install 'vltrain\[parquet\]'"):
         open_indexed(str(tmp_path / "t.parquet"), None, 77)
+
+
+@pytest.mark.parametrize("chunk", [1, 2, 3, 100])
+def test_row_group_blocks_are_the_same_whatever_the_chunk(chunk):
+    from vltrain.data.index.reader import _group_starts
+
+    file = np.array([0, 0, 0, 1, 1, 1, 1, 2], np.uint32)
+    group = np.array([0, 0, 1, 0, 0, 1, 1, 0], np.uint32)
+    assert _group_starts(file, group, chunk).tolist() == [0, 2, 3, 5, 7, 8]
+    assert _group_starts(file[:0], group[:0], chunk).tolist() == [0]

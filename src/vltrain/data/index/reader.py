@@ -141,9 +141,7 @@ class IndexedSource(Source):
         """Starts of the rows read together (each shard's samples, each parquet row group's; runs of
         manifest rows), then n."""
         if self.kind == "parquet":
-            line, group = self.columns["line"], self.columns["length"]
-            new = np.flatnonzero((line[1:] != line[:-1]) | (group[1:] != group[:-1])) + 1
-            return np.concatenate([[0], new, [len(self)]]).astype(np.int64) if len(self) else np.zeros(1, np.int64)
+            return _group_starts(self.columns["line"], self.columns["length"])
         if self.kind == "shards":
             line = self.columns["line"]  # searched in its own dtype: no copy of the mapped column
             return np.searchsorted(line, np.arange(len(self.files) + 1, dtype=line.dtype)).astype(np.int64)
@@ -283,3 +281,14 @@ class IndexedSource(Source):
 
 def _one(column: str | None) -> tuple[str, ...]:
     return (column,) if column else ()
+
+
+def _group_starts(file: np.ndarray, group: np.ndarray, chunk: int = 1 << 24) -> np.ndarray:
+    """Where each (file, row group) run starts, then n: compared a chunk at a time, so a billion
+    mapped rows never need a billion-byte temporary."""
+    n = len(file)
+    starts = [np.zeros(min(n, 1), np.int64)]
+    for lo in range(1, n, chunk):
+        f, g = file[lo - 1 : lo + chunk], group[lo - 1 : lo + chunk]
+        starts.append(np.flatnonzero((f[1:] != f[:-1]) | (g[1:] != g[:-1])).astype(np.int64) + lo)
+    return np.concatenate([*starts, [n]]).astype(np.int64)
