@@ -81,7 +81,8 @@ def source_files(spec: str, storage_options: dict | None = None) -> tuple[str, l
         missing = [p for p in files if not os.path.isfile(p)]
         if missing:
             shown = ", ".join(missing[:3]) + (f" and {len(missing) - 3} more" if len(missing) > 3 else "")
-            raise DataError(f"{spec}: {len(missing)} of {len(files)} file(s) not found: {shown}")
+            what = "shard(s)" if many == "shards" else "file(s)"
+            raise DataError(f"{spec}: {len(missing)} of {len(files)} {what} not found: {shown}")
         return many, _describe(files)
     if Path(spec).suffix.lower() not in MANIFEST_SUFFIXES:
         raise DataError(f"{spec}: not a manifest (.jsonl, .csv, .tsv), a tar shard pattern ('dir/{{00000..00009}}.tar') "
