@@ -20,6 +20,7 @@ from vltrain.data.sources.shards import shard_paths
 from vltrain.data.tools.synth import describe, render, sample_scene
 
 IMAGES, WORDINGS = 32, 128
+PARQUET_PER_FILE, PARQUET_ROW_GROUP = 100_000, 1000
 BLOCK = tarfile.BLOCKSIZE
 
 
@@ -99,16 +100,45 @@ def write_shards(folder: Path, rows: int, per_shard: int, work: Path, names, cap
         list(pool.map(write_shard, jobs, chunksize=4))
 
 
+def write_parquet_file(job: tuple[str, int, int, list[bytes], list[list[str]]]) -> None:
+    """One Hub-style parquet file (an Image ``{bytes, path}`` struct and ``text``), row groups of
+    ``PARQUET_ROW_GROUP`` rows."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    path, lo, hi, images, captions = job
+    assets = [row_assets(i) for i in range(lo, hi)]
+    image = pa.StructArray.from_arrays([pa.array([images[a] for a, _ in assets], pa.binary()),
+                                        pa.array([None] * len(assets), pa.string())], ["bytes", "path"])
+    text = pa.array([captions[a][w] for a, w in assets], pa.string())
+    pq.write_table(pa.table({"image": image, "text": text}), path + ".tmp", row_group_size=PARQUET_ROW_GROUP)
+    os.replace(path + ".tmp", path)
+
+
+def write_parquet(folder: Path, rows: int, per_file: int, work: Path, names, captions) -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    images = [(work / "images" / n).read_bytes() for n in names]
+    count = -(-rows // per_file)
+    jobs = [(str(folder / f"train-{k:05d}-of-{count:05d}.parquet"), lo, min(rows, lo + per_file), images, captions)
+            for k, lo in enumerate(range(0, rows, per_file))]
+    with ProcessPoolExecutor(os.cpu_count() or 1) as pool:
+        list(pool.map(write_parquet_file, jobs))
+
+
 def shards_per(rows: int) -> int:
     return 1000 if rows <= 1_000_000 else 10_000
 
 
 def dataset(work: Path, kind: str, rows: int, names, captions) -> str:
-    """The data's spec (a manifest, or a shard pattern), written unless already there."""
+    """The data's spec (a manifest, a shard pattern, or a pattern of parquet files), written unless
+    already there."""
     folder = work / f"{kind}-{rows}"
     done = folder / ".written"
     if kind == "jsonl":
         spec = str(folder / "train.jsonl")
+    elif kind == "parquet":
+        count = -(-rows // PARQUET_PER_FILE)
+        spec = f"{folder}/train-{{00000..{count - 1:05d}}}-of-{count:05d}.parquet"
     else:
         count = -(-rows // shards_per(rows))
         spec = f"{folder}/{{00000..{count - 1:05d}}}.tar"
@@ -117,6 +147,8 @@ def dataset(work: Path, kind: str, rows: int, names, captions) -> str:
         folder.mkdir(parents=True, exist_ok=True)
         if kind == "jsonl":
             write_jsonl(Path(spec), rows, names, captions)
+        elif kind == "parquet":
+            write_parquet(folder, rows, PARQUET_PER_FILE, work, names, captions)
         else:
             write_shards(folder, rows, shards_per(rows), work, names, captions)
         done.write_text("")

@@ -1,7 +1,7 @@
 """Data at scale: building the sample index, the first batch, memory per node, loader throughput.
 
 For each ``--rows`` N and ``--kinds`` (a JSONL manifest; tar shards, 1,000 samples a shard up to 1M
-rows and 10,000 above), it writes the data once under ``--workdir`` (``_data_scale_data.py``: 32
+rows and 10,000 above; Hub-style parquet, 100,000 rows a file in row groups of 1,000), it writes the data once under ``--workdir`` (``_data_scale_data.py``: 32
 small images, 48 px shapes from ``vltrain.data.tools.synth``, PNG and JPEG, reused cyclically; captions
 from ``synth.describe``; a unique id per row: the manifest's ``id``, the shard member's key), then:
 
@@ -80,7 +80,7 @@ SETTLE_S = 3.0
 
 
 def data_files(spec: str) -> list[str]:
-    return shard_paths(spec) if spec.endswith(".tar") else [spec]
+    return shard_paths(spec) if spec.endswith((".tar", ".parquet")) else [spec]
 
 
 def tokenizer_path(work: Path, captions: list[list[str]]) -> str:
@@ -363,7 +363,8 @@ def print_extrapolation(builds: dict, firsts: dict, bases: dict, cores: int = 64
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--rows", type=int, nargs="+", default=[100_000])
-    p.add_argument("--kinds", nargs="+", default=["jsonl", "shards"], choices=["jsonl", "shards"])
+    p.add_argument("--kinds", nargs="+", default=["jsonl", "shards"], choices=["jsonl", "shards", "parquet"],
+                   help="parquet: Hub-style files of 100,000 rows, row groups of 1,000 (no eager path)")
     p.add_argument("--workdir", default="/tmp/vltrain-data-scale")
     p.add_argument("--eager-max", type=int, default=1_000_000, help="largest size the old eager path opens")
     p.add_argument("--tokens-max", type=int, default=1_000_000,
@@ -408,7 +409,7 @@ def run(args) -> None:
             if kind == "shards" and kind not in walks:
                 walks[kind] = tar_walk_rate(spec)
             for mode in modes:
-                if mode != "eager" or rows <= args.eager_max:
+                if mode != "eager" or (rows <= args.eager_max and kind != "parquet"):
                     if mode == "eager" and kind == "shards":
                         ShardSource(spec)  # its per-shard JSON indexes, built once, outside the timing
                     firsts[kind, rows, mode] = run_ranks(spec, tok, mode)

@@ -27,14 +27,14 @@ def add_parsers(data: argparse.ArgumentParser, tokenizer: argparse.ArgumentParse
     s.set_defaults(func=synth)
 
     v = dsub.add_parser("validate", help="check every row; exit 0 clean, 1 problems found, 2 usage error")
-    v.add_argument("sources", nargs="+", help="manifests (.jsonl/.csv/.tsv) or shard patterns")
+    v.add_argument("sources", nargs="+", help="manifests (.jsonl/.csv/.tsv), shard patterns or .parquet files")
     v.add_argument("--json", action="store_true", help="machine-readable report on stdout")
     v.add_argument("--max-problems", type=int, default=20, help="problems to print (default 20)")
     v.add_argument("--workers", type=int, default=0, help="processes decoding images (default 0: one per core)")
     v.set_defaults(func=validate)
 
     ix = dsub.add_parser("index", help="build the sample index of sources (else built on first use)")
-    ix.add_argument("sources", nargs="+", help="manifests (.jsonl/.csv/.tsv) or shard patterns")
+    ix.add_argument("sources", nargs="+", help="manifests (.jsonl/.csv/.tsv), shard patterns or .parquet files")
     ix.add_argument("--tokenizer", default=None, help="tokenizer.json whose token counts the index stores")
     ix.add_argument("--max-text-length", type=int, default=None, help="token cap (default 77, or the config's)")
     ix.add_argument("--config", default=None, help="take the tokenizer, text length and cache folder from a config")
@@ -206,14 +206,17 @@ def _index_report(spec: str, source, took: float, with_lengths: bool) -> None:
 
 def shard(args: argparse.Namespace) -> int:
     """``vltrain data shard MANIFEST --out DIR --shard-size N``; exit 1 if rows had to be skipped."""
+    from vltrain.data.index.open import open_any
     from vltrain.data.sources.manifests import open_manifest
+    from vltrain.data.sources.parquet import is_parquet
     from vltrain.data.sources.patterns import is_shard_pattern
     from vltrain.data.sources.shards import ShardSource, write_shards
     from vltrain.errors import UserError
 
     if args.shard_size < 1:
         raise UserError(f"--shard-size must be >= 1, got {args.shard_size}")
-    source = ShardSource(args.manifest) if is_shard_pattern(args.manifest) else open_manifest(args.manifest)
+    source = ShardSource(args.manifest) if is_shard_pattern(args.manifest) else \
+        open_any(args.manifest) if is_parquet(args.manifest) else open_manifest(args.manifest)
     written, not_copied = write_shards(source, args.out, args.shard_size)
     n = len(source) - len(not_copied)
     skipped = source.errors() + not_copied

@@ -46,11 +46,12 @@ class CsvConfig:
     """Column names and separator for CSV/TSV manifests (OpenCLIP writes filepath/title, tab-separated)."""
 
     image_key: str = "filepath"
-    """Image column of CSV/TSV manifests (absent: the aliases image, image_path, filepath)."""
+    """Image column of CSV/TSV manifests and parquet files (absent: the aliases image, image_path,
+    filepath; for parquet then jpg, jpeg, png, webp, img)."""
     text_key: str = "title"
     """Text column (absent: the aliases text, caption, title)."""
     id_key: str = "id"
-    """Id column (absent: ids are derived)."""
+    """Id column (absent: ids are derived; parquet tries id, then key)."""
     separator: str = ""
     """Empty: a tab for .tsv files, a comma otherwise."""
 
@@ -151,7 +152,8 @@ class DataConfig:
     shuffle: bool = True
     """A new order every epoch from (train.seed, epoch); false keeps the dataset order."""
     shuffle_window: int = -1
-    """-1: 0 for local data, REMOTE_WINDOW (16) when a training source is remote.
+    """-1: 0 for local data, REMOTE_WINDOW (16) when a training source is remote or parquet
+    (a parquet file is read by row group: the row groups are the blocks).
     0: each epoch is a full permutation of the samples (exact mixing; every rank holds 8 bytes
     per sample). N > 0: the windowed shuffle (vltrain.data.schedule.window): blocks (tar shards, or runs of
     4096 manifest rows) in a random order, N blocks at a time shuffled together, so a loader reads

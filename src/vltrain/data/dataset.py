@@ -213,7 +213,9 @@ class ImageTextDataset(torch.utils.data.Dataset):
 
     @property
     def remote(self) -> bool:
-        return any(getattr(s, "cache", None) is not None for s in self.sources)
+        """Whether a source reads in blocks (remote files, parquet row groups): the shuffle is then
+        windowed unless data.shuffle_window says otherwise."""
+        return any(getattr(s, "cache", None) is not None or getattr(s, "kind", "") == "parquet" for s in self.sources)
 
     def table(self) -> SampleTable:
         """Modalities and capped token counts of every sample, for samplers (computed once).

@@ -69,10 +69,10 @@ def test_problems_exit_one_and_json_report(tmp_path, capsys, monkeypatch):
     assert {"where", "reason", "level"} <= set(report["sources"][0]["problems"][0])
 
 
-@pytest.mark.parametrize("arg", ["missing.jsonl", "table.parquet", "shards/{00000..00003}.tar"])
+@pytest.mark.parametrize("arg", ["missing.jsonl", "table.feather", "shards/{00000..00003}.tar"])
 def test_usage_errors_exit_two(tmp_path, capsys, monkeypatch, arg):
     monkeypatch.chdir(tmp_path)
-    (tmp_path / "table.parquet").write_bytes(b"x")
+    (tmp_path / "table.feather").write_bytes(b"x")
     r = run_cli(capsys, "data", "validate", arg)
     assert r[0] == 2 and "vltrain: error:" in r[2] and "Traceback" not in r[2]
 

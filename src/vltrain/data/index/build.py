@@ -42,6 +42,7 @@ from vltrain.data.sources.manifests import (
     csv_separator,
     json_fields,
 )
+from vltrain.data.sources.parquet import is_parquet, scan_parquet
 from vltrain.data.sources.patterns import is_shard_pattern
 from vltrain.data.sources.remote import expand_remote, is_remote, stat_many, stat_remote
 from vltrain.data.sources.shard_cache import ShardCache
@@ -65,24 +66,27 @@ def _describe(files: list[str]) -> list[dict]:
 
 
 def source_files(spec: str, storage_options: dict | None = None) -> tuple[str, list[dict]]:
-    """("manifest" | "shards", the files of a source path with their size and version), every
-    one present."""
+    """("manifest" | "shards" | "parquet", the files of a source path with their size and
+    version), every one present."""
+    many = "shards" if is_shard_pattern(spec) else "parquet" if is_parquet(spec) else None
     if is_remote(spec):
-        if is_shard_pattern(spec):
+        if many:
             urls = expand_remote(spec, storage_options)
-            return "shards", [{"path": u, **st} for u, st in zip(urls, stat_many(urls, storage_options))]
+            return many, [{"path": u, **st} for u, st in zip(urls, stat_many(urls, storage_options))]
         if Path(spec).suffix.lower() not in MANIFEST_SUFFIXES:
-            raise DataError(f"{spec}: not a manifest (.jsonl, .csv, .tsv) or a tar shard pattern")
+            raise DataError(f"{spec}: not a manifest (.jsonl, .csv, .tsv), a tar shard pattern or .parquet")
         return "manifest", [{"path": spec, **stat_remote(spec, storage_options)}]
-    if is_shard_pattern(spec):
+    if many:
         files = shard_paths(spec)
         missing = [p for p in files if not os.path.isfile(p)]
         if missing:
             shown = ", ".join(missing[:3]) + (f" and {len(missing) - 3} more" if len(missing) > 3 else "")
-            raise DataError(f"{spec}: {len(missing)} of {len(files)} shard(s) not found: {shown}")
-        return "shards", _describe(files)
+            what = "shard(s)" if many == "shards" else "file(s)"
+            raise DataError(f"{spec}: {len(missing)} of {len(files)} {what} not found: {shown}")
+        return many, _describe(files)
     if Path(spec).suffix.lower() not in MANIFEST_SUFFIXES:
-        raise DataError(f"{spec}: not a manifest (.jsonl, .csv, .tsv) or a tar shard pattern ('dir/{{00000..00009}}.tar')")
+        raise DataError(f"{spec}: not a manifest (.jsonl, .csv, .tsv), a tar shard pattern ('dir/{{00000..00009}}.tar') "
+                        "or .parquet")
     if not os.path.isfile(spec):
         raise DataError(f"manifest not found: {spec}")
     return "manifest", _describe([spec])
@@ -122,10 +126,10 @@ def csv_spec(path: str, cfg: CsvConfig) -> dict:
 
 def plan_parts(identity: dict, cache: ShardCache | None, manifest_local: str) -> list[dict]:
     """The parts of a build; shards are read through the cache (downloaded) when remote."""
-    if identity["kind"] == "shards":
+    if identity["kind"] in ("shards", "parquet"):
         files = identity["files"]
-        return [{"kind": "shards", "files": files, "first": i, "count": min(SHARDS_PER_PART, len(files) - i),
-                 "cache": cache} for i in range(0, len(files), SHARDS_PER_PART)]
+        return [{"kind": identity["kind"], "files": files, "first": i, "count": min(SHARDS_PER_PART, len(files) - i),
+                 "cache": cache, "columns": identity.get("parquet")} for i in range(0, len(files), SHARDS_PER_PART)]
     size = os.path.getsize(manifest_local)
     if identity["csv"] is not None:
         return [{"kind": "csv", "file": manifest_local, "lo": 0, "hi": size, "csv": identity["csv"]}]
@@ -136,9 +140,9 @@ def plan_parts(identity: dict, cache: ShardCache | None, manifest_local: str) ->
 class RowColumns(NamedTuple):
     """Usable rows of a part, in index order, as columns."""
 
-    line: np.ndarray  # manifests: the row's line (from 1, in its part); shards: the shard
-    offset: np.ndarray  # byte offset of the row / of the sample's span
-    length: np.ndarray
+    line: np.ndarray  # manifests: the row's line (from 1, in its part); shards, parquet: the file
+    offset: np.ndarray  # byte offset of the row / of the sample's span; parquet: row of the row group
+    length: np.ndarray  # bytes of the row / of the span; parquet: the row group
     has_image: np.ndarray
     has_text: np.ndarray
     text: list | None  # the captions (None for shards, unless asked for)
@@ -268,6 +272,8 @@ def part_chunks(part: dict, problems: list, texts: bool = False):
     in index order; malformed and suspicious rows go to ``problems`` as [line or where, why, level]."""
     if part["kind"] == "shards":
         yield from _shard_rows(part, problems, texts)
+    elif part["kind"] == "parquet":
+        yield from _parquet_rows(part, problems, texts)
     elif part["kind"] == "csv":
         spec = part["csv"]
         keys = (spec["id_col"], _cols(spec["image_col"]), _cols(spec["text_col"]))
@@ -316,6 +322,17 @@ def _shard_rows(part: dict, problems: list, texts: bool):
         problems += [[f"{path.rsplit('/', 1)[-1]}:{key}", reason, level] for key, reason, level in scan.problems]
         yield RowColumns(np.full(len(scan.start), s), scan.start, scan.end - scan.start, scan.has_image, scan.has_text,
                    [x[3] for x in scan.samples] if texts else None)
+
+
+def _parquet_rows(part: dict, problems: list, texts: bool):
+    cache = part["cache"]
+    for s in range(part["first"], part["first"] + part["count"]):
+        described = part["files"][s]
+        path = described["path"]
+        local = str(cache.local(path, described)) if cache is not None else path
+        for g, rows, has_image, has_text, caps in scan_parquet(local, part["columns"], path.rsplit("/", 1)[-1],
+                                                               problems, texts):
+            yield RowColumns(np.full(len(rows), s), rows, np.full(len(rows), g), has_image, has_text, caps)
 
 
 def _write_part(parts_dir: Path, k: int, part: dict) -> None:

@@ -47,10 +47,11 @@ def lengths_file(source: IndexedSource, tokenizer: Tokenizer, max_length: int) -
 
 def _part_bounds(source: IndexedSource, parts: list[dict]) -> list[tuple[int, int]]:
     """The index rows each part yields: rows whose offset falls in a manifest part's byte range,
-    the rows of a group of shards, or all of a CSV."""
-    if source.kind == "shards":
-        blocks = source.blocks()
-        return [(int(blocks[p["first"]]), int(blocks[p["first"] + p["count"]])) for p in parts]
+    the rows of a group of shards or parquet files, or all of a CSV."""
+    if source.kind in ("shards", "parquet"):
+        line = source.columns["line"]
+        bounds = np.searchsorted(line, np.arange(len(source.files) + 1, dtype=line.dtype))
+        return [(int(bounds[p["first"]]), int(bounds[p["first"] + p["count"]])) for p in parts]
     if parts and parts[0]["kind"] == "csv":
         return [(0, len(source))]
     offsets = source.columns["offset"]

@@ -17,6 +17,9 @@ from vltrain.data.index.build import build_structure, cache_root, csv_spec, inde
 from vltrain.data.index.lengths import build_lengths, lengths_file
 from vltrain.data.index.reader import INDEX_VERSION, IndexedSource, read_meta
 from vltrain.data.sources.filelock import build_once
+from vltrain.data.sources.manifests import Source
+from vltrain.data.sources.open import open_source
+from vltrain.data.sources.parquet import is_parquet, parquet_columns
 from vltrain.data.sources.remote import is_remote
 from vltrain.data.sources.shard_cache import ShardCache
 from vltrain.data.tokenizers import Tokenizer
@@ -34,10 +37,12 @@ def open_indexed(spec: str, tokenizer: Tokenizer | None, max_text_length: int, c
     files = [f["path"] for f in described]
     cache = ShardCache(cache_root(cache_dir), int(cache_limit_gb * 2**30), storage_options) if is_remote(spec) \
         else None
-    manifest_local = files[0] if cache is None or kind != "manifest" else str(cache.local(files[0], described[0]))
+    manifest_local = files[0] if cache is None or kind == "shards" else str(cache.local(files[0], described[0]))
     csv = csv_spec(manifest_local, csv_cfg or CsvConfig()) if kind == "manifest" \
         and not files[0].endswith(".jsonl") else None
     identity = {"version": INDEX_VERSION, "kind": kind, "files": described, "csv": csv}
+    if kind == "parquet":  # the columns of the first file (every file must have them)
+        identity["parquet"] = parquet_columns(manifest_local, csv_cfg)
     key = hashlib.blake2b(json.dumps(identity, sort_keys=True).encode(), digest_size=6).hexdigest()
     index_dir = index_dir_for(spec, files, key, cache_dir)
 
@@ -81,3 +86,15 @@ def existing_index(spec: str, cache_dir: str | os.PathLike | None = None) -> Ind
         return None
     index_dir, meta = max(found, key=lambda f: f[0].stat().st_mtime)
     return IndexedSource(spec, index_dir, meta)
+
+
+def open_any(spec: str, csv_cfg: CsvConfig | None = None) -> Source:
+    """For tools that read a source once (``data validate``, ``data stats``, ``data shard``,
+    ``tokenizer train``): its fresh sample index where one exists; else a manifest or shard
+    pattern parsed as it is, or a parquet source indexed (its rows are only reachable so)."""
+    found = existing_index(spec)
+    if found is not None:
+        return found
+    if is_parquet(spec):
+        return open_indexed(spec, None, 77, csv_cfg)
+    return open_source(spec, csv_cfg)

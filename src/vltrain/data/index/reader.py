@@ -6,9 +6,10 @@ use: ``build.py``) into a folder of numpy columns, a few bytes per sample::
 
     INDEX/meta.json        what was indexed (files, sizes, mtimes, tokenizer, text length, counts)
     INDEX/problems.jsonl   every malformed (dropped) or suspicious (kept) row, with file and line
-    INDEX/offset.npy  uint64   manifests: byte offset of the row;  shards: of the sample's span
-    INDEX/length.npy  uint32   bytes of the row / of the span (headers and members)
-    INDEX/line.npy    uint32   manifests: the row's line;          shards: the sample's shard
+    INDEX/offset.npy  uint64   manifests: byte offset of the row;  shards: of the sample's span;
+                               parquet: the row in its row group
+    INDEX/length.npy  uint32   bytes of the row / of the span (headers and members); parquet: the row group
+    INDEX/line.npy    uint32   manifests: the row's line;          shards, parquet: the file
     INDEX/has_image.npy, has_text.npy  bool
     INDEX/tokens-TOKENIZER-LENGTH.npy  uint16  the caption's tokens (with special tokens, capped
                            at LENGTH), 0 without text: one file per tokenizer, made on first use
@@ -37,6 +38,7 @@ from vltrain.data.sources.manifests import (
     csv_fields,
     json_fields,
 )
+from vltrain.data.sources.parquet import RowGroupReader, image_ext, image_path, row_key
 from vltrain.data.sources.remote import is_remote
 from vltrain.data.sources.shard_cache import ShardCache
 from vltrain.data.sources.shards import IMAGE_EXTS, span_members
@@ -102,9 +104,10 @@ class IndexedSource(Source):
         self._fds: dict[str, int] = {}
         self._pid = os.getpid()
         self._span: tuple[int, dict[str, bytes], str] | None = None
-        self._row: tuple[int, Row] | None = None
+        self._row: tuple[int, Row | tuple] | None = None  # parquet: (Row, image)
         if self.kind == "manifest" and meta.get("csv"):
             self._csv = meta["csv"]
+        self._groups = RowGroupReader(meta["parquet"]) if self.kind == "parquet" else None
 
     def __len__(self) -> int:
         return int(self.meta["count"])
@@ -135,7 +138,10 @@ class IndexedSource(Source):
         return None if callable(self.lengths) else self.lengths
 
     def blocks(self) -> np.ndarray:
-        """Starts of the rows read together (each shard's samples; runs of manifest rows), then n."""
+        """Starts of the rows read together (each shard's samples, each parquet row group's; runs of
+        manifest rows), then n."""
+        if self.kind == "parquet":
+            return _group_starts(self.columns["line"], self.columns["length"])
         if self.kind == "shards":
             line = self.columns["line"]  # searched in its own dtype: no copy of the mapped column
             return np.searchsorted(line, np.arange(len(self.files) + 1, dtype=line.dtype)).astype(np.int64)
@@ -168,6 +174,8 @@ class IndexedSource(Source):
             if self._row is None or self._row[0] != i:  # read_image(i) follows row(i): parse once
                 self._row = (i, self._manifest_row(offset, length, line))
             return self._row[1]
+        if self.kind == "parquet":
+            return self._parquet_row(i, offset, length, line)[0]
         return self._shard_row(i, offset, length, line)[0]
 
     def _manifest_row(self, offset: int, length: int, line: int) -> Row:
@@ -206,6 +214,20 @@ class IndexedSource(Source):
         text = text if text is not None and text.strip() else None
         return Row(sid if sid is not None else key, image, text, f"{name}:{key}"), members
 
+    def _parquet_row(self, i: int, r: int, g: int, k: int) -> tuple[Row, object]:
+        """Row ``i`` (row ``r`` of row group ``g`` of file ``k``) and its image: bytes, a resolved
+        path, or None. Kept until another row is asked for: read_image(i) follows row(i)."""
+        if self._row is not None and self._row[0] == i:
+            return self._row[1]
+        file = self.files[k]
+        given, text, image = self._groups.fields(file, g, r, self._local)
+        if isinstance(image, str):
+            image = image_path(file, image)
+        ref = image if isinstance(image, str) else None if image is None else f"{file}:{g}:{r}.{image_ext(image)}"
+        key = given if given is not None else row_key(file, g, r)
+        self._row = (i, (Row(key, ref, text, f"{file.rsplit('/', 1)[-1]}:{g}:{r}"), image))
+        return self._row[1]
+
     def read_image(self, i: int) -> bytes:
         c = self.columns
         offset, length, line = int(c["offset"][i]), int(c["length"][i]), int(c["line"][i])
@@ -214,6 +236,11 @@ class IndexedSource(Source):
             if row.image is None:
                 raise ValueError(f"row {i} of {self.name} has no image")
             return self._read_image_file(row.image)
+        if self.kind == "parquet":
+            image = self._parquet_row(i, offset, length, line)[1]
+            if image is None:
+                raise ValueError(f"row {i} of {self.name} has no image")
+            return image if isinstance(image, bytes) else self._read_image_file(image)
         _, members = self._shard_row(i, offset, length, line)
         ext = next((e for e in IMAGE_EXTS if e in members), None)
         if ext is None:
@@ -236,7 +263,7 @@ class IndexedSource(Source):
 
     def prefetch(self, rows: np.ndarray) -> None:
         """Start downloading the remote shards ``rows`` live in (nothing for local data)."""
-        if self.cache is not None and self.kind == "shards":
+        if self.cache is not None and self.kind in ("shards", "parquet"):
             shards = np.unique(np.asarray(self.columns["line"][np.sort(rows)]))
             self.cache.prefetch(self.files[int(k)] for k in shards)
 
@@ -254,3 +281,14 @@ class IndexedSource(Source):
 
 def _one(column: str | None) -> tuple[str, ...]:
     return (column,) if column else ()
+
+
+def _group_starts(file: np.ndarray, group: np.ndarray, chunk: int = 1 << 24) -> np.ndarray:
+    """Where each (file, row group) run starts, then n: compared a chunk at a time, so a billion
+    mapped rows never need a billion-byte temporary."""
+    n = len(file)
+    starts = [np.zeros(min(n, 1), np.int64)]
+    for lo in range(1, n, chunk):
+        f, g = file[lo - 1 : lo + chunk], group[lo - 1 : lo + chunk]
+        starts.append(np.flatnonzero((f[1:] != f[:-1]) | (g[1:] != g[:-1])).astype(np.int64) + lo)
+    return np.concatenate([*starts, [n]]).astype(np.int64)

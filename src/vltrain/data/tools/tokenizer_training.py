@@ -13,7 +13,7 @@ from typing import Iterable, Iterator
 import tokenizers
 from tokenizers import decoders, models, normalizers, pre_tokenizers, processors, trainers
 
-from vltrain.data.sources.open import open_source
+from vltrain.data.index.open import open_any
 from vltrain.data.tokenizers import SPECIAL_TOKENS, Tokenizer
 from vltrain.errors import UserError
 
@@ -66,8 +66,8 @@ def train_tokenizer(
 
 
 def source_texts(paths: list[str]) -> Iterator[str]:
-    """Every present text of the given manifests / shard patterns, in order."""
+    """Every present text of the given manifests / shard patterns / parquet files, in order."""
     for path in paths:
-        for text in open_source(path).texts():
+        for text in open_any(path).texts():
             if text is not None:
                 yield text

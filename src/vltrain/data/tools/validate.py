@@ -15,10 +15,10 @@ import numpy as np
 
 from vltrain.data.images import DECODE_ERRORS, MAX_IMAGE_PIXELS, ImageError, decode_image, image_problem, open_image
 from vltrain.data.index.lengths import tokenizer_fingerprint
-from vltrain.data.index.open import existing_index
+from vltrain.data.index.open import open_any
 from vltrain.data.index.reader import IndexedSource
 from vltrain.data.sources.manifests import Problem, Source
-from vltrain.data.sources.open import open_source
+from vltrain.data.sources.parquet import is_parquet
 from vltrain.data.sources.patterns import is_shard_pattern
 from vltrain.data.sources.shards import shard_paths
 from vltrain.data.tokenizers import load_tokenizer
@@ -43,12 +43,12 @@ class SourceSummary:
 def _open(path: str) -> Source:
     """Open a source through its sample index where one exists (no parsing), else by parsing it;
     a path that is not there or not a known format is a usage error."""
-    names = shard_paths(path) if is_shard_pattern(path) else [path]
+    names = shard_paths(path) if is_shard_pattern(path) or is_parquet(path) else [path]
     missing = [n for n in names if not Path(n).exists()]
     if missing:
         raise UsageError(f"{path}: not found" + (f" ({len(missing)} of {len(names)} shards)" if len(names) > 1 else ""))
     try:
-        return existing_index(path) or open_source(path)
+        return open_any(path)
     except DataError as e:
         if "not a manifest" in str(e):
             raise UsageError(str(e)) from e
