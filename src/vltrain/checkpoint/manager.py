@@ -27,6 +27,7 @@ from __future__ import annotations
 import json
 import re
 import shutil
+import sys
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,6 +44,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
+from vltrain.checkpoint.space import disk_full, no_space, space_warning
 from vltrain.checkpoint.storage import (
     PART_SUFFIX,
     SafeFileSystemReader,
@@ -265,8 +267,19 @@ class Checkpointer:
         return True
 
     def save(self, step: int) -> None:
-        """Write ``step-N``; with ``async_save`` it is committed by the next save or :meth:`wait`."""
+        """Write ``step-N``; with ``async_save`` it is committed by the next save or :meth:`wait`.
+        A write that fails for lack of space raises ``DiskFull`` (``space.py``)."""
         self.wait()
+        if self.rank == 0:
+            warning = space_warning(self.folder, complete_checkpoints(self.folder), self.cfg.keep)
+            if warning:
+                print(f"vltrain: warning: {warning}", file=sys.stderr, flush=True)
+        try:
+            self._save(step)
+        except BaseException as e:  # DCP's CheckpointException is a BaseException
+            self._failed(step, e)
+
+    def _save(self, step: int) -> None:
         tmp = self.folder / f"{TMP_PREFIX}step-{step}"
         if self.rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -291,8 +304,20 @@ class Checkpointer:
             return
         future, step, tmp, skeletons = self._pending
         self._pending = None
-        future.result()
-        self._commit(step, tmp, skeletons)
+        try:
+            future.result()
+            self._commit(step, tmp, skeletons)
+        except BaseException as e:  # DCP's CheckpointException is a BaseException
+            self._failed(step, e)
+
+    def _failed(self, step: int, e: BaseException) -> None:
+        """A save that failed for lack of space: its partial folder removed, one clear stop."""
+        cause = no_space(e)
+        if cause is None:
+            raise e
+        if self.rank == 0:
+            shutil.rmtree(self.folder / f"{TMP_PREFIX}step-{step}", ignore_errors=True)
+        raise disk_full(step, self.folder, latest_checkpoint(self.folder), cause) from e
 
     def _commit(self, step: int, tmp: Path, skeletons: dict[str, Any]) -> None:
         maybe_fail("save", step, self.rank)

@@ -6,7 +6,8 @@ at a known place inside real worker processes. One environment variable describe
 
     VLTRAIN_FAULT="kill:at=step:step=7:rank=1:once=/tmp/fired"
 
-- action ``kill`` (SIGKILL, no clean-up, as an out-of-memory kill), ``raise`` (a RuntimeError) or
+- action ``kill`` (SIGKILL, no clean-up, as an out-of-memory kill), ``raise`` (a RuntimeError),
+  ``nospace`` (an ``OSError`` ENOSPC, as a write to a full disk raises) or
   ``preempt`` (SIGTERM to the torchrun agent, or to this process without one, as Slurm does before
   a preemption; the rank then waits, at most 30 s, until the signal has reached it too);
 - ``at``: ``step`` (after optimizer step N, before its checkpoint) or ``save`` (while step N's
@@ -20,6 +21,7 @@ Unset (the normal case) it costs one dictionary lookup per call.
 
 from __future__ import annotations
 
+import errno
 import os
 import signal
 import time
@@ -50,8 +52,9 @@ class Fault:
                 raise ValueError(f"{ENV}={spec!r}: {part!r} must look like key=value")
             fields[key] = value
         unknown = set(fields) - {"at", "step", "rank", "once"}
-        if action not in ("kill", "raise", "preempt") or unknown or "step" not in fields:
-            raise ValueError(f"{ENV}={spec!r}: expected kill|raise|preempt:at=step|save:step=N[:rank=R][:once=PATH]")
+        if action not in ("kill", "raise", "preempt", "nospace") or unknown or "step" not in fields:
+            raise ValueError(f"{ENV}={spec!r}: expected kill|raise|preempt|nospace:at=step|save:step=N"
+                             "[:rank=R][:once=PATH]")
         return cls(action, fields.get("at", "step"), int(fields["step"]),
                    int(fields["rank"]) if "rank" in fields else None, fields.get("once", ""))
 
@@ -74,6 +77,8 @@ def maybe_fail(at: str, step: int, rank: int) -> None:
     if fault.action == "preempt":
         _preempt()
         return
+    if fault.action == "nospace":
+        raise OSError(errno.ENOSPC, f"No space left on device (injected: {ENV}={spec})")
     raise InjectedFault(f"injected fault on rank {rank} at {at} of step {step} ({ENV}={spec})")
 
 

@@ -26,6 +26,7 @@ from vltrain.checkpoint.manager import (
     load_model_weights,
     save_initial_weights,
 )
+from vltrain.checkpoint.space import QuietWrites, check_writable
 from vltrain.config.job import JobConfig
 from vltrain.data.batch import Batch
 from vltrain.data.dataset import source_specs
@@ -168,6 +169,7 @@ class Trainer:
         """``model.init`` resolved into the config; rank 0: the run folder, its config.yaml, and no
         marker of an earlier preemption."""
         self._resolve_init()
+        check_writable(self.run_dir)  # on every rank: each stops with the message, none waits
         if self.world.is_main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             self.cfg.save(self.run_dir / "config.yaml")
@@ -402,7 +404,8 @@ class Trainer:
         draw curves.png."""
         self.preemption.close()
         self.loader.close()
-        self.metrics.close()
+        quiet = QuietWrites()  # a full disk is said once and does not mask the error that stopped the run
+        quiet.run("metrics", self.metrics.close)
         self.world.close(clean)
         if self.world.is_main:
-            plot_curves(self.run_dir)
+            quiet.run("curves.png", lambda: plot_curves(self.run_dir))

@@ -24,6 +24,7 @@ from __future__ import annotations
 import csv
 import json
 import os
+import time
 from pathlib import Path
 
 import numpy as np
@@ -47,6 +48,8 @@ from vltrain.data.table import default_blocks
 INDEX_VERSION = 1
 COLUMNS = {"offset": np.uint64, "length": np.uint32, "line": np.uint32, "has_image": np.bool_, "has_text": np.bool_}
 BYTES_PER_SAMPLE = sum(np.dtype(t).itemsize for t in COLUMNS.values()) + 2  # + the token counts
+SWEEP_S = 1.0
+"""How often a process reading one remote file checks whether its other open files were evicted."""
 PROBLEMS_KEPT = 1000
 """Problems held in memory (the first ones); all of them are in problems.jsonl."""
 
@@ -102,6 +105,9 @@ class IndexedSource(Source):
         """Where the token counts for the dataset's tokenizer are (or will be) stored."""
         self._stat = {f["path"]: {"size": f["size"], "version": f.get("version", "")} for f in meta["files"]}
         self._fds: dict[str, int] = {}
+        self._reading: str | None = None
+        """The remote file read last: an evicted one is closed when the reads move on."""
+        self._swept = 0.0
         self._pid = os.getpid()
         self._span: tuple[int, dict[str, bytes], str] | None = None
         self._row: tuple[int, Row | tuple] | None = None  # parquet: (Row, image)
@@ -155,17 +161,35 @@ class IndexedSource(Source):
 
     def _read(self, file: str, offset: int, length: int) -> bytes:
         if os.getpid() != self._pid:  # a forked loader worker opens its own descriptors
-            self._fds, self._pid = {}, os.getpid()
+            self._fds, self._pid, self._reading = {}, os.getpid(), None
         fd = self._fds.get(file)
         if fd is None:
             if len(self._fds) >= 64:
                 os.close(self._fds.pop(next(iter(self._fds))))
-            fd = self._fds[file] = os.open(self._local(file), os.O_RDONLY)  # held: survives an eviction
+            fd = self._fds[file] = os.open(self._local(file), os.O_RDONLY)
         data = os.pread(fd, length, offset)
+        if self.cache is not None and (file != self._reading or time.monotonic() > self._swept + SWEEP_S):
+            self._reading = file
+            self._close_evicted()
         if len(data) != length:
             raise OSError(f"{file} ends early: wanted {length} bytes at offset {offset}, got {len(data)} "
                           "(the file changed after it was indexed?)")
         return data
+
+    def _close_evicted(self) -> None:
+        """Close the cached files the shard cache has deleted since they were opened.
+
+        An unlinked file keeps its disk space while a descriptor holds it, outside the cache's
+        account: held for long, they would fill the disk whatever ``data.cache_limit_gb`` says.
+        So a process holds an evicted file only while it reads that one file (its window: checked
+        when the reads move to another file, and every SWEEP_S); the next read of it goes through
+        the cache again (downloaded anew, with its retries). Local files are never
+        deleted, so their descriptors stay open.
+        """
+        self._swept = time.monotonic()
+        for name, fd in list(self._fds.items()):
+            if name != self._reading and os.fstat(fd).st_nlink == 0:
+                os.close(self._fds.pop(name))
 
     def row(self, i: int) -> Row:
         c = self.columns
@@ -269,7 +293,7 @@ class IndexedSource(Source):
 
     def __getstate__(self) -> dict:
         state = dict(self.__dict__)
-        state.update(_fds={}, _span=None, _row=None, columns=None, lengths=None)
+        state.update(_fds={}, _reading=None, _span=None, _row=None, columns=None, lengths=None)
         return state
 
     def __setstate__(self, state: dict) -> None:

@@ -1,0 +1,164 @@
+"""The remote reader when the machine misbehaves: a cache limit that holds with evicted files
+still being read, and a storage outage in the middle of reading (moto server, real processes)."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("s3fs")
+pytest.importorskip("moto.server")
+
+from s3kit import S3, s3, s3_server, tar_shard  # noqa: E402,F401  (fixtures)
+
+from vltrain.data.index.open import open_indexed  # noqa: E402
+from vltrain.data.sources.remote import RemoteReadError  # noqa: E402
+
+SHARDS, ROWS, IMAGE_BYTES = 40, 20, 30_000
+
+
+def upload(s3: S3, bucket: str = "bkt") -> tuple[str, int]:
+    s3.bucket(bucket)
+    sizes = []
+    for k in range(SHARDS):
+        data = tar_shard(ROWS, seed=k, image_bytes=IMAGE_BYTES)
+        s3.put(f"s3://{bucket}/shards/{k:05d}.tar", data)
+        sizes.append(len(data))
+    return f"s3://{bucket}/shards/{{00000..{SHARDS - 1:05d}}}.tar", max(sizes)
+
+
+class Images(torch.utils.data.Dataset):
+    def __init__(self, source):
+        self.source = source
+
+    def __len__(self) -> int:
+        return len(self.source)
+
+    def __getitem__(self, i: int) -> int:
+        return len(self.source.read_image(i))
+
+
+def held_on_disk(cache_dir: Path, pids: list[int]) -> tuple[int, int]:
+    """Bytes of the files in cache_dir, and of deleted files under it that ``pids`` hold open."""
+    in_dir = sum(p.stat().st_size for p in cache_dir.rglob("*") if p.is_file())
+    deleted, seen = 0, set()
+    for pid in pids:
+        fds = Path(f"/proc/{pid}/fd")
+        for fd in fds.iterdir() if fds.is_dir() else []:
+            try:
+                target = os.readlink(fd)
+                if target.startswith(str(cache_dir)) and target.endswith("(deleted)"):
+                    st = os.stat(fd)
+                    if (st.st_dev, st.st_ino) not in seen:
+                        seen.add((st.st_dev, st.st_ino))
+                        deleted += st.st_size
+            except FileNotFoundError:
+                continue
+    return in_dir, deleted
+
+
+@pytest.mark.slow
+def test_evicted_files_being_read_do_not_hold_the_disk_past_the_limit(s3, tmp_path):
+    """2 workers read 40 shards through a cache of a few shards: the cache folder plus the
+    deleted-but-open files stay within the limit plus one shard per worker being read, one per
+    download in flight."""
+    pattern, shard = upload(s3)
+    limit = 6 * shard
+    source = open_indexed(pattern, None, 16, cache_dir=tmp_path / "cache", cache_limit_gb=limit / 2**30)
+    cache_dir = tmp_path / "cache"
+    loader = torch.utils.data.DataLoader(Images(source), batch_size=ROWS, num_workers=2, prefetch_factor=1)
+    it = iter(loader)
+    pids = [w.pid for w in it._workers]
+    worst, total = 0, 0
+    for batch in it:
+        total += int(batch.sum())
+        in_dir, deleted = held_on_disk(cache_dir, pids)
+        worst = max(worst, in_dir + deleted)
+    assert total == SHARDS * ROWS * IMAGE_BYTES  # every image read whole
+    ahead = source.cache.ahead
+    bound = limit + 2 * (1 + 1 + ahead) * shard  # per worker: one being read, one fetched, prefetches
+    assert worst <= bound, f"held {worst} bytes on disk, limit {limit}, bound {bound}"
+
+
+def test_a_shard_evicted_while_open_is_closed_and_downloaded_again(s3, tmp_path):
+    pattern, shard = upload(s3)
+    source = open_indexed(pattern, None, 16, cache_dir=tmp_path / "cache", cache_limit_gb=3 * shard / 2**30)
+    rows_of = source.blocks()
+    first = source.read_image(0)
+    for k in range(1, 6):  # five other shards push the first one out of the cache
+        source.read_image(int(rows_of[k]))
+    held = [os.readlink(f"/proc/self/fd/{fd}") for fd in source._fds.values()]
+    assert not [t for t in held if t.endswith("(deleted)")], held
+    downloads = source.cache.stats.downloads
+    assert source.read_image(0) == first  # the schedule comes back to it: fetched again
+    assert source.cache.stats.downloads == downloads + 1
+
+
+def test_local_descriptors_stay_open(tmp_path):
+    from vltrain.data.sources.shards import write_shards  # noqa: F401  (local data: never deleted)
+
+    shard = tmp_path / "00000.tar"
+    shard.write_bytes(tar_shard(ROWS, image_bytes=100))
+    source = open_indexed(str(shard), None, 16, cache_dir=tmp_path / "cache")
+    source.read_image(0)
+    fd = source._fds[str(shard)]
+    source.read_image(ROWS - 1)
+    assert source._fds[str(shard)] == fd
+
+
+def _outage_source(server: S3, tmp_path: Path, bucket: str):
+    pattern, shard = upload(server, bucket)
+    source = open_indexed(pattern, None, 16, cache_dir=tmp_path / "cache", cache_limit_gb=4 * shard / 2**30)
+    return source, source.blocks()
+
+
+def test_an_outage_mid_run_names_the_url_endpoint_and_retries_within_the_timeouts(tmp_path, monkeypatch):
+    server = S3()
+    server.env(monkeypatch)
+    source, rows_of = _outage_source(server, tmp_path, "outage-a")
+    source.read_image(0)
+    server.stop()
+    source.cache.retries, source.cache.backoff_s = 1, 0.1
+    t0 = time.monotonic()
+    with pytest.raises(RemoteReadError) as e:
+        source.read_image(int(rows_of[5]))  # a shard not on the disk
+    assert time.monotonic() - t0 < 30
+    assert "s3://outage-a/shards/00005.tar" in str(e.value)
+    assert server.endpoint in str(e.value) and "2 attempts" in str(e.value)
+    assert source.read_image(1)  # what is on the disk reads on
+
+
+def test_a_server_back_before_the_retries_run_out_loses_no_sample(tmp_path, monkeypatch):
+    server = S3()
+    server.env(monkeypatch)
+    source, rows_of = _outage_source(server, tmp_path, "outage-b")
+    want = [source.read_image(int(rows_of[k])) for k in (5, 6)]
+    source.cache.stats.downloads = 0
+    for p in (tmp_path / "cache" / "remote").iterdir():
+        p.unlink()
+    source._fds.clear()
+    server.stop()
+    source.cache.retries, source.cache.backoff_s = 4, 1.0  # waits 1 + 2 + 4 + 8 s in all
+    restarted = threading.Timer(1.5, lambda: _restart(server))
+    restarted.start()
+    try:
+        got = [source.read_image(int(rows_of[k])) for k in (5, 6)]
+    finally:
+        restarted.join()
+        server.stop()
+    assert got == want
+    assert source.cache.stats.downloads == 2
+    assert np.all(source.has_image())
+
+
+def _restart(server: S3) -> None:
+    from moto.server import ThreadedMotoServer
+
+    server.server = ThreadedMotoServer(ip_address="127.0.0.1", port=server.port, verbose=False)
+    server.server.start()  # moto keeps its objects per process: the same data
