@@ -396,7 +396,8 @@ def run(args) -> None:
             tiny = dataset(work, kind, TINY, names, captions)
             time_build(tiny, tok, cores, tokens=True)
         for mode in modes:
-            bases[kind, mode] = run_ranks(tiny, tok, mode)
+            if mode != "eager" or kind != "parquet":  # parquet has no eager path
+                bases[kind, mode] = run_ranks(tiny, tok, mode)
         for rows in args.rows:
             spec = dataset(work, kind, rows, names, captions)
             if kind == "shards":
