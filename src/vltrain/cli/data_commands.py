@@ -144,6 +144,8 @@ def stats(args: argparse.Namespace) -> int:
     for name, d in rows:
         print(f"{name:<24}" + "".join(f"{d.get(k, float('nan')):>8.1f}" for k in [*(f"p{q}" for q in PERCENTILES), "mean", "max"]))
     print(f"images measured: {report['images_measured']} (unreadable: {report['images_unreadable']})")
+    for d in report["damaged"]:
+        print(f"damaged: {d['where']}: {d['reason']}")
     return 0
 
 
@@ -189,7 +191,10 @@ def _index_report(spec: str, source, took: float, with_lengths: bool) -> None:
     meta = source.meta
     how = (f"built in {took:.1f} s ({len(source) / max(took, 1e-9):,.0f} rows/s)"
            if source.built_now else "up to date")
-    print(f"{spec}: {len(source):,} samples, {meta['errors']} malformed row(s) dropped, "
+    damaged = source.damaged
+    lost = f"{len(damaged)} damaged file(s) or row group(s) ({sum(d['lost'] for d in damaged)} samples lost), " \
+        if damaged else ""
+    print(f"{spec}: {len(source):,} samples, {lost}{meta['errors'] - len(damaged)} malformed row(s) dropped, "
           f"{meta['warnings']} warning(s); index {how}\n  {source.index_dir}")
     if with_lengths:
         had = source.lengths_at_hand() is not None
@@ -200,7 +205,9 @@ def _index_report(spec: str, source, took: float, with_lengths: bool) -> None:
                                    f"made in {took:.1f} s ({len(source) / max(took, 1e-9):,.0f} captions/s)"))
     else:
         print("  token counts: not made (give --tokenizer; budget batching makes them on first use)")
-    for p in source.errors()[:5]:
+    for d in damaged[:5]:
+        print(f"  damaged {d['where']}: {d['reason']}")
+    for p in [p for p in source.errors() if p.where not in {d["where"] for d in damaged}][:5]:
         print(f"  dropped {p}")
 
 

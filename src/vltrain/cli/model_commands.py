@@ -100,8 +100,10 @@ def train(args: argparse.Namespace) -> int:
     finally:
         trainer.close(clean)
     if trainer.world.is_main:
-        bad = trainer.bad_samples
-        replaced = f"  bad samples: {bad} replaced ({trainer.run_dir / 'bad_samples.jsonl'})" if bad else ""
+        bad, log = trainer.bad_samples, trainer.loader.bad_log
+        lost = log.lost if log is not None else 0
+        counts = ", ".join([f"{bad} replaced"] * bool(bad) + [f"{lost} lost in damaged files"] * bool(lost))
+        replaced = f"  bad samples: {counts} ({trainer.run_dir / 'bad_samples.jsonl'})" if counts else ""
         print(f"run: {trainer.run_dir}  steps: {trainer.step}  skipped: {trainer.guard.total}{replaced}")
         if metrics:
             print(f"eval: {format_metrics(metrics)}")

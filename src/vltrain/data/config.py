@@ -144,10 +144,12 @@ class DataConfig:
     pin_memory: bool = True
     """Page-locked host batches for asynchronous copies to the GPU (ignored without CUDA)."""
     on_error: Literal["skip", "fail"] = "skip"
-    """skip: replace unreadable samples and drop malformed rows, logging both; fail: stop at the first."""
+    """skip: replace unreadable samples, drop malformed rows, train on what damaged files still hold,
+    logging all; fail: stop at the first (docs/formats.md#damaged-files)."""
     max_bad_fraction: float = 0.01
-    """Stop when the rate of samples that fail to load is above this with confidence (from 100 samples
-    on), or at once when the first 16 all fail; 0: stop on the first (docs/formats.md#bad-samples)."""
+    """Stop when the rate of samples that fail to load, with those lost in damaged files, is above this
+    with confidence (from 100 samples on), or at once when the first 16 all fail; 0: stop on the first
+    (docs/formats.md#bad-samples)."""
     # sampling and batching
     shuffle: bool = True
     """A new order every epoch from (train.seed, epoch); false keeps the dataset order."""

@@ -286,7 +286,10 @@ def build_dataset(
                               cache_limit_gb=data_cfg.cache_limit_gb)
         if data_cfg.on_error == "fail":
             refuse_malformed(source)
-        for p in source.errors()[:5]:
+        for d in source.damaged:
+            log.warning("%s: %s", d["where"], d["reason"])
+        damaged = {d["where"] for d in source.damaged}
+        for p in [p for p in source.errors() if p.where not in damaged][:5]:
             log.warning("skipping malformed row %s", p)
         if source.error_count() > 5:
             log.warning("%s: %d malformed rows skipped in all", source.name, source.error_count())

@@ -93,9 +93,10 @@ def test_bad_parquet_input_gets_one_clear_error(tmp_path):
     # a file cut off (no footer) after a good one: skipped, counted, the good one kept
     pq.write_table(pa.table({"image": [b"x"], "text": ["x"]}), tmp_path / "d.parquet")
     (tmp_path / "c.parquet").write_bytes((tmp_path / "d.parquet").read_bytes()[:-20])
-    source = open_indexed(str(tmp_path / "{d,c}.parquet"), None, 77)
+    source = open_indexed(str(tmp_path / "{c,d}.parquet"), None, 77)  # the damaged one first
     assert len(source) == 1 and source.error_count() == 1
-    assert str(source.problems[0]).startswith("c.parquet: not a readable parquet file (")
+    assert str(source.problems[0]).startswith("c.parquet: damaged parquet: not readable (")
+    assert [(d["where"], d["kept"], d["lost"], d["exact"]) for d in source.damaged] == [("c.parquet", 0, 0, False)]
 
 
 def test_a_damaged_row_group_is_skipped_and_counted(tmp_path):
@@ -113,8 +114,9 @@ def test_a_damaged_row_group_is_skipped_and_counted(tmp_path):
     source = open_indexed(str(path), None, 77)
     assert [source.row(i).text for i in range(len(source))] == [f"caption {i}" for i in (0, 1, 2, 6, 7, 8)]
     assert source.error_count() == 1
-    assert str(source.problems[0]).startswith("t.parquet:row group 1: unreadable (")
-    assert str(source.problems[0]).endswith("its 3 rows are skipped")
+    assert str(source.problems[0]).startswith("t.parquet:row group 1: damaged parquet: row group 1 unreadable (")
+    assert str(source.problems[0]).endswith("; 6 rows of the file kept, 3 lost")
+    assert [(d["kept"], d["lost"], d["exact"]) for d in source.damaged] == [(6, 3, True)]
 
 
 def test_is_parquet():

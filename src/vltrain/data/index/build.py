@@ -319,7 +319,7 @@ def _shard_rows(part: dict, problems: list, texts: bool):
         described = part["files"][s]
         path = described["path"]
         scan = scan_shard(cache.local(path, described) if cache is not None else Path(path), samples=texts)
-        problems += [[f"{path.rsplit('/', 1)[-1]}:{key}", reason, level] for key, reason, level in scan.problems]
+        problems += [[f"{path.rsplit('/', 1)[-1]}:{key}", *rest] for key, *rest in scan.problems]
         yield RowColumns(np.full(len(scan.start), s), scan.start, scan.end - scan.start, scan.has_image, scan.has_text,
                    [x[3] for x in scan.samples] if texts else None)
 
@@ -394,22 +394,24 @@ def _merge(index_dir: Path, parts_dir: Path, parts: list[dict], identity: dict, 
     manifest = identity["kind"] == "manifest"
     name = Path(identity["files"][0]["path"]).name if manifest else ""
     errors = warnings = pos = lines_before = 0
+    damaged = []
     with open(tmp / "problems.jsonl", "w", encoding="utf-8") as pf:
         for k, info in enumerate(infos):
             with np.load(parts_dir / f"part-{k:06d}.npz") as arrays:
                 n = info["count"]
                 for col in COLUMNS:
                     out[col][pos : pos + n] = arrays[col] + (lines_before if col == "line" and manifest else 0)
-            for where, reason, level in info["problems"]:
+            for where, reason, level, *lost in info["problems"]:
                 where = f"{name}:{where + lines_before}" if manifest else where
                 pf.write(json.dumps([where, reason, level], ensure_ascii=False) + "\n")
                 errors, warnings = errors + (level == "error"), warnings + (level != "error")
+                damaged += [{"where": where, "reason": reason, **lost[0]}] if lost else []
             pos += info["count"]
             lines_before += info.get("lines", 0)
     for array in out.values():
         array.flush()
     del out
-    meta = {**identity, "count": total, "errors": errors, "warnings": warnings,
+    meta = {**identity, "count": total, "errors": errors, "warnings": warnings, "damaged": damaged,
             "build_s": round(time.monotonic() - started, 3)}
     (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
     if index_dir.exists():

@@ -19,7 +19,7 @@ from vltrain.data.index.reader import INDEX_VERSION, IndexedSource, read_meta
 from vltrain.data.sources.filelock import build_once
 from vltrain.data.sources.manifests import Source
 from vltrain.data.sources.open import open_source
-from vltrain.data.sources.parquet import is_parquet, parquet_columns
+from vltrain.data.sources.parquet import UnreadableParquet, is_parquet, parquet_columns
 from vltrain.data.sources.remote import is_remote
 from vltrain.data.sources.shard_cache import ShardCache
 from vltrain.data.tokenizers import Tokenizer
@@ -42,7 +42,7 @@ def open_indexed(spec: str, tokenizer: Tokenizer | None, max_text_length: int, c
         and not files[0].endswith(".jsonl") else None
     identity = {"version": INDEX_VERSION, "kind": kind, "files": described, "csv": csv}
     if kind == "parquet":  # the columns of the first file (every file must have them)
-        identity["parquet"] = parquet_columns(manifest_local, csv_cfg)
+        identity["parquet"] = _columns([manifest_local] if cache is not None else files, csv_cfg)
     key = hashlib.blake2b(json.dumps(identity, sort_keys=True).encode(), digest_size=6).hexdigest()
     index_dir = index_dir_for(spec, files, key, cache_dir)
 
@@ -65,6 +65,18 @@ def open_indexed(spec: str, tokenizer: Tokenizer | None, max_text_length: int, c
         source.lengths = lambda: build_lengths(source, tokenizer, max_text_length, workers=workers, cache=cache,
                                                manifest_local=manifest_local)
     return source
+
+
+def _columns(paths: list[str], csv_cfg: CsvConfig | None) -> dict:
+    """The columns of the first readable file of a parquet source (a damaged one is counted by
+    the build, not refused here)."""
+    for k, path in enumerate(paths):
+        try:
+            return parquet_columns(path, csv_cfg)
+        except UnreadableParquet:
+            if k == len(paths) - 1:
+                raise
+    raise DataError("no parquet files")
 
 
 def existing_index(spec: str, cache_dir: str | os.PathLike | None = None) -> IndexedSource | None:

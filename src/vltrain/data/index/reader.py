@@ -45,7 +45,8 @@ from vltrain.data.sources.shard_cache import ShardCache
 from vltrain.data.sources.shards import IMAGE_EXTS, span_members
 from vltrain.data.table import default_blocks
 
-INDEX_VERSION = 1
+INDEX_VERSION = 2
+"""2: ``meta.json`` lists the damaged files and row groups (``damaged``)."""
 COLUMNS = {"offset": np.uint64, "length": np.uint32, "line": np.uint32, "has_image": np.bool_, "has_text": np.bool_}
 BYTES_PER_SAMPLE = sum(np.dtype(t).itemsize for t in COLUMNS.values()) + 2  # + the token counts
 SWEEP_S = 1.0
@@ -98,6 +99,7 @@ class IndexedSource(Source):
         self.columns = load_columns(index_dir)
         self.problems = load_problems(index_dir)
         self.error_total = int(meta["errors"])
+        self.damaged = meta.get("damaged", [])
         self.cache = cache
         self.lengths = None
         """The token counts: an array, or a function making them (set by ``open_indexed``)."""

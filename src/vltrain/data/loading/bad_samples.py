@@ -9,7 +9,6 @@ from pathlib import Path
 from vltrain.data.batch import Batch
 from vltrain.errors import DataError
 
-
 Z = 3.0
 """The bad fraction is judged at the lower end of its Wilson interval at this many standard
 deviations (one-sided, about 99.9%): the run stops only once the evidence says the rate is above
@@ -42,21 +41,43 @@ class BadSampleLog:
     first ``ALL_BAD`` all failed. ``max_bad_fraction=0`` stops on the first failure.
     """
 
-    def __init__(self, run_dir: str | Path | None, max_bad_fraction: float):
+    def __init__(self, run_dir: str | Path | None, max_bad_fraction: float, damaged: list[dict] = (),
+                 rows: int = 0, write_damaged: bool = True):
         self.path = Path(run_dir) / "bad_samples.jsonl" if run_dir else None
         self.max_bad_fraction = max_bad_fraction
         self.num_bad = 0
         self.num_seen = 0
         self.last: tuple[str, str] | None = None
+        self.lost = sum(int(d["lost"]) for d in damaged)
+        """Samples lost in damaged files (known when the index was built, before any was read)."""
+        self.known = self.lost / (rows + self.lost) if self.lost else 0.0
+        if self.known > max_bad_fraction:
+            first = damaged[0]
+            raise DataError(
+                f"{self.lost} of {rows + self.lost} samples ({self.known:.2%}) are lost in {len(damaged)} damaged "
+                f"file(s), more than data.max_bad_fraction={max_bad_fraction:g}. First: {first['where']}: "
+                f"{first['reason']}. Repair them, leave them out of the source, or raise data.max_bad_fraction."
+            )
+        if damaged and write_damaged and self.path is not None and not self.path.exists():
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            with open(self.path, "a", encoding="utf-8") as f:  # once per run: a resume finds the file
+                for d in damaged:
+                    f.write(json.dumps({"key": d["where"], "reason": d["reason"], "lost": d["lost"],
+                                        "exact": d["exact"]}, ensure_ascii=False) + "\n")
 
     def too_many(self) -> bool:
+        """Whether the samples lost in damaged files and those failing to load are together, with
+        confidence, more than ``max_bad_fraction`` of all."""
         if self.num_bad == 0 or self.max_bad_fraction >= 1:
             return False
         if self.num_bad == self.num_seen >= ALL_BAD:
             return True
         if self.num_seen < MIN_SEEN and self.max_bad_fraction > 0:
             return False
-        return rate_lower_bound(self.num_bad, self.num_seen) > self.max_bad_fraction
+        return self._judged() > self.max_bad_fraction
+
+    def _judged(self) -> float:
+        return self.known + (1 - self.known) * rate_lower_bound(self.num_bad, self.num_seen)
 
     def record(self, batch: Batch) -> None:
         self.num_bad += len(batch.errors)
@@ -71,8 +92,9 @@ class BadSampleLog:
         if self.too_many():
             where = f" (listed in {self.path})" if self.path else ""
             last_key, last_reason = self.last
+            lost = f" and {self.known:.2%} lost in damaged files" if self.lost else ""
             judged = ("every one of them" if self.num_bad == self.num_seen else
-                      f"at least {rate_lower_bound(self.num_bad, self.num_seen):.2%} with confidence")
+                      f"at least {self._judged():.2%} with confidence{lost}")
             raise DataError(
                 f"{self.num_bad} of {self.num_seen} samples failed to load{where}: {judged}, more than "
                 f"data.max_bad_fraction={self.max_bad_fraction:g}. Last: {last_key}: {last_reason}. "

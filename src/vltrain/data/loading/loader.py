@@ -293,7 +293,8 @@ def build_train_loader(
         sampler.lookahead = dataset.prefetch
     collate = Collator(pad_id, data_cfg.max_text_length, data_cfg.image_size, resolved.pad_multiple)
     # Without a run folder bad samples are still counted and capped, just not written down.
-    bad_log = BadSampleLog(run_dir, data_cfg.max_bad_fraction)
+    damaged = [d for s in getattr(dataset, "sources", []) for d in getattr(s, "damaged", [])]
+    bad_log = BadSampleLog(run_dir, data_cfg.max_bad_fraction, damaged, len(dataset), write_damaged=rank == 0)
     audit = AuditLog(run_dir, rank, world_size) if run_dir is not None and data_cfg.audit else None
     return TrainLoader(
         dataset, sampler, collate=collate, num_workers=data_cfg.num_workers, pin_memory=data_cfg.pin_memory,

@@ -56,6 +56,10 @@ class Source(ABC):
 
     name: str
     problems: list[Problem]
+    damaged: list[dict] = []
+    """The damaged files and row groups (a cut tar, an unreadable row group), what they still gave
+    and what was lost: {where, reason, offset, kept, lost, exact}. Their samples lost count
+    against ``data.max_bad_fraction``; with ``data.on_error: fail`` they refuse the source."""
 
     @abstractmethod
     def __len__(self) -> int: ...
@@ -285,6 +289,14 @@ def open_manifest(path: str | os.PathLike, csv_cfg: CsvConfig | None = None) -> 
 
 def refuse_malformed(source: Source, limit: int = 5) -> None:
     """Raise if ``source`` dropped malformed rows: a strict run trains on every row or none."""
+    if source.damaged:
+        shown = "\n  ".join(f"{d['where']}: {d['reason']}" for d in source.damaged[:limit])
+        more = f"\n  ... and {len(source.damaged) - limit} more" if len(source.damaged) > limit else ""
+        raise DataError(
+            f"{source.name}: {len(source.damaged)} damaged file(s) or row group(s):\n  {shown}{more}\n"
+            "Repair or download them again, or set data.on_error: skip to train on what they still hold "
+            "(the samples lost count against data.max_bad_fraction)."
+        )
     errors, total = source.errors(), source.error_count()
     if total:
         shown = "\n  ".join(str(p) for p in errors[:limit])

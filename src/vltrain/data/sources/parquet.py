@@ -48,6 +48,10 @@ def is_parquet(spec: str) -> bool:
     return first.lower().endswith(".parquet")
 
 
+class UnreadableParquet(DataError):
+    """A file pyarrow cannot open: cut short (no footer), or no parquet at all."""
+
+
 def parquet_columns(path: str, cfg: CsvConfig | None = None, schema=None) -> dict:
     """Which columns of a parquet file hold the image, text and id, and how the image is stored:
     ``{"image", "image_kind": struct | binary | path, "text", "id"}`` (absent ones None). Named in
@@ -60,7 +64,7 @@ def parquet_columns(path: str, cfg: CsvConfig | None = None, schema=None) -> dic
         try:
             schema = pq.read_schema(path)
         except Exception as e:  # pyarrow raises ArrowInvalid, OSError, ... for a damaged file
-            raise DataError(f"{Path(path).name}: not a readable parquet file ({e})") from e
+            raise UnreadableParquet(f"{Path(path).name}: not a readable parquet file ({e})") from e
     names = list(schema.names)
     image = _pick(names, cfg.image_key, BINARY_IMAGE_KEYS)
     text = _pick(names, cfg.text_key, TEXT_KEYS)
@@ -109,10 +113,12 @@ def scan_parquet(local: str, spec: dict, name: str, problems: list, texts: bool)
     try:
         f = pq.ParquetFile(local)
     except Exception as e:  # pyarrow raises ArrowInvalid, OSError, ... for a damaged file
-        problems.append([name, f"not a readable parquet file ({e}); its rows are skipped", "error"])
+        problems.append([name, f"damaged parquet: not readable ({e}); its rows (how many is unknown) are skipped",
+                         "error", {"offset": 0, "kept": 0, "lost": 0, "exact": False}])
         return
     _check_columns(f.schema_arrow, spec, name)
-    failed = 0
+    failed = kept = 0
+    damaged: list = []
     for g in range(f.num_row_groups):
         n = f.metadata.row_group(g).num_rows
         wanted = [c for c in (spec["text"], spec["status"]) if c]
@@ -121,7 +127,8 @@ def scan_parquet(local: str, spec: dict, name: str, problems: list, texts: bool)
         try:
             table = f.read_row_group(g, columns=wanted)
         except Exception as e:  # a damaged page: ArrowInvalid, OSError (bad compression, thrift)
-            problems.append([f"{name}:row group {g}", f"unreadable ({e}); its {n} rows are skipped", "error"])
+            damaged.append([f"{name}:row group {g}", f"damaged parquet: row group {g} unreadable ({e})", "error",
+                            {"offset": g, "kept": 0, "lost": n, "exact": True}])
             continue
         caps = table.column(spec["text"]).to_pylist() if spec["text"] else [None] * n
         has_text = np.fromiter((isinstance(c, str) and bool(c.strip()) for c in caps), bool, n)
@@ -133,7 +140,11 @@ def scan_parquet(local: str, spec: dict, name: str, problems: list, texts: bool)
             failed += int((~keep).sum())
         keep &= has_image | has_text
         rows = np.flatnonzero(keep)
+        kept += len(rows)
         yield g, rows, has_image[rows], has_text[rows], [caps[r] for r in rows] if texts else None
+    for where, why, level, lost in damaged:
+        lost["kept"] = kept
+        problems.append([where, f"{why}; {kept} rows of the file kept, {lost['lost']} lost", level, lost])
     if failed:
         problems.append([name, f"{failed} row(s) without an image skipped: img2dataset status is not "
                                "'success'", "warning"])

@@ -11,7 +11,9 @@ the same whichever way it went:
   into one buffer to be checked, and the JSON members parsed in one call.
 - header by header (``walk_members``): GNU long names, pax records, ustar prefixes, a sample's
   members apart.
-- ``tarfile``: anything else, and what is wrong with a damaged tar.
+- what a damaged tar still holds (``tar_salvage``): its complete samples, and the damage as one
+  problem with the samples kept and lost;
+- ``tarfile``: anything else, and what is wrong with a file that is no tar.
 
 A sample that needs a closer look (a caption blank or not UTF-8, JSON that is not valid, no image
 and no text, ...) goes through the same checks (``_sample``) whichever way it was found.
@@ -29,6 +31,7 @@ import numpy as np
 
 from vltrain.data.sources.json_bulk import SEPARATOR, loads_objects
 from vltrain.data.sources.manifests import is_unicode
+from vltrain.data.sources.tar_salvage import Damage, account, ends_cleanly, key_of, salvage_members, straddling
 from vltrain.errors import DataError
 
 IMAGE_EXTS = ("jpg", "jpeg", "png", "webp")
@@ -52,13 +55,24 @@ def scan_shard(shard: Path, samples: bool = False) -> ShardScan:
     try:
         with open(shard, "rb") as f:
             buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)  # unmapped when let go: numpy may view it
-        layout = _bulk(buf)
-        if layout is not None:
-            return _layout_scan(buf, layout, samples)
-        found = _scan(list(walk_members(buf)), lambda m: buf[m.offset_data : m.offset_data + m.size])
-        return _lists_scan(*found, samples)
-    except (UnusualHeader, ValueError, OSError):
-        pass  # an empty or damaged file, or an unusual header: tarfile says what is wrong
+    except ValueError:
+        buf = b""  # an empty file: mmap refuses it
+    except OSError:
+        buf = None  # tarfile says what is wrong
+    if buf is not None:
+        try:
+            if not ends_cleanly(buf):
+                raise UnusualHeader  # cut short, or empty
+            layout = _bulk(buf)
+            if layout is not None:
+                return _layout_scan(buf, layout, samples)
+            found = _scan(list(walk_members(buf)), lambda m: buf[m.offset_data : m.offset_data + m.size])
+            return _lists_scan(*found, samples)
+        except (UnusualHeader, ValueError, OSError):
+            pass  # a damaged file, or an unusual header
+        salvaged = _salvaged(shard, buf, samples)
+        if salvaged is not None:
+            return salvaged
     try:
         with tarfile.open(shard, "r:") as tar:
             members = [_Member(i.name, i.offset, i.offset_data, i.size) for i in tar if i.isfile()]
@@ -66,6 +80,24 @@ def scan_shard(shard: Path, samples: bool = False) -> ShardScan:
             return _lists_scan(*_scan(members, lambda m: tar.extractfile(infos[m.offset_data]).read()), samples)
     except (tarfile.TarError, OSError) as e:
         raise DataError(f"{shard}: not a readable tar file ({e})") from e
+
+
+def _salvaged(shard: Path, buf, keep_samples: bool) -> ShardScan | None:
+    """The scan of a damaged tar (``tar_salvage``); None for one without damage (an unusual header:
+    tarfile reads it) or for a file that is no tar at all (tarfile says so)."""
+    if not len(buf):
+        members, damage = [], [Damage(0, "empty file", None, None)]
+    else:
+        members, damage = salvage_members(buf)
+        if not damage or (not members and damage[0].offset == 0 and damage[0].member is None
+                          and damage[0].resumed is None):
+            return None
+    dropped = straddling(members, damage)
+    whole = [m for m in members if key_of(m.name) not in dropped]
+    found, problems = _scan(whole, lambda m: buf[m.offset_data : m.offset_data + m.size])
+    kept = list(dict.fromkeys(k for m in whole for k in [key_of(m.name)] if k is not None))
+    problems.append(account(shard, damage, kept, dropped))
+    return _lists_scan(found, problems, keep_samples)
 
 
 def _lists_scan(samples: list[list], problems: list, keep_samples: bool) -> ShardScan:
@@ -98,8 +130,8 @@ def walk_members(buf) -> Iterator[_Member]:
         header = buf[pos : pos + BLOCK]
         if not header.strip(b"\0"):
             break
-        if header[257:262] != b"ustar" or (pos == 0 and not _checksum_ok(header)):
-            raise UnusualHeader  # not a ustar/GNU/pax header: tarfile reads it, or says what is wrong
+        if header[257:262] != b"ustar" or not _checksum_ok(header):
+            raise UnusualHeader  # not a ustar/GNU/pax header, or a damaged one: tarfile or the salvage reads it
         if header[124] & 0x80:
             raise UnusualHeader  # base-256 size
         size = int(header[124:136].split(b"\0", 1)[0].strip() or b"0", 8)
@@ -296,9 +328,19 @@ def _chained_headers(arr: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarra
     end = following[-1]
     if (not _KIND[heads[:, 156]].all() or heads[:, 345].any() or (following[:-1] != at[1:]).any()
             or ((at + 1) * BLOCK + size > len(arr)).any() or (end < n and blocks[end].any())
-            or not _checksum_ok(blocks[0].tobytes())):
-        return None  # another kind of header, a header not where the sizes lead, a cut tar
+            or not _checksums_ok(blocks[at])):
+        return None  # another kind of header, a header not where the sizes lead, a cut or damaged tar
     return at, heads, size
+
+
+def _checksums_ok(headers: np.ndarray) -> bool:
+    """Whether every header's checksum (six octal digits, as tar writers store it) matches."""
+    digits = headers[:, 148:154].astype(np.int64) - ord("0")
+    if (digits < 0).any() or (digits > 7).any():
+        return False  # stored another way: the walk checks it
+    stored = digits @ (8 ** np.arange(5, -1, -1, dtype=np.int64))
+    total = headers.sum(1, dtype=np.int64) - headers[:, 148:156].sum(1, dtype=np.int64) + 8 * 32
+    return bool((stored == total).all())
 
 
 def _named(heads: np.ndarray) -> tuple[np.ndarray, ...] | None:

@@ -44,6 +44,7 @@ class ShardSource(Source):
             shown = ", ".join(missing[:3]) + (f" and {len(missing) - 3} more" if len(missing) > 3 else "")
             raise DataError(f"{pattern}: {len(missing)} of {len(self.paths)} shard(s) not found: {shown}")
         self.problems = []
+        self.damaged = []
         self._keys: list[str] = []
         self._texts: list[str | None] = []
         self._images: list[tuple[int, int, str] | None] = []  # (offset, size, member name)
@@ -54,6 +55,7 @@ class ShardSource(Source):
             index = load_index(path, cache_dir)
             for p in index["problems"]:
                 self.problems.append(Problem(f"{path.name}:{p[0]}", p[1], p[2]))
+                self.damaged += [{"where": f"{path.name}:{p[0]}", "reason": p[1], **p[3]}] if len(p) > 3 else []
             for key, sid, image, text in index["samples"]:
                 self._keys.append(sid if sid is not None else key)
                 self._texts.append(text)

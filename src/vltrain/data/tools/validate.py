@@ -206,6 +206,7 @@ def stats(paths: list[str], tokenizer_path: str | None, max_images: int) -> dict
         "caption_length": {"unit": unit, **_percentiles(lengths)},
         "images_measured": len(widths),
         "images_unreadable": unreadable,
+        "damaged": [d for s in sources for d in s.damaged],
         "image_width": _percentiles(widths),
         "image_height": _percentiles(heights),
     }
