@@ -162,3 +162,41 @@ def _restart(server: S3) -> None:
 
     server.server = ThreadedMotoServer(ip_address="127.0.0.1", port=server.port, verbose=False)
     server.server.start()  # moto keeps its objects per process: the same data
+
+
+def test_a_store_that_failed_its_retries_fails_at_once_for_a_while(tmp_path, monkeypatch):
+    """A whole-storage outage: after one shard failed past its retries, the other shards not on
+    the disk fail at once (a replacement pays nothing), cached ones read on, and once DOWN_S
+    has passed the store is tried again."""
+    from vltrain.data.sources import shard_cache
+
+    server = S3()
+    server.env(monkeypatch)
+    source, rows_of = _outage_source(server, tmp_path, "outage-c")
+    want = source.read_image(int(rows_of[7]))
+    for p in (tmp_path / "cache" / "remote").iterdir():
+        if "00007" in p.name:
+            p.unlink()
+    source.read_image(0)
+    server.stop()
+    source.cache.retries, source.cache.backoff_s = 1, 0.5
+    t0 = time.monotonic()
+    with pytest.raises(RemoteReadError, match="00005.tar: not readable after 2 attempts"):
+        source.read_image(int(rows_of[5]))
+    first = time.monotonic() - t0
+    assert first >= 0.5  # the retry's backoff was paid once
+    t0 = time.monotonic()
+    for k in (6, 7, 8, 9):
+        with pytest.raises(RemoteReadError) as e:
+            source.read_image(int(rows_of[k]))
+        text = str(e.value)
+        assert f"s3://outage-c/shards/{k:05d}.tar: not tried" in text and "00005.tar" in text
+        assert server.endpoint in text and "2 attempts" in text
+    assert time.monotonic() - t0 < 0.25  # no network, no backoff
+    assert source.read_image(1)  # what is on the disk reads on
+    monkeypatch.setattr(shard_cache, "DOWN_S", 0.0)
+    _restart(server)
+    try:
+        assert source.read_image(int(rows_of[7])) == want  # tried again: read
+    finally:
+        server.stop()
