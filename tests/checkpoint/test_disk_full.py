@@ -3,11 +3,13 @@ documented exit code, and an exact resume afterwards (real training processes)."
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Iterator
 
 import pytest
 from runkit import assert_resumed_exactly, finish, ok, overrides, session_shapes, start, train
@@ -73,24 +75,26 @@ def test_a_full_tmpfs_stops_with_one_message_and_resumes_after_growing(tmp_path_
         subprocess.run(["umount", "-l", str(mnt)])
 
 
-def read_only(ro: Path) -> None:
-    """``ro`` made read-only: a read-only tmpfs for root (who may write anywhere), else a mode."""
+@contextlib.contextmanager
+def read_only(ro: Path) -> Iterator[Path]:
+    """``ro`` made read-only while in the block: a read-only tmpfs for root (who may write
+    anywhere), else a mode."""
     if os.geteuid() != 0:
         ro.mkdir()
         ro.chmod(0o555)
     elif not mount_tmpfs(ro, "1m", "ro"):
         pytest.skip("root, and no read-only tmpfs can be mounted")
+    try:
+        yield ro
+    finally:
+        if os.geteuid() == 0:
+            subprocess.run(["umount", "-l", str(ro)])
 
 
 def test_a_read_only_run_dir_stops_at_start_up(tmp_path_factory, tmp_path):
     shapes = session_shapes(tmp_path_factory)
-    ro = tmp_path / "ro"
-    read_only(ro)
-    try:
+    with read_only(tmp_path / "ro") as ro:
         proc = run(shapes, ro / "run")
-    finally:
-        if os.geteuid() == 0:
-            subprocess.run(["umount", "-l", str(ro)])
     assert proc.returncode == NO_SPACE_EXIT, proc.stderr[-3000:]
     lines = [x for x in proc.stderr.splitlines() if "cannot be written" in x]
     assert len(lines) == 1, proc.stderr[-3000:]  # one message, said once
@@ -104,13 +108,8 @@ def test_a_read_only_run_dir_stops_both_ranks_with_the_message(tmp_path_factory,
     """Under torchrun every rank checks the folder: each worker exits 74 with the same line (none
     waits for the other, none prints a traceback); torchrun's own summary names the code."""
     shapes = session_shapes(tmp_path_factory)
-    ro = tmp_path / "ro"
-    read_only(ro)
-    try:
+    with read_only(tmp_path / "ro") as ro:
         proc = train(shapes, ro / "run")
-    finally:
-        if os.geteuid() == 0:
-            subprocess.run(["umount", "-l", str(ro)])
     lines = [x for x in proc.stderr.splitlines() if x.startswith("vltrain") and ": error: " in x]
     said = {x.split(": error: ", 1)[1] for x in lines}
     assert len(said) == 1, proc.stderr[-4000:]
