@@ -3,14 +3,16 @@ documented exit code, and an exact resume afterwards (real training processes)."
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Iterator
 
 import pytest
-from runkit import assert_resumed_exactly, finish, ok, overrides, session_shapes, start
+from runkit import assert_resumed_exactly, finish, ok, overrides, session_shapes, start, train
 
 from vltrain.checkpoint.space import NO_SPACE_EXIT, QuietWrites, no_space, space_warning
 
@@ -73,22 +75,48 @@ def test_a_full_tmpfs_stops_with_one_message_and_resumes_after_growing(tmp_path_
         subprocess.run(["umount", "-l", str(mnt)])
 
 
-def test_a_read_only_run_dir_stops_at_start_up(tmp_path_factory, tmp_path):
-    shapes = session_shapes(tmp_path_factory)
-    ro = tmp_path / "ro"
+@contextlib.contextmanager
+def read_only(ro: Path) -> Iterator[Path]:
+    """``ro`` made read-only while in the block: a read-only tmpfs for root (who may write
+    anywhere), else a mode."""
     if os.geteuid() != 0:
         ro.mkdir()
         ro.chmod(0o555)
     elif not mount_tmpfs(ro, "1m", "ro"):
         pytest.skip("root, and no read-only tmpfs can be mounted")
     try:
-        proc = run(shapes, ro / "run")
+        yield ro
     finally:
         if os.geteuid() == 0:
             subprocess.run(["umount", "-l", str(ro)])
+
+
+def test_a_read_only_run_dir_stops_at_start_up(tmp_path_factory, tmp_path):
+    shapes = session_shapes(tmp_path_factory)
+    with read_only(tmp_path / "ro") as ro:
+        proc = run(shapes, ro / "run")
     assert proc.returncode == NO_SPACE_EXIT, proc.stderr[-3000:]
-    assert f"run.dir {ro / 'run'} cannot be written" in proc.stderr
+    lines = [x for x in proc.stderr.splitlines() if "cannot be written" in x]
+    assert len(lines) == 1, proc.stderr[-3000:]  # one message, said once
+    assert lines[0].startswith(f"vltrain: error: run.dir {ro / 'run'} cannot be written (")
+    assert "give a writable run.dir" in lines[0] and f"(exit code {NO_SPACE_EXIT})" in lines[0]
     assert "Traceback" not in proc.stderr
+    assert not (ro / "run").exists()  # nothing written, not even the folder
+
+
+def test_a_read_only_run_dir_stops_both_ranks_with_the_message(tmp_path_factory, tmp_path):
+    """Under torchrun every rank checks the folder: each worker exits 74 with the same line (none
+    waits for the other, none prints a traceback); torchrun's own summary names the code."""
+    shapes = session_shapes(tmp_path_factory)
+    with read_only(tmp_path / "ro") as ro:
+        proc = train(shapes, ro / "run")
+    lines = [x for x in proc.stderr.splitlines() if x.startswith("vltrain") and ": error: " in x]
+    said = {x.split(": error: ", 1)[1] for x in lines}
+    assert len(said) == 1, proc.stderr[-4000:]
+    assert said.pop().startswith(f"run.dir {ro / 'run'} cannot be written (")
+    assert f"exitcode  : {NO_SPACE_EXIT}" in proc.stderr  # a worker's code, in torchrun's summary
+    assert "failed at step" not in proc.stderr and "[rank0]: Traceback" not in proc.stderr
+    assert "[rank1]: Traceback" not in proc.stderr
 
 
 def test_no_space_is_found_inside_dcp_failures_and_nothing_else_is():

@@ -3,6 +3,7 @@ still being read, and a storage outage in the middle of reading (moto server, re
 
 from __future__ import annotations
 
+import json
 import os
 import threading
 import time
@@ -15,6 +16,7 @@ import torch
 pytest.importorskip("s3fs")
 pytest.importorskip("moto.server")
 
+from multiproc import free_port  # noqa: E402
 from s3kit import S3, s3, s3_server, tar_shard  # noqa: E402,F401  (fixtures)
 
 from vltrain.data.index.open import open_indexed  # noqa: E402
@@ -162,3 +164,100 @@ def _restart(server: S3) -> None:
 
     server.server = ThreadedMotoServer(ip_address="127.0.0.1", port=server.port, verbose=False)
     server.server.start()  # moto keeps its objects per process: the same data
+
+
+def test_a_store_that_failed_its_retries_fails_at_once_for_a_while(tmp_path, monkeypatch):
+    """A whole-storage outage: after one shard failed past its retries, the other shards not on
+    the disk fail at once (a replacement pays nothing), cached ones read on, and once DOWN_S
+    has passed the store is tried again."""
+    from vltrain.data.sources import shard_cache
+
+    server = S3()
+    server.env(monkeypatch)
+    source, rows_of = _outage_source(server, tmp_path, "outage-c")
+    want = source.read_image(int(rows_of[7]))
+    for p in (tmp_path / "cache" / "remote").iterdir():
+        if "00007" in p.name:
+            p.unlink()
+    source.read_image(0)
+    server.stop()
+    source.cache.retries, source.cache.backoff_s = 1, 0.5
+    t0 = time.monotonic()
+    with pytest.raises(RemoteReadError, match="00005.tar: not readable after 2 attempts"):
+        source.read_image(int(rows_of[5]))
+    first = time.monotonic() - t0
+    assert first >= 0.5  # the retry's backoff was paid once
+    t0 = time.monotonic()
+    for k in (6, 7, 8, 9):
+        with pytest.raises(RemoteReadError) as e:
+            source.read_image(int(rows_of[k]))
+        text = str(e.value)
+        assert f"s3://outage-c/shards/{k:05d}.tar: not tried" in text and "00005.tar" in text
+        assert server.endpoint in text and "2 attempts" in text
+    assert time.monotonic() - t0 < 0.25  # no network, no backoff
+    assert source.read_image(1)  # what is on the disk reads on
+    monkeypatch.setattr(shard_cache, "DOWN_S", 0.0)
+    _restart(server)
+    try:
+        assert source.read_image(int(rows_of[7])) == want  # tried again: read
+    finally:
+        server.stop()
+
+
+def _train_through_an_outage(tmp_path_factory, tmp_path, monkeypatch, **extra):
+    """A 2-rank run from 4 shards on a moto server, with room for 2.5 of them in the cache; the
+    server is stopped at the run's first log line (step 5), so it soon needs a shard that is not
+    on the disk. Bounded: refused connections fail in seconds, then at once (DOWN_S)."""
+    from runkit import finish, session_shapes, start, train_command
+    from test_remote_training import upload_shards
+
+    shapes = session_shapes(tmp_path_factory)
+    server = S3()
+    server.env(monkeypatch)
+    server.reset()  # moto keeps its buckets per process: another test's bkt may be there
+    pattern, largest = upload_shards(server, shapes, tmp_path)
+    run_dir = tmp_path / "run"
+    launch = ["--nproc-per-node", "2", "--master-addr", "127.0.0.1", "--master-port", str(free_port())]
+    proc = start(train_command(shapes, run_dir, launch, data__train=pattern, data__cache_dir=tmp_path / "cache",
+                               data__cache_limit_gb=2.5 * largest / 2**30, checkpoint__every=0, **extra))
+    deadline = time.monotonic() + 120
+    while not (run_dir / "metrics.jsonl").exists():
+        assert time.monotonic() < deadline and proc.poll() is None, "the run never logged a step"
+        time.sleep(0.1)
+    server.stop()
+    return finish(proc, 120), run_dir, server.endpoint
+
+
+def _errors(stderr: str) -> list[str]:
+    return [x for x in stderr.splitlines() if x.startswith(("vltrain: error:", "vltrain[rank"))]
+
+
+@pytest.mark.slow
+def test_a_run_whose_storage_goes_away_replaces_and_counts_the_samples(tmp_path_factory, tmp_path, monkeypatch):
+    """on_error: skip with room for them: every sample of a shard that cannot be fetched is
+    replaced from the shards on the disk, logged with the URL and endpoint, and the run ends."""
+    done, run_dir, endpoint = _train_through_an_outage(tmp_path_factory, tmp_path, monkeypatch,
+                                                       train__max_steps=60, data__max_bad_fraction=1.0)
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert (run_dir / "checkpoints" / "step-60").is_dir()
+    bad = [json.loads(x) for x in (run_dir / "bad_samples.jsonl").read_text().splitlines()]
+    assert bad, "no sample was replaced: the outage was never met"
+    assert all("s3://bkt/shards/" in b["reason"] and endpoint in b["reason"] for b in bad), bad[:3]
+    assert any("not readable after 3 attempts" in b["reason"] for b in bad), bad[:3]
+    assert f"bad samples: {len(bad)} replaced" in done.stdout, done.stdout[-2000:]  # every one counted
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("on_error", ["skip", "fail"])
+def test_a_run_whose_storage_goes_away_stops_with_one_message(tmp_path_factory, tmp_path, monkeypatch, on_error):
+    """on_error: fail stops at the first shard that cannot be fetched; skip stops once the
+    replaced samples are above data.max_bad_fraction (0.01). Either way one message naming the
+    URL, the endpoint and the attempts, within the timeouts."""
+    done, _, endpoint = _train_through_an_outage(tmp_path_factory, tmp_path, monkeypatch,
+                                                 train__max_steps=400, data__on_error=on_error)
+    assert done.returncode != 0
+    errors = _errors(done.stderr)
+    assert errors, done.stderr[-4000:]
+    first = errors[0]
+    assert "s3://bkt/shards/0000" in first and endpoint in first and "3 attempts" in first, errors
+    assert ("bad sample" if on_error == "fail" else "data.max_bad_fraction=0.01") in first, errors

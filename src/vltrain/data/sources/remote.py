@@ -8,9 +8,10 @@ Errors: ``DataError`` (the run stops with its message) for a missing bucket or o
 is required (``stat_remote``, ``expand_remote``, ``ShardCache.local``), denied access anywhere, a
 network failure while opening sources (``stat_remote``, ``expand_remote``), a download lock held
 past its deadline. ``RemoteReadError`` (an ``OSError``) for a network failure that outlasted the
-retries in ``ShardCache.local``/``open``/``read_bytes``, and a missing object in ``read_bytes``: a
-per-sample reader replaces the sample, as for a missing local image, and the bad-sample limit
-stops a run whose storage went away. fsspec and its backends are imported on first use.
+retries in ``ShardCache.local``/``open``/``read_bytes`` (``Unreachable``), and a missing object in
+``read_bytes``: a per-sample reader replaces the sample, as for a missing local image, and the
+bad-sample limit stops a run whose storage went away. fsspec and its backends are imported on first
+use.
 """
 
 from __future__ import annotations
@@ -41,6 +42,10 @@ _NETWORK_MODULES = ("botocore", "aiobotocore", "aiohttp", "urllib3", "requests",
 
 class RemoteReadError(OSError):
     """A remote object could not be read now; per-sample readers replace the sample."""
+
+
+class Unreachable(RemoteReadError):
+    """A network failure that outlasted the retries: the storage itself may be down."""
 
 
 def is_remote(path: str) -> bool:
@@ -114,6 +119,16 @@ def _kind(e: BaseException) -> str | None:
     return None
 
 
+def store_of(url: str, options: dict | None) -> str:
+    """Where ``url``'s bytes come from: the endpoint and bucket (S3), the bucket (GCS), the host."""
+    m = re.match(r"^([A-Za-z][A-Za-z0-9+.-]+)://([^/]*)", url)
+    protocol, host = (m.group(1).lower(), m.group(2)) if m else ("file", "")
+    if protocol in ("s3", "s3a"):
+        endpoint = {**default_options("s3"), **(options or {})}.get("endpoint_url") or "AWS's endpoint"
+        return f"bucket {host} at {endpoint}"
+    return f"{protocol}://{host}"
+
+
 def _hint(url: str, options: dict | None) -> str:
     if _protocol(url) in ("s3", "s3a"):
         endpoint = {**default_options("s3"), **(options or {})}.get("endpoint_url")
@@ -138,7 +153,7 @@ def retrying(fn: Callable[[], Any], url: str, options: dict | None, retries: int
             if kind == "denied":
                 raise DataError(f"{url}: access denied ({describe_error(e)}); {_hint(url, options)}") from e
             if attempt == retries:
-                raise RemoteReadError(
+                raise Unreachable(
                     f"{url}: not readable after {retries + 1} attempts ({describe_error(e)}); {_hint(url, options)}"
                 ) from e
             time.sleep(backoff_s * 2**attempt)

@@ -15,20 +15,23 @@ import os
 import re
 import socket
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO, Iterable
+from typing import Any, BinaryIO, Iterable, Iterator
 
 from vltrain.data.sources import filelock
 from vltrain.data.sources.remote import (
     BACKOFF_S,
     RETRIES,
     RemoteReadError,
+    Unreachable,
     describe_error,
     filesystem,
     missing_error,
     retrying,
     stat_remote,
+    store_of,
 )
 from vltrain.errors import DataError
 
@@ -39,6 +42,10 @@ than the network, and a failed chunk is retried alone."""
 LOCK_WAIT_S = 1800.0
 """The longest a process waits for another's download (which touches its lock after every chunk,
 so that a lock from a dead process on another host is taken over after filelock.STALE_S)."""
+DOWN_S = 30.0
+"""After a read that failed past its retries, further reads from the same store (endpoint and
+bucket, or host) that the cache cannot answer fail at once for this long, then are tried again.
+Without it a storage outage costs every sample, and every replacement of it, the full retries."""
 
 
 @dataclass
@@ -65,6 +72,10 @@ class ShardCache:
     after it is unlinked, so a reader should hold one open file per shard (``open()``), not
     reopen ``local()``'s path per sample. Downloads in progress are not counted against the
     limit, so the cache may exceed it by what is being fetched.
+
+    A store whose read failed past the retries is remembered as down for ``DOWN_S`` (per
+    process): reads from it that need a download fail at once with that failure's message, while
+    what is cached reads on.
     """
 
     def __init__(self, cache_dir: str | os.PathLike, limit_bytes: int, storage_options: dict | None = None, *,
@@ -79,6 +90,8 @@ class ShardCache:
         self.lock_wait_s, self.chunk_bytes = lock_wait_s, chunk_bytes
         self.stats = CacheStats()
         self._known: dict[str, dict] = {}
+        self._down: dict[str, tuple[float, str]] = {}
+        """store -> (monotonic time of the failure, its message)"""
         self._reset()
 
     def _reset(self) -> None:
@@ -116,12 +129,32 @@ class ShardCache:
 
     def _local(self, url: str, stat: dict | None) -> Path:
         path = self.path_for(url)
-        want = stat or self._stat(url)
-        if self._fresh(path, want):
-            filelock.touch(path)  # its last use, for LRU eviction
-            self._count(hits=1)
-            return path
-        return self._fetch_locked(url, path, want)
+        want = stat or self._known.get(url)
+        if want is None or not self._fresh(path, want):
+            with self._outage(url):
+                want = want or self._stat(url)
+                if not self._fresh(path, want):
+                    return self._fetch_locked(url, path, want)
+        filelock.touch(path)  # its last use, for LRU eviction
+        self._count(hits=1)
+        return path
+
+    @contextlib.contextmanager
+    def _outage(self, url: str) -> Iterator[None]:
+        """Fail at once while ``url``'s store is remembered as down; remember it when a read
+        fails past its retries."""
+        store = store_of(url, self.storage_options)
+        with self._mutex:
+            since, why = self._down.get(store, (None, ""))
+        if since is not None and time.monotonic() - since < DOWN_S:
+            raise Unreachable(f"{url}: not tried, {store} failed {time.monotonic() - since:.0f} s ago and reads "
+                              f"from it fail at once for {DOWN_S:.0f} s. That failure: {why}")
+        try:
+            yield
+        except Unreachable as e:
+            with self._mutex:
+                self._down[store] = (time.monotonic(), str(e))
+            raise
 
     def open(self, url: str, stat: dict | None = None) -> BinaryIO:
         """``local(url)`` opened for reading; the open file outlives an eviction of the object."""
@@ -160,7 +193,8 @@ class ShardCache:
         it is missing or the network fails past the retries."""
         fs, path = filesystem(url, self.storage_options)
         try:
-            return retrying(lambda: fs.cat_file(path), url, self.storage_options, self.retries, self.backoff_s)
+            with self._outage(url):
+                return retrying(lambda: fs.cat_file(path), url, self.storage_options, self.retries, self.backoff_s)
         except FileNotFoundError as e:
             raise RemoteReadError(f"{url}: no such object ({describe_error(e)})") from e
 
@@ -191,7 +225,12 @@ class ShardCache:
     def _stat(self, url: str) -> dict:
         known = self._known.get(url)
         if known is None:
-            known = stat_remote(url, self.storage_options, retries=self.retries, backoff_s=self.backoff_s)
+            try:
+                known = stat_remote(url, self.storage_options, retries=self.retries, backoff_s=self.backoff_s)
+            except DataError as e:
+                if isinstance(e.__cause__, Unreachable):  # a read's failure, to remember: not a bad source
+                    raise e.__cause__ from None
+                raise
             self._known[url] = known
         return known
 
