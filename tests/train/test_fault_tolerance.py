@@ -49,3 +49,4 @@ def test_a_rank_raising_stops_every_rank_and_is_named(tmp_path_factory, tmp_path
     assert elapsed < 90
     assert "vltrain: rank 1 failed at step 2: InjectedFault" in proc.stderr
     assert "rank: 1" in proc.stderr  # torchrun's summary names the failed rank too
+    assert "[rank1]: Traceback" in proc.stderr and "[rank0]: Traceback" not in proc.stderr  # only the cause's

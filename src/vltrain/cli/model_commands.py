@@ -92,6 +92,13 @@ def train(args: argparse.Namespace) -> int:
     except (UserError, KeyboardInterrupt):
         raise  # said once, by vltrain.cli.main
     except BaseException as e:
+        if trainer.world.world_size > 1 and _peer_lost(e):
+            # another rank stopped first and said why (its error or its traceback): this one only
+            # names itself, so that the cause is not buried under a traceback of every rank
+            first = str(e).strip().splitlines()[0][:200] if str(e).strip() else ""
+            print(f"vltrain: rank {trainer.world.rank} stopped at step {trainer.step}: lost its peers (another rank "
+                  f"stopped first; its message says why): {type(e).__name__}: {first}", file=sys.stderr, flush=True)
+            raise SystemExit(1) from None
         # a fault of vltrain's own: the line naming the failed rank, then its traceback; the other
         # ranks then fail on the broken group (or are stopped by torchrun), within train.timeout_s
         print(f"vltrain: rank {trainer.world.rank} failed at step {trainer.step}: {type(e).__name__}: {e}",
@@ -108,6 +115,19 @@ def train(args: argparse.Namespace) -> int:
         if metrics:
             print(f"eval: {format_metrics(metrics)}")
     return 0
+
+
+PEER_LOST = ("Connection reset by peer", "Connection closed by peer", "Broken pipe", "Connection refused")
+"""What gloo says when a collective's peer process has gone."""
+
+
+def _peer_lost(e: BaseException) -> bool:
+    """Whether ``e`` is a collective failing because another rank's process exited."""
+    import torch.distributed as dist
+
+    if isinstance(e, (dist.DistNetworkError,)):
+        return True
+    return isinstance(e, RuntimeError) and any(p in str(e) for p in PEER_LOST)
 
 
 def demo(args: argparse.Namespace) -> int:
