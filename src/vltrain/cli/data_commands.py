@@ -163,13 +163,14 @@ def index(args: argparse.Namespace) -> int:
     from vltrain.errors import DataError, UsageError
 
     tokenizer_path, max_len, csv_cfg, cache_dir = args.tokenizer, args.max_text_length, CsvConfig(), args.cache_dir
-    storage_options, cache_limit_gb = None, 50.0
+    storage_options, cache_limit_gb, retries = None, 50.0, 2
     if args.config:
         cfg = load_config(args.config)
         tokenizer_path = tokenizer_path or cfg.data.tokenizer
         max_len = max_len or cfg.data.max_text_length
         csv_cfg, cache_dir = cfg.data.csv, cache_dir or cfg.data.cache_dir
         storage_options, cache_limit_gb = cfg.data.storage_options, cfg.data.cache_limit_gb
+        retries = cfg.data.remote_retries
     tokenizer = load_tokenizer(tokenizer_path) if tokenizer_path else None
     workers = args.workers or os.cpu_count() or 1
     dropped = 0
@@ -180,7 +181,7 @@ def index(args: argparse.Namespace) -> int:
             raise UsageError(str(e)) from None  # a source that is not there: the command was misused
         started = time.monotonic()
         source = open_indexed(spec, tokenizer, max_len or 77, csv_cfg, cache_dir or None, workers=workers,
-                              storage_options=storage_options, cache_limit_gb=cache_limit_gb)
+                              storage_options=storage_options, cache_limit_gb=cache_limit_gb, retries=retries)
         took = time.monotonic() - started
         _index_report(spec, source, took, tokenizer is not None)
         dropped += source.meta["errors"]

@@ -132,6 +132,10 @@ class DataConfig:
     Workers and ranks on one node may share it."""
     cache_limit_gb: float = 50.0
     """Remote shards kept in cache_dir: past this many GB the least recently used are deleted."""
+    remote_retries: int = 2
+    """Retries of a remote read after a network failure, waiting 0.5 s, then twice as long each time
+    (2: about 1.5 s; 6: about 32 s). A store back within them loses no sample; past them the
+    sample is replaced and counted, or the run stops (docs/formats.md#remote-sources)."""
     storage_options: dict[str, Any] = field(default_factory=dict)
     """Passed to fsspec for remote URLs, over the defaults (e.g. {endpoint_url: ..., anon: true});
     credentials otherwise come from the usual variables (AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID, ...)."""
@@ -197,6 +201,8 @@ class DataConfig:
             raise ConfigError(f"data.std must be positive, got {self.std}")
         if not 0 <= self.max_bad_fraction <= 1:
             raise ConfigError(f"data.max_bad_fraction must be in [0, 1], got {self.max_bad_fraction}")
+        if not 0 <= self.remote_retries <= 20:
+            raise ConfigError(f"data.remote_retries must be in [0, 20], got {self.remote_retries}")
         if not self.cache_limit_gb > 0:
             raise ConfigError(f"data.cache_limit_gb must be > 0, got {self.cache_limit_gb}")
         if self.num_workers < 0:

@@ -283,7 +283,7 @@ def build_dataset(
     for spec in specs:
         source = open_indexed(spec.path, tokenizer, data_cfg.max_text_length, data_cfg.csv, cache_dir,
                               workers=os.cpu_count() or 1, storage_options=data_cfg.storage_options,
-                              cache_limit_gb=data_cfg.cache_limit_gb)
+                              cache_limit_gb=data_cfg.cache_limit_gb, retries=data_cfg.remote_retries)
         if data_cfg.on_error == "fail":
             refuse_malformed(source)
         for d in source.damaged:

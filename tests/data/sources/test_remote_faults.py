@@ -229,7 +229,7 @@ def _train_through_an_outage(tmp_path_factory, tmp_path, monkeypatch, **extra):
 
 
 def _errors(stderr: str) -> list[str]:
-    return [x for x in stderr.splitlines() if x.startswith(("vltrain: error:", "vltrain[rank"))]
+    return [x for x in stderr.splitlines() if x.startswith("vltrain") and ": error: " in x]
 
 
 @pytest.mark.slow
@@ -261,3 +261,48 @@ def test_a_run_whose_storage_goes_away_stops_with_one_message(tmp_path_factory, 
     first = errors[0]
     assert "s3://bkt/shards/0000" in first and endpoint in first and "3 attempts" in first, errors
     assert ("bad sample" if on_error == "fail" else "data.max_bad_fraction=0.01") in first, errors
+
+
+@pytest.mark.slow
+def test_a_run_whose_storage_comes_back_within_the_retries_loses_no_sample(tmp_path_factory, tmp_path, monkeypatch):
+    """The server is stopped at the run's first log line and started again (same data) once a read
+    has met the outage, within data.remote_retries=6 (about 32 s of waiting): that read succeeds,
+    nothing is replaced (data.max_bad_fraction=0 would stop on the first) and the run ends."""
+    import subprocess
+
+    from runkit import session_shapes, train_command
+    from test_remote_training import upload_shards
+
+    shapes = session_shapes(tmp_path_factory)
+    server = S3()
+    server.env(monkeypatch)
+    server.reset()
+    pattern, largest = upload_shards(server, shapes, tmp_path)
+    run_dir, log_file = tmp_path / "run", tmp_path / "stderr.txt"
+    launch = ["--nproc-per-node", "2", "--master-addr", "127.0.0.1", "--master-port", str(free_port())]
+    cmd = train_command(shapes, run_dir, launch, data__train=pattern, data__cache_dir=tmp_path / "cache",
+                        data__cache_limit_gb=2.5 * largest / 2**30, checkpoint__every=0, train__max_steps=60,
+                        data__remote_retries=6, data__max_bad_fraction=0)
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env.pop("VLTRAIN_FAULT", None)
+    with open(log_file, "w") as err:
+        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err, env=env, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not (run_dir / "metrics.jsonl").exists():
+            assert time.monotonic() < deadline and proc.poll() is None, "the run never logged a step"
+            time.sleep(0.1)
+        server.stop()
+        while "attempt 1 of 7 failed" not in log_file.read_text():
+            assert time.monotonic() < deadline and proc.poll() is None, "no read met the outage"
+            time.sleep(0.1)
+        _restart(server)
+        assert proc.wait(timeout=120) == 0, log_file.read_text()[-4000:]
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, 9)
+        server.stop()
+    retried = [x for x in log_file.read_text().splitlines() if "attempt 1 of 7 failed" in x]
+    assert "s3://bkt/shards/" in retried[0] and "retrying in 0.5 s" in retried[0], retried
+    assert not (run_dir / "bad_samples.jsonl").exists()
+    assert (run_dir / "checkpoints" / "step-60").is_dir()

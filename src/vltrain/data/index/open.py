@@ -20,7 +20,7 @@ from vltrain.data.sources.filelock import build_once
 from vltrain.data.sources.manifests import Source
 from vltrain.data.sources.open import open_source
 from vltrain.data.sources.parquet import UnreadableParquet, is_parquet, parquet_columns
-from vltrain.data.sources.remote import is_remote
+from vltrain.data.sources.remote import RETRIES, is_remote
 from vltrain.data.sources.shard_cache import ShardCache
 from vltrain.data.tokenizers import Tokenizer
 from vltrain.errors import DataError
@@ -28,14 +28,16 @@ from vltrain.errors import DataError
 
 def open_indexed(spec: str, tokenizer: Tokenizer | None, max_text_length: int, csv_cfg: CsvConfig | None = None,
                  cache_dir: str | os.PathLike | None = None, workers: int = 1, *,
-                 storage_options: dict | None = None, cache_limit_gb: float = 50.0) -> IndexedSource:
+                 storage_options: dict | None = None, cache_limit_gb: float = 50.0,
+                 retries: int = RETRIES) -> IndexedSource:
     """The source ``spec`` read through its sample index, built first when missing or stale (by
     one process: the others wait for it). Its token counts for ``tokenizer`` are made on first use
     (``source.text_len()``). Remote sources (s3://, gs://, https://) are read through a shard
     cache in ``cache_dir`` holding at most ``cache_limit_gb``."""
     kind, described = source_files(spec, storage_options)
     files = [f["path"] for f in described]
-    cache = ShardCache(cache_root(cache_dir), int(cache_limit_gb * 2**30), storage_options) if is_remote(spec) \
+    cache = ShardCache(cache_root(cache_dir), int(cache_limit_gb * 2**30), storage_options, retries=retries) \
+        if is_remote(spec) \
         else None
     manifest_local = files[0] if cache is None or kind == "shards" else str(cache.local(files[0], described[0]))
     csv = csv_spec(manifest_local, csv_cfg or CsvConfig()) if kind == "manifest" \

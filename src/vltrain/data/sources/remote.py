@@ -17,6 +17,7 @@ use.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import re
 import time
@@ -24,6 +25,8 @@ from typing import Any, Callable
 
 from vltrain.data.sources.patterns import expand_braces
 from vltrain.errors import DataError
+
+log = logging.getLogger(__name__)
 
 CONNECT_TIMEOUT_S = 10.0
 READ_TIMEOUT_S = 30.0
@@ -156,7 +159,10 @@ def retrying(fn: Callable[[], Any], url: str, options: dict | None, retries: int
                 raise Unreachable(
                     f"{url}: not readable after {retries + 1} attempts ({describe_error(e)}); {_hint(url, options)}"
                 ) from e
-            time.sleep(backoff_s * 2**attempt)
+            wait = backoff_s * 2**attempt
+            log.warning("%s: attempt %d of %d failed (%s); retrying in %g s", url, attempt + 1, retries + 1,
+                        describe_error(e), wait)
+            time.sleep(wait)
 
 
 def describe_error(e: BaseException) -> str:
