@@ -43,6 +43,22 @@ def dotted_keys(raw: dict[str, Any], prefix: str = "") -> list[str]:
     return out
 
 
+def _flow_list(text: str) -> Any:
+    """``[a/{0..3}.tar, b/*.parquet]``, which YAML refuses (a brace opens a mapping there), as a
+    list of strings split at the commas outside braces; any other text as it is."""
+    inner = text.strip()
+    if not (inner.startswith("[") and inner.endswith("]")):
+        return text
+    items, depth, start = [], 0, 1
+    for k, c in enumerate(inner[1:-1], 1):
+        depth += (c == "{") - (c == "}")
+        if c == "," and depth == 0:
+            items.append(inner[start:k])
+            start = k + 1
+    items.append(inner[start:-1])
+    return [x.strip().strip("'\"") for x in items if x.strip()]
+
+
 def apply_override(root: type, raw: dict[str, Any], item: str) -> None:
     """Set ``a.b.c=value`` in a nested dict after checking the key against the dataclass tree ``root``;
     the value is parsed as YAML (so 3e-4, true, [1,2])."""
@@ -57,7 +73,7 @@ def apply_override(root: type, raw: dict[str, Any], item: str) -> None:
     try:
         value = yaml.safe_load(text) if text.strip() else ""
     except yaml.YAMLError:
-        value = text
+        value = _flow_list(text)
     node = raw
     for p in parts[:-1]:
         nxt = node.get(p)

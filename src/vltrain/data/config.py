@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Any, Literal, Union
 
@@ -35,10 +36,35 @@ class SourceSpec:
     """The name of its metrics (``source/<name>/...``); empty: the file name without extension."""
 
     def display_name(self) -> str:
+        """``name``, else the file name before its extension and any pattern (``train-*.parquet``:
+        train), else the folder's name (``shards/{00000..00009}.tar``: shards)."""
         if self.name:
             return self.name
-        stem = self.path.replace("\\", "/").rstrip("/").rsplit("/", 1)[-1]
-        return stem.split(".", 1)[0].split("{", 1)[0].rstrip("-_") or "source"
+        parts = [p for p in self.path.replace("\\", "/").split("/") if p]
+        for part in reversed(parts):
+            stem = re.split(r"[{*?\[]", part.split(".", 1)[0], maxsplit=1)[0].rstrip("-_")
+            if stem:
+                return stem
+        return "source"
+
+
+Sources = Union[str, list[Union[str, SourceSpec]], None]
+"""``data.train`` / ``data.val`` as written: a string, a list of strings and mappings, or null."""
+
+
+def as_specs(value: Any) -> Union[str, list[SourceSpec]]:
+    """A source setting with each listed string made a source of its own (weight 1: sampled in
+    proportion to its rows, as one source of all the files would be; its own metrics), named
+    apart where two would share a name; null is "" (none)."""
+    if value is None or isinstance(value, str):
+        return value or ""
+    specs = [SourceSpec(path=v) if isinstance(v, str) else v for v in value]
+    given = [isinstance(v, str) for v in value]
+    names = [s.display_name() for s in specs]
+    for k, (spec, plain) in enumerate(zip(specs, given)):
+        if plain and names.count(names[k]) > 1:
+            spec.name = f"{names[k]}-{names[:k + 1].count(names[k])}"
+    return specs
 
 
 @dataclass
@@ -83,10 +109,12 @@ class ResolvedBatching:
 
 @dataclass
 class DataConfig:
-    train: Union[str, list[SourceSpec]] = ""
-    """A manifest path, a shard pattern ('shards/{00000..00009}.tar'), or a list of {path, weight}."""
-    val: Union[str, list[SourceSpec]] = ""
-    """Held-out pairs for retrieval recall, same forms as data.train (empty: no evaluation)."""
+    train: Sources = ""
+    """A manifest, a brace pattern or a glob of tar shards or parquet files, local or remote
+    ('shards/{00000..00009}.tar', 'data/train-*.parquet'); or a list of those, and of {path, weight,
+    loss_weight, name} mappings: each entry a source of the mixture (docs/formats.md#mixing-sources)."""
+    val: Sources = ""
+    """Held-out pairs for retrieval recall, same forms as data.train (empty or null: no evaluation)."""
     batch_size: int = 64
     """Per-rank micro-batch (with budget batching: the largest a batch may be)."""
     image_size: int = 224
@@ -179,6 +207,9 @@ class DataConfig:
     modality_weights: ModalityWeights = field(default_factory=ModalityWeights)
     audit: bool = False
     """Record the ids every rank consumed to RUN_DIR/audit/rank{R}.jsonl."""
+
+    def __post_init__(self) -> None:
+        self.train, self.val = as_specs(self.train), as_specs(self.val)
 
     def resolve(self) -> ResolvedBatching:
         """``pad_multiple``, ``token_budget`` and ``image_budget`` with 0 resolved for this config.

@@ -280,10 +280,15 @@ def build_dataset(
         raise DataError(f"data.{split} is empty: give a manifest, a shard pattern, or a list of {{path, weight}}")
     cache_dir = data_cfg.cache_dir or (Path(run_dir) / "cache" if run_dir else None)
     sources = []
-    for spec in specs:
-        source = open_indexed(spec.path, tokenizer, data_cfg.max_text_length, data_cfg.csv, cache_dir,
-                              workers=os.cpu_count() or 1, storage_options=data_cfg.storage_options,
-                              cache_limit_gb=data_cfg.cache_limit_gb, retries=data_cfg.remote_retries)
+    for k, spec in enumerate(specs):
+        try:
+            source = open_indexed(spec.path, tokenizer, data_cfg.max_text_length, data_cfg.csv, cache_dir,
+                                  workers=os.cpu_count() or 1, storage_options=data_cfg.storage_options,
+                                  cache_limit_gb=data_cfg.cache_limit_gb, retries=data_cfg.remote_retries)
+        except DataError as e:
+            if len(specs) == 1:
+                raise
+            raise DataError(f"data.{split}[{k}]: {e}") from None
         if data_cfg.on_error == "fail":
             refuse_malformed(source)
         for d in source.damaged:

@@ -15,6 +15,7 @@ counts, which depend on a tokenizer, are a column of their own (``lengths.py``).
 from __future__ import annotations
 
 import csv
+import glob
 import hashlib
 import json
 import os
@@ -79,6 +80,10 @@ def source_files(spec: str, storage_options: dict | None = None) -> tuple[str, l
     if many:
         files = shard_paths(spec)
         missing = [p for p in files if not os.path.isfile(p)]
+        unmatched = [p for p in missing if glob.has_magic(p)]
+        if unmatched:
+            more = f" (nor does {len(unmatched) - 1} more pattern(s) of it)" if len(unmatched) > 1 else ""
+            raise DataError(f"{spec}: no file matches {unmatched[0]}{more}")
         if missing:
             shown = ", ".join(missing[:3]) + (f" and {len(missing) - 3} more" if len(missing) > 3 else "")
             what = "shard(s)" if many == "shards" else "file(s)"

@@ -6,6 +6,7 @@ path that does not exist, a format it does not know).
 
 from __future__ import annotations
 
+import glob
 import os
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
@@ -45,6 +46,8 @@ def _open(path: str) -> Source:
     a path that is not there or not a known format is a usage error."""
     names = shard_paths(path) if is_shard_pattern(path) or is_parquet(path) else [path]
     missing = [n for n in names if not Path(n).exists()]
+    if any(glob.has_magic(n) for n in missing):
+        raise UsageError(f"{path}: no file matches {next(n for n in missing if glob.has_magic(n))}")
     if missing:
         raise UsageError(f"{path}: not found" + (f" ({len(missing)} of {len(names)} shards)" if len(names) > 1 else ""))
     try:
