@@ -49,11 +49,7 @@ def add_parsers(data: argparse.ArgumentParser, tokenizer: argparse.ArgumentParse
     st.add_argument("--max-images", type=int, default=2000, help="images to measure (a sample, default 2000)")
     st.set_defaults(func=stats)
 
-    sh = dsub.add_parser("shard", help="write img2dataset-style tar shards from a manifest")
-    sh.add_argument("manifest")
-    sh.add_argument("--out", required=True)
-    sh.add_argument("--shard-size", type=int, default=1000)
-    sh.set_defaults(func=shard)
+    _add_shard_parser(dsub)
 
     a = dsub.add_parser("audit", help="check a run's consumed-id records: no duplicates, nothing lost")
     a.add_argument("run_dir")
@@ -66,6 +62,20 @@ def add_parsers(data: argparse.ArgumentParser, tokenizer: argparse.ArgumentParse
     tt.add_argument("--vocab-size", type=int, default=4096)
     tt.add_argument("--kind", choices=["bpe", "wordpiece"], default="bpe")
     tt.set_defaults(func=train_tokenizer)
+
+
+def _add_shard_parser(dsub) -> None:
+    sh = dsub.add_parser("shard", help="write img2dataset-style tar shards (or Hub-style parquet) from a source")
+    sh.add_argument("manifest", metavar="SOURCE", help="a manifest, a tar shard pattern or parquet files")
+    sh.add_argument("--out", required=True)
+    sh.add_argument("--shard-size", type=int, default=1000, help="samples per tar shard or parquet file")
+    sh.add_argument("--format", choices=("tar", "parquet"), default="tar",
+                    help="tar: KEY.jpg/txt/json shards; parquet: train-0000K-of-0000N.parquet, Hub layout")
+    sh.add_argument("--image-size", type=int, default=0,
+                    help="resize images to this shorter side, aspect kept, as JPEG (0: copy them unchanged)")
+    sh.add_argument("--quality", type=int, default=95, help="JPEG quality of resized images (default 95)")
+    sh.add_argument("--row-group", type=int, default=100, help="rows per parquet row group (default 100)")
+    sh.set_defaults(func=shard)
 
 
 def synth(args: argparse.Namespace) -> int:
@@ -213,23 +223,30 @@ def _index_report(spec: str, source, took: float, with_lengths: bool) -> None:
 
 
 def shard(args: argparse.Namespace) -> int:
-    """``vltrain data shard MANIFEST --out DIR --shard-size N``; exit 1 if rows had to be skipped."""
+    """``vltrain data shard SOURCE --out DIR [--shard-size N] [--format tar|parquet] [--image-size N
+    --quality Q]``; exit 1 if rows had to be skipped."""
     from vltrain.data.index.open import open_any
     from vltrain.data.sources.manifests import open_manifest
     from vltrain.data.sources.parquet import is_parquet
     from vltrain.data.sources.patterns import is_shard_pattern
     from vltrain.data.sources.shards import ShardSource, write_shards
+    from vltrain.data.tools.convert import resizer, write_parquet
     from vltrain.errors import UserError
 
-    if args.shard_size < 1:
-        raise UserError(f"--shard-size must be >= 1, got {args.shard_size}")
+    if args.shard_size < 1 or args.row_group < 1:
+        raise UserError(f"--shard-size and --row-group must be >= 1, got {args.shard_size} and {args.row_group}")
+    transform = resizer(args.image_size, args.quality) if args.image_size else None
     source = ShardSource(args.manifest) if is_shard_pattern(args.manifest) else \
         open_any(args.manifest) if is_parquet(args.manifest) else open_manifest(args.manifest)
-    written, not_copied = write_shards(source, args.out, args.shard_size)
+    if args.format == "parquet":
+        written, not_copied = write_parquet(source, args.out, args.shard_size, args.row_group, transform)
+        pattern = f"{args.out}/train-*-of-{len(written):05d}.parquet"
+    else:
+        written, not_copied = write_shards(source, args.out, args.shard_size, transform)
+        pattern = f"{args.out}/{{00000..{len(written) - 1:05d}}}.tar" if written else "(none)"
     n = len(source) - len(not_copied)
     skipped = source.errors() + not_copied
-    pattern = f"{args.out}/{{00000..{len(written) - 1:05d}}}.tar" if written else "(none)"
-    print(f"wrote {n} samples in {len(written)} shard(s): {pattern}")
+    print(f"wrote {n} samples in {len(written)} {'file' if args.format == 'parquet' else 'shard'}(s): {pattern}")
     for p in skipped[:20]:
         print(f"  skipped {p}", file=sys.stderr)
     if skipped:

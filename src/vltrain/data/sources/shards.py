@@ -17,6 +17,7 @@ import os
 import tarfile
 from bisect import bisect_right
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 
@@ -194,11 +195,13 @@ def _tarfile_span(buf: bytes) -> list[tuple[str, bytes]]:
 # -- writing shards -------------------------------------------------------------------------------
 
 
-def write_shards(source: Source, out: str | os.PathLike, shard_size: int) -> tuple[list[Path], list[Problem]]:
+def write_shards(source: Source, out: str | os.PathLike, shard_size: int,
+                 transform: Callable[[bytes, str], tuple[bytes, str]] | None = None) -> tuple[list[Path], list[Problem]]:
     """Copy every readable row of ``source`` into ``out/00000.tar, ...``; unreadable rows are skipped.
 
     Image bytes are copied as they are (JPEG, PNG and WebP; other formats are re-encoded as PNG),
-    so sharding never changes a pixel. Each sample's key travels in ``KEY.json`` as ``id``.
+    so sharding never changes a pixel, unless ``transform`` (``(bytes, name) -> (bytes,
+    extension)``, a resize) is given. Each sample's key travels in ``KEY.json`` as ``id``.
     """
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -212,7 +215,11 @@ def write_shards(source: Source, out: str | os.PathLike, shard_size: int) -> tup
         members = {}
         if row.image is not None:
             try:
-                members.update(_image_member(source.read_image(i), row.image))
+                data, name = source.read_image(i), row.image
+                if transform is not None:
+                    data, ext = transform(data, name)
+                    name = f"image.{ext}"
+                members.update(_image_member(data, name))
             except (OSError, ValueError) as e:
                 skipped.append(Problem(row.where, f"image {row.image} not copied: {e}"))
                 continue
