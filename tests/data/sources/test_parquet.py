@@ -135,6 +135,8 @@ def test_remote_parquet_is_cached_whole_and_reads_like_local(hub, s3, tmp_path):
     source.prefetch(np.arange(12))
     assert [source.read_image(i) for i in range(12)] == [d for d, _ in pairs]
     assert [source.row(i).text for i in range(12)] == [c for _, c in pairs]
+    listed = open_indexed("s3://bucket/hub/train-*.parquet", None, 77, cache_dir=tmp_path / "cache")  # a glob
+    assert listed.files == source.files and [listed.row(i).text for i in range(12)] == [c for _, c in pairs]
 
 
 def test_the_data_tools_read_parquet(hub, capsys, tmp_path):
