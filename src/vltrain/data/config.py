@@ -116,7 +116,15 @@ class DataConfig:
     val: Sources = ""
     """Held-out pairs for retrieval recall, same forms as data.train (empty or null: no evaluation)."""
     batch_size: int = 64
-    """Per-rank micro-batch (with budget batching: the largest a batch may be)."""
+    """Per-rank micro-batch (with budget batching: the largest a batch may be). Ignored when
+    data.global_batch_size is set."""
+    global_batch_size: int = 0
+    """Samples per optimizer step, over all ranks: the run's batches and math are then the same on
+    any number of ranks, and it resumes on any number (docs/distributed.md#the-global-batch). 0: the
+    global batch is data.batch_size x train.accumulation x ranks, tied to the world size."""
+    micro_batch_size: int = 0
+    """With data.global_batch_size: the most rows one rank runs at once (0: global / ranks); the
+    accumulation steps are global / (ranks x micro), with gradcache for the contrastive loss."""
     image_size: int = 224
     """Side of the square images fed to the model; a multiple of the preset's patch size."""
     resize: Literal["crop", "squash"] = "crop"
@@ -224,6 +232,14 @@ class DataConfig:
     def validate(self) -> None:
         if self.batch_size < 1:
             raise ConfigError(f"data.batch_size must be >= 1, got {self.batch_size}")
+        if self.global_batch_size < 0 or self.micro_batch_size < 0:
+            raise ConfigError("data.global_batch_size and data.micro_batch_size must be >= 0 (0: not set)")
+        if self.micro_batch_size and not self.global_batch_size:
+            raise ConfigError("data.micro_batch_size splits data.global_batch_size, which is not set; set it, "
+                              "or use data.batch_size")
+        if self.global_batch_size and self.batching == "budget":
+            raise ConfigError("data.global_batch_size works with data.batching: fixed; budget batches are "
+                              "packed per rank (docs/distributed.md#the-global-batch): use data.batch_size")
         if self.image_size < 8:
             raise ConfigError(f"data.image_size must be >= 8, got {self.image_size}")
         if len(self.mean) != 3 or len(self.std) != 3:

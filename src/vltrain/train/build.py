@@ -139,6 +139,35 @@ def build_task(cfg: JobConfig, model: VLModel) -> Task:
     return Task(model, Objectives(cfg.model.loss, model))
 
 
+def resolve_global_batch(cfg: JobConfig, world_size: int) -> str:
+    """Set ``data.batch_size`` and ``train.accumulation`` from ``data.global_batch_size`` for this
+    world (gradcache for the contrastive loss when a step takes several micro-batches); what the
+    step is, in words. Refuses a global batch that does not split evenly, naming what would."""
+    data, tc = cfg.data, cfg.train
+    g, w = data.global_batch_size, world_size
+    if not g:
+        return (f"global batch {data.batch_size * tc.accumulation * w} = data.batch_size {data.batch_size} x "
+                f"train.accumulation {tc.accumulation} x {w} rank(s): tied to the world size (set "
+                "data.global_batch_size to train and resume the same batches on any number of ranks)")
+    if g % w:
+        raise ConfigError(f"data.global_batch_size={g} does not split among {w} ranks; use a multiple of {w} "
+                          f"(e.g. {g - g % w or w} or {g + w - g % w})")
+    micro = data.micro_batch_size or g // w
+    if (g // w) % micro:
+        fits = [m for m in range(1, g // w + 1) if (g // w) % m == 0]
+        raise ConfigError(f"data.micro_batch_size={micro} does not divide the {g // w} rows each of {w} ranks "
+                          f"takes per step (data.global_batch_size={g}); use one of {fits}")
+    data.batch_size, tc.accumulation = micro, g // (w * micro)
+    if tc.accumulation > 1:
+        tc.contrastive_accumulation = "gradcache"  # the contrastive loss still sees all g rows
+    loss = cfg.model.loss
+    drawn = [n for n in ("itm", "mlm", "text_mlm", "image_mim") if getattr(loss, n, 0)]
+    return (f"global batch {g} = {w} rank(s) x {tc.accumulation} micro-batch(es) x {micro} rows"
+            + (" (gradcache)" if tc.accumulation > 1 else "")
+            + (f"; {', '.join(drawn)} draw per rank: the same samples per step, but losses that depend on the "
+               "split (docs/distributed.md#the-global-batch)" if drawn else ""))
+
+
 def build_train_loader_for(cfg: JobConfig, tokenizer: Tokenizer, world: World, run_dir: Path) -> TrainLoader:
     dataset = build_dataset(cfg.data, "train", tokenizer, run_dir=run_dir, plan_aware=True)
     return build_train_loader(

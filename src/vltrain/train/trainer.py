@@ -7,6 +7,7 @@ Set-up: distributed -> model -> parallelize -> optimizer -> scheduler -> data ->
 
 from __future__ import annotations
 
+import logging
 import math
 import random
 import signal
@@ -30,6 +31,7 @@ from vltrain.checkpoint.space import QuietWrites, check_writable
 from vltrain.config.job import JobConfig
 from vltrain.data.batch import Batch
 from vltrain.data.dataset import source_specs
+from vltrain.errors import UserError
 from vltrain.eval.evaluator import Evaluator, append_eval, check_early_stop_metric, format_metrics
 from vltrain.runtime.distributed import all_reduce_sum, host_any
 from vltrain.runtime.faults import maybe_fail
@@ -46,6 +48,7 @@ from vltrain.train.build import (
     build_tokenizer,
     build_train_loader_for,
     describe_preprocessing,
+    resolve_global_batch,
     resolve_init,
 )
 from vltrain.train.gradcache import gradcache_backward
@@ -56,6 +59,7 @@ from vltrain.train.parallelize import clip_grad_norm, parallelize, reduce_replic
 from vltrain.train.source_metrics import SourceMeter
 from vltrain.train.step import StepLosses, apply_update, plain_backward
 
+log = logging.getLogger(__name__)
 
 class Trainer:
     _samples_pending: torch.Tensor | None = None
@@ -70,6 +74,9 @@ class Trainer:
         self.world = setup_world(timeout_s=tc.timeout_s, device=tc.device, threads=tc.threads, tf32=tc.tf32,
                                  debug_spmd=tc.debug_spmd, deterministic=tc.deterministic)
         self.device = self.world.device
+        self.batch_said = resolve_global_batch(cfg, self.world.world_size)
+        if self.world.is_main:
+            log.info(self.batch_said)
         self._prepare_run_dir()
 
         self._build_model()
@@ -92,6 +99,8 @@ class Trainer:
         self.source_meter = SourceMeter([s.display_name() for s in self.sources], list(task.objectives.loss_weights),
                                         self.device)
         self.loader = build_train_loader_for(cfg, self.tokenizer, self.world, self.run_dir)
+        self.loader.elastic = bool(cfg.data.global_batch_size)
+        self.global_batch = cfg.data.batch_size * tc.accumulation * self.world.world_size
         self.evaluator = Evaluator(cfg, self.tokenizer, self.world, self.run_dir)
 
         # counters (Stateful through this object)
@@ -137,6 +146,11 @@ class Trainer:
         return RngState()
 
     def _say_resumed(self) -> None:
+        if self.loader.elastic and self.restored.world_size != self.world.world_size:
+            self.metrics.write(f"resumed from {self.restored.path} at step {self.step} on {self.world.world_size} "
+                               f"rank(s) (same global batches; model and optimizer resharded from "
+                               f"{self.restored.world_size})")
+            return
         how = "exactly" if self.restored.exact else (
             f"from world size {self.restored.world_size}: model and optimizer resharded, data continues "
             "by samples seen (not bit-exact)")
@@ -201,9 +215,15 @@ class Trainer:
             "best_metric": self.best_metric,
             "evals_without_improvement": self.evals_without_improvement,
             "guard": self.guard.state_dict(),
+            "global_batch": self.global_batch,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        saved = state.get("global_batch", self.global_batch)
+        if self.loader.elastic and saved != self.global_batch:
+            raise UserError(f"cannot resume the same run: the checkpoint's global batch is {saved} samples, this "
+                            f"run's is {self.global_batch} (data.global_batch_size); resume with "
+                            f"data.global_batch_size={saved}")
         self.step = int(state["step"])
         self.samples_seen = int(state["samples_seen"])
         self.best_metric = state["best_metric"]

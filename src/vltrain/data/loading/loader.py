@@ -150,6 +150,9 @@ class TrainLoader:
     ) -> None:
         self.sampler = sampler
         self.bad_log, self.audit = bad_log, audit
+        self.elastic = False
+        """Set by the trainer when the run is set by its global batch: a resume may then split the
+        same global batch among another number of ranks and micro-batches."""
         self.samples_seen = 0
         extra = {}
         if num_workers > 0:
@@ -226,9 +229,13 @@ class TrainLoader:
         order does not depend on the world size, so the run continues where it was by samples
         seen; batches are composed differently, so that resume is not bit-exact.
         """
-        sampler, world = state["sampler"], self.sampler.world_size
-        saved_world = sampler["world_size"]
-        if saved_world != world:
+        sampler, world, batch = state["sampler"], self.sampler.world_size, self.sampler.batch_size
+        saved_world, saved_batch = sampler["world_size"], sampler.get("batch_size", batch)
+        if self.elastic and (saved_world, saved_batch) != (world, batch):
+            # the same global batch split another way (the trainer checks it): the position in samples
+            rows = sampler["consumed"] * saved_world * saved_batch
+            sampler = {**sampler, "world_size": world, "batch_size": batch, "consumed": rows // (world * batch)}
+        elif saved_world != world:
             sampler = {**sampler, "world_size": world, "consumed": sampler["consumed"] * saved_world // world}
         self.sampler.load_state_dict(sampler)
         self.samples_seen = int(state["samples_seen"])

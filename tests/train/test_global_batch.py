@@ -1,0 +1,124 @@
+"""data.global_batch_size: the same samples in every step and the same math whatever the split,
+so a run continues its own trajectory on another number of ranks (dual encoder, ITC and SigLIP,
+with text-only rows in the data). Real processes: torchrun, gloo, 1 and 2 ranks."""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from pathlib import Path
+
+import pytest
+import torch
+from runkit import final_state, ok, session_shapes, train
+
+STEPS = 20
+TOL = 1e-5
+SPLITS = {"1 rank, A=1": (1, {}), "1 rank, A=2 (gradcache)": (1, {"data__micro_batch_size": 4}),
+          "2 ranks, A=1": (2, {})}
+
+
+def run(shapes: Path, run_dir: Path, nproc: int, **extra):
+    settings = {"data__global_batch_size": 8, "data__audit": "true", "train__max_steps": STEPS, "train__log_every": 1}
+    return train(shapes, run_dir, nproc=nproc, **{**settings, **extra})
+
+
+def losses(run_dir: Path) -> list[float]:
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.startswith("{")]
+    return [r["loss"] for r in rows if "loss" in r]
+
+
+def model_distance(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    """||a - b|| / ||b|| over every model parameter."""
+    keys = [k for k in b if k.startswith("model.")]
+    x = torch.cat([a[k].flatten().double() for k in keys])
+    y = torch.cat([b[k].flatten().double() for k in keys])
+    return float((x - y).norm() / y.norm())
+
+
+def step_ids(run_dir: Path, accumulation: int) -> dict[tuple[int, int], list[int]]:
+    """The sample ids of each optimizer step (epoch, step), from every rank's audit file."""
+    out: dict[tuple[int, int], list[int]] = defaultdict(list)
+    for f in (run_dir / "audit").glob("rank*.jsonl"):
+        for r in map(json.loads, f.read_text().splitlines()):
+            if r["kind"] == "batch":
+                out[(r["epoch"], r["step"] // accumulation)] += r["ids"]
+    return {k: sorted(v) for k, v in out.items()}
+
+
+LOSSES = {"itc": {}, "siglip": {"model__loss__itc": 0, "model__loss__siglip": 1}}
+
+
+@pytest.fixture(scope="module", params=list(LOSSES))
+def splits(request, tmp_path_factory):
+    shapes = session_shapes(tmp_path_factory)
+    root = tmp_path_factory.mktemp(f"global-batch-{request.param}")
+    done = {}
+    for name, (nproc, extra) in SPLITS.items():
+        proc = ok(run(shapes, root / name.replace(" ", "_"), nproc, **LOSSES[request.param], **extra))
+        done[name] = (root / name.replace(" ", "_"), proc)
+    return shapes, done
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_one_global_batch_split_three_ways_trains_the_same_model(splits):
+    _, done = splits
+    (ref, proc), *others = done.values()
+    assert "global batch 8 = 1 rank(s) x 1 micro-batch(es) x 8 rows" in proc.stderr
+    assert "global batch 8 = 1 rank(s) x 2 micro-batch(es) x 4 rows (gradcache)" in done["1 rank, A=2 (gradcache)"][1].stderr
+    base = losses(ref)
+    assert len(base) == STEPS
+    for run_dir, _ in others:
+        curve = losses(run_dir)
+        assert len(curve) == STEPS
+        assert max(abs(a - b) / abs(b) for a, b in zip(curve, base)) < TOL, (run_dir.name, curve, base)
+        assert model_distance(final_state(run_dir), final_state(ref)) < TOL
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_the_audit_shows_the_same_samples_in_every_step(splits):
+    _, done = splits
+    accumulation = {"1 rank, A=1": 1, "1 rank, A=2 (gradcache)": 2, "2 ranks, A=1": 1}
+    ids = {name: step_ids(run_dir, accumulation[name]) for name, (run_dir, _) in done.items()}
+    first = ids["1 rank, A=1"]
+    assert len(first) == STEPS and all(len(v) == 8 for v in first.values())
+    assert ids["1 rank, A=2 (gradcache)"] == first and ids["2 ranks, A=1"] == first
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_stopped_on_two_ranks_and_resumed_on_one_it_continues_the_same_trajectory(tmp_path_factory, tmp_path):
+    shapes = session_shapes(tmp_path_factory)
+    unstopped = tmp_path / "unstopped"
+    ok(run(shapes, unstopped, 2))
+    run_dir = tmp_path / "run"
+    assert run(shapes, run_dir, 2, fault="kill:at=step:step=10").returncode != 0
+    resumed = ok(run(shapes, run_dir, 1, data__micro_batch_size=4))
+    assert "at step 8 on 1 rank(s) (same global batches; model and optimizer resharded from 2)" in resumed.stdout \
+        + resumed.stderr
+    curve, base = losses(run_dir), losses(unstopped)
+    assert len(curve) == STEPS and max(abs(a - b) / abs(b) for a, b in zip(curve, base)) < TOL
+    assert model_distance(final_state(run_dir), final_state(unstopped)) < TOL
+    refused = run(shapes, tmp_path / "run", 1, data__global_batch_size=4, train__max_steps=STEPS + 2)
+    assert refused.returncode != 0 and "resume with data.global_batch_size=8" in refused.stderr
+
+
+def test_indivisible_splits_are_refused_naming_what_works():
+    from vltrain.config.job import JobConfig
+    from vltrain.errors import ConfigError
+    from vltrain.train.build import resolve_global_batch
+
+    cfg = JobConfig()
+    cfg.data.global_batch_size = 10
+    with pytest.raises(ConfigError, match="does not split among 4 ranks; use a multiple of 4 \\(e.g. 8 or 12\\)"):
+        resolve_global_batch(cfg, 4)
+    cfg.data.micro_batch_size = 3
+    with pytest.raises(ConfigError, match=r"does not divide the 5 rows .* use one of \[1, 5\]"):
+        resolve_global_batch(cfg, 2)
+    cfg.data.global_batch_size, cfg.data.micro_batch_size = 12, 2
+    assert resolve_global_batch(cfg, 2).startswith("global batch 12 = 2 rank(s) x 3 micro-batch(es) x 2 rows (gradcache)")
+    assert (cfg.data.batch_size, cfg.train.accumulation, cfg.train.contrastive_accumulation) == (2, 3, "gradcache")
+    tied = JobConfig()
+    assert "tied to the world size" in resolve_global_batch(tied, 2)
