@@ -75,9 +75,9 @@ class Trainer:
                                  debug_spmd=tc.debug_spmd, deterministic=tc.deterministic)
         self.device = self.world.device
         self.batch_said = resolve_global_batch(cfg, self.world.world_size)
+        self._prepare_run_dir()
         if self.world.is_main:
             log.info(self.batch_said)
-        self._prepare_run_dir()
 
         self._build_model()
 
