@@ -9,10 +9,13 @@ the step, gradient caching) never imports a producer.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import torch
 from torch import nn
+
+if TYPE_CHECKING:
+    from vltrain.objectives.keyed import StepKey
 
 
 @dataclass
@@ -34,6 +37,9 @@ class ModelInputs:
     counts: tuple[int, int] | None = None
     """How many rows have an image and how many have text, known on the host (the collator counts
     them): the model splits rows between its towers without asking the device (None: it asks)."""
+    key: "StepKey | None" = None
+    """The step's seed, number and objective denominators: what the objectives' random draws are
+    keyed by, and what their losses are divided by (None: fixed draws, local denominators)."""
 
     def __len__(self) -> int:
         return int(self.ids.shape[0])

@@ -1,6 +1,7 @@
 """data.global_batch_size: the same samples in every step and the same math whatever the split,
-so a run continues its own trajectory on another number of ranks (dual encoder, ITC and SigLIP,
-with text-only rows in the data). Real processes: torchrun, gloo, 1 and 2 ranks."""
+so a run continues its own trajectory on another number of ranks: the dual encoder (ITC, SigLIP)
+and the fusion model (ITC + ITM + MLM), with text-only and image-only rows in the data. Real
+processes: torchrun, gloo, 1 and 2 ranks."""
 
 from __future__ import annotations
 
@@ -18,14 +19,32 @@ SPLITS = {"1 rank, A=1": (1, {}), "1 rank, A=2 (gradcache)": (1, {"data__micro_b
           "2 ranks, A=1": (2, {})}
 
 
+def mixed(tmp_path_factory) -> Path:
+    """The shapes with 20% text-only rows, and every seventh image-text row made image-only."""
+    shapes = session_shapes(tmp_path_factory)
+    out = shapes / "mixed.jsonl"
+    if not out.exists():
+        rows = [json.loads(x) for x in (shapes / "train.jsonl").read_text().splitlines()]
+        for i, row in enumerate(rows):
+            if i % 7 == 3 and "image" in row:
+                del row["text"]
+        out.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return shapes
+
+
 def run(shapes: Path, run_dir: Path, nproc: int, **extra):
-    settings = {"data__global_batch_size": 8, "data__audit": "true", "train__max_steps": STEPS, "train__log_every": 1}
-    return train(shapes, run_dir, nproc=nproc, **{**settings, **extra})
+    settings = {"data__train": shapes / "mixed.jsonl", "data__global_batch_size": 8, "data__audit": "true",
+                "train__max_steps": STEPS, "train__log_every": 1}
+    return train(shapes, run_dir, nproc=nproc, timeout=240, **{**settings, **extra})
+
+
+def metric_rows(run_dir: Path) -> list[dict]:
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.startswith("{")]
+    return [r for r in rows if "loss" in r]
 
 
 def losses(run_dir: Path) -> list[float]:
-    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.startswith("{")]
-    return [r["loss"] for r in rows if "loss" in r]
+    return [r["loss"] for r in metric_rows(run_dir)]
 
 
 def model_distance(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
@@ -46,12 +65,14 @@ def step_ids(run_dir: Path, accumulation: int) -> dict[tuple[int, int], list[int
     return {k: sorted(v) for k, v in out.items()}
 
 
-LOSSES = {"itc": {}, "siglip": {"model__loss__itc": 0, "model__loss__siglip": 1}}
+FUSION = {"model__preset": "tiny-albef", "model__loss__itm": 1, "model__loss__mlm": 0.5, "model__loss__itm_group_size": 4,
+          "model__loss__text_mlm": 0.3, "model__loss__image_mim": 0.3}
+LOSSES = {"itc": {}, "siglip": {"model__loss__itc": 0, "model__loss__siglip": 1}, "fusion": FUSION}
 
 
 @pytest.fixture(scope="module", params=list(LOSSES))
 def splits(request, tmp_path_factory):
-    shapes = session_shapes(tmp_path_factory)
+    shapes = mixed(tmp_path_factory)
     root = tmp_path_factory.mktemp(f"global-batch-{request.param}")
     done = {}
     for name, (nproc, extra) in SPLITS.items():
@@ -67,6 +88,9 @@ def test_one_global_batch_split_three_ways_trains_the_same_model(splits):
     (ref, proc), *others = done.values()
     assert "global batch 8 = 1 rank(s) x 1 micro-batch(es) x 8 rows" in proc.stderr
     assert "global batch 8 = 1 rank(s) x 2 micro-batch(es) x 4 rows (gradcache)" in done["1 rank, A=2 (gradcache)"][1].stderr
+    if "tiny-albef" in str(proc.args):
+        assert "ITM negatives from groups of 4 consecutive rows of the global batch" in proc.stderr
+        assert all(set(r) >= {"loss/itm", "loss/mlm"} for r in metric_rows(ref))
     base = losses(ref)
     assert len(base) == STEPS
     for run_dir, _ in others:
@@ -88,20 +112,21 @@ def test_the_audit_shows_the_same_samples_in_every_step(splits):
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(600)
-def test_stopped_on_two_ranks_and_resumed_on_one_it_continues_the_same_trajectory(tmp_path_factory, tmp_path):
-    shapes = session_shapes(tmp_path_factory)
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("model", ["itc", "fusion"])
+def test_stopped_on_two_ranks_and_resumed_on_one_it_continues_the_same_trajectory(model, tmp_path_factory, tmp_path):
+    shapes = mixed(tmp_path_factory)
     unstopped = tmp_path / "unstopped"
-    ok(run(shapes, unstopped, 2))
+    ok(run(shapes, unstopped, 2, **LOSSES[model]))
     run_dir = tmp_path / "run"
-    assert run(shapes, run_dir, 2, fault="kill:at=step:step=10").returncode != 0
-    resumed = ok(run(shapes, run_dir, 1, data__micro_batch_size=4))
+    assert run(shapes, run_dir, 2, fault="kill:at=step:step=10", **LOSSES[model]).returncode != 0
+    resumed = ok(run(shapes, run_dir, 1, data__micro_batch_size=4, **LOSSES[model]))
     assert "at step 8 on 1 rank(s) (same global batches; model and optimizer resharded from 2)" in resumed.stdout \
         + resumed.stderr
     curve, base = losses(run_dir), losses(unstopped)
     assert len(curve) == STEPS and max(abs(a - b) / abs(b) for a, b in zip(curve, base)) < TOL
     assert model_distance(final_state(run_dir), final_state(unstopped)) < TOL
-    refused = run(shapes, tmp_path / "run", 1, data__global_batch_size=4, train__max_steps=STEPS + 2)
+    refused = run(shapes, tmp_path / "run", 1, data__global_batch_size=4, train__max_steps=STEPS + 2, **LOSSES[model])
     assert refused.returncode != 0 and "resume with data.global_batch_size=8" in refused.stderr
 
 

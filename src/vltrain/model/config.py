@@ -43,9 +43,14 @@ class LossConfig:
     contrastive_impl: str = "gather"
     """How ITC and SigLIP reach the other ranks' columns: gather (all at once: a [b, W*b] matrix per
     rank) or ring (block by block around the ranks: memory flat in W, the same values; vltrain.objectives.ring)."""
-    itm_negatives: str = "local"
-    """Where ITM draws its hard negatives: local (the rank's own batch, as ALBEF) or global (every
-    rank's batch: gathers every rank's token features, W times the bytes; docs/distributed.md)."""
+    itm_negatives: str = "auto"
+    """Where ITM draws its hard negatives: group (a fixed run of itm_group_size consecutive rows of the
+    global batch: the same pools on any number of ranks), local (the rank's own micro-batch, as
+    ALBEF), global (every rank's micro-batch: gathers every rank's token features, W times the
+    bytes); auto: group with data.global_batch_size, local without (docs/distributed.md)."""
+    itm_group_size: int = 0
+    """Rows per ITM group (itm_negatives: group); it must divide the micro-batch. 0: the largest
+    divisor of the micro-batch up to 64, kept by the run's checkpoints."""
     text_mlm: float = 0.0
     """Masked language modelling on the text tower alone (its own head, tied to the token embedding):
     what text-only rows train. Any preset; needs a tokenizer with a mask token."""
@@ -67,8 +72,10 @@ class LossConfig:
             raise ConfigError("model.loss: set itc or siglip > 0 (a model needs a contrastive objective)")
         if self.contrastive_impl not in ("gather", "ring"):
             raise ConfigError(f"model.loss.contrastive_impl must be gather or ring, got {self.contrastive_impl!r}")
-        if self.itm_negatives not in ("local", "global"):
-            raise ConfigError(f"model.loss.itm_negatives must be local or global, got {self.itm_negatives!r}")
+        if self.itm_negatives not in ("auto", "group", "local", "global"):
+            raise ConfigError(f"model.loss.itm_negatives must be auto, group, local or global, got {self.itm_negatives!r}")
+        if self.itm_group_size < 0:
+            raise ConfigError(f"model.loss.itm_group_size must be >= 0 (0: automatic), got {self.itm_group_size}")
         if not 0 < self.mim_ratio < 1:
             raise ConfigError(f"model.loss.mim_ratio must be in (0, 1), got {self.mim_ratio}")
         if not 0 < self.mlm_probability < 1:

@@ -148,36 +148,49 @@ def sample_negatives(
     row_ids: torch.Tensor,
     col_ids: torch.Tensor,
     col_ok: torch.Tensor,
-    generator: torch.Generator | None = None,
+    uniform: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One hard negative column per row, drawn with probability softmax(sim) among the allowed columns.
 
-    Allowed: ``col_ok`` and a sample id different from the row's (never a positive, even when the
-    same sample sits on another rank). Returns (column index [b], found [b] bool); a row with no
-    allowed column gets an arbitrary index and found=False, so its pair must get zero weight. Sampling
-    stays on the device (torch.multinomial): no per-row host synchronization.
+    Allowed: ``col_ok`` ([n] for every row, or [b, n] per row) and a sample id different from the row's (never a positive, even when the
+    same sample sits on another rank). The draw inverts each row's cumulative distribution at
+    ``uniform`` ([b] in [0, 1); fresh ``torch.rand`` numbers when None), so a row keyed to the same
+    number over the same columns picks the same negative (:mod:`vltrain.objectives.keyed`).
+    Returns (column index [b], found [b] bool); a row with no allowed column gets an arbitrary index
+    and found=False, so its pair must get zero weight. Everything stays on the device.
     """
     with torch.no_grad():
-        allowed = col_ok[None, :] & (row_ids[:, None] != col_ids[None, :])
+        ok = col_ok if col_ok.dim() == 2 else col_ok[None, :]
+        allowed = ok & (row_ids[:, None] != col_ids[None, :])
         found = allowed.any(dim=1)
         s = sim.float().masked_fill(~allowed, float("-inf"))
         top = s.amax(dim=1, keepdim=True)
         top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
         p = (s - top).exp()
         p = torch.where(found[:, None], p, torch.ones_like(p))
-        index = torch.multinomial(p, 1, generator=generator).squeeze(1)
+        cdf = p.cumsum(dim=1)
+        if uniform is None:
+            uniform = torch.rand(sim.shape[0], device=sim.device)
+        target = uniform.to(cdf.dtype)[:, None] * cdf[:, -1:]
+        # the first column whose cumulative mass passes the target (never one of mass 0)
+        index = (cdf <= target).sum(dim=1).clamp(max=sim.shape[1] - 1)
     return index, found
 
 
-def itm_loss(logits: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor, rows_out: list | None = None
-             ) -> torch.Tensor:
+def _over(summed: torch.Tensor, total: torch.Tensor) -> torch.Tensor:
+    """``summed / total``, or 0 where nothing counted (``total`` 0)."""
+    return summed / torch.where(total > 0, total, torch.ones_like(total))
+
+
+def itm_loss(logits: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor, rows_out: list | None = None,
+             denominator: torch.Tensor | None = None) -> torch.Tensor:
     """Weighted mean cross-entropy of matched (1) / not matched (0) over the pairs with weight > 0.
-    ``rows_out`` receives each pair's cross-entropy (detached)."""
+    ``rows_out`` receives each pair's cross-entropy (detached). ``denominator`` replaces the local
+    sum of weights (a global one: the step's over every rank and micro-batch)."""
     ce = F.cross_entropy(logits.float(), labels, reduction="none")
     if rows_out is not None:
         rows_out.append(ce.detach())
-    total = weights.sum()
-    return (weights * ce).sum() / torch.where(total > 0, total, torch.ones_like(total))
+    return _over((weights * ce).sum(), weights.sum() if denominator is None else denominator)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -192,16 +205,19 @@ def mask_tokens(
     vocab_size: int,
     pad_id: int,
     probability: float = 0.15,
-    generator: torch.Generator | None = None,
+    draws: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """BERT masking: pick ``probability`` of the real tokens; of those 80% -> [MASK], 10% -> a random
-    token, 10% unchanged. Returns (masked ids, labels with -100 where not picked). Deterministic
-    given the generator's state (the default generator of the ids' device when None)."""
-    dev = input_ids.device
+    token, 10% unchanged. Returns (masked ids, labels with -100 where not picked).
+
+    ``draws``: three float tensors in [0, 1) of the ids' shape (whether picked, how, which random
+    token); keyed ones (:mod:`vltrain.objectives.keyed`) make the masks a function of the sample and
+    the step. None: fresh ``torch.rand`` numbers."""
+    if draws is None:
+        draws = tuple(torch.rand(input_ids.shape, device=input_ids.device) for _ in range(3))
+    draw, how, token = draws
     real = attention_mask.bool() & (input_ids != pad_id) & (input_ids != mask_id)
-    draw = torch.rand(input_ids.shape, generator=generator, device=dev)
-    how = torch.rand(input_ids.shape, generator=generator, device=dev)
-    random_tokens = torch.randint(vocab_size, input_ids.shape, generator=generator, device=dev)
+    random_tokens = (token * vocab_size).long().clamp(max=vocab_size - 1)
     picked = real & (draw < probability)
     labels = torch.where(picked, input_ids, torch.full_like(input_ids, -100))
     masked = torch.where(picked & (how < 0.8), torch.full_like(input_ids, mask_id), input_ids)
@@ -210,9 +226,10 @@ def mask_tokens(
 
 
 def mlm_loss(logits: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor | None = None,
-             rows_out: list | None = None) -> torch.Tensor:
+             rows_out: list | None = None, denominator: torch.Tensor | None = None) -> torch.Tensor:
     """Cross-entropy over picked tokens, each weighted by its row's weight; zero when none is picked.
-    ``rows_out`` receives each row's mean over its picked tokens (detached; 0 where none)."""
+    ``rows_out`` receives each row's mean over its picked tokens (detached; 0 where none).
+    ``denominator`` replaces the local weighted count of picked tokens."""
     ce = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=-100, reduction="none")
     if rows_out is not None:
         picked = (labels != -100).float()
@@ -221,8 +238,7 @@ def mlm_loss(logits: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor |
     if weights is not None:
         w = w * weights.float()[:, None]
     w = w.flatten()
-    total = w.sum()
-    return (w * ce).sum() / torch.where(total > 0, total, torch.ones_like(total))
+    return _over((w * ce).sum(), w.sum() if denominator is None else denominator)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -237,15 +253,16 @@ def patchify(pixels: torch.Tensor, patch_size: int) -> torch.Tensor:
 
 
 def mim_loss(prediction: torch.Tensor, target: torch.Tensor, patch_mask: torch.Tensor,
-             weights: torch.Tensor | None = None, rows_out: list | None = None) -> torch.Tensor:
+             weights: torch.Tensor | None = None, rows_out: list | None = None,
+             denominator: torch.Tensor | None = None) -> torch.Tensor:
     """SimMIM's L1 between predicted and true pixels of the masked patches ([B, patches, 3pp] each),
     a mean over masked patches weighted by their row's weight; zero when nothing is masked.
-    ``rows_out`` receives each row's mean over its masked patches (detached)."""
+    ``rows_out`` receives each row's mean over its masked patches (detached). ``denominator``
+    replaces the local weighted count of masked patches."""
     per_patch = (prediction.float() - target.float()).abs().mean(dim=-1)
     m = patch_mask.float()
     if rows_out is not None:
         rows_out.append((per_patch.detach() * m).sum(dim=1) / m.sum(dim=1).clamp(min=1))
     if weights is not None:
         m = m * weights.float()[:, None]
-    total = m.sum()
-    return (m * per_patch).sum() / torch.where(total > 0, total, torch.ones_like(total))
+    return _over((m * per_patch).sum(), m.sum() if denominator is None else denominator)

@@ -9,8 +9,18 @@ model has its head (``build_model`` decides that once).
 
 Splitting the contrastive term from the rest serves gradient-cached accumulation:
 ``score(model, enc, inputs)`` equals the contrastive term plus ``score(..., contrastive=False)``, so
-(cached-embedding surrogate) + ``score(..., contrastive=False)`` has the exact gradient. ITM negative
-sampling and MLM masking draw from the default torch generator.
+(cached-embedding surrogate) + ``score(..., contrastive=False)`` has the exact gradient.
+
+Nothing here depends on how a step is split among ranks and micro-batches
+(docs/distributed.md#the-global-batch):
+
+- ITM negatives, MLM masks and MIM masks are drawn from numbers keyed by the seed, the step and the
+  sample id (:mod:`vltrain.objectives.keyed`), never from a generator whose state depends on what
+  the rank drew before;
+- with ``itm_negatives: group`` a row's negatives come from its group, a fixed run of consecutive
+  rows of the global batch that no split cuts through;
+- ITM, MLM and MIM are weighted means over the whole step: the trainer sums every micro-batch's
+  denominator over the ranks first (:meth:`Objectives.local_totals`) and hands it in with the key.
 """
 
 from __future__ import annotations
@@ -21,6 +31,7 @@ import torch
 
 from vltrain.model.config import LossConfig
 from vltrain.model.model import VLModel
+from vltrain.objectives.keyed import UNKEYED, StepKey, Stream
 from vltrain.objectives.losses import (
     itc_loss,
     itm_loss,
@@ -111,6 +122,12 @@ class _Columns:
         return _Columns(*tensors, meta[:, 0], meta[:, 1].bool(), meta[:, 2].bool())
 
 
+def _denominator(inputs: ModelInputs, name: str) -> torch.Tensor | None:
+    """The step's denominator of objective ``name``, when the trainer gave one."""
+    totals = inputs.key.totals if inputs.key is not None else None
+    return totals.get(name) if totals else None
+
+
 class Objectives:
     """The weighted objectives of one model: ``loss_weights`` holds those with weight > 0 that the
     model has heads for."""
@@ -130,8 +147,16 @@ class Objectives:
         self.image_mim_paired = loss.image_mim_paired
         self.mim_ratio = loss.mim_ratio
         self.mlm_probability = loss.mlm_probability
-        self.itm_negatives = loss.itm_negatives
+        self.itm_negatives = "local" if loss.itm_negatives == "auto" else loss.itm_negatives
+        self.itm_group_size = loss.itm_group_size
+        """Rows per ITM group (``itm_negatives: group``); 0: the whole micro-batch."""
         self.ring = loss.contrastive_impl == "ring"
+
+    @property
+    def averaged(self) -> list[str]:
+        """The objectives that are weighted means over a step's rows, pairs, tokens or patches
+        (all but the contrastive ones, which see the global batch by themselves)."""
+        return [k for k in ("itm", "mlm", "text_mlm", "image_mim") if k in self.loss_weights]
 
     # -- contrastive --------------------------------------------------------------------------
 
@@ -160,8 +185,8 @@ class Objectives:
     # -- image-text matching ------------------------------------------------------------------
 
     def itm_pairs(self, model: VLModel, enc: Encoded, inputs: ModelInputs) -> ITMPairs:
-        """Positives and hard negatives drawn from the similarity matrix of the rank's own batch
-        (``itm_negatives: local``) or of the global batch (``global``).
+        """Positives and hard negatives drawn from the similarity matrix of the row's group
+        (``itm_negatives: group``), the rank's own batch (``local``) or the global batch (``global``).
 
         With global negatives the token features of every rank are gathered with a gradient path,
         so a negative from another rank trains that rank's encoders exactly as in one process with
@@ -171,15 +196,18 @@ class Objectives:
         """
         ids = inputs.ids
         b = ids.shape[0]
+        key = inputs.key or UNKEYED
         cols = _Columns.gather(enc, inputs, self.itm_negatives == "global")
+        text_ok, image_ok = self._itm_allowed(ids, cols.ids, cols.has_image, cols.has_text)
         text_tokens = pad_to(enc.text_tokens, (b, *cols.text_tokens.shape[1:]))
         attention_mask = pad_to(inputs.attention_mask, (b, cols.attention_mask.shape[1]))
         with torch.no_grad():
             scale = scale_of(model.logit_scale)
             sim_i2t = scale * enc.image_embeds.detach().float() @ cols.text_embeds.float().t()
             sim_t2i = scale * enc.text_embeds.detach().float() @ cols.image_embeds.float().t()
-        neg_text, text_found = sample_negatives(sim_i2t, ids, cols.ids, cols.has_text)
-        neg_image, image_found = sample_negatives(sim_t2i, ids, cols.ids, cols.has_image)
+        neg_text, text_found = sample_negatives(sim_i2t, ids, cols.ids, text_ok, key.uniform(Stream.ITM_TEXT, ids, 1)[:, 0])
+        neg_image, image_found = sample_negatives(sim_t2i, ids, cols.ids, image_ok,
+                                                  key.uniform(Stream.ITM_IMAGE, ids, 1)[:, 0])
         valid = (inputs.has_image & inputs.has_text).float()
         return ITMPairs(
             text_tokens=torch.cat([text_tokens, cols.text_tokens.index_select(0, neg_text), text_tokens]),
@@ -191,6 +219,27 @@ class Objectives:
             negative_image_ids=cols.ids[neg_image],
         )
 
+    def _itm_allowed(self, ids: torch.Tensor, col_ids: torch.Tensor, col_image: torch.Tensor, col_text: torch.Tensor
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """[b, n] each: the columns a row may take its negative text and its negative image from
+        (the modality, another sample, and with ``group`` the row's group)."""
+        other = ids[:, None] != col_ids[None, :]
+        if self.itm_negatives == "group":
+            size = self.itm_group_size or len(ids)
+            group = torch.arange(len(ids), device=ids.device) // size
+            other = other & (group[:, None] == group[None, :])
+        return other & col_text[None, :], other & col_image[None, :]
+
+    def _itm_total(self, inputs: ModelInputs, weights: torch.Tensor) -> torch.Tensor:
+        """The ITM denominator of one micro-batch: each image-text row's weight times its pairs (the
+        positive, and each negative its pool holds). Gathers the pool's ids with global negatives."""
+        meta = torch.stack([inputs.ids, inputs.has_image.long(), inputs.has_text.long()], dim=1)
+        if self.itm_negatives == "global":
+            meta = all_gather_no_grad(meta, exchange_shapes(meta)[0])
+        text_ok, image_ok = self._itm_allowed(inputs.ids, meta[:, 0], meta[:, 1].bool(), meta[:, 2].bool())
+        pairs = 1 + text_ok.any(dim=1).float() + image_ok.any(dim=1).float()
+        return (weights * (inputs.has_image & inputs.has_text).float() * pairs).sum()
+
     def _itm(self, model: VLModel, enc: Encoded, inputs: ModelInputs, row_losses: dict[str, RowLosses]
              ) -> tuple[torch.Tensor, torch.Tensor]:
         pairs = self.itm_pairs(model, enc, inputs)
@@ -199,7 +248,7 @@ class Objectives:
         if inputs.row_weights is not None:
             w = w * inputs.row_weights.float().repeat(3)
         ce: list = []
-        loss = itm_loss(logits, pairs.labels, w, ce)
+        loss = itm_loss(logits, pairs.labels, w, ce, _denominator(inputs, "itm"))
         per_pair = pairs.pair_weights.view(3, -1)  # a row's positive and its two negatives
         row_losses["itm"] = RowLosses((ce[0].view(3, -1) * per_pair).sum(0) / per_pair.sum(0).clamp(min=1),
                                       per_pair.sum(0) > 0)
@@ -207,12 +256,30 @@ class Objectives:
 
     # -- masked language modelling ------------------------------------------------------------
 
-    def _mask(self, model: VLModel, inputs: ModelInputs, applies: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _mask(self, model: VLModel, inputs: ModelInputs, applies: torch.Tensor, text_tower: bool = False
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+        """BERT masks keyed by (seed, step, sample id, token position): a caption gets the same
+        mask in a step wherever it is and however wide its batch is padded."""
+        key = inputs.key or UNKEYED
+        streams = ((Stream.TEXT_MLM_PICK, Stream.TEXT_MLM_HOW, Stream.TEXT_MLM_TOKEN) if text_tower
+                   else (Stream.MLM_PICK, Stream.MLM_HOW, Stream.MLM_TOKEN))
+        width = inputs.input_ids.shape[1]
         masked, labels = mask_tokens(
             inputs.input_ids, inputs.attention_mask, mask_id=model.mask_id, vocab_size=model.vocab_size,
             pad_id=model.pad_id, probability=self.mlm_probability,
+            draws=tuple(key.uniform(stream, inputs.ids, width) for stream in streams),
         )
         return masked, labels.masked_fill(~applies[:, None], -100)
+
+    def _text_mlm_rows(self, inputs: ModelInputs) -> torch.Tensor:
+        return inputs.has_text & (~inputs.has_image | self.text_mlm_paired)
+
+    def _mim_rows(self, inputs: ModelInputs) -> torch.Tensor:
+        return inputs.has_image & (~inputs.has_text | self.image_mim_paired)
+
+    def _patch_mask(self, ids: torch.Tensor, key: StepKey | None, patches: int) -> torch.Tensor:
+        """SimMIM's patch mask of these rows, keyed by (seed, step, sample id, patch)."""
+        return (key or UNKEYED).uniform(Stream.MIM_PATCH, ids, patches) < self.mim_ratio
 
     def _mlm(self, model: VLModel, enc: Encoded, inputs: ModelInputs, row_losses: dict[str, RowLosses]
              ) -> torch.Tensor:
@@ -222,7 +289,7 @@ class Objectives:
         tokens = model.text_tokens(masked, inputs.attention_mask)
         fused = model.fuse(tokens, inputs.attention_mask, enc.image_tokens)
         per_row: list = []
-        loss = mlm_loss(model.mlm_head(fused), labels, inputs.row_weights, per_row)
+        loss = mlm_loss(model.mlm_head(fused), labels, inputs.row_weights, per_row, _denominator(inputs, "mlm"))
         row_losses["mlm"] = RowLosses(per_row[0], paired & (labels != -100).any(dim=1))
         return loss
 
@@ -231,8 +298,8 @@ class Objectives:
 
         The tower runs on those rows only, or on one dummy row whose labels are all ignored, so
         every rank runs the same modules whatever its batch holds."""
-        applies = inputs.has_text & (~inputs.has_image | self.text_mlm_paired)
-        masked, labels = self._mask(model, inputs, applies)
+        applies = self._text_mlm_rows(inputs)
+        masked, labels = self._mask(model, inputs, applies, text_tower=True)
         index, n = _present_rows(applies)
         if n:
             masked, mask, labels = masked[index], inputs.attention_mask[index], labels[index]
@@ -240,7 +307,8 @@ class Objectives:
             masked, mask, labels = masked[:1], torch.ones_like(inputs.attention_mask[:1]), labels[:1]
         weights = None if inputs.row_weights is None else (inputs.row_weights[index] if n else inputs.row_weights[:1])
         per_row: list = []
-        loss = mlm_loss(model.text_mlm_head(model.text_tokens(masked, mask)), labels, weights, per_row)
+        loss = mlm_loss(model.text_mlm_head(model.text_tokens(masked, mask)), labels, weights, per_row,
+                        _denominator(inputs, "text_mlm"))
         picked = _scatter((labels != -100).any(dim=1).float(), index, n, len(inputs)) > 0
         row_losses["text_mlm"] = RowLosses(_scatter(per_row[0], index, n, len(inputs)), picked)
         return loss
@@ -251,19 +319,46 @@ class Objectives:
         their pixels. The encoder sees every patch position (masked or not), so its shapes do not
         depend on the mask and every rank runs the same graph; MAE's dropping of masked patches
         would save compute but make the vision tower's token count a per-row, per-rank variable."""
-        applies = inputs.has_image & (~inputs.has_text | self.image_mim_paired)
+        applies = self._mim_rows(inputs)
         index, n = _present_rows(applies)
         pixels = inputs.pixels.index_select(0, index) if n else torch.zeros_like(inputs.pixels[:1])
         vision = model.vision.cfg
-        patch_mask = torch.rand(pixels.shape[0], vision.num_patches, device=pixels.device) < self.mim_ratio
+        patch_mask = self._patch_mask(inputs.ids[index] if n else inputs.ids[:1], inputs.key, vision.num_patches)
         if not n:
             patch_mask = torch.zeros_like(patch_mask)  # the dummy row: nothing to predict
         prediction = model.mim_head(model.masked_patch_tokens(pixels, patch_mask))
         weights = None if inputs.row_weights is None or not n else inputs.row_weights[index]
         per_row: list = []
-        loss = mim_loss(prediction, patchify(pixels, vision.patch_size), patch_mask, weights, per_row)
+        loss = mim_loss(prediction, patchify(pixels, vision.patch_size), patch_mask, weights, per_row,
+                        _denominator(inputs, "image_mim"))
         row_losses["image_mim"] = RowLosses(_scatter(per_row[0], index, n, len(inputs)), applies)
         return loss
+
+    # -- a step's denominators -----------------------------------------------------------------
+
+    def local_totals(self, model: VLModel, micro: list[ModelInputs]) -> torch.Tensor:
+        """What each of :attr:`averaged` divides by, summed over this rank's micro-batches of a step
+        ([len(averaged)] fp32): weighted ITM pairs, MLM tokens, MIM patches. The trainer sums it
+        over the ranks, so every objective is a mean over the global batch, whatever the split.
+        Draws the same keyed masks the objectives then draw."""
+        totals = []
+        for name in self.averaged:
+            total = torch.zeros((), device=micro[0].ids.device)
+            for m in micro:
+                m = m.present()
+                w = torch.ones_like(m.ids, dtype=torch.float32) if m.row_weights is None else m.row_weights.float()
+                if name == "itm":
+                    total = total + self._itm_total(m, w)
+                elif name in ("mlm", "text_mlm"):
+                    rows = m.has_image & m.has_text if name == "mlm" else self._text_mlm_rows(m)
+                    _, labels = self._mask(model, m, rows, text_tower=name == "text_mlm")
+                    total = total + ((labels != -100).float() * w[:, None]).sum()
+                else:
+                    rows = self._mim_rows(m)
+                    patches = self._patch_mask(m.ids, m.key, model.vision.cfg.num_patches).float().sum(dim=1)
+                    total = total + (patches * w * rows.float()).sum()
+            totals.append(total)
+        return torch.stack(totals) if totals else torch.zeros(0, device=micro[0].ids.device)
 
     # -- all of them --------------------------------------------------------------------------
 

@@ -7,7 +7,7 @@ so every pass that leads to a backward goes through ``Task.forward``, named by i
 - ``task("encode", inputs)``: the embeddings only (evaluation, gradient caching's first pass);
 - ``task("contrastive", image_embeds, text_embeds, rows)``: the weighted ITC + SigLIP term on given
   embeddings, and its per-row losses (gradient caching's loss over the cached global batch);
-- ``task("replay", inputs, cache, i, encode_rng, objectives_rng)``: gradient caching's second pass
+- ``task("replay", inputs, cache, i, encode_rng)``: gradient caching's second pass
   over micro-batch ``i`` (see :mod:`vltrain.train.gradcache`);
 - ``task("itm", text_tokens, attention_mask, image_tokens)``: ITM logits [B, 2] of fused pairs
   (evaluation's re-ranking: under FSDP2 the fusion encoder and the head are gathered only here).
@@ -101,15 +101,13 @@ class Task(nn.Module):
     def itm(self, text_tokens: torch.Tensor, attention_mask: torch.Tensor, image_tokens: torch.Tensor) -> torch.Tensor:
         return self.model.itm_head(self.model.fuse(text_tokens, attention_mask, image_tokens))
 
-    def replay(self, inputs: ModelInputs, cache: ContrastiveCache, i: int, encode_rng: GeneratorState,
-               objectives_rng: GeneratorState) -> tuple[torch.Tensor, ObjectiveOutput, GeneratorState]:
-        """Re-encode micro-batch ``i`` with the generator state of its first pass (dropout draws the
-        same masks), then score its non-contrastive objectives from ``objectives_rng``, one running
-        stream over the step so that no ITM or MLM draw repeats. Returns (contrastive term, other
-        objectives, the stream's state after)."""
+    def replay(self, inputs: ModelInputs, cache: ContrastiveCache, i: int, encode_rng: GeneratorState
+               ) -> tuple[torch.Tensor, ObjectiveOutput]:
+        """Re-encode micro-batch ``i`` with the generator state of its first pass (so that any
+        randomness in encoding repeats), then score its non-contrastive objectives, whose draws are
+        keyed by the step and the samples (:mod:`vltrain.objectives.keyed`). Returns (contrastive
+        term, other objectives)."""
         encode_rng.restore()
         enc = self.model.encode(inputs)
-        objectives_rng.restore()
         contrastive = cache.term(self.objectives, self.model, enc.image_embeds, enc.text_embeds, i)
-        other = self.objectives.score(self.model, enc, inputs, contrastive=False)
-        return contrastive, other, GeneratorState(inputs.pixels.device)
+        return contrastive, self.objectives.score(self.model, enc, inputs, contrastive=False)

@@ -135,8 +135,49 @@ def _check_fits_init(cfg: JobConfig, tokenizer: Tokenizer, arch: Architecture) -
 
 
 def build_task(cfg: JobConfig, model: VLModel) -> Task:
-    """The model with the objectives ``model.loss`` asks for (those the model has heads for)."""
-    return Task(model, Objectives(cfg.model.loss, model))
+    """The model with the objectives ``model.loss`` asks for (those the model has heads for).
+    ``itm_negatives: auto`` is group with ``data.global_batch_size`` (see :func:`itm_groups`)."""
+    loss = cfg.model.loss
+    if loss.itm_negatives == "auto":
+        loss.itm_negatives = "group" if cfg.data.global_batch_size else "local"
+    return Task(model, Objectives(loss, model))
+
+
+ITM_GROUP_MAX = 64
+"""The largest automatic ITM group: ALBEF's per-GPU batch, from which it drew its negatives."""
+
+
+def itm_groups(objectives: Objectives, configured: int, micro: int, saved: int = 0) -> int:
+    """The ITM group size of a run whose micro-batches hold ``micro`` rows: the ``configured`` one
+    (``model.loss.itm_group_size``), else a resumed run's (``saved``), else the largest divisor of
+    ``micro`` up to 64. Refuses one
+    that does not divide ``micro``, since a group cut by a micro-batch boundary would change with
+    the split. Sets it on ``objectives``; 0 when the run does not draw ITM negatives by group."""
+    if "itm" not in objectives.loss_weights or objectives.itm_negatives != "group":
+        return 0
+    size = configured or saved
+    fits = [d for d in range(1, micro + 1) if micro % d == 0]
+    if not size:
+        size = max(d for d in fits if d <= ITM_GROUP_MAX)
+    if micro % size:
+        where = "model.loss.itm_group_size" if configured else "the checkpoint's ITM group size"
+        raise ConfigError(f"{where} {size} does not divide the micro-batch of {micro} rows: ITM groups must not "
+                          f"straddle micro-batches. Use a data.micro_batch_size that is a multiple of {size}, or "
+                          f"model.loss.itm_group_size set to one of {fits} (another group size changes the run)")
+    objectives.itm_group_size = size
+    return size
+
+
+def describe_itm(objectives: Objectives, global_batch: bool) -> str | None:
+    """One log line on where ITM draws its negatives, and whether that ties the run to its split."""
+    if "itm" not in objectives.loss_weights:
+        return None
+    if objectives.itm_negatives == "group":
+        return (f"ITM negatives from groups of {objectives.itm_group_size} consecutive rows of the global batch "
+                "(the same on any number of ranks)")
+    pool = "each rank's micro-batch" if objectives.itm_negatives == "local" else "every rank's micro-batch"
+    return (f"ITM negatives from {pool} (model.loss.itm_negatives: {objectives.itm_negatives})"
+            + (": the ITM loss depends on the split; itm_negatives: group keeps it" if global_batch else ""))
 
 
 def resolve_global_batch(cfg: JobConfig, world_size: int) -> str:
@@ -160,12 +201,8 @@ def resolve_global_batch(cfg: JobConfig, world_size: int) -> str:
     data.batch_size, tc.accumulation = micro, g // (w * micro)
     if tc.accumulation > 1:
         tc.contrastive_accumulation = "gradcache"  # the contrastive loss still sees all g rows
-    loss = cfg.model.loss
-    drawn = [n for n in ("itm", "mlm", "text_mlm", "image_mim") if getattr(loss, n, 0)]
     return (f"global batch {g} = {w} rank(s) x {tc.accumulation} micro-batch(es) x {micro} rows"
-            + (" (gradcache)" if tc.accumulation > 1 else "")
-            + (f"; {', '.join(drawn)} draw per rank: the same samples per step, but losses that depend on the "
-               "split (docs/distributed.md#the-global-batch)" if drawn else ""))
+            + (" (gradcache)" if tc.accumulation > 1 else ""))
 
 
 def build_train_loader_for(cfg: JobConfig, tokenizer: Tokenizer, world: World, run_dir: Path) -> TrainLoader:

@@ -12,9 +12,9 @@ gradient while keeping only one micro-batch's activations:
    instead (:meth:`vltrain.objectives.task.ContrastiveCache.term`).
 
 Each micro-batch's RNG state is recorded before its encoding in step 1 and restored before
-its encoding in step 3, so dropout draws the same masks in both passes. The non-contrastive
-objectives (ITM negatives, MLM masks) run only in step 3 and draw from one running stream
-that continues from where step 1 left it, so they never repeat a draw.
+its encoding in step 3, so any randomness in encoding repeats in both passes. The
+non-contrastive objectives (ITM negatives, MLM masks) run only in step 3; their draws are keyed
+by the step and the sample ids, so they do not depend on the generators at all.
 """
 
 from __future__ import annotations
@@ -31,9 +31,9 @@ from vltrain.types import ModelInputs, Rows
 
 
 def _cache(wrapped: nn.Module, micro: list[ModelInputs], autocast, loss_scale: float
-           ) -> tuple[ContrastiveCache, torch.Tensor, dict, list[GeneratorState], GeneratorState]:
-    """Steps 1 and 2: the cache, the contrastive loss and its per-row losses, each micro-batch's RNG
-    state before its encoding and the state after the last."""
+           ) -> tuple[ContrastiveCache, torch.Tensor, dict, list[GeneratorState]]:
+    """Steps 1 and 2: the cache, the contrastive loss and its per-row losses, and each micro-batch's
+    RNG state before its encoding."""
     device = micro[0].pixels.device
     states, img_cache, txt_cache = [], [], []
     with torch.no_grad():
@@ -43,7 +43,6 @@ def _cache(wrapped: nn.Module, micro: list[ModelInputs], autocast, loss_scale: f
                 enc = wrapped("encode", m)
             img_cache.append(enc.image_embeds.float())
             txt_cache.append(enc.text_embeds.float())
-    after = GeneratorState(device)
 
     img_all = torch.cat(img_cache).requires_grad_(True)
     txt_all = torch.cat(txt_cache).requires_grad_(True)
@@ -57,7 +56,7 @@ def _cache(wrapped: nn.Module, micro: list[ModelInputs], autocast, loss_scale: f
     for m in micro:
         bounds.append(bounds[-1] + len(m))
     cache = ContrastiveCache(img_all, txt_all, g_img, g_txt, rows, bounds, loss_scale)
-    return cache, closs, row_losses, states, after
+    return cache, closs, row_losses, states
 
 
 def gradcache_backward(
@@ -70,13 +69,13 @@ def gradcache_backward(
     """Leave in ``.grad`` the gradient of (contrastive loss over the global batch + mean of the
     micro-batches' other objectives); return those losses."""
     n = len(micro)
-    cache, closs, row_losses, states, running = _cache(wrapped, micro, autocast, loss_scale)
+    cache, closs, row_losses, states = _cache(wrapped, micro, autocast, loss_scale)
     result = StepLosses(closs.detach().float() * loss_scale, {"contrastive": closs.detach().float()})
     result.rows.append((cache.rows.source, row_losses))
     for i, m in enumerate(micro):
         with gradient_sync(wrapped, i == n - 1):
             with autocast():
-                contrastive, other, running = wrapped("replay", m, cache, i, states[i], running)
+                contrastive, other = wrapped("replay", m, cache, i, states[i])
             other_loss = other.loss.float() * loss_scale / n
             backward(contrastive + other_loss)
         result.loss += other_loss.detach()

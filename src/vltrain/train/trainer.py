@@ -12,6 +12,7 @@ import math
 import random
 import signal
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +34,7 @@ from vltrain.data.batch import Batch
 from vltrain.data.dataset import source_specs
 from vltrain.errors import UserError
 from vltrain.eval.evaluator import Evaluator, append_eval, check_early_stop_metric, format_metrics
+from vltrain.objectives.keyed import StepKey
 from vltrain.runtime.distributed import all_reduce_sum, host_any
 from vltrain.runtime.faults import maybe_fail
 from vltrain.runtime.precision import Precision
@@ -43,6 +45,8 @@ from vltrain.runtime.rng import RngState
 from vltrain.runtime.spmd import RECORDER
 from vltrain.runtime.world import setup_world
 from vltrain.train.build import (
+    describe_itm,
+    itm_groups,
     build_model_for,
     build_task,
     build_tokenizer,
@@ -58,6 +62,7 @@ from vltrain.train.optim import build_optimizer, build_scheduler, freeze_towers
 from vltrain.train.parallelize import clip_grad_norm, parallelize, reduce_replicated_grads
 from vltrain.train.source_metrics import SourceMeter
 from vltrain.train.step import StepLosses, apply_update, plain_backward
+from vltrain.types import ModelInputs
 
 log = logging.getLogger(__name__)
 
@@ -83,6 +88,11 @@ class Trainer:
 
         # parallelize
         task = build_task(cfg, self.model)
+        self.objectives = task.objectives
+        itm_groups(self.objectives, cfg.model.loss.itm_group_size, cfg.data.batch_size)
+        itm_said = describe_itm(self.objectives, bool(cfg.data.global_batch_size))
+        if itm_said and self.world.is_main:
+            log.info(itm_said)
         self.wrapped = parallelize(task, tc, self.device)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
 
@@ -93,7 +103,7 @@ class Trainer:
         self.guard = NonFiniteGuard(tc.max_nonfinite_steps)
         self.preemption, self.preempt_agreed = PreemptionWatch(), False
 
-        # data: from here on each rank draws its own random numbers (ITM negatives, MLM masks)
+        # each rank's generators (the objectives' draws are keyed by step and sample instead)
         self.rng = self._seed_rank(tc.seed + 1 + self.world.rank)
         self.sources = source_specs(cfg.data.train)
         self.source_meter = SourceMeter([s.display_name() for s in self.sources], list(task.objectives.loss_weights),
@@ -216,6 +226,7 @@ class Trainer:
             "evals_without_improvement": self.evals_without_improvement,
             "guard": self.guard.state_dict(),
             "global_batch": self.global_batch,
+            "itm_group_size": self.objectives.itm_group_size if self.objectives.itm_negatives == "group" else 0,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -224,6 +235,8 @@ class Trainer:
             raise UserError(f"cannot resume the same run: the checkpoint's global batch is {saved} samples, this "
                             f"run's is {self.global_batch} (data.global_batch_size); resume with "
                             f"data.global_batch_size={saved}")
+        itm_groups(self.objectives, self.cfg.model.loss.itm_group_size, self.cfg.data.batch_size,
+                   int(state.get("itm_group_size", 0)))
         self.step = int(state["step"])
         self.samples_seen = int(state["samples_seen"])
         self.best_metric = state["best_metric"]
@@ -279,7 +292,8 @@ class Trainer:
         tc = self.cfg.train
         data = self.cfg.data
         loss_weights = [s.loss_weight for s in self.sources]
-        inputs = [b.to_model_inputs(self.device, data.mean, data.std, data.modality_weights, loss_weights) for b in micro]
+        inputs = self._keyed([b.to_model_inputs(self.device, data.mean, data.std, data.modality_weights, loss_weights)
+                              for b in micro])
         poison = self.step == tc.debug_nan_step and tc.debug_nan_rank in (-1, self.world.rank)
         backward_fn = gradcache_backward if tc.contrastive_accumulation == "gradcache" else plain_backward
         self.optimizer.zero_grad(set_to_none=True)
@@ -314,6 +328,22 @@ class Trainer:
         # the preemption flag lives on the host: agreed over host memory, every step
         self.preempt_agreed = host_any(self.preemption.requested)
         return StepLosses(packet[2], {k: packet[3 + i] for i, k in enumerate(names)}), grad_norm
+
+    def _keyed(self, inputs: list[ModelInputs]) -> list[ModelInputs]:
+        """The step's key on each micro-batch: the objectives' draws keyed by (seed, step, sample),
+        and the averaged objectives' denominators summed over every rank and micro-batch (one small
+        all-reduce), shared out so that the ranks' mean of the micro-batches' mean is the global mean."""
+        key = StepKey(self.cfg.train.seed, self.step)
+        inputs = [replace(m, key=key) for m in inputs]
+        names = self.objectives.averaged
+        if not names:
+            return inputs
+        totals = self.objectives.local_totals(self.model, inputs)
+        if self.world.world_size > 1:
+            totals = all_reduce_sum(totals)
+        share = totals / (self.world.world_size * len(inputs))
+        key = StepKey(key.seed, key.step, {name: share[i] for i, name in enumerate(names)})
+        return [replace(m, key=key) for m in inputs]
 
     def settle(self) -> int:
         """Bring the steps' device-side counts to the host (a log step, a checkpoint): samples seen,

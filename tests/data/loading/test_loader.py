@@ -159,6 +159,22 @@ def test_per_sample_seeds_make_random_draws_independent_of_workers():
     assert draws[0] == draws[1]
 
 
+def test_a_sample_draws_the_same_numbers_on_any_number_of_ranks():
+    """Per-sample seeds come from (seed, epoch, sample), not from the rank or the place in a batch:
+    a global batch split among 2 ranks augments every sample as 1 rank does."""
+    t = table(shapes_lengths(24))
+
+    def pixels(loaders, steps):
+        """(step, sample id) -> the sample's pixel sum, over every rank's batches."""
+        return {(step, i): p for loader in loaders for step, (ids, sums) in enumerate(_take(loader, steps))
+                for i, p in zip(ids, sums)}
+
+    one = pixels([make_loader(t, batch_size=4)], 9)  # into the second epoch
+    two = pixels([make_loader(t, rank=r, world_size=2, batch_size=2) for r in range(2)], 9)
+    assert len(one) == 36 and one == two
+    assert len(set(one.values())) > len(one) // 2  # the draws do differ between samples
+
+
 def test_main_process_loading_leaves_the_trainer_rng_alone():
     torch.manual_seed(0)
     expected = torch.rand(3)

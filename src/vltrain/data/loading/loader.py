@@ -5,10 +5,10 @@ Its position is the number of batches the trainer has *taken* (each ``next()``),
 DataLoader workers prefetched, so a checkpoint taken after step k resumes at batch k+1 exactly.
 
 Worker randomness never depends on which worker loads a sample: each sample of a dataset that
-draws random numbers is loaded under a seed derived from (seed, rank, epoch, step, row), so any
-augmentation is reproduced on resume, whatever ``num_workers`` and whether workers persist
-across epochs. A dataset that says it draws none (``uses_random = False``) is not seeded at all:
-seeding costs more than decoding a small image.
+draws random numbers is loaded under a seed derived from (seed, epoch, sample index), so any
+augmentation is reproduced on resume, whatever ``num_workers``, whether workers persist across
+epochs, and which rank or micro-batch the sample falls to. A dataset that says it draws none
+(``uses_random = False``) is not seeded at all: seeding costs more than decoding a small image.
 """
 
 from __future__ import annotations
@@ -35,9 +35,16 @@ from vltrain.data.table import SampleTable
 from vltrain.errors import UserError
 
 
-def _batch_seeds(seed: int, rank: int, epoch: int, step: int, rows: int) -> list[int]:
-    """One seed per row of a batch, from (seed, rank, epoch, step): independent of the workers."""
-    return np.random.SeedSequence([seed & 0xFFFF_FFFF, rank, epoch, step]).generate_state(rows).tolist()
+def _sample_seeds(seed: int, epoch: int, indices: list[int]) -> list[int]:
+    """One 32-bit seed per sample, from (seed, epoch, sample index) alone: whichever rank, step,
+    micro-batch or worker loads a sample, it is augmented the same, so a global batch split among
+    another number of ranks sees the same pixels. (splitmix64's finalizer, vectorized.)"""
+    key = np.random.SeedSequence([seed & 0xFFFF_FFFF, epoch]).generate_state(1, np.uint64)
+    x = np.asarray(indices, dtype=np.uint64) ^ key
+    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    x = x ^ (x >> np.uint64(31))
+    return (x >> np.uint64(32)).tolist()
 
 
 def _seed_all(seed: int) -> None:
@@ -111,7 +118,7 @@ class _SeededBatches:
     def __iter__(self) -> Iterator[list[tuple[int, int]]]:
         s = self.sampler
         for epoch, step, batch in s.endless():
-            yield list(zip(batch, _batch_seeds(s.seed, s.rank, epoch, step, len(batch))))
+            yield list(zip(batch, _sample_seeds(s.seed, epoch, batch)))
 
 
 def _own_process_group(worker_id: int = 0) -> None:
@@ -162,7 +169,8 @@ class TrainLoader:
                          worker_init_fn=functools.partial(_worker_init, sampler.seed, sampler.rank))
         # DataLoader draws its workers' base seed from this generator; left to the global one,
         # every new epoch would shift the trainer's random stream.
-        generator = torch.Generator().manual_seed(_batch_seeds(sampler.seed, sampler.rank, 0, 0, 1)[0])
+        generator = torch.Generator().manual_seed(
+            int(np.random.SeedSequence([sampler.seed & 0xFFFF_FFFF, sampler.rank]).generate_state(1)[0]))
         self._loader = DataLoader(
             _SeededDataset(dataset), batch_sampler=_SeededBatches(sampler), num_workers=num_workers,
             pin_memory=pin_memory and torch.cuda.is_available(), collate_fn=collate, generator=generator,

@@ -1,0 +1,81 @@
+"""Random numbers keyed by what they are for: the run's seed, the optimizer step, the sample and
+the position in it. No generator state, no rank, no place in a micro-batch.
+
+The objectives' random choices (MLM masks, MIM masks, ITM negatives) are drawn here, so a sample
+gets the same mask in step s whichever rank and micro-batch it lands in, and a run split another
+way (other world size, other accumulation) draws the same numbers: the condition for
+``data.global_batch_size`` to give the same training math on any number of ranks
+(docs/distributed.md#the-global-batch).
+
+The numbers come from a counter-based hash (the 32-bit "lowbias32" integer mixer, applied to the
+key's words in turn) computed with int64 tensor arithmetic that never overflows: the same bits on
+the CPU and on any GPU, vectorized, with no host synchronization.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+_MASK32 = 0xFFFF_FFFF
+_MIX = (0x7FEB352D, 0x846CA68B)
+
+
+class Stream:
+    """Which draw a number is for: two draws of one sample never share a stream."""
+
+    MLM_PICK, MLM_HOW, MLM_TOKEN = 1, 2, 3
+    TEXT_MLM_PICK, TEXT_MLM_HOW, TEXT_MLM_TOKEN = 4, 5, 6
+    MIM_PATCH = 7
+    ITM_TEXT, ITM_IMAGE = 8, 9
+
+
+def _mul32(x: torch.Tensor | int, c: int) -> torch.Tensor | int:
+    """(x * c) mod 2**32 for x in [0, 2**32), in pieces small enough for int64."""
+    lo, hi = c & 0xFFFF, c >> 16
+    return (x * lo + (((x * hi) & 0xFFFF) << 16)) & _MASK32
+
+
+def mix32(x):
+    """lowbias32: a bijection of [0, 2**32) whose output bits each depend on every input bit.
+    Works on Python ints and on int64 tensors alike."""
+    x = x ^ (x >> 16)
+    x = _mul32(x, _MIX[0])
+    x = x ^ (x >> 15)
+    x = _mul32(x, _MIX[1])
+    return x ^ (x >> 16)
+
+
+@dataclass(frozen=True)
+class StepKey:
+    """What an optimizer step's draws are keyed by; ``totals`` carries the step's objective
+    denominators summed over every rank and micro-batch (see ``Objectives.totals``)."""
+
+    seed: int
+    step: int
+    totals: dict[str, torch.Tensor] | None = field(default=None, compare=False)
+
+    def word(self, stream: int) -> int:
+        """The 32-bit key of one stream of this step (host arithmetic)."""
+        h = mix32((self.seed & _MASK32) ^ 0x9E3779B9)
+        h = mix32(h ^ ((self.seed >> 32) & _MASK32))
+        h = mix32(h ^ (self.step & _MASK32))
+        h = mix32(h ^ ((self.step >> 32) & _MASK32))
+        return mix32(h ^ stream)
+
+    def uniform(self, stream: int, ids: torch.Tensor, width: int) -> torch.Tensor:
+        """float32 [len(ids), width] in [0, 1): number ``j`` of row ``i`` depends only on the seed, the
+        step, ``stream``, ``ids[i]`` and ``j``."""
+        k = self.word(stream)
+        ids = ids.long()
+        h = mix32((ids & _MASK32) ^ k)
+        h = mix32(h ^ ((ids >> 32) & _MASK32))
+        j = torch.arange(width, device=ids.device, dtype=torch.int64)
+        h = mix32(h[:, None] ^ j[None, :])
+        h = mix32(h ^ k)
+        return (h >> 8).to(torch.float32) * (1.0 / (1 << 24))
+
+
+UNKEYED = StepKey(seed=0, step=0)
+"""The key of a pass outside training (evaluation, a direct call): fixed draws."""
