@@ -9,13 +9,10 @@ the step, gradient caching) never imports a producer.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 from torch import nn
-
-if TYPE_CHECKING:
-    from vltrain.objectives.keyed import StepKey
 
 
 @dataclass
@@ -37,9 +34,10 @@ class ModelInputs:
     counts: tuple[int, int] | None = None
     """How many rows have an image and how many have text, known on the host (the collator counts
     them): the model splits rows between its towers without asking the device (None: it asks)."""
-    key: "StepKey | None" = None
-    """The step's seed, number and objective denominators: what the objectives' random draws are
-    keyed by, and what their losses are divided by (None: fixed draws, local denominators)."""
+    key: Any = None
+    """A ``vltrain.objectives.keyed.StepKey`` (typed loosely: the objectives sit above this layer): the
+    step's seed, number and objective denominators, what the objectives' random draws are keyed by
+    and what their losses are divided by (None: fixed draws, local denominators)."""
 
     def __len__(self) -> int:
         return int(self.ids.shape[0])
