@@ -35,6 +35,7 @@ from vltrain.data.dataset import source_specs
 from vltrain.errors import UserError
 from vltrain.eval.evaluator import Evaluator, append_eval, check_early_stop_metric, format_metrics
 from vltrain.objectives.keyed import StepKey
+from vltrain.objectives.task import Task
 from vltrain.runtime.distributed import all_reduce_sum, host_any
 from vltrain.runtime.faults import maybe_fail
 from vltrain.runtime.precision import Precision
@@ -86,13 +87,9 @@ class Trainer:
 
         self._build_model()
 
-        # parallelize
-        task = build_task(cfg, self.model)
+        # the objectives, and the parallelized task
+        task = self._build_task()
         self.objectives = task.objectives
-        itm_groups(self.objectives, cfg.model.loss.itm_group_size, cfg.data.batch_size)
-        itm_said = describe_itm(self.objectives, bool(cfg.data.global_batch_size))
-        if itm_said and self.world.is_main:
-            log.info(itm_said)
         self.wrapped = parallelize(task, tc, self.device)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
 
@@ -106,7 +103,7 @@ class Trainer:
         # each rank's generators (the objectives' draws are keyed by step and sample instead)
         self.rng = self._seed_rank(tc.seed + 1 + self.world.rank)
         self.sources = source_specs(cfg.data.train)
-        self.source_meter = SourceMeter([s.display_name() for s in self.sources], list(task.objectives.loss_weights),
+        self.source_meter = SourceMeter([s.display_name() for s in self.sources], list(self.objectives.loss_weights),
                                         self.device)
         self.loader = build_train_loader_for(cfg, self.tokenizer, self.world, self.run_dir)
         self.loader.elastic = bool(cfg.data.global_batch_size)
@@ -146,6 +143,16 @@ class Trainer:
         freeze_towers(self.model, tc.freeze, tc.unlock_last)
         self._save_initial()
         self.precision = Precision(tc.precision, self.device)
+
+    def _build_task(self) -> Task:
+        """The model with the objectives ``model.loss`` asks for, ITM's groups sized for this run (and said)."""
+        cfg = self.cfg
+        task = build_task(cfg, self.model)
+        itm_groups(task.objectives, cfg.model.loss.itm_group_size, cfg.data.batch_size)
+        said = describe_itm(task.objectives, bool(cfg.data.global_batch_size))
+        if said and self.world.is_main:
+            log.info(said)
+        return task
 
     @staticmethod
     def _seed_rank(seed: int) -> RngState:
