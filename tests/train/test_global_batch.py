@@ -47,6 +47,11 @@ def losses(run_dir: Path) -> list[float]:
     return [r["loss"] for r in metric_rows(run_dir)]
 
 
+def worst(curve: list[float], base: list[float]) -> float:
+    """The largest relative difference of two loss curves (a step of text-only rows has loss 0)."""
+    return max(abs(a - b) / max(abs(b), 1e-12) for a, b in zip(curve, base))
+
+
 def model_distance(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     """||a - b|| / ||b|| over every model parameter."""
     keys = [k for k in b if k.startswith("model.")]
@@ -67,7 +72,9 @@ def step_ids(run_dir: Path, accumulation: int) -> dict[tuple[int, int], list[int
 
 FUSION = {"model__preset": "tiny-albef", "model__loss__itm": 1, "model__loss__mlm": 0.5, "model__loss__itm_group_size": 4,
           "model__loss__text_mlm": 0.3, "model__loss__image_mim": 0.3}
-LOSSES = {"itc": {}, "siglip": {"model__loss__itc": 0, "model__loss__siglip": 1}, "fusion": FUSION}
+BUDGET = {"data__batching": "budget"}
+"""Budget steps: 2 to 8 rows under 64 text positions and 8 images per step (the defaults)."""
+LOSSES = {"itc": {}, "siglip": {"model__loss__itc": 0, "model__loss__siglip": 1}, "fusion": FUSION, "budget": BUDGET}
 
 
 @pytest.fixture(scope="module", params=list(LOSSES))
@@ -86,8 +93,10 @@ def splits(request, tmp_path_factory):
 def test_one_global_batch_split_three_ways_trains_the_same_model(splits):
     _, done = splits
     (ref, proc), *others = done.values()
-    assert "global batch 8 = 1 rank(s) x 1 micro-batch(es) x 8 rows" in proc.stderr
-    assert "global batch 8 = 1 rank(s) x 2 micro-batch(es) x 4 rows (gradcache)" in done["1 rank, A=2 (gradcache)"][1].stderr
+    rows = "at most " if "batching=budget" in " ".join(proc.args) else ""
+    assert f"global batch 8 = 1 rank(s) x 1 micro-batch(es) x {rows}8 rows" in proc.stderr
+    assert (f"global batch 8 = 1 rank(s) x 2 micro-batch(es) x {rows}4 rows (gradcache)"
+            in done["1 rank, A=2 (gradcache)"][1].stderr)
     if "tiny-albef" in str(proc.args):
         assert "ITM negatives from groups of 4 consecutive rows of the global batch" in proc.stderr
         assert all(set(r) >= {"loss/itm", "loss/mlm"} for r in metric_rows(ref))
@@ -96,7 +105,7 @@ def test_one_global_batch_split_three_ways_trains_the_same_model(splits):
     for run_dir, _ in others:
         curve = losses(run_dir)
         assert len(curve) == STEPS
-        assert max(abs(a - b) / abs(b) for a, b in zip(curve, base)) < TOL, (run_dir.name, curve, base)
+        assert worst(curve, base) < TOL, (run_dir.name, curve, base)
         assert model_distance(final_state(run_dir), final_state(ref)) < TOL
 
 
@@ -107,13 +116,16 @@ def test_the_audit_shows_the_same_samples_in_every_step(splits):
     accumulation = {"1 rank, A=1": 1, "1 rank, A=2 (gradcache)": 2, "2 ranks, A=1": 1}
     ids = {name: step_ids(run_dir, accumulation[name]) for name, (run_dir, _) in done.items()}
     first = ids["1 rank, A=1"]
-    assert len(first) == STEPS and all(len(v) == 8 for v in first.values())
+    budget = "batching=budget" in " ".join(done["1 rank, A=1"][1].args)
+    assert len(first) == STEPS and all(2 <= len(v) <= 8 if budget else len(v) == 8 for v in first.values())
+    if budget:  # steps of several sizes, and the same ones on any split
+        assert len({len(v) for v in first.values()}) > 1
     assert ids["1 rank, A=2 (gradcache)"] == first and ids["2 ranks, A=1"] == first
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("model", ["itc", "fusion"])
+@pytest.mark.parametrize("model", ["itc", "fusion", "budget"])
 def test_stopped_on_two_ranks_and_resumed_on_one_it_continues_the_same_trajectory(model, tmp_path_factory, tmp_path):
     shapes = mixed(tmp_path_factory)
     unstopped = tmp_path / "unstopped"
@@ -124,7 +136,7 @@ def test_stopped_on_two_ranks_and_resumed_on_one_it_continues_the_same_trajector
     assert "at step 8 on 1 rank(s) (same global batches; model and optimizer resharded from 2)" in resumed.stdout \
         + resumed.stderr
     curve, base = losses(run_dir), losses(unstopped)
-    assert len(curve) == STEPS and max(abs(a - b) / abs(b) for a, b in zip(curve, base)) < TOL
+    assert len(curve) == STEPS and worst(curve, base) < TOL
     assert model_distance(final_state(run_dir), final_state(unstopped)) < TOL
     refused = run(shapes, tmp_path / "run", 1, data__global_batch_size=4, train__max_steps=STEPS + 2, **LOSSES[model])
     assert refused.returncode != 0 and "resume with data.global_batch_size=8" in refused.stderr
@@ -147,3 +159,21 @@ def test_indivisible_splits_are_refused_naming_what_works():
     assert (cfg.data.batch_size, cfg.train.accumulation, cfg.train.contrastive_accumulation) == (2, 3, "gradcache")
     tied = JobConfig()
     assert "tied to the world size" in resolve_global_batch(tied, 2)
+
+
+def test_budget_steps_that_cannot_feed_every_micro_batch_are_refused():
+    from vltrain.config.job import JobConfig
+    from vltrain.errors import ConfigError, UserError
+    from vltrain.train.build import resolve_global_batch
+
+    cfg = JobConfig()
+    cfg.data.batching, cfg.data.global_batch_size, cfg.data.micro_batch_size = "budget", 16, 2
+    with pytest.raises(ConfigError, match=r"at least 4 rows .* its 8 micro-batches .* from \[4, 8, 16\]"):
+        resolve_global_batch(cfg, 1)
+    cfg.data.micro_batch_size, cfg.data.max_text_length, cfg.data.token_budget = 4, 32, 100
+    with pytest.raises(UserError, match="data.token_budget=100 is too small .* at least 256"):
+        resolve_global_batch(cfg, 2)
+    cfg.data.token_budget = 0  # the step's default: 16 x 32 / 2
+    said = resolve_global_batch(cfg, 2)
+    assert said == ("global batch 16 = 2 rank(s) x 2 micro-batch(es) x at most 4 rows (gradcache); budget steps "
+                    "of 4 to 16 rows, 256 text positions and 16 images")

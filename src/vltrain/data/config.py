@@ -207,9 +207,11 @@ class DataConfig:
     """fixed: data.batch_size rows per batch; budget: batches packed under token_budget and image_budget."""
     token_budget: int = 0
     """Budget batching: the most padded text positions per batch (0: batch_size x max_text_length / 2,
-    at least one padded caption of max_text_length)."""
+    at least one padded caption of max_text_length). With data.global_batch_size: per step, over
+    every rank (0: global_batch_size x max_text_length / 2)."""
     image_budget: int = 0
-    """Budget batching: the most images per batch (0: batch_size)."""
+    """Budget batching: the most images per batch (0: batch_size). With data.global_batch_size: per
+    step, over every rank (0: global_batch_size)."""
     epoch_size: int = 0
     """Samples per epoch when data.train lists several sources, drawn by weight (0: all their rows)."""
     modality_weights: ModalityWeights = field(default_factory=ModalityWeights)
@@ -223,11 +225,12 @@ class DataConfig:
         """``pad_multiple``, ``token_budget`` and ``image_budget`` with 0 resolved for this config.
 
         The token budget is never below one padded caption of ``max_text_length``, so a default
-        budget always admits the longest row."""
+        budget always admits the longest row. With a global batch the budgets are a step's."""
         multiple = self.pad_multiple or (1 if self.batching == "budget" else PAD_MULTIPLE)
-        token_budget = self.token_budget or max(self.batch_size * self.max_text_length // 2,
+        rows = self.global_batch_size or self.batch_size
+        token_budget = self.token_budget or max(rows * self.max_text_length // 2,
                                                 padded_width(self.max_text_length, multiple))
-        return ResolvedBatching(multiple, token_budget, self.image_budget or self.batch_size)
+        return ResolvedBatching(multiple, token_budget, self.image_budget or rows)
 
     def validate(self) -> None:
         if self.batch_size < 1:
@@ -237,9 +240,6 @@ class DataConfig:
         if self.micro_batch_size and not self.global_batch_size:
             raise ConfigError("data.micro_batch_size splits data.global_batch_size, which is not set; set it, "
                               "or use data.batch_size")
-        if self.global_batch_size and self.batching == "budget":
-            raise ConfigError("data.global_batch_size works with data.batching: fixed; budget batches are "
-                              "packed per rank (docs/distributed.md#the-global-batch): use data.batch_size")
         if self.image_size < 8:
             raise ConfigError(f"data.image_size must be >= 8, got {self.image_size}")
         if len(self.mean) != 3 or len(self.std) != 3:

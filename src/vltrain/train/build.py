@@ -12,6 +12,7 @@ import torch
 from vltrain.config.job import JobConfig
 from vltrain.data.dataset import build_dataset, source_specs
 from vltrain.data.loading.loader import TrainLoader, build_eval_loader, build_train_loader
+from vltrain.data.schedule import budget
 from vltrain.data.tokenizers import Tokenizer, load_tokenizer
 from vltrain.errors import ConfigError
 from vltrain.model import VLModel, build_model, hf_tokenizer_file
@@ -138,8 +139,11 @@ def build_task(cfg: JobConfig, model: VLModel) -> Task:
     """The model with the objectives ``model.loss`` asks for (those the model has heads for).
     ``itm_negatives: auto`` is group with ``data.global_batch_size`` (see :func:`itm_groups`)."""
     loss = cfg.model.loss
-    if loss.itm_negatives == "auto":
-        loss.itm_negatives = "group" if cfg.data.global_batch_size else "local"
+    if loss.itm_negatives == "auto":  # groups need micro-batches of one size: fixed batching
+        loss.itm_negatives = "group" if cfg.data.global_batch_size and cfg.data.batching == "fixed" else "local"
+    if loss.itm_negatives == "group" and cfg.data.batching == "budget":
+        raise ConfigError("model.loss.itm_negatives: group needs data.batching: fixed (budget micro-batches differ "
+                          "in size, so no group size divides them all); use local or global")
     return Task(model, Objectives(loss, model))
 
 
@@ -201,8 +205,22 @@ def resolve_global_batch(cfg: JobConfig, world_size: int) -> str:
     data.batch_size, tc.accumulation = micro, g // (w * micro)
     if tc.accumulation > 1:
         tc.contrastive_accumulation = "gradcache"  # the contrastive loss still sees all g rows
-    return (f"global batch {g} = {w} rank(s) x {tc.accumulation} micro-batch(es) x {micro} rows"
+    said = (f"global batch {g} = {w} rank(s) x {tc.accumulation} micro-batch(es) x {micro} rows"
             + (" (gradcache)" if tc.accumulation > 1 else ""))
+    if data.batching != "budget":
+        return said
+    least = budget.min_step_rows(g)
+    if g // micro > least:
+        fits = [m for m in range(-(-g // least), g // w + 1) if (g // w) % m == 0]
+        raise ConfigError(f"with data.batching: budget a step holds at least {least} rows (a quarter of "
+                          f"data.global_batch_size={g}), and each of its {g // micro} micro-batches needs one: "
+                          f"use a data.micro_batch_size from {fits}")
+    resolved = data.resolve()
+    budget.check_step_budgets(g, resolved.token_budget, resolved.image_budget, data.max_text_length,
+                              resolved.pad_multiple)
+    return (said.replace(f"x {micro} rows", f"x at most {micro} rows")
+            + f"; budget steps of {least} to {g} rows, {resolved.token_budget} text positions and "
+            f"{resolved.image_budget} images")
 
 
 def build_train_loader_for(cfg: JobConfig, tokenizer: Tokenizer, world: World, run_dir: Path) -> TrainLoader:

@@ -99,3 +99,65 @@ def test_pack_sorted_equals_the_row_by_row_rule(data):
     want = _greedy_by_row(rows, lens, imgs, batch_size, token_budget, image_budget, multiple)
     got = budget._pack_sorted(rows, lens, imgs, batch_size, token_budget, image_budget, multiple)
     assert [b.tolist() for b in got] == [b.tolist() for b in want]
+
+
+# -- global steps (data.global_batch_size with budget batching) ------------------------------
+
+
+def _steps(parts: list[np.ndarray], slots: int) -> list[np.ndarray]:
+    return [np.sort(np.concatenate(parts[i : i + slots])) for i in range(0, len(parts), slots)]
+
+
+@settings(max_examples=60, deadline=None)
+@given(rows=st.integers(40, 400), global_batch=st.sampled_from([8, 16, 32]), seed=st.integers(0, 5),
+       slack=st.integers(0, 3))
+def test_global_steps_are_the_same_for_every_split_and_within_the_step_budgets(rows, global_batch, seed, slack):
+    rng = np.random.default_rng(seed)
+    text_len = rng.integers(3, 40, rows)
+    has_image = rng.random(rows) > 0.2  # text-only rows
+    has_text = ~(has_image & (rng.random(rows) < 0.15))  # and image-only ones
+    t = table(np.where(has_text, text_len, 0), has_image, has_text)
+    max_len, multiple = 40, 1
+    need = 2 * budget.min_step_rows(global_batch)
+    tokens, images = need * max_len + slack * 37, need + slack
+    budget.check_step_budgets(global_batch, tokens, images, max_len, multiple)
+    order = rng.permutation(rows)
+    least = budget.min_step_rows(global_batch)
+    by_split = {}
+    for slots in [s for s in (1, 2, 4, 8) if s <= least]:
+        parts = budget.pack_steps(order, t, global_batch=global_batch, slots=slots, token_budget=tokens,
+                                  image_budget=images, rng=np.random.default_rng(seed), pad_multiple=multiple)
+        assert len(parts) % slots == 0
+        sizes = [len(p) for p in parts]
+        assert min(sizes) >= 1 and max(sizes) <= -(-global_batch // slots)
+        steps = _steps(parts, slots)
+        for part_sizes in (sizes[i : i + slots] for i in range(0, len(sizes), slots)):
+            assert max(part_sizes) - min(part_sizes) <= 1  # balanced in rows
+        by_split[slots] = [s.tolist() for s in steps]
+        for s in steps:
+            assert least <= len(s) <= global_batch
+            assert budget.batch_tokens(t.text_len[s], multiple) <= tokens
+            assert int(t.has_image[s].sum()) <= images
+        assert sorted(np.concatenate(steps).tolist()) == list(range(rows))  # every row once
+    first = by_split[1]
+    assert all(v == first for v in by_split.values())
+
+
+def test_global_steps_keep_one_modality_where_they_can():
+    rows = 600
+    has_image = np.arange(rows) % 5 != 0
+    t = table(np.full(rows, 12), has_image)
+    parts = budget.pack_steps(np.arange(rows), t, global_batch=32, slots=4, token_budget=32 * 12,
+                              image_budget=32, rng=None, pad_multiple=1)
+    mixed = [s for s in _steps(parts, 4) if 0 < int(t.has_image[s].sum()) < len(s)]
+    assert len(mixed) <= 1  # only the rows each modality leaves over share a step
+
+
+def test_too_many_micro_batches_or_too_small_budgets_are_refused():
+    t = table(np.full(64, 10))
+    with pytest.raises(UserError, match="use a data.micro_batch_size of at least 4"):
+        budget.pack_steps(np.arange(64), t, global_batch=16, slots=8, token_budget=400, image_budget=16, rng=None)
+    with pytest.raises(UserError, match="data.token_budget=100 is too small .* at least 160"):
+        budget.check_step_budgets(16, 100, 16, 20, 1)
+    with pytest.raises(UserError, match="data.image_budget=4 is too small .* at least 8"):
+        budget.check_step_budgets(16, 400, 4, 20, 1)

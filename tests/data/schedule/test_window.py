@@ -99,6 +99,31 @@ def test_lazy_budget_plan_equal_steps_within_budget_each_row_once(world, remaind
     assert set(repeated) <= set(first)
 
 
+@pytest.mark.parametrize("full_shuffle", [False, True])
+def test_global_budget_steps_are_the_same_on_any_split(full_shuffle):
+    """data.global_batch_size with budget batching: each step's rows are decided for the world,
+    lazily window by window or for the whole epoch, then dealt to W ranks x A micro-batches."""
+    t = blocked_table(400, 40)
+    steps = {}
+    for world, micro in [(1, 16), (1, 8), (2, 8), (4, 4)]:
+        accumulation = 16 // (world * micro)
+        schedule = Schedule(batch_size=micro, seed=1, batching="budget", token_budget=16 * 24, image_budget=16,
+                            window=0 if full_shuffle else 3, global_batch=16)
+        plans = [DistributedBatchSampler(t, schedule, rank=r, world_size=world).plan(1) for r in range(world)]
+        assert len({len(p) for p in plans}) == 1 and len(plans[0]) % accumulation == 0
+        per_step = []
+        for s in range(len(plans[0]) // accumulation):
+            batches = [p.batches[s * accumulation + i] for p in plans for i in range(accumulation)]
+            assert all(1 <= len(b) <= micro for b in batches)
+            rows = np.concatenate(batches)
+            assert 4 <= len(rows) <= 16 and budget.batch_tokens(t.text_len[rows]) <= 16 * 24
+            per_step.append(sorted(rows.tolist()))
+        assert sorted(r for step in per_step for r in step) == list(range(400))
+        steps[(world, micro)] = per_step
+    first = steps[(1, 16)]
+    assert all(v == first for v in steps.values())
+
+
 def test_lazy_budget_plan_resumes_exactly_packing_only_what_it_reaches():
     t = blocked_table(N, 7)
     schedule = Schedule(batch_size=8, seed=4, batching="budget", token_budget=96, image_budget=8, window=3)

@@ -239,6 +239,11 @@ class TrainLoader:
         """
         sampler, world, batch = state["sampler"], self.sampler.world_size, self.sampler.batch_size
         saved_world, saved_batch = sampler["world_size"], sampler.get("batch_size", batch)
+        saved_global = sampler.get("global_batch", self.sampler.global_batch)
+        if self.elastic and saved_global != self.sampler.global_batch:
+            raise UserError(f"cannot resume the same run: the checkpoint's global batch is {saved_global} samples, "
+                            f"this run's is {self.sampler.global_batch} (data.global_batch_size); resume with "
+                            f"data.global_batch_size={saved_global}")
         if self.elastic and (saved_world, saved_batch) != (world, batch):
             # the same global batch split another way (the trainer checks it): the position in samples
             rows = sampler["consumed"] * saved_world * saved_batch
@@ -302,6 +307,7 @@ def build_train_loader(
         batching=data_cfg.batching, token_budget=resolved.token_budget, image_budget=resolved.image_budget,
         source_weights=source_shares(data_cfg.train, table), epoch_size=data_cfg.epoch_size or None,
         pad_multiple=resolved.pad_multiple, window=shuffle_window(data_cfg, dataset),
+        global_batch=data_cfg.global_batch_size,
     )
     sampler = DistributedBatchSampler(table, schedule, rank=rank, world_size=world_size)
     if getattr(dataset, "remote", False):

@@ -132,3 +132,87 @@ def split_to_multiple(batches: list[np.ndarray], world_size: int) -> list[np.nda
         half = sizes[i] // 2
         batches[i : i + 1] = [batches[i][:half], batches[i][half:]]
     return batches
+
+
+# ---------------------------------------------------------------------------------------------
+# Global steps: budget batching under data.global_batch_size
+
+
+def min_step_rows(global_batch: int) -> int:
+    """The fewest rows a global budget step holds: a quarter of the global batch."""
+    return max(1, global_batch // 4)
+
+
+def check_step_budgets(global_batch: int, token_budget: int, image_budget: int, max_text_length: int,
+                       multiple: int = PAD_MULTIPLE) -> None:
+    """Refuse step budgets under which a step could not hold :func:`min_step_rows` (twice over,
+    so that a short last step can always be merged with its neighbour)."""
+    need = 2 * min_step_rows(global_batch)
+    tokens = need * padded_width(max_text_length, multiple)
+    if token_budget < tokens:
+        raise UserError(f"data.token_budget={token_budget} is too small for data.global_batch_size={global_batch}: "
+                        f"with a global batch the budgets are the whole step's, and a step must hold at least "
+                        f"{need} captions of data.max_text_length; set it to at least {tokens}, or 0 (automatic)")
+    if image_budget < need:
+        raise UserError(f"data.image_budget={image_budget} is too small for data.global_batch_size={global_batch}: "
+                        f"a step's images must fit at least {need} rows; set it to at least {need}, or 0 (automatic)")
+
+
+def _balance_last(steps: list[np.ndarray], table: SampleTable, least: int, multiple: int) -> list[np.ndarray]:
+    """Make a short last step (fewer than ``least`` rows) whole: it takes the widest rows of the
+    step before until it holds ``least`` (what is left of that step stays within its budgets, being
+    a part of it), or the two merge when together they hold fewer than ``2 x least`` (within every
+    budget, by :func:`check_step_budgets`)."""
+    if not steps or len(steps[-1]) >= least:
+        return steps
+    if len(steps) == 1:
+        raise UserError(f"a window of the epoch holds {len(steps[0])} rows, fewer than a budget step's least "
+                        f"{least} (a quarter of data.global_batch_size): lower data.global_batch_size, or use a "
+                        "larger data.shuffle_window")
+    before, last = steps[-2], steps[-1]
+    if len(before) + len(last) < 2 * least:
+        return steps[:-2] + [np.concatenate([before, last])]
+    before = before[np.argsort(_widths(table.text_len[before], multiple), kind="stable")]
+    cut = len(before) - (least - len(last))
+    return steps[:-2] + [before[:cut], np.concatenate([before[cut:], last])]
+
+
+def pack_steps(
+    order: np.ndarray,
+    table: SampleTable,
+    *,
+    global_batch: int,
+    slots: int,
+    token_budget: int,
+    image_budget: int,
+    rng: np.random.Generator | None,
+    pad_multiple: int = PAD_MULTIPLE,
+) -> list[np.ndarray]:
+    """Global steps of ``order``, each dealt to ``slots`` micro-batches: the step's rows are
+    decided for the whole world, then split.
+
+    A step holds at most ``global_batch`` rows, ``token_budget`` padded text positions and
+    ``image_budget`` images (the step's budgets, not a micro-batch's), one modality where it can
+    (the rows each modality leaves over are packed together), and at least a quarter of
+    ``global_batch`` rows. None of that depends on ``slots``: every split of the world sees the same
+    steps. Each step is then cut into ``slots`` runs of its width-sorted rows, equal in count to
+    within one, so the micro-batches are balanced in rows, images and, the widths being close,
+    text positions. Returns the micro-batches of every step in order (``len = steps x slots``).
+    """
+    least = min_step_rows(global_batch)
+    if slots > least:
+        raise UserError(f"{slots} micro-batches per step exceed the {least} rows a budget step may hold: use a "
+                        f"data.micro_batch_size of at least {-(-global_batch // least)}")
+    steps = pack(order, table, batch_size=global_batch, token_budget=token_budget, image_budget=image_budget,
+                 rng=None, pad_multiple=pad_multiple)
+    whole = [s for s in steps if len(s) >= least]
+    left = [s for s in steps if len(s) < least]
+    if left:
+        rows = np.concatenate(left)
+        rows = rows[np.argsort(_widths(table.text_len[rows], pad_multiple), kind="stable")]
+        whole += _pack_sorted(rows, table.text_len[rows], table.has_image[rows], global_batch, token_budget,
+                              image_budget, pad_multiple)
+        whole = _balance_last(whole, table, least, pad_multiple)
+    if rng is not None:
+        whole = [whole[i] for i in rng.permutation(len(whole))]
+    return [part for step in whole for part in np.array_split(step, slots)]

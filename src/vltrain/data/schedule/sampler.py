@@ -14,7 +14,9 @@ Budget batching: batches are packed under the token and image budgets (see
 of different sizes. That is deliberate: the contrastive losses gather variable-size batches
 exactly, and forcing equal sizes would waste the budget. Step counts are equalized by splitting
 the largest batches until the count divides by the world size; ``remainder`` only applies when
-too few rows are left to split (tiny epochs).
+too few rows are left to split (tiny epochs). With a global batch (``Schedule.global_batch``) whole
+steps are packed for the world under step budgets instead, and each is cut into its micro-batches
+(``budget.pack_steps``): the same steps whatever the number of ranks.
 
 The sampler never counts what it yields: a DataLoader iterates it ahead of the trainer. The
 loader reports consumed batches with :meth:`mark_consumed`, and :meth:`state_dict` holds that
@@ -135,6 +137,9 @@ class Schedule:
     pad_multiple: int = budget.PAD_MULTIPLE
     window: int = 0
     """Blocks per window of the windowed shuffle (vltrain.data.schedule.window); 0: a full permutation."""
+    global_batch: int = 0
+    """data.global_batch_size (0: not set). Budget batching then packs whole steps for the world, under
+    step budgets, and deals each to its ``global_batch // batch_size`` micro-batches."""
 
 
 class DistributedBatchSampler:
@@ -155,6 +160,7 @@ class DistributedBatchSampler:
         # Budget batching packs under these as given: DataConfig.resolve() decides them.
         self.pad_multiple, self.token_budget, self.image_budget = s.pad_multiple, s.token_budget, s.image_budget
         self.window = int(s.window)
+        self.global_batch = s.global_batch
         self.lookahead: Callable[[np.ndarray], None] | None = None
         """Called with the batch ``LOOKAHEAD`` steps ahead of each one yielded (remote data
         starts downloading its shards)."""
@@ -206,18 +212,25 @@ class DistributedBatchSampler:
 
     def _lazy_budget_plan(self, epoch: int) -> LazyBudgetPlan:
         """Budget batches packed window by window as the loader reaches them."""
-        table = self.table
-
         def pack(rows: np.ndarray, w: int) -> list[np.ndarray]:
-            rng = mixing.rng_for(self.seed, _TAG_BATCHES, epoch, w + 1) if self.shuffle else None
-            batches = budget.pack(rows, table, batch_size=self.batch_size, token_budget=self.token_budget,
-                                  image_budget=self.image_budget, rng=rng, pad_multiple=self.pad_multiple)
-            return budget.split_to_multiple(batches, self.world_size)
+            return self._pack(rows, mixing.rng_for(self.seed, _TAG_BATCHES, epoch, w + 1) if self.shuffle else None)
 
         order = self._windowed(epoch)
         batches = LazyBudgetBatches(order, pack, rank=self.rank, world_size=self.world_size,
                                     remainder=self.remainder)
         return LazyBudgetPlan(batches, len(order))
+
+    def _pack(self, rows: np.ndarray, rng: np.random.Generator | None) -> list[np.ndarray]:
+        """Budget batches of ``rows``, a multiple of the world size of them, in dealing order: per
+        rank (split until the count divides), or with a global batch per step (whole steps for the
+        world, each cut into its micro-batches: ``budget.pack_steps``)."""
+        if self.global_batch:
+            return budget.pack_steps(rows, self.table, global_batch=self.global_batch,
+                                     slots=self.global_batch // self.batch_size, token_budget=self.token_budget,
+                                     image_budget=self.image_budget, rng=rng, pad_multiple=self.pad_multiple)
+        batches = budget.pack(rows, self.table, batch_size=self.batch_size, token_budget=self.token_budget,
+                              image_budget=self.image_budget, rng=rng, pad_multiple=self.pad_multiple)
+        return budget.split_to_multiple(batches, self.world_size)
 
     def _compute(self, epoch: int) -> EpochPlan:
         if self.window:
@@ -227,11 +240,7 @@ class DistributedBatchSampler:
             weights=self.source_weights, epoch_size=self.epoch_size,
         )
         if self.batching == "budget":
-            rng = mixing.rng_for(self.seed, _TAG_BATCHES, epoch) if self.shuffle else None
-            batches = budget.pack(order, self.table, batch_size=self.batch_size,
-                                  token_budget=self.token_budget, image_budget=self.image_budget, rng=rng,
-                                  pad_multiple=self.pad_multiple)
-            batches = budget.split_to_multiple(batches, self.world_size)
+            batches = self._pack(order, mixing.rng_for(self.seed, _TAG_BATCHES, epoch) if self.shuffle else None)
         else:
             batches = [order[i : i + self.batch_size] for i in range(0, len(order), self.batch_size)]
         steps, dropped, padded = self._equalize(batches, order)
@@ -311,9 +320,14 @@ class DistributedBatchSampler:
 
     def _identity(self) -> dict:
         """What the schedule depends on besides the position: a resume must match all of it."""
-        return {"seed": self.seed, "world_size": self.world_size, "batching": self.batching,
-                "batch_size": self.batch_size, "num_samples": len(self.table), "pad_multiple": self.pad_multiple,
-                "shuffle_window": self.window, "source_weights": self.source_weights, "epoch_size": self.epoch_size}
+        identity = {"seed": self.seed, "world_size": self.world_size, "batching": self.batching,
+                    "batch_size": self.batch_size, "num_samples": len(self.table), "pad_multiple": self.pad_multiple,
+                    "shuffle_window": self.window, "source_weights": self.source_weights, "epoch_size": self.epoch_size}
+        if self.global_batch:
+            identity["global_batch"] = self.global_batch
+        if self.global_batch and self.batching == "budget":  # the step budgets decide the steps
+            identity.update(token_budget=self.token_budget, image_budget=self.image_budget)
+        return identity
 
     def state_dict(self) -> dict:
         return {"epoch": self.epoch, "consumed": self.consumed, **self._identity()}
