@@ -15,7 +15,9 @@ from runkit import final_state, ok, session_shapes, train
 
 STEPS = 20
 TOL = 1e-5
-SPLITS = {"1 rank, A=1": (1, {}), "1 rank, A=2 (gradcache)": (1, {"data__micro_batch_size": 4}),
+G = 12
+"""The global batch: the 64 rows of an epoch are not a multiple of it, so epochs end in padding."""
+SPLITS = {"1 rank, A=1": (1, {}), "1 rank, A=2 (gradcache)": (1, {"data__micro_batch_size": G // 2}),
           "2 ranks, A=1": (2, {})}
 
 
@@ -33,7 +35,7 @@ def mixed(tmp_path_factory) -> Path:
 
 
 def run(shapes: Path, run_dir: Path, nproc: int, **extra):
-    settings = {"data__train": shapes / "mixed.jsonl", "data__global_batch_size": 8, "data__audit": "true",
+    settings = {"data__train": shapes / "mixed.jsonl", "data__global_batch_size": G, "data__audit": "true",
                 "train__max_steps": STEPS, "train__log_every": 1}
     return train(shapes, run_dir, nproc=nproc, timeout=240, **{**settings, **extra})
 
@@ -70,11 +72,14 @@ def step_ids(run_dir: Path, accumulation: int) -> dict[tuple[int, int], list[int
     return {k: sorted(v) for k, v in out.items()}
 
 
-FUSION = {"model__preset": "tiny-albef", "model__loss__itm": 1, "model__loss__mlm": 0.5, "model__loss__itm_group_size": 4,
-          "model__loss__text_mlm": 0.3, "model__loss__image_mim": 0.3}
+FUSION = {"model__preset": "tiny-albef", "model__loss__itm": 1, "model__loss__mlm": 0.5, "model__loss__itm_group_size": 3,
+          "model__loss__text_mlm": 0.3}
+UNIMODAL = {"model__loss__text_mlm": 0.3, "model__loss__image_mim": 0.3}
+"""What text-only and image-only rows train: keyed MLM and MIM masks, means over the step."""
 BUDGET = {"data__batching": "budget"}
-"""Budget steps: 2 to 8 rows under 64 text positions and 8 images per step (the defaults)."""
-LOSSES = {"itc": {}, "siglip": {"model__loss__itc": 0, "model__loss__siglip": 1}, "fusion": FUSION, "budget": BUDGET}
+"""Budget steps: 3 to 12 rows under 96 text positions and 12 images per step (the defaults)."""
+LOSSES = {"itc": {}, "siglip": {"model__loss__itc": 0, "model__loss__siglip": 1}, "fusion": FUSION, "unimodal": UNIMODAL,
+          "budget": BUDGET}
 
 
 @pytest.fixture(scope="module", params=list(LOSSES))
@@ -94,11 +99,11 @@ def test_one_global_batch_split_three_ways_trains_the_same_model(splits):
     _, done = splits
     (ref, proc), *others = done.values()
     rows = "at most " if "batching=budget" in " ".join(proc.args) else ""
-    assert f"global batch 8 = 1 rank(s) x 1 micro-batch(es) x {rows}8 rows" in proc.stderr
-    assert (f"global batch 8 = 1 rank(s) x 2 micro-batch(es) x {rows}4 rows (gradcache)"
+    assert f"global batch 12 = 1 rank(s) x 1 micro-batch(es) x {rows}12 rows" in proc.stderr
+    assert (f"global batch 12 = 1 rank(s) x 2 micro-batch(es) x {rows}6 rows (gradcache)"
             in done["1 rank, A=2 (gradcache)"][1].stderr)
     if "tiny-albef" in str(proc.args):
-        assert "ITM negatives from groups of 4 consecutive rows of the global batch" in proc.stderr
+        assert "ITM negatives from groups of 3 consecutive rows of the global batch" in proc.stderr
         assert all(set(r) >= {"loss/itm", "loss/mlm"} for r in metric_rows(ref))
     base = losses(ref)
     assert len(base) == STEPS
@@ -117,7 +122,7 @@ def test_the_audit_shows_the_same_samples_in_every_step(splits):
     ids = {name: step_ids(run_dir, accumulation[name]) for name, (run_dir, _) in done.items()}
     first = ids["1 rank, A=1"]
     budget = "batching=budget" in " ".join(done["1 rank, A=1"][1].args)
-    assert len(first) == STEPS and all(2 <= len(v) <= 8 if budget else len(v) == 8 for v in first.values())
+    assert len(first) == STEPS and all(3 <= len(v) <= G if budget else len(v) == G for v in first.values())
     if budget:  # steps of several sizes, and the same ones on any split
         assert len({len(v) for v in first.values()}) > 1
     assert ids["1 rank, A=2 (gradcache)"] == first and ids["2 ranks, A=1"] == first
@@ -132,14 +137,15 @@ def test_stopped_on_two_ranks_and_resumed_on_one_it_continues_the_same_trajector
     ok(run(shapes, unstopped, 2, **LOSSES[model]))
     run_dir = tmp_path / "run"
     assert run(shapes, run_dir, 2, fault="kill:at=step:step=10", **LOSSES[model]).returncode != 0
-    resumed = ok(run(shapes, run_dir, 1, data__micro_batch_size=4, **LOSSES[model]))
+    resumed = ok(run(shapes, run_dir, 1, data__micro_batch_size=G // 2, **LOSSES[model]))
     assert "at step 8 on 1 rank(s) (same global batches; model and optimizer resharded from 2)" in resumed.stdout \
         + resumed.stderr
     curve, base = losses(run_dir), losses(unstopped)
     assert len(curve) == STEPS and worst(curve, base) < TOL
     assert model_distance(final_state(run_dir), final_state(unstopped)) < TOL
-    refused = run(shapes, tmp_path / "run", 1, data__global_batch_size=4, train__max_steps=STEPS + 2, **LOSSES[model])
-    assert refused.returncode != 0 and "resume with data.global_batch_size=8" in refused.stderr
+    refused = run(shapes, tmp_path / "run", 1, data__global_batch_size=G // 2, train__max_steps=STEPS + 2,
+                  **LOSSES[model])
+    assert refused.returncode != 0 and f"resume with data.global_batch_size={G}" in refused.stderr
 
 
 def test_indivisible_splits_are_refused_naming_what_works():

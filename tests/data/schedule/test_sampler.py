@@ -125,3 +125,19 @@ def test_budget_batches_change_composition_between_epochs():
     s.set_epoch(1)
     second = {tuple(sorted(b)) for b in s}
     assert len(first & second) < len(first) / 2
+
+
+@pytest.mark.parametrize("remainder", ["pad", "drop"])
+@pytest.mark.parametrize("window", [0, 2])
+def test_a_global_batch_ends_every_split_s_epoch_at_the_same_step(remainder, window):
+    """64 rows and a global batch of 12: the epoch is padded (or cut) to whole global batches, so a
+    step of 2 micro-batches never spans two epochs, whatever the split."""
+    t = table(np.full(64, 5))
+    if window:
+        t.blocks = np.r_[np.arange(0, 64, 8), 64]
+    for world, micro in [(1, 12), (1, 6), (2, 6), (2, 3)]:
+        schedule = Schedule(batch_size=micro, seed=0, remainder=remainder, global_batch=12, window=window)
+        plan = DistributedBatchSampler(t, schedule, rank=0, world_size=world).plan()
+        accumulation = 12 // (world * micro)
+        assert len(plan) == (6 if remainder == "pad" else 5) * accumulation
+        assert (plan.padded, plan.dropped) == ((8, 0) if remainder == "pad" else (0, 4))

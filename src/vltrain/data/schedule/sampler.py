@@ -198,14 +198,15 @@ class DistributedBatchSampler:
     def _lazy_plan(self, epoch: int) -> LazyPlan:
         """Fixed batches of the windowed order, each computed when the loader asks for it."""
         order = self._windowed(epoch)
-        n, step = len(order), self.world_size * self.batch_size
-        steps = n // step if self.remainder == "drop" else -(-n // step)
-        if steps == 0:
+        n, step, unit = len(order), self.world_size * self.batch_size, self._unit()
+        whole = n // unit if self.remainder == "drop" else -(-n // unit)
+        if whole == 0:
             raise UserError(
                 f"data.remainder=drop leaves no batch: {n} samples per epoch for {self.world_size} ranks "
                 f"x batch_size {self.batch_size}; use data.remainder=pad or a smaller batch"
             )
-        dropped, padded = max(0, n - steps * step), max(0, steps * step - n)
+        steps = whole * unit // step
+        dropped, padded = max(0, n - whole * unit), max(0, whole * unit - n)
         batches = LazyBatches(order, rank=self.rank, world_size=self.world_size, batch_size=self.batch_size,
                               steps=steps)
         return LazyPlan(batches, dropped, padded)
@@ -255,14 +256,20 @@ class DistributedBatchSampler:
         mine = slice(self.rank, None, self.world_size)
         return EpochPlan(steps[mine], repeats[mine], distinct, dropped, padded)
 
+    def _unit(self) -> int:
+        """What an epoch of fixed batches is padded or cut to a multiple of: a global batch (so an
+        optimizer step never spans two epochs, and the epoch's end falls at the same step on any
+        split), or else one step of every rank's batch."""
+        return self.global_batch or self.world_size * self.batch_size
+
     def _equalize(self, batches: list[np.ndarray], order: np.ndarray) -> tuple[list[np.ndarray], int, int]:
         """Make the batch count a multiple of the world (and fixed batches full): pad or drop."""
-        w, b = self.world_size, self.batch_size
-        full = self.batching == "fixed" and len(order) % (w * b) == 0
+        w, b, unit = self.world_size, self.batch_size, self._unit()
+        full = self.batching == "fixed" and len(order) % unit == 0
         if len(batches) % w == 0 and (self.batching == "budget" or full):
             return batches, 0, 0
         if self.remainder == "drop":
-            keep = (len(order) // (w * b)) * w if self.batching == "fixed" else (len(batches) // w) * w
+            keep = (len(order) // unit) * unit // b if self.batching == "fixed" else (len(batches) // w) * w
             if keep == 0:
                 raise UserError(
                     f"data.remainder=drop leaves no batch: {len(order)} samples per epoch for {w} ranks "
@@ -271,8 +278,8 @@ class DistributedBatchSampler:
             dropped = sum(len(x) for x in batches[keep:])
             return batches[:keep], dropped, 0
         if self.batching == "fixed":
-            steps = -(-len(order) // (w * b))
-            need = steps * w * b - len(order)
+            steps = -(-len(order) // unit)
+            need = steps * unit - len(order)
             filled = np.concatenate([order, np.resize(order, need)])
             return [filled[i : i + b] for i in range(0, len(filled), b)], 0, need
         extra = -len(batches) % w
