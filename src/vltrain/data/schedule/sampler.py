@@ -250,7 +250,8 @@ class DistributedBatchSampler:
             level = logging.DEBUG if getattr(self, "_remainder_said", False) else logging.INFO
             self._remainder_said = True
             log.log(level, "epoch %d: %d steps; remainder=%s: %d samples dropped, %d rows padded by repetition",
-                    epoch, len(steps) // self.world_size, self.remainder, dropped, padded)
+                    epoch, sum(len(b) for b in steps) // self._unit() if self.batching == "fixed"
+                    else len(steps) // self.world_size, self.remainder, dropped, padded)
         repeats = _first_occurrence(steps)
         distinct = sum(int((~r).sum()) for r in repeats)  # each sample's first occurrence, counted once
         mine = slice(self.rank, None, self.world_size)
