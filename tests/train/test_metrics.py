@@ -57,8 +57,12 @@ def test_the_plot_draws_every_evaluation_sets_figure(tmp_path, monkeypatch):
         {"step": 2, "t2i_r1": 0.6, "zeroshot/pets/top1": 0.4, "retrieval/coco/t2i_r1": 0.2}]))
     drawn = []
     real = matplotlib.axes.Axes.plot
-    monkeypatch.setattr(matplotlib.axes.Axes, "plot", lambda ax, *a, label=None, **kw: (drawn.append(label),
-                                                                                       real(ax, *a, **kw))[1])
+
+    def plot(ax, *args, label=None, **kwargs):
+        drawn.append(label)
+        return real(ax, *args, label=label, **kwargs)
+
+    monkeypatch.setattr(matplotlib.axes.Axes, "plot", plot)
     plot_curves(tmp_path)
     assert {"t2i_r1", "zeroshot/pets/top1", "retrieval/coco/t2i_r1"} <= set(drawn)
 
