@@ -221,6 +221,17 @@ def test_async_save_snapshots_the_state(tmp_path):
     assert set(weights) == {f"model.{k}" for k in fresh.state_dict()}
 
 
+def test_the_last_step_commits_an_async_save_of_itself_still_in_flight(tmp_path):
+    # the last step is also a periodic one: its save is already written when the run's final
+    # save comes, which must still wait for it and commit it
+    job = Job(tmp_path, CheckpointConfig(every=2, async_save=True))
+    for step in range(1, 5):
+        job.step()
+        job.ckpt.maybe_save(step, final=step == 4)
+    assert find_checkpoint(tmp_path).name == "step-4"
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["latest", "step-2", "step-4"]
+
+
 # ---------------------------------------------------------------------------------------------
 # Two ranks, gloo
 

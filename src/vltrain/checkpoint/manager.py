@@ -28,6 +28,7 @@ import json
 import re
 import shutil
 import sys
+import threading
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
@@ -245,6 +246,9 @@ class Checkpointer:
         self.rank, self.world_size = world_info()
         self._last_saved: int | None = None
         self._pending: tuple[Future, int, Path, dict[str, Any]] | None = None
+        self._writers: list[threading.Thread] = []
+        """The threads DCP's async writer started: joined once the save is committed, since they
+        hold the group until they end (``vltrain.runtime.distributed.group_threads``)."""
         # DCP's async writer runs collectives from a thread: it needs a group of its own
         self._async_group = dist.new_group(backend="gloo") if cfg.async_save and is_initialized() else None
         if self.rank == 0:
@@ -258,13 +262,14 @@ class Checkpointer:
         return final or (self.cfg.every > 0 and step % self.cfg.every == 0)
 
     def maybe_save(self, step: int, *, final: bool = False) -> bool:
-        """Save if ``step`` is a multiple of ``checkpoint.every`` or the run's last; True if it did."""
-        if not self.should_save(step, final):
-            return False
-        self.save(step)
+        """Save if ``step`` is a multiple of ``checkpoint.every`` or the run's last; True if it did.
+        The run's last (``final``) also commits an asynchronous save of this step still in flight."""
+        saved = self.should_save(step, final)
+        if saved:
+            self.save(step)
         if final:
             self.wait()
-        return True
+        return saved
 
     def save(self, step: int) -> None:
         """Write ``step-N``; with ``async_save`` it is committed by the next save or :meth:`wait`.
@@ -291,8 +296,10 @@ class Checkpointer:
         write_atomic(tmp / f"rank-{self.rank}.json", json.dumps(per_rank))
         self._last_saved = step
         if self._async_group is not None or (self.cfg.async_save and not is_initialized()):
+            before = set(threading.enumerate())
             future = dcp.async_save(tensors, storage_writer=dcp.FileSystemWriter(tmp),
                                     process_group=self._async_group, no_dist=not is_initialized())
+            self._writers = [t for t in threading.enumerate() if t not in before]
             self._pending = (future, step, tmp, skeletons)
             return
         dcp.save(tensors, storage_writer=dcp.FileSystemWriter(tmp), no_dist=not is_initialized())
@@ -306,6 +313,9 @@ class Checkpointer:
         self._pending = None
         try:
             future.result()
+            for thread in self._writers:  # each ends once its save is done
+                thread.join()
+            self._writers = []
             self._commit(step, tmp, skeletons)
         except BaseException as e:  # DCP's CheckpointException is a BaseException
             self._failed(step, e)
