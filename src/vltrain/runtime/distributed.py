@@ -12,12 +12,14 @@ goes through :func:`issue`, the SPMD recorder's door (``vltrain.runtime.spmd``).
 from __future__ import annotations
 
 import datetime
+import gc
 import os
 from dataclasses import dataclass
 from typing import Any, Callable, TypeVar
 
 import torch
 import torch.distributed as dist
+import torch.distributed.nn  # noqa: F401  (before any group exists: see group_threads)
 
 from vltrain.runtime.spmd import MAX_DIMS, RECORDER, Issued, SPMDError
 
@@ -62,6 +64,51 @@ def init_distributed(backend: str | None = None, timeout_s: float = 600.0) -> tu
     else:
         dist.init_process_group(backend=backend, timeout=timeout)
     return world_info()
+
+
+GROUP_THREADS = ("pt_gloo_runloop", "gloo_tcp_loop", "pt_nccl")
+"""The name prefixes of the threads that process groups start (gloo's workers and transport loop,
+NCCL's watchdog and heartbeat monitor)."""
+
+
+def group_threads() -> list[str]:
+    """The names of this process's threads that belong to a process group (Linux; [] elsewhere).
+
+    A gloo group's worker threads live until the group object is freed, not until
+    ``destroy_process_group``. A worker that finishes a collective drops its work afterwards, and
+    dropping a tensor that Python made needs the GIL: if the interpreter is shutting down by then,
+    the thread is ended inside a C++ destructor and the process aborts (``terminate called without
+    an active exception``). So a run must free its groups before it returns, and this says whether
+    it did. One holder is in torch itself: ``torch.distributed.nn.functional`` captures the default
+    group in its default arguments when first imported (DDP imports it), which is why this module
+    imports it before any group exists.
+    """
+    try:
+        tasks = os.listdir("/proc/self/task")
+    except OSError:
+        return []
+    names = []
+    for tid in tasks:
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                name = f.read().strip()
+        except OSError:  # the thread ended meanwhile
+            continue
+        if name.startswith(GROUP_THREADS):
+            names.append(name)
+    return sorted(names)
+
+
+def release_mesh(mesh: Any) -> None:
+    """Let a device mesh's process groups go, once nothing will run on the mesh again.
+
+    A mesh keeps its groups in ``_pg_registry``, and DTensor's sharding caches keep every mesh
+    they have seen for the life of the interpreter (torch 2.13): without this, FSDP2's groups and
+    their threads outlive ``destroy_process_group`` (:func:`group_threads`).
+    """
+    registry = getattr(mesh, "_pg_registry", None)
+    if isinstance(registry, dict):
+        registry.clear()
 
 
 def issue(op: str, tensor: torch.Tensor | None, run: Callable[[], T], *, sent: int = 0) -> T:
@@ -310,11 +357,19 @@ class World:
         """Leave the process group (every rank, at the end of a run).
 
         After a clean run the ranks first meet at a barrier, so that none tears its connections
-        down while another still has collectives in flight (with gloo that can abort the process
-        at exit). After a failure there is no barrier: the other ranks may never arrive.
+        down while another still has collectives in flight, and the groups are freed: their
+        threads are joined here, before the interpreter shuts down (:func:`group_threads` says
+        why that matters). The caller has let go of what holds a group (DDP, FSDP2's modules, a
+        checkpointer's group). After a failure there is no barrier, the other ranks may never
+        arrive, and a worker may wait on a dead peer until the timeout: the groups are left for
+        the exit (``vltrain.cli.main``) instead of joined.
         """
-        if is_initialized():
-            if clean and self.world_size > 1:
+        if not is_initialized():
+            return
+        if clean:
+            if self.world_size > 1:
                 barrier()
-            dist.destroy_process_group()
+            _HOST_GROUP.clear()
+            gc.collect()  # a module's hooks can keep it, and its group, in a reference cycle
+        dist.destroy_process_group()
 

@@ -59,15 +59,20 @@ def parallelize(task: Task, cfg: TrainConfig, device: torch.device) -> nn.Module
     distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
     if cfg.parallelism == "fsdp":
         if dist.is_available() and dist.is_initialized():
+            from torch.distributed.device_mesh import init_device_mesh
             from torch.distributed.fsdp import fully_shard
 
+            # FSDP2's own default mesh, made here so that the end of the run can let its groups
+            # go (vltrain.runtime.distributed.release_mesh)
+            mesh = init_device_mesh(device.type, (dist.get_world_size(),))
             # FSDP2 cannot shard 0-dim parameters (the temperature): they stay replicated,
             # and reduce_replicated_grads averages their gradients
             scalars = {p for p in model.parameters() if p.ndim == 0}
             for block in model.blocks_for_sharding():
-                fully_shard(block)
-            fully_shard(wrapped, ignored_params=scalars)
+                fully_shard(block, mesh=mesh)
+            fully_shard(wrapped, mesh=mesh, ignored_params=scalars)
             wrapped.replicated_params = [p for p in scalars if p.requires_grad]
+            wrapped.device_mesh = mesh
         return wrapped
     if distributed:
         ids = [device.index] if device.type == "cuda" else None

@@ -36,7 +36,7 @@ from vltrain.errors import UserError
 from vltrain.eval.evaluator import Evaluator, append_eval, check_early_stop_metric, format_metrics
 from vltrain.objectives.keyed import StepKey
 from vltrain.objectives.task import Task
-from vltrain.runtime.distributed import all_reduce_sum, host_any
+from vltrain.runtime.distributed import all_reduce_sum, host_any, release_mesh
 from vltrain.runtime.faults import maybe_fail
 from vltrain.runtime.precision import Precision
 from vltrain.runtime.preemption import EXIT_CODE as PREEMPTED_EXIT
@@ -456,13 +456,26 @@ class Trainer:
         raise Preempted(f"{name} at step {self.step}: checkpoint {path} written; run the same "
                         f"command again to resume (exit code {code})", exit_code=code)
 
+    HOLD_GROUPS = ("wrapped", "model", "objectives", "params", "optimizer", "scheduler", "scaler", "checkpointer",
+                   "evaluator")
+    """What holds a process group once the run is distributed: DDP (its reducer), FSDP2's modules and
+    their parameters, the optimizer's sharded state, the checkpointer's group for async saves."""
+
     def close(self, clean: bool = True) -> None:
         """Flush the sinks, leave the process group (``clean``: after a run that did not fail),
-        draw curves.png."""
+        draw curves.png.
+
+        A distributed run lets go of the model, the optimizer and the checkpointer first, so that
+        leaving frees the groups and joins their threads (``World.close``): the counters, the
+        loader's reports and the run folder stay for the caller."""
         self.preemption.close()
         self.loader.close()
         quiet = QuietWrites()  # a full disk is said once and does not mask the error that stopped the run
         quiet.run("metrics", self.metrics.close)
+        if clean and self.world.world_size > 1:
+            release_mesh(getattr(self.wrapped, "device_mesh", None))
+            for name in self.HOLD_GROUPS:
+                setattr(self, name, None)
         self.world.close(clean)
         if self.world.is_main:
             quiet.run("curves.png", lambda: plot_curves(self.run_dir))
