@@ -1,4 +1,4 @@
-from vltrain.cli.main import main
+from vltrain.cli.main import run
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    run()

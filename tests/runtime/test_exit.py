@@ -9,6 +9,8 @@ when ``main`` returns. ``benchmarks/exit_codes.py`` counts the exits of hundreds
 
 from __future__ import annotations
 
+import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -41,3 +43,12 @@ def test_a_finished_run_leaves_no_process_group_running(tmp_path_factory, tmp_pa
     # the last step's checkpoint is committed, asynchronous or not
     assert (tmp_path / "run" / "checkpoints" / "latest").read_text().strip() == "step-4"
 
+
+def test_a_process_that_still_has_a_group_exits_with_its_code_after_its_exit_handlers(tmp_path):
+    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    marker = tmp_path / "atexit.txt"
+    proc = subprocess.run([sys.executable, str(HERE / "abort_probe.py"), "3", str(marker)], capture_output=True,
+                          text=True, env=env, timeout=120)
+    assert proc.returncode == 3, proc.stderr[-3000:]
+    assert "pt_gloo_runloop" in proc.stdout  # the case leave() is for, flushed on the way out
+    assert marker.read_text() == "exit handlers ran\n"

@@ -10,9 +10,11 @@ bad data, missing file) is printed as one clear message, never as a traceback.
 from __future__ import annotations
 
 import argparse
+import atexit
 import logging
 import os
 import sys
+from typing import NoReturn
 
 from vltrain.cli import data_commands, model_commands
 from vltrain.errors import UserError
@@ -60,5 +62,42 @@ def main(argv: list[str] | None = None) -> int:
         return 130
 
 
+def run() -> NoReturn:
+    """The process's way in and out: the ``vltrain`` command and ``python -m vltrain``."""
+    try:
+        code = main()
+    except SystemExit as e:
+        code = e.code
+    except BaseException:  # printed as Python itself would (torch's hook names the rank), then the same exit
+        sys.excepthook(*sys.exc_info())
+        code = 1
+    leave(code)
+
+
+def leave(code: int | str | None) -> NoReturn:
+    """Exit with ``code``; past the interpreter's own shutdown if a process group is still running.
+
+    A clean run has freed its groups by now (``World.close``). A failed one leaves them, since a
+    worker may be waiting on a dead peer until the timeout, and so may code that made a group
+    itself. Their worker threads can still need the GIL once the interpreter is shutting down,
+    and that aborts the process with SIGABRT (``vltrain.runtime.distributed.group_threads``),
+    which torchrun and Slurm read as a crash instead of this exit code. So, in that case only:
+    the exit handlers run and every stream is flushed (the run's own files were closed before),
+    and ``os._exit`` leaves without the interpreter's shutdown.
+    """
+    if isinstance(code, str):
+        print(code, file=sys.stderr)
+        code = 1
+    code = 0 if code is None else int(code)
+    distributed = sys.modules.get("vltrain.runtime.distributed")
+    if distributed is None or not distributed.group_threads():
+        sys.exit(code)
+    atexit._run_exitfuncs()
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    run()
