@@ -29,8 +29,7 @@ from vltrain.checkpoint.storage import read_tensors
 from vltrain.data.tools.synth import synthesize
 from vltrain.data.tools.tokenizer_training import source_texts, train_tokenizer
 
-FUSION = {"model.preset": "tiny-albef", "model.loss.itm": 1, "model.loss.mlm": 0.5, "model.loss.itm_group_size": 3,
-          "model.loss.text_mlm": 0.3}
+FUSION = {"model.preset": "tiny-albef", "model.loss.itm": 1, "model.loss.mlm": 0.5, "model.loss.text_mlm": 0.3}
 CASES = {
     "itc": {},
     "siglip": {"model.loss.itc": 0, "model.loss.siglip": 1},

@@ -72,8 +72,8 @@ def step_ids(run_dir: Path, accumulation: int) -> dict[tuple[int, int], list[int
     return {k: sorted(v) for k, v in out.items()}
 
 
-FUSION = {"model__preset": "tiny-albef", "model__loss__itm": 1, "model__loss__mlm": 0.5, "model__loss__itm_group_size": 3,
-          "model__loss__text_mlm": 0.3}
+FUSION = {"model__preset": "tiny-albef", "model__loss__itm": 1, "model__loss__mlm": 0.5, "model__loss__text_mlm": 0.3}
+"""ITM's groups are the global batch's default (3 of 12 rows): no key ties them to a split."""
 UNIMODAL = {"model__loss__text_mlm": 0.3, "model__loss__image_mim": 0.3}
 """What text-only and image-only rows train: keyed MLM and MIM masks, means over the step."""
 BUDGET = {"data__batching": "budget"}
@@ -103,7 +103,9 @@ def test_one_global_batch_split_three_ways_trains_the_same_model(splits):
     assert (f"global batch 12 = 1 rank(s) x 2 micro-batch(es) x {rows}6 rows (gradcache)"
             in done["1 rank, A=2 (gradcache)"][1].stderr)
     if "tiny-albef" in str(proc.args):
-        assert "ITM negatives from groups of 3 consecutive rows of the global batch" in proc.stderr
+        for _, split in done.values():
+            assert ("ITM negatives from groups of 3 consecutive rows of the global batch (the default for a global "
+                    "batch of 12: the same on any number of ranks)") in split.stderr
         assert all(set(r) >= {"loss/itm", "loss/mlm"} for r in metric_rows(ref))
     base = losses(ref)
     assert len(base) == STEPS
@@ -140,6 +142,8 @@ def test_stopped_on_two_ranks_and_resumed_on_one_it_continues_the_same_trajector
     resumed = ok(run(shapes, run_dir, 1, data__micro_batch_size=G // 2, **LOSSES[model]))
     assert "at step 8 on 1 rank(s) (same global batches; model and optimizer resharded from 2)" in resumed.stdout \
         + resumed.stderr
+    if model == "fusion":  # the log says what the run does: the checkpoint's groups
+        assert "ITM negatives from groups of 3 consecutive rows of the global batch (the checkpoint's" in resumed.stderr
     curve, base = losses(run_dir), losses(unstopped)
     assert len(curve) == STEPS and worst(curve, base) < TOL
     assert model_distance(final_state(run_dir), final_state(unstopped)) < TOL
@@ -183,3 +187,28 @@ def test_budget_steps_that_cannot_feed_every_micro_batch_are_refused():
     said = resolve_global_batch(cfg, 2)
     assert said == ("global batch 16 = 2 rank(s) x 2 micro-batch(es) x at most 4 rows (gradcache); budget steps "
                     "of 4 to 16 rows, 256 text positions and 16 images")
+
+
+def test_the_default_itm_group_depends_on_the_global_batch_alone():
+    from vltrain.train.build import default_itm_group
+
+    assert {g: default_itm_group(g) for g in (2, 8, 12, 16, 64, 100, 256, 1024, 4096, 32768, 13, 26)} == {
+        2: 2, 8: 2, 12: 3, 16: 4, 64: 8, 100: 10, 256: 16, 1024: 32, 4096: 64, 32768: 64, 13: 13, 26: 2}
+
+
+def test_a_split_the_default_itm_groups_cannot_serve_is_refused_naming_what_works():
+    from modelkit import small_task
+
+    from vltrain.errors import ConfigError
+    from vltrain.train.build import itm_groups
+
+    task = small_task("tiny-albef", itm=1.0, itm_negatives="group")
+    for micro in (16, 8, 4):  # 1, 2 and 4 micro-batches: groups of 4 in each
+        assert itm_groups(task.objectives, 0, micro, 16) == "the default for a global batch of 16"
+        assert task.objectives.itm_group_size == 4
+    with pytest.raises(ConfigError, match=r"groups of 4 rows .* micro-batches of 2 rows: split a step of 16 rows "
+                                          r"into at most 4 micro-batches .* one of \[1, 2\]"):
+        itm_groups(task.objectives, 0, 2, 16)
+    assert itm_groups(task.objectives, 2, 2, 16) == "model.loss.itm_group_size"  # the user's choice serves it
+    assert itm_groups(task.objectives, 0, 8, 16, saved=8) == "the checkpoint's"
+    assert task.objectives.itm_group_size == 8

@@ -49,8 +49,9 @@ class LossConfig:
     ALBEF), global (every rank's micro-batch: gathers every rank's token features, W times the
     bytes); auto: group with data.global_batch_size, local without (docs/distributed.md)."""
     itm_group_size: int = 0
-    """Rows per ITM group (itm_negatives: group); it must divide the micro-batch. 0: the largest
-    divisor of the micro-batch up to 64, kept by the run's checkpoints."""
+    """Rows per ITM group (itm_negatives: group); it must divide the micro-batch. 0: with
+    data.global_batch_size, its largest divisor up to about its square root (at most 64), the same
+    on any split; without, the micro-batch's largest divisor up to 64. Kept by the run's checkpoints."""
     text_mlm: float = 0.0
     """Masked language modelling on the text tower alone (its own head, tied to the token embedding):
     what text-only rows train. Any preset; needs a tokenizer with a mask token."""

@@ -5,6 +5,7 @@ and the same data pipeline."""
 from __future__ import annotations
 
 import logging
+import math
 from pathlib import Path
 
 import torch
@@ -151,34 +152,62 @@ ITM_GROUP_MAX = 64
 """The largest automatic ITM group: ALBEF's per-GPU batch, from which it drew its negatives."""
 
 
-def itm_groups(objectives: Objectives, configured: int, micro: int, saved: int = 0) -> int:
-    """The ITM group size of a run whose micro-batches hold ``micro`` rows: the ``configured`` one
-    (``model.loss.itm_group_size``), else a resumed run's (``saved``), else the largest divisor of
-    ``micro`` up to 64. Refuses one
-    that does not divide ``micro``, since a group cut by a micro-batch boundary would change with
-    the split. Sets it on ``objectives``; 0 when the run does not draw ITM negatives by group."""
+def default_itm_group(rows: int) -> int:
+    """The ITM group size of a step of ``rows`` rows when none is configured: its largest divisor up
+    to about the square root of ``rows`` (and :data:`ITM_GROUP_MAX`). Group size and the number of
+    micro-batches a step can be cut into (up to ``rows`` / size, each a multiple of the group)
+    grow together: 16 rows give groups of 4 for up to 4 micro-batches, 256 groups of 16 for up
+    to 16, 4,096 groups of 64 for up to 64. A prime ``rows`` has no such divisor above 1: then its
+    smallest one (one micro-batch only)."""
+    cap = min(ITM_GROUP_MAX, max(2, math.isqrt(rows)))
+    fits = [d for d in range(2, cap + 1) if rows % d == 0]
+    return max(fits) if fits else min(d for d in range(2, rows + 1) if rows % d == 0)
+
+
+def itm_groups(objectives: Objectives, configured: int, micro: int, global_batch: int = 0, saved: int = 0) -> str:
+    """Set the ITM group size on ``objectives`` for micro-batches of ``micro`` rows; say where it
+    came from ("" when the run draws no ITM negatives by group).
+
+    The ``configured`` size (``model.loss.itm_group_size``), else a resumed run's (``saved``), else
+    the default of a step of ``global_batch`` rows (:func:`default_itm_group`): the same on any
+    number of ranks. Without a global batch the step depends on the split anyway, and the default
+    is the micro-batch's largest divisor up to 64. A size that does not divide ``micro`` is
+    refused, since a group cut by a micro-batch boundary would change with the split."""
     if "itm" not in objectives.loss_weights or objectives.itm_negatives != "group":
-        return 0
-    size = configured or saved
+        return ""
     fits = [d for d in range(1, micro + 1) if micro % d == 0]
-    if not size:
-        size = max(d for d in fits if d <= ITM_GROUP_MAX)
+    if configured:
+        size, said = configured, "model.loss.itm_group_size"
+    elif saved:
+        size, said = saved, "the checkpoint's"
+    elif global_batch:
+        size, said = default_itm_group(global_batch), f"the default for a global batch of {global_batch}"
+    else:
+        size, said = max(d for d in fits if d <= ITM_GROUP_MAX), f"the default for micro-batches of {micro}"
     if micro % size:
+        if global_batch and not (configured or saved):
+            raise ConfigError(
+                f"ITM draws its negatives from groups of {size} rows ({said}), which do not divide this run's "
+                f"micro-batches of {micro} rows: split a step of {global_batch} rows into at most "
+                f"{global_batch // size} micro-batches (ranks x accumulation, data.micro_batch_size a multiple "
+                f"of {size}), or set model.loss.itm_group_size to one of {fits} (another group size changes the "
+                "run, so use it on every world size)")
         where = "model.loss.itm_group_size" if configured else "the checkpoint's ITM group size"
         raise ConfigError(f"{where} {size} does not divide the micro-batch of {micro} rows: ITM groups must not "
                           f"straddle micro-batches. Use a data.micro_batch_size that is a multiple of {size}, or "
                           f"model.loss.itm_group_size set to one of {fits} (another group size changes the run)")
     objectives.itm_group_size = size
-    return size
+    return said
 
 
-def describe_itm(objectives: Objectives, global_batch: bool) -> str | None:
-    """One log line on where ITM draws its negatives, and whether that ties the run to its split."""
+def describe_itm(objectives: Objectives, global_batch: bool, source: str = "") -> str | None:
+    """One log line on where ITM draws its negatives, and whether that ties the run to its split;
+    ``source``: where the group size came from (:func:`itm_groups`)."""
     if "itm" not in objectives.loss_weights:
         return None
     if objectives.itm_negatives == "group":
         return (f"ITM negatives from groups of {objectives.itm_group_size} consecutive rows of the global batch "
-                "(the same on any number of ranks)")
+                f"({source + ': ' if source else ''}the same on any number of ranks)")
     pool = "each rank's micro-batch" if objectives.itm_negatives == "local" else "every rank's micro-batch"
     return (f"ITM negatives from {pool} (model.loss.itm_negatives: {objectives.itm_negatives})"
             + (": the ITM loss depends on the split; itm_negatives: group keeps it" if global_batch else ""))

@@ -126,6 +126,7 @@ class Trainer:
             files={"tokenizer.json": self.tokenizer.path} if self.tokenizer.path else None,
         )
         self.restored = self.checkpointer.resume(tc.resume)
+        self._say_itm()
 
         self.metrics = MetricsLogger(self.run_dir, enabled=self.world.is_main, total_steps=tc.max_steps,
                                      progress=tc.progress, start_step=self.step, wandb=cfg.metrics, config=cfg.to_dict())
@@ -145,14 +146,18 @@ class Trainer:
         self.precision = Precision(tc.precision, self.device)
 
     def _build_task(self) -> Task:
-        """The model with the objectives ``model.loss`` asks for, ITM's groups sized for this run (and said)."""
+        """The model with the objectives ``model.loss`` asks for, ITM's groups sized for this run
+        (a resumed run's may change them: said once the checkpoint is read, by :meth:`_say_itm`)."""
         cfg = self.cfg
         task = build_task(cfg, self.model)
-        itm_groups(task.objectives, cfg.model.loss.itm_group_size, cfg.data.batch_size)
-        said = describe_itm(task.objectives, bool(cfg.data.global_batch_size))
+        self.itm_source = itm_groups(task.objectives, cfg.model.loss.itm_group_size, cfg.data.batch_size,
+                                     cfg.data.global_batch_size)
+        return task
+
+    def _say_itm(self) -> None:
+        said = describe_itm(self.objectives, bool(self.cfg.data.global_batch_size), self.itm_source)
         if said and self.world.is_main:
             log.info(said)
-        return task
 
     @staticmethod
     def _seed_rank(seed: int) -> RngState:
@@ -242,8 +247,8 @@ class Trainer:
             raise UserError(f"cannot resume the same run: the checkpoint's global batch is {saved} samples, this "
                             f"run's is {self.global_batch} (data.global_batch_size); resume with "
                             f"data.global_batch_size={saved}")
-        itm_groups(self.objectives, self.cfg.model.loss.itm_group_size, self.cfg.data.batch_size,
-                   int(state.get("itm_group_size", 0)))
+        self.itm_source = itm_groups(self.objectives, self.cfg.model.loss.itm_group_size, self.cfg.data.batch_size,
+                                     self.cfg.data.global_batch_size, int(state.get("itm_group_size", 0)))
         self.step = int(state["step"])
         self.samples_seen = int(state["samples_seen"])
         self.best_metric = state["best_metric"]
