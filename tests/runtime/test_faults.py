@@ -25,3 +25,31 @@ def test_fires_only_at_its_point_step_and_rank_once(tmp_path, monkeypatch):
         maybe_fail("step", 3, 1)
     assert marker.exists()
     maybe_fail("step", 3, 1)  # a restarted group does not fail again
+
+
+def test_a_stall_sleeps_until_a_stop_signal_which_still_reaches_the_runs_handler(monkeypatch):
+    import os
+    import signal
+    import threading
+    import time
+
+    seen: list[int] = []
+
+    def handler(signum, frame):
+        seen.append(signum)
+
+    previous = signal.signal(signal.SIGTERM, handler)
+    try:
+        monkeypatch.setenv(ENV, "stall:at=step:step=2:seconds=0.3")
+        start = time.monotonic()
+        maybe_fail("step", 2, 0)  # no signal: the whole stall
+        assert 0.3 <= time.monotonic() - start < 5
+        monkeypatch.setenv(ENV, "stall:at=step:step=2:seconds=60")
+        timer = threading.Timer(0.2, os.kill, (os.getpid(), signal.SIGTERM))
+        timer.start()
+        start = time.monotonic()
+        maybe_fail("step", 2, 0)
+        assert time.monotonic() - start < 5 and seen == [signal.SIGTERM]
+        assert signal.getsignal(signal.SIGTERM) is handler  # the run's handler is back
+    finally:
+        signal.signal(signal.SIGTERM, previous)

@@ -7,14 +7,17 @@ at a known place inside real worker processes. One environment variable describe
     VLTRAIN_FAULT="kill:at=step:step=7:rank=1:once=/tmp/fired"
 
 - action ``kill`` (SIGKILL, no clean-up, as an out-of-memory kill), ``raise`` (a RuntimeError),
-  ``nospace`` (an ``OSError`` ENOSPC, as a write to a full disk raises) or
+  ``nospace`` (an ``OSError`` ENOSPC, as a write to a full disk raises),
   ``preempt`` (SIGTERM to the torchrun agent, or to this process without one, as Slurm does before
-  a preemption; the rank then waits, at most 30 s, until the signal has reached it too);
+  a preemption; the rank then waits, at most 30 s, until the signal has reached it too) or
+  ``stall`` (the rank sleeps ``seconds``, as a slow or stuck one; a stop signal, SIGTERM or
+  SIGUSR1, ends it early and reaches the run's own handler);
 - ``at``: ``step`` (after optimizer step N, before its checkpoint) or ``save`` (while step N's
   checkpoint is half written: tensors on disk, not yet committed);
 - ``rank``: the global rank that fails (default: every rank);
 - ``once``: a marker file; the fault fires only if it does not exist yet and creates it, so a
-  group restarted by torchrun does not fail again at the same step.
+  group restarted by torchrun does not fail again at the same step;
+- ``seconds``: how long ``stall`` sleeps (default 60).
 
 Unset (the normal case) it costs one dictionary lookup per call.
 """
@@ -41,6 +44,7 @@ class Fault:
     step: int
     rank: int | None = None
     once: str = ""
+    seconds: float = 60.0
 
     @classmethod
     def parse(cls, spec: str) -> "Fault":
@@ -51,12 +55,13 @@ class Fault:
             if not sep:
                 raise ValueError(f"{ENV}={spec!r}: {part!r} must look like key=value")
             fields[key] = value
-        unknown = set(fields) - {"at", "step", "rank", "once"}
-        if action not in ("kill", "raise", "preempt", "nospace") or unknown or "step" not in fields:
-            raise ValueError(f"{ENV}={spec!r}: expected kill|raise|preempt|nospace:at=step|save:step=N"
-                             "[:rank=R][:once=PATH]")
+        unknown = set(fields) - {"at", "step", "rank", "once", "seconds"}
+        if action not in ("kill", "raise", "preempt", "nospace", "stall") or unknown or "step" not in fields:
+            raise ValueError(f"{ENV}={spec!r}: expected kill|raise|preempt|nospace|stall:at=step|save:step=N"
+                             "[:rank=R][:once=PATH][:seconds=S]")
         return cls(action, fields.get("at", "step"), int(fields["step"]),
-                   int(fields["rank"]) if "rank" in fields else None, fields.get("once", ""))
+                   int(fields["rank"]) if "rank" in fields else None, fields.get("once", ""),
+                   float(fields.get("seconds", 60)))
 
 
 def maybe_fail(at: str, step: int, rank: int) -> None:
@@ -77,6 +82,9 @@ def maybe_fail(at: str, step: int, rank: int) -> None:
     if fault.action == "preempt":
         _preempt()
         return
+    if fault.action == "stall":
+        _stall(fault.seconds)
+        return
     if fault.action == "nospace":
         raise OSError(errno.ENOSPC, f"No space left on device (injected: {ENV}={spec})")
     raise InjectedFault(f"injected fault on rank {rank} at {at} of step {step} ({ENV}={spec})")
@@ -95,3 +103,26 @@ def _preempt() -> None:
         signal.signal(signal.SIGTERM, previous)
     if arrived and callable(previous):
         previous(signal.SIGTERM, None)  # what the run's own handler would have seen
+
+
+def _stall(seconds: float) -> None:
+    """Sleep up to ``seconds``; SIGTERM or SIGUSR1 ends it early, and still reaches the handler that
+    was there (the run's preemption watch), as it would have without the stall."""
+    arrived: list[int] = []
+    previous: dict[int, object] = {}
+
+    def note(signum, frame) -> None:
+        arrived.append(signum)
+        handler = previous[signum]
+        if callable(handler):
+            handler(signum, frame)
+
+    for sig in (signal.SIGTERM, signal.SIGUSR1):
+        previous[sig] = signal.signal(sig, note)
+    try:
+        deadline = time.monotonic() + seconds
+        while not arrived and time.monotonic() < deadline:
+            time.sleep(0.05)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
