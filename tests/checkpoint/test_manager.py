@@ -6,6 +6,7 @@ import json
 import os
 import pickle
 import random
+import time
 
 import numpy as np
 import pytest
@@ -230,6 +231,21 @@ def test_the_last_step_commits_an_async_save_of_itself_still_in_flight(tmp_path)
         job.ckpt.maybe_save(step, final=step == 4)
     assert find_checkpoint(tmp_path).name == "step-4"
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["latest", "step-2", "step-4"]
+
+
+def test_timed_saves_come_once_the_minutes_have_passed_since_the_last_save(tmp_path):
+    job = Job(tmp_path, CheckpointConfig(every_minutes=0.005))  # 0.3 s
+    saved = []
+    for step in range(1, 6):
+        job.step()
+        if step in (2, 4):
+            time.sleep(0.35)
+        if job.ckpt.maybe_save(step, due=job.ckpt.due()):
+            saved.append(step)
+    assert saved == [2, 4]
+    off = Job(tmp_path / "off", CheckpointConfig())
+    time.sleep(0.05)
+    assert not off.ckpt.due()
 
 
 # ---------------------------------------------------------------------------------------------

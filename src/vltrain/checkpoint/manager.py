@@ -29,6 +29,7 @@ import re
 import shutil
 import sys
 import threading
+import time
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
@@ -246,6 +247,8 @@ class Checkpointer:
         self.rank, self.world_size = world_info()
         self._last_saved: int | None = None
         self._pending: tuple[Future, int, Path, dict[str, Any]] | None = None
+        self._last_save = time.monotonic()
+        """When the last save started, or the run did (``checkpoint.every_minutes``)."""
         self._writers: list[threading.Thread] = []
         """The threads DCP's async writer started: joined once the save is committed, since they
         hold the group until they end (``vltrain.runtime.distributed.group_threads``)."""
@@ -256,15 +259,22 @@ class Checkpointer:
 
     # -- saving ------------------------------------------------------------------------------
 
-    def should_save(self, step: int, final: bool = False) -> bool:
+    def should_save(self, step: int, final: bool = False, due: bool = False) -> bool:
         if step == self._last_saved:
             return False
-        return final or (self.cfg.every > 0 and step % self.cfg.every == 0)
+        return final or due or (self.cfg.every > 0 and step % self.cfg.every == 0)
 
-    def maybe_save(self, step: int, *, final: bool = False) -> bool:
-        """Save if ``step`` is a multiple of ``checkpoint.every`` or the run's last; True if it did.
-        The run's last (``final``) also commits an asynchronous save of this step still in flight."""
-        saved = self.should_save(step, final)
+    def due(self) -> bool:
+        """Whether ``checkpoint.every_minutes`` have passed since the last save on this rank's
+        clock (the trainer agrees on it with the other ranks before it saves)."""
+        minutes = self.cfg.every_minutes
+        return minutes > 0 and time.monotonic() - self._last_save >= 60 * minutes
+
+    def maybe_save(self, step: int, *, final: bool = False, due: bool = False) -> bool:
+        """Save if ``step`` is a multiple of ``checkpoint.every``, the run's last, or ``due`` (time
+        for a timed save, agreed by the ranks); True if it did. The run's last (``final``) also
+        commits an asynchronous save of this step still in flight."""
+        saved = self.should_save(step, final, due)
         if saved:
             self.save(step)
         if final:
@@ -275,6 +285,7 @@ class Checkpointer:
         """Write ``step-N``; with ``async_save`` it is committed by the next save or :meth:`wait`.
         A write that fails for lack of space raises ``DiskFull`` (``space.py``)."""
         self.wait()
+        self._last_save = time.monotonic()
         if self.rank == 0:
             warning = space_warning(self.folder, complete_checkpoints(self.folder), self.cfg.keep)
             if warning:

@@ -204,6 +204,9 @@ class EvalConfig:
 class CheckpointConfig:
     every: int = 0
     """Save every N steps (0: only at the end)."""
+    every_minutes: float = 0.0
+    """Also save once this many minutes have passed since the last save (0: off), at the step where
+    the first rank sees it: a lost node then costs at most that much training."""
     keep: int = 3
     """Newest complete checkpoints kept (0: all)."""
     async_save: bool = False
@@ -217,6 +220,8 @@ class CheckpointConfig:
     def validate(self) -> None:
         if self.every < 0:
             raise ConfigError(f"checkpoint.every must be >= 0 (0: only at the end), got {self.every}")
+        if self.every_minutes < 0:
+            raise ConfigError(f"checkpoint.every_minutes must be >= 0 (0: off), got {self.every_minutes}")
         if self.keep < 0:
             raise ConfigError(f"checkpoint.keep must be >= 0 (0: keep all), got {self.keep}")
         if not self.folder:

@@ -304,12 +304,17 @@ def all_reduce_sum(x: torch.Tensor) -> torch.Tensor:
 def host_any(flag: bool) -> bool:
     """Whether ``flag`` is set on any rank: an all-reduce of host memory (over gloo), so nothing
     waits for an accelerator. Every rank must call it at the same point."""
+    return host_flags(flag)[0]
+
+
+def host_flags(*flags: bool) -> tuple[bool, ...]:
+    """For each flag, whether it is set on any rank: one all-reduce of host memory, as :func:`host_any`."""
     if world_info()[1] == 1:
-        return flag
-    t = torch.tensor([int(flag)], dtype=torch.int32)
+        return tuple(flags)
+    t = torch.tensor([int(f) for f in flags], dtype=torch.int32)
     group = host_group()
-    issue("all_reduce", t, lambda: dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group), sent=4)
-    return t.tolist()[0] > 0
+    issue("all_reduce", t, lambda: dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group), sent=4 * len(flags))
+    return tuple(v > 0 for v in t.tolist())
 
 
 def barrier() -> None:
