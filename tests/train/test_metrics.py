@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import time
 
+import pytest
 import torch
 
 from vltrain.train.metrics import MetricsLogger, Throughput, measure_cpu_peak, peak_memory_bytes, plot_curves
@@ -147,3 +148,16 @@ def test_wandb_without_the_package_is_a_clear_error(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "wandb", None)  # as if not installed
     with pytest.raises(UserError, match=r"pip install 'vltrain\[wandb\]'"):
         MetricsLogger(tmp_path, enabled=True, total_steps=1, wandb=MetricsConfig(wandb=True))
+
+
+def test_a_restart_says_what_it_cost_from_the_records_past_the_checkpoint(tmp_path):
+    from vltrain.train.metrics import restart_cost
+
+    path = tmp_path / "metrics.jsonl"
+    now = time.time()
+    path.write_text("".join(json.dumps({"step": s, "time": now - 30 + s, "loss": 1.0}) + "\n" for s in range(1, 10, 2)))
+    said = restart_cost(path, 5)  # steps 1, 3, 5, 7, 9 logged; resumed at 5, logged 25 s ago
+    assert said.startswith("2") and " s since step 5 was trained, 4 step(s) trained again" in said
+    assert float(said.split(" s since")[0]) == pytest.approx(25, abs=2)
+    assert "(the last step logged before it: 3)" in restart_cost(path, 4)
+    assert restart_cost(path, 0) == "" and restart_cost(tmp_path / "missing.jsonl", 5) == ""

@@ -271,6 +271,21 @@ def drop_records_after(path: Path, step: int) -> None:
     os.replace(tmp, path)
 
 
+def restart_cost(path: Path, step: int) -> str:
+    """What resuming at ``step`` costs, from ``metrics.jsonl`` before a resume drops its later
+    records: the seconds since the run logged ``step`` (or the last step it logged before), and
+    the logged steps past it that are trained again. "" without such a record."""
+    records = [r for r in read_jsonl(path) if "time" in r and "step" in r]
+    before = [r for r in records if r["step"] <= step]
+    if not before:
+        return ""
+    at = max(before, key=lambda r: r["step"])
+    again = max((r["step"] for r in records), default=step) - step
+    since = "" if at["step"] == step else f" (the last step logged before it: {at['step']})"
+    return (f"{time.time() - at['time']:.1f} s since step {at['step']} was trained{since}, "
+            f"{max(again, 0)} step(s) trained again")
+
+
 def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
     p = Path(path)
     return [json.loads(line) for line in p.read_text().splitlines() if line.strip()] if p.exists() else []

@@ -36,7 +36,7 @@ from vltrain.errors import UserError
 from vltrain.eval.evaluator import Evaluator, append_eval, check_early_stop_metric, format_metrics
 from vltrain.objectives.keyed import StepKey
 from vltrain.objectives.task import Task
-from vltrain.runtime.distributed import all_reduce_sum, host_any, release_mesh
+from vltrain.runtime.distributed import all_reduce_sum, host_flags, release_mesh
 from vltrain.runtime.faults import maybe_fail
 from vltrain.runtime.precision import Precision
 from vltrain.runtime.preemption import EXIT_CODE as PREEMPTED_EXIT
@@ -57,7 +57,8 @@ from vltrain.train.build import (
     resolve_init,
 )
 from vltrain.train.gradcache import gradcache_backward
-from vltrain.train.metrics import GpuUtilization, MetricsLogger, Throughput, peak_flops, peak_memory_bytes, plot_curves
+from vltrain.train.metrics import (GpuUtilization, MetricsLogger, Throughput, peak_flops, peak_memory_bytes,
+                                   plot_curves, restart_cost)
 from vltrain.train.nonfinite import NonFiniteGuard
 from vltrain.train.optim import build_optimizer, build_scheduler, freeze_towers
 from vltrain.train.parallelize import clip_grad_norm, parallelize, reduce_replicated_grads
@@ -98,7 +99,7 @@ class Trainer:
         self.scheduler = build_scheduler(self.optimizer, tc)
         self.scaler = self.precision.grad_scaler()
         self.guard = NonFiniteGuard(tc.max_nonfinite_steps)
-        self.preemption, self.preempt_agreed = PreemptionWatch(), False
+        self.preemption, self.preempt_agreed, self.save_due = PreemptionWatch(), False, False
 
         # each rank's generators (the objectives' draws are keyed by step and sample instead)
         self.rng = self._seed_rank(tc.seed + 1 + self.world.rank)
@@ -125,13 +126,21 @@ class Trainer:
             cfg.checkpoint, self.run_dir, self.stateful(), {"rng": self.rng}, config_yaml=cfg.to_yaml(),
             files={"tokenizer.json": self.tokenizer.path} if self.tokenizer.path else None,
         )
-        self.restored = self.checkpointer.resume(tc.resume)
-        self._say_itm()
+        cost = self._resume()
 
         self.metrics = MetricsLogger(self.run_dir, enabled=self.world.is_main, total_steps=tc.max_steps,
                                      progress=tc.progress, start_step=self.step, wandb=cfg.metrics, config=cfg.to_dict())
         if self.restored is not None:
-            self._say_resumed()
+            self._say_resumed(cost)
+
+    def _resume(self) -> str:
+        """Restore the checkpoint ``train.resume`` names, if any; what the restart cost, read from
+        ``metrics.jsonl`` before the metrics logger drops the records past the checkpoint."""
+        self.restored = self.checkpointer.resume(self.cfg.train.resume)
+        self._say_itm()
+        if self.restored is None or not self.world.is_main:
+            return ""
+        return restart_cost(self.run_dir / "metrics.jsonl", self.step)
 
     def _build_model(self) -> None:
         """The tokenizer, and the model with the same initial weights on every rank."""
@@ -167,16 +176,19 @@ class Trainer:
         random.seed(seed)
         return RngState()
 
-    def _say_resumed(self) -> None:
+    def _say_resumed(self, cost: str) -> None:
+        """One line on each restart: the checkpoint and step, the world size before and after, and
+        what it cost (``restart_cost``)."""
+        cost = f"; {cost}" if cost else ""
         if self.loader.elastic and self.restored.world_size != self.world.world_size:
             self.metrics.write(f"resumed from {self.restored.path} at step {self.step} on {self.world.world_size} "
                                f"rank(s) (same global batches; model and optimizer resharded from "
-                               f"{self.restored.world_size})")
+                               f"{self.restored.world_size}){cost}")
             return
         how = "exactly" if self.restored.exact else (
             f"from world size {self.restored.world_size}: model and optimizer resharded, data continues "
             "by samples seen (not bit-exact)")
-        self.metrics.write(f"resumed from {self.restored.path} at step {self.step} ({how})")
+        self.metrics.write(f"resumed from {self.restored.path} at step {self.step} ({how}){cost}")
 
     def _save_initial(self) -> None:
         """Rank 0 keeps the weights the run starts from (``checkpoint.save_initial``), before
@@ -337,8 +349,8 @@ class Trainer:
         self.guard.record_on_device(skip)
         self._samples_pending = packet[1] if self._samples_pending is None else self._samples_pending + packet[1]
         self._meter_sources(inputs, result, ~skip)
-        # the preemption flag lives on the host: agreed over host memory, every step
-        self.preempt_agreed = host_any(self.preemption.requested)
+        # the preemption flag and a timed save's clock live on the host: agreed over host memory, every step
+        self.preempt_agreed, self.save_due = host_flags(self.preemption.requested, self.checkpointer.due())
         return StepLosses(packet[2], {k: packet[3 + i] for i, k in enumerate(names)}), grad_norm
 
     def _keyed(self, inputs: list[ModelInputs]) -> list[ModelInputs]:
@@ -446,7 +458,7 @@ class Trainer:
 
     def _checkpoint(self, final: bool) -> None:
         """The one place where state is saved (the run's last step always: ``vltrain eval`` reads it)."""
-        self.checkpointer.maybe_save(self.step, final=final)
+        self.checkpointer.maybe_save(self.step, final=final, due=self.save_due)
 
     def _stop_preempted(self) -> None:
         """A rank got SIGTERM/SIGUSR1/SIGINT: every rank saves this step, then the run stops (exit 75, or
