@@ -92,12 +92,13 @@ def train(args: argparse.Namespace) -> int:
     except (UserError, KeyboardInterrupt):
         raise  # said once, by vltrain.cli.main
     except BaseException as e:
-        if trainer.world.world_size > 1 and _peer_lost(e):
-            # another rank stopped first and said why (its error or its traceback): this one only
-            # names itself, so that the cause is not buried under a traceback of every rank
+        lost = _peer_lost(e) if trainer.world.world_size > 1 else ""
+        if lost:
+            # another rank stopped, or stopped answering: this one only names itself, so that the
+            # cause (that rank's own message, if it could say one) is not buried under tracebacks
             first = str(e).strip().splitlines()[0][:200] if str(e).strip() else ""
-            print(f"vltrain: rank {trainer.world.rank} stopped at step {trainer.step}: lost its peers (another rank "
-                  f"stopped first; its message says why): {type(e).__name__}: {first}", file=sys.stderr, flush=True)
+            print(f"vltrain: rank {trainer.world.rank} stopped at step {trainer.step}: {lost}: {type(e).__name__}: "
+                  f"{first}", file=sys.stderr, flush=True)
             raise SystemExit(1) from None
         # a fault of vltrain's own: the line naming the failed rank, then its traceback; the other
         # ranks then fail on the broken group (or are stopped by torchrun), within train.timeout_s
@@ -119,15 +120,22 @@ def train(args: argparse.Namespace) -> int:
 
 PEER_LOST = ("Connection reset by peer", "Connection closed by peer", "Broken pipe", "Connection refused")
 """What gloo says when a collective's peer process has gone."""
+PEER_SILENT = ("Timed out waiting", "timed out after", "Socket Timeout")
+"""What gloo and the store say when a peer did not answer within the group's timeout."""
 
 
-def _peer_lost(e: BaseException) -> bool:
-    """Whether ``e`` is a collective failing because another rank's process exited."""
+def _peer_lost(e: BaseException) -> str:
+    """Why a collective failed if another rank's process exited or stopped answering, in words;
+    "" for any other error."""
     import torch.distributed as dist
 
-    if isinstance(e, (dist.DistNetworkError,)):
-        return True
-    return isinstance(e, RuntimeError) and any(p in str(e) for p in PEER_LOST)
+    text = str(e)
+    if isinstance(e, RuntimeError) and any(p in text for p in PEER_SILENT):
+        return ("a peer did not answer within train.timeout_s (a rank or node that hangs, or that the network "
+                "cannot reach)")
+    if isinstance(e, dist.DistNetworkError) or (isinstance(e, RuntimeError) and any(p in text for p in PEER_LOST)):
+        return "lost its peers (another rank or node stopped; its own message, if it could write one, says why)"
+    return ""
 
 
 def demo(args: argparse.Namespace) -> int:
