@@ -65,3 +65,36 @@ def test_each_evaluation_line_says_what_it_was_measured_on():
     line = format_metrics({"i2t_r1": 0.5, "t2i_r1": 0.25, "num_pairs": 3, "zeroshot/pets/top1": 0.2,
                            "zeroshot/pets/num_images": 30})
     assert line == "i2t_r1=0.500  t2i_r1=0.250  [3 pairs]  zeroshot/pets/top1=0.200 [30 images]"
+
+
+def test_max_samples_scores_the_first_pairs_on_any_number_of_ranks(tmp_path):
+    from vltrain.config.job import JobConfig
+    from vltrain.data.ids import stable_uid
+    from vltrain.data.tools.synth import synthesize
+    from vltrain.data.tools.tokenizer_training import source_texts, train_tokenizer
+    from vltrain.runtime.distributed import World
+    from vltrain.train.build import build_tokenizer, build_val_loader
+
+    synthesize(tmp_path, 40, 0, text_only_fraction=0.3, seed=0, image_size=16)
+    train_tokenizer(source_texts([str(tmp_path / "train.jsonl")]), tmp_path / "tok.json", vocab_size=120)
+    cfg = JobConfig()
+    cfg.data.val, cfg.data.tokenizer, cfg.data.image_size, cfg.data.num_workers = (
+        str(tmp_path / "train.jsonl"), str(tmp_path / "tok.json"), 16, 0)
+    cfg.eval.max_samples = 10
+    tokenizer = build_tokenizer(cfg)
+    rows = [json.loads(x) for x in (tmp_path / "train.jsonl").read_text().splitlines()]
+    assert any("image" not in r for r in rows[:15])  # text-only rows among the first pairs
+    first = [r["id"] for r in rows if "image" in r and "text" in r][:10]
+
+    def pairs_scored(world: int, batch_size: int) -> list[str]:
+        cfg.eval.batch_size = batch_size
+        seen = []
+        for rank in range(world):
+            for batch in build_val_loader(cfg, tokenizer, World(rank, world, 0, torch.device("cpu"))):
+                seen += [int(i) for i, im, tx in zip(batch.ids, batch.has_image, batch.has_text) if im and tx]
+        return sorted(set(seen))
+
+    one = pairs_scored(1, 64)
+    assert len(one) == 10
+    assert pairs_scored(2, 4) == pairs_scored(3, 3) == one
+    assert sorted(stable_uid(i) for i in first) == one

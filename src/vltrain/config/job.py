@@ -175,7 +175,8 @@ class EvalConfig:
     batch_size: int = 256
     """Evaluation batch per rank."""
     max_samples: int = 0
-    """Evaluate on at most this many pairs (0: all of data.val)."""
+    """Evaluate data.val's first N image-text pairs in file order (0: all): the same pairs on any
+    number of ranks and at any eval.batch_size."""
     early_stop_metric: str = ""
     """Any key of `eval.json`: i2t_r1 ... mean_recall, itm_t2i_r1 ..., zeroshot/NAME/top1, retrieval/NAME/t2i_r1 ...
     (empty: no early stop; a key the evaluation does not produce stops the run with the list of those it does)."""

@@ -26,7 +26,7 @@ from vltrain.eval.retrieval import evaluate_retrieval, itm_rerank, multi_caption
 from vltrain.eval.zeroshot import evaluate_zeroshot, open_zeroshot
 from vltrain.export.native import is_exported, load_exported
 from vltrain.model.interop.pretrained import is_pretrained
-from vltrain.runtime.distributed import World, all_gather_no_grad, all_reduce_sum
+from vltrain.runtime.distributed import World, all_gather_no_grad
 from vltrain.runtime.precision import Precision
 from vltrain.runtime.world import setup_world
 from vltrain.train.build import build_model_for, build_task, build_tokenizer, build_val_loader, resolve_init
@@ -91,13 +91,10 @@ class Pairs:
 
 
 @torch.no_grad()
-def embed_pairs(encoder: Encoder, loader, max_samples: int = 0, keep_tokens: bool = False) -> Pairs:
+def embed_pairs(encoder: Encoder, loader, keep_tokens: bool = False) -> Pairs:
     """This rank's image-text pairs (rows missing either side are skipped), with their tokens for
-    ITM re-ranking when ``keep_tokens``.
-
-    With ``max_samples``, stops once all ranks together hold that many pairs (or more)."""
+    ITM re-ranking when ``keep_tokens``."""
     parts: list[Pairs] = []
-    seen = 0
     for batch in loader:
         inputs = batch.to_model_inputs(encoder.device, encoder.data_cfg.mean, encoder.data_cfg.std)
         keep = inputs.has_image & inputs.has_text
@@ -108,12 +105,6 @@ def embed_pairs(encoder: Encoder, loader, max_samples: int = 0, keep_tokens: boo
         if keep_tokens:
             images.tokens, texts.tokens, texts.mask = enc.image_tokens[keep], enc.text_tokens[keep], inputs.attention_mask[keep]
         parts.append(Pairs(images, texts, inputs.ids[keep], inputs.source[keep]))
-        # every rank stops after the same batch (FSDP2 gathers parameters in each forward), once
-        # the ranks together hold max_samples pairs
-        if max_samples:
-            seen += int(all_reduce_sum(keep.sum()))
-            if seen >= max_samples:
-                break
     return _cat_pairs(parts)
 
 
@@ -126,14 +117,14 @@ def _cat_pairs(parts: list[Pairs]) -> Pairs:
     return Pairs(sides["images"], sides["texts"], torch.cat([p.ids for p in parts]), torch.cat([p.source for p in parts]))
 
 
-def evaluate(encoder: Encoder, loader, *, max_samples: int = 0, rerank_k: int = 0, batch_size: int = 256,
+def evaluate(encoder: Encoder, loader, *, rerank_k: int = 0, batch_size: int = 256,
              source_names: list[str] | None = None) -> dict[str, float]:
     """Retrieval metrics over the val set (one caption per image); the same dict on every rank.
     With ``rerank_k`` (fusion models), also the ITM re-ranked recalls, as ``itm_i2t_r1`` ...; with
     several ``source_names`` (``data.val`` lists several sources), each source's own recalls too, as
     ``val/NAME/t2i_r1`` ... (each source's pairs searched among themselves)."""
     with eval_mode(encoder.wrapped):
-        pairs = embed_pairs(encoder, loader, max_samples, keep_tokens=bool(rerank_k))
+        pairs = embed_pairs(encoder, loader, keep_tokens=bool(rerank_k))
     pairs = pairs.gathered()
     # an evenly split val set repeats a few samples on some ranks; count each pair once
     order = torch.argsort(pairs.ids, stable=True)
@@ -141,8 +132,6 @@ def evaluate(encoder: Encoder, loader, *, max_samples: int = 0, rerank_k: int = 
     first = torch.ones_like(ids, dtype=torch.bool)
     first[1:] = ids[1:] != ids[:-1]
     keep = order[first]
-    if max_samples:
-        keep = keep[:max_samples]
     pairs = pairs.select(keep)
     out = retrieval_metrics(pairs.images.embeds, pairs.texts.embeds)
     for s, name in enumerate(source_names if source_names and len(source_names) > 1 else []):
@@ -179,7 +168,7 @@ class Evaluator:
         encoder = Encoder(wrapped, data, device, autocast)
         if self.val is not None:
             names = [s.display_name() for s in source_specs(data.val)]
-            out.update(evaluate(encoder, self.val, max_samples=ec.max_samples, rerank_k=rerank_k,
+            out.update(evaluate(encoder, self.val, rerank_k=rerank_k,
                                 batch_size=ec.batch_size, source_names=names))
         for z in self.zeroshot:
             out.update(evaluate_zeroshot(encoder, z))

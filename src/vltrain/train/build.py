@@ -8,6 +8,7 @@ import logging
 import math
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from vltrain.config.job import JobConfig
@@ -275,7 +276,10 @@ def build_val_loader(cfg: JobConfig, tokenizer: Tokenizer, world: World, run_dir
             f"{image_only} image-only), so retrieval recall on it would mean nothing. Give a val set with "
             "pairs, or data.val='' to train without it (eval.zeroshot and eval.retrieval sets still run)."
         )
+    # eval.max_samples: the rows up to the Nth pair, so that every world size scores the same pairs
+    paired = np.flatnonzero(np.asarray(table.has_image & table.has_text))
+    rows = int(paired[cfg.eval.max_samples - 1]) + 1 if 0 < cfg.eval.max_samples < len(paired) else len(table)
     return build_eval_loader(
         cfg.data, dataset, rank=world.rank, world_size=world.world_size, batch_size=cfg.eval.batch_size,
-        pad_id=tokenizer.pad_id,
+        pad_id=tokenizer.pad_id, rows=rows,
     )

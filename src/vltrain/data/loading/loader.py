@@ -379,10 +379,11 @@ def build_eval_loader(
     world_size: int,
     batch_size: int,
     pad_id: int,
+    rows: int = 0,
 ) -> EvalLoader:
     """Evaluation batches are fixed and sequential, so their text pads as fixed batches do by
-    default: to a multiple of 8 (the ``Collator``'s own default)."""
-    n = len(dataset)
+    default: to a multiple of 8 (the ``Collator``'s own default). ``rows``: only the first ones."""
+    n = min(len(dataset), rows) if rows else len(dataset)
     start, stop = rank * n // world_size, (rank + 1) * n // world_size
     longest = -(-n // world_size)
     steps = max(1, -(-longest // batch_size))
