@@ -30,3 +30,15 @@ def test_itc_and_siglip_cannot_both_be_off():
 def test_presets_load():
     cfg = config.load_config(None, ["model.preset=albef-base", "model.loss.mlm=0.5"])
     assert cfg.model.preset == "albef-base" and cfg.model.loss.mlm == 0.5
+
+
+
+def test_last_pooling_is_refused_where_the_last_position_is_padding():
+    # the tower pads to each batch's longest caption: "last" would read padding that moves with the
+    # batch, and a caption would embed differently on another number of ranks
+    from vltrain.model import build_model
+    from vltrain.model.config import ModelConfig, TextConfig
+
+    cfg = ModelConfig(preset="tiny-clip", text=TextConfig(pooling="last"))
+    with pytest.raises(errors.ConfigError, match="pooling: last reads the last position"):
+        build_model(cfg, vocab_size=50, pad_id=0, mask_id=1, image_size=32, max_text_length=8)

@@ -25,6 +25,13 @@ from vltrain.model.vision import VisionTransformer
 
 def _text_tower(model_cfg: ModelConfig, arch: Architecture, vocab_size: int, max_text_length: int) -> nn.Module:
     pooling = model_cfg.text.pooling
+    fixed_length = arch.text.pad_to_max_length and not model_cfg.text.hf_path
+    if (pooling or arch.text.pooling) == "last" and not fixed_length:
+        # the last position of a batch padded to its longest caption: it moves with the batch,
+        # so the same caption would embed differently with other rows, ranks or micro-batches
+        raise ConfigError("model.text.pooling: last reads the last position, which is padding unless every "
+                          "caption is padded to one length (a SigLIP checkpoint's tower does so); use eos, mean "
+                          "or first")
     if not model_cfg.text.hf_path:
         pooling = pooling or arch.text.pooling
         return TextTransformer(replace(arch.text, vocab_size=vocab_size, max_length=max_text_length, pooling=pooling,

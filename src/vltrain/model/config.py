@@ -15,7 +15,7 @@ class TextConfig:
     hf_path: str = ""
     """A local Hugging Face encoder folder (needs the `hf` extra); its tokenizer.json is used."""
     pooling: str = ""
-    """first | eos | mean; empty: the preset's choice."""
+    """first | eos | mean; empty: the preset's choice (last, for a SigLIP checkpoint's fixed-length text)."""
     layout: str = "auto"
     """auto | packed | padded: our own text tower runs its projections and MLPs over the text tokens
     alone, packed, instead of over the batch padded to its longest caption; auto: on a CPU, when
