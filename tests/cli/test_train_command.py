@@ -141,6 +141,21 @@ def test_every_command_that_reads_a_config_takes_overrides_both_ways():
         assert overrides_of(args) == ["train.lr=1e-3", "model.preset=tiny-clip"], argv
 
 
+def test_overrides_may_follow_the_options_of_a_command(capsys):
+    from vltrain.cli.main import parse
+
+    parser = build_parser()
+    args = parse(parser, ["eval", "run", "--data", "val.jsonl", "eval.batch_size=64", "--json", "train.precision=fp32"])
+    assert (args.data, args.json) == ("val.jsonl", True)
+    assert overrides_of(args) == ["eval.batch_size=64", "train.precision=fp32"]
+    args = parse(parser, ["embed", "m", "--texts", "a dog", "--out", "e.npy", "model.quick_gelu=true"])
+    assert overrides_of(args) == ["model.quick_gelu=true"] and args.texts == ["a dog"]
+    for argv in (["eval", "run", "--data", "v.jsonl", "--frobnicate"], ["export", "run", "--out", "x", "a=b"]):
+        with pytest.raises(SystemExit):
+            parse(parser, argv)
+        assert "unrecognized arguments" in capsys.readouterr().err
+
+
 def test_exported_weights_can_be_read_by_others(tmp_path):
     from vltrain.checkpoint.storage import write_weights
 

@@ -42,9 +42,23 @@ def _setup_logging() -> None:
     logger.propagate = False
 
 
+def parse(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
+    """The arguments, with ``key=value`` overrides accepted anywhere on the line: after an option
+    (``vltrain eval RUN --data FILE eval.batch_size=64``) argparse has already closed the
+    positional list they belong to, and would call them unrecognized."""
+    args, rest = parser.parse_known_args(argv)
+    late = [a for a in rest if "=" in a and not a.startswith("-")]
+    unknown = [a for a in rest if a not in late]
+    if unknown or (late and not hasattr(args, "overrides")):
+        parser.error(f"unrecognized arguments: {' '.join(unknown or late)}")
+    if late:
+        args.overrides = list(args.overrides or []) + late
+    return args
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args = parse(parser, argv)
     _setup_logging()
     try:
         return int(args.func(args) or 0)
