@@ -81,6 +81,8 @@ def test_two_ranks_match_one_process_with_the_global_batch(shapes, tmp_path, par
     assert [r["samples_seen"] for r in one] == [r["samples_seen"] for r in two]
     assert losses(one) == pytest.approx(losses(two), abs=1e-5, rel=1e-5)
     assert losses(one)[-1] < losses(one)[0]
+    # the logged rate is the one each step trained at: warmup over 5 steps, then the peak
+    assert [r["lr"] for r in one[:6]] == pytest.approx([1e-3 * k / 6 for k in range(1, 6)] + [1e-3])
     # evaluation ran on both ranks and rank 0 wrote it
     evals = json.loads((tmp_path / "two" / "eval.json").read_text())
     assert evals[-1]["step"] == STEPS and evals[-1]["num_pairs"] == 64

@@ -344,6 +344,7 @@ class Trainer:
         skip = packet[0] > 0
         apply_update(self.optimizer, self.scaler, skip)
         self.scaler.update()
+        self.step_lr = self.scheduler.get_last_lr()[0]  # the rate this step used (logged), not the next one's
         # a skipped step still consumed its data: the schedule follows the step count
         self.scheduler.step()
         self.guard.record_on_device(skip)
@@ -401,7 +402,7 @@ class Trainer:
         values: dict[str, Any] = {
             "loss": float(result.loss),
             **{f"loss/{k}": float(v) for k, v in result.losses.items()},
-            "lr": self.scheduler.get_last_lr()[0],
+            "lr": self.step_lr,
             "grad_norm": float(grad_norm),
             "skipped": skipped > 0,  # a step since the last log line (log_every 1: this step)
             "skipped_total": self.guard.total,
