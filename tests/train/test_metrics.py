@@ -161,3 +161,30 @@ def test_a_restart_says_what_it_cost_from_the_records_past_the_checkpoint(tmp_pa
     assert float(said.split(" s since")[0]) == pytest.approx(25, abs=2)
     assert "(the last step logged before it: 3)" in restart_cost(path, 4)
     assert restart_cost(path, 0) == "" and restart_cost(tmp_path / "missing.jsonl", 5) == ""
+
+
+def test_mfu_on_a_timed_peak_never_reads_over_100_percent():
+    t = Throughput(peak=1e6, measured=True)  # a peak timed low, under load
+    t.add(samples=10, data_wait_s=0.0, flops=1e9)
+    time.sleep(0.05)
+    first = t.read()
+    assert first["mfu"] == pytest.approx(1.0) and t.peak > 1e6  # the step's rate is the new peak
+    t.reset()
+    t.add(samples=10, data_wait_s=0.0, flops=1e7)
+    time.sleep(0.05)
+    assert 0 < t.read()["mfu"] < 0.5
+    sheet = Throughput(peak=1e6)  # a data sheet's peak (a GPU) is not moved
+    sheet.add(samples=10, data_wait_s=0.0, flops=1e9)
+    time.sleep(0.05)
+    assert sheet.read()["mfu"] > 1 and sheet.peak == 1e6
+
+
+def test_cpu_memory_is_the_peak_not_the_current_size():
+    import psutil
+
+    before = peak_memory_bytes(torch.device("cpu"))
+    big = torch.ones(64 * 2**20, dtype=torch.uint8)  # 64 MiB, touched
+    held = peak_memory_bytes(torch.device("cpu"))
+    del big
+    assert held >= before and held >= psutil.Process().memory_info().rss
+    assert peak_memory_bytes(torch.device("cpu")) >= held  # freeing does not lower it
