@@ -120,3 +120,6 @@ def test_cli_exports_hf_and_embeds_and_evaluates_pretrained_folders(finetuned, t
     proc = cli("eval", out, "train.threads=1", "data.num_workers=0", "--data", shapes / "val.jsonl", "--json")
     assert proc.returncode == 0, proc.stderr
     assert 0.0 <= json.loads(proc.stdout)["t2i_r1"] <= 1.0
+    assert "in fp32 (an imported checkpoint: fp32 unless train.precision says otherwise)" in proc.stderr
+    proc = cli("eval", out, "--data", shapes / "val.jsonl", "train.threads=1", "train.precision=bf16")  # as asked
+    assert proc.returncode == 0 and "in bf16 (an imported checkpoint" in proc.stderr, proc.stderr

@@ -10,6 +10,7 @@ evaluation times out the other ranks' collectives in some trainers).
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -30,6 +31,8 @@ from vltrain.runtime.distributed import World, all_gather_no_grad
 from vltrain.runtime.precision import Precision
 from vltrain.runtime.world import setup_world
 from vltrain.train.build import build_model_for, build_task, build_tokenizer, build_val_loader, resolve_init
+
+log = logging.getLogger(__name__)
 
 KS = (1, 5, 10)
 
@@ -247,6 +250,8 @@ def evaluate_run(run_dir: Path, data: str | None = None, overrides: list[str] | 
     if pretrained:
         cfg = load_config(None, [f"model.init={run_dir}", *overrides])
         resolve_init(cfg)
+        if not any(o.startswith("train.precision=") for o in overrides):
+            cfg.train.precision = "fp32"  # a checkpoint of someone else's: its numbers as they are
     else:
         cfg = load_config(config_path, overrides)
     if not val:
@@ -269,6 +274,10 @@ def evaluate_run(run_dir: Path, data: str | None = None, overrides: list[str] | 
                 load_model_weights(ckpt, model)
         evaluator = Evaluator(cfg, tokenizer, world)
         precision = Precision(cfg.train.precision, world.device)
+        if world.is_main:
+            why = ("an imported checkpoint: fp32 unless train.precision says otherwise" if pretrained
+                   else "the run's train.precision")
+            log.info(f"evaluating {run_dir} in {cfg.train.precision} ({why}) on {world.world_size} rank(s)")
         metrics = evaluator.run(build_task(cfg, model), model, world.device, precision.autocast)
         clean = True
         return metrics
