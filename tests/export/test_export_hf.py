@@ -52,6 +52,8 @@ def test_a_run_from_model_init_says_and_saves_its_preprocessing(finetuned, capsy
     embed_dim = 32 if family == "clip" else 64  # SigLIP's image side has no projection: its width
     assert saved.data.resize == ("crop" if family == "clip" else "squash") and saved.model.arch["embed_dim"] == embed_dim
     assert (saved.model.loss.siglip, saved.model.loss.itc) == ((1.0, 0.0) if family == "siglip" else (0.0, 1.0))
+    # what the run built: the checkpoint's architecture, not the default preset; no ITM without its head
+    assert saved.model.preset == "" and saved.model.loss.itm == 0.0
     from vltrain.train.build import describe_preprocessing, resolve_init
 
     cfg = load_config(None, [f"model.init={pretrained}"])

@@ -66,7 +66,8 @@ def build_model(
     arch = Architecture.from_dict(model_cfg.arch) if model_cfg.arch else PRESETS[model_cfg.preset]()
     if image_size % arch.vision.patch_size:
         raise ConfigError(
-            f"image size {image_size} is not a multiple of {model_cfg.preset}'s patch size {arch.vision.patch_size}"
+            f"image size {image_size} is not a multiple of {model_cfg.preset or 'the architecture'}'s patch size "
+            f"{arch.vision.patch_size}"
         )
     loss = model_cfg.loss
     fused = arch.fusion is not None and (loss.itm > 0 or loss.mlm > 0)

@@ -86,7 +86,8 @@ class LossConfig:
 @dataclass
 class ModelConfig:
     preset: str = "tiny-clip"
-    """A name from ``vltrain.model.list_presets()`` (tiny-clip, tiny-albef, clip-vit-b32, ...)."""
+    """A name from ``vltrain.model.list_presets()`` (tiny-clip, tiny-albef, clip-vit-b32, ...); empty
+    in a run's saved config when model.init gave the architecture (model.arch)."""
     text: TextConfig = field(default_factory=TextConfig)
     loss: LossConfig = field(default_factory=LossConfig)
     embed_dim: int = 0
@@ -102,7 +103,7 @@ class ModelConfig:
     saved config rebuilds the model without it; leave it out of configs."""
 
     def validate(self) -> None:
-        if self.preset not in list_presets():
+        if self.preset not in list_presets() and not (self.preset == "" and (self.arch or self.init)):
             raise ConfigError(f"model.preset: unknown preset {self.preset!r}; choose one of {', '.join(list_presets())}")
         if self.text.pooling not in ("", *POOLINGS):
             raise ConfigError(

@@ -77,6 +77,8 @@ def resolve_init(cfg: JobConfig) -> Pretrained | None:
     if pp.objective == "siglip" and not (cfg.was_set("model.loss.itc") or cfg.was_set("model.loss.siglip")):
         mc.loss.itc, mc.loss.siglip = 0.0, 1.0
     mc.arch = source.arch.to_dict()
+    if not source.arch_from.startswith("of model.preset"):
+        mc.preset = ""  # the architecture is the checkpoint's alone (model.arch): no preset gave any of it
     return source
 
 

@@ -159,6 +159,12 @@ class Trainer:
         (a resumed run's may change them: said once the checkpoint is read, by :meth:`_say_itm`)."""
         cfg = self.cfg
         task = build_task(cfg, self.model)
+        # config.yaml says what the run trains: an objective the model has no head for is 0
+        for name in ("itc", "siglip", "itm", "mlm", "text_mlm", "image_mim"):
+            if name not in task.objectives.loss_weights:
+                setattr(cfg.model.loss, name, 0.0)
+        if self.world.is_main:
+            cfg.save(self.run_dir / "config.yaml")
         self.itm_source = itm_groups(task.objectives, cfg.model.loss.itm_group_size, cfg.data.batch_size,
                                      cfg.data.global_batch_size)
         return task
