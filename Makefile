@@ -6,7 +6,11 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 TORCH_VERSION := 2.13.0
+OPEN_CLIP_VERSION := 3.3.0
 STAMP := $(VENV)/.installed
+# open_clip_torch: the reference OpenCLIP tokenizer of tests/data/tools/test_openclip_tokenizer.py,
+# read there by file path. Installed without its dependencies: the package imports torchvision,
+# which does not load beside this CPU torch.
 
 .PHONY: demo test test-fast install clean
 
@@ -15,6 +19,7 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==$(TORCH_VERSION)
 	$(PY) -m pip install -q -e '.[test]'
+	$(PY) -m pip install -q --no-deps open_clip_torch==$(OPEN_CLIP_VERSION)
 	touch $(STAMP)
 
 install: $(STAMP)

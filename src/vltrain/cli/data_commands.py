@@ -62,6 +62,11 @@ def add_parsers(data: argparse.ArgumentParser, tokenizer: argparse.ArgumentParse
     tt.add_argument("--vocab-size", type=int, default=4096)
     tt.add_argument("--kind", choices=["bpe", "wordpiece"], default="bpe")
     tt.set_defaults(func=train_tokenizer)
+    to = tsub.add_parser("from-openclip", help="OpenCLIP's (and OpenAI CLIP's) tokenizer as a tokenizer.json")
+    to.add_argument("vocab", nargs="?", default=None,
+                    help="its bpe_simple_vocab_16e6.txt.gz (default: the one of an installed open_clip)")
+    to.add_argument("--out", required=True, help="tokenizer.json to write")
+    to.set_defaults(func=openclip_tokenizer)
 
 
 def _add_shard_parser(dsub) -> None:
@@ -283,4 +288,20 @@ def train_tokenizer(args: argparse.Namespace) -> int:
         raise UserError(f"no texts found in {', '.join(args.sources)}")
     tok = train(texts, args.out, vocab_size=args.vocab_size, kind=args.kind)
     print(f"wrote {tok.path}: {args.kind}, vocabulary {tok.vocab_size}, trained on {len(texts)} texts")
+    return 0
+
+
+def openclip_tokenizer(args: argparse.Namespace) -> int:
+    """``vltrain tokenizer from-openclip [VOCAB] --out FILE``."""
+    from pathlib import Path
+
+    from vltrain.data.tools.openclip_tokenizer import openclip_tokenizer as build
+
+    tok = build(args.vocab)
+    out = Path(args.out)
+    out = out / "tokenizer.json" if out.is_dir() else out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tok.save(str(out))
+    print(f"wrote {out}: OpenCLIP's BPE, vocabulary {tok.get_vocab_size()}. It gives open_clip's ids once captions "
+          "are cleaned as OpenCLIP cleans them: data.text_clean=clip (set by model.init of an OpenCLIP checkpoint)")
     return 0

@@ -8,6 +8,7 @@ its own longest row.
 
 from __future__ import annotations
 
+import html
 import os
 from pathlib import Path
 from typing import Iterable
@@ -20,16 +21,40 @@ SPECIAL_TOKENS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
 # Names the special tokens go by in tokenizers found in the wild (BERT, RoBERTa, CLIP, T5...).
 PAD_NAMES = ("[PAD]", "<pad>", "<|pad|>", "<|endoftext|>")
 MASK_NAMES = ("[MASK]", "<mask>", "<|mask|>")
-CLS_NAMES = ("[CLS]", "<s>", "<|startoftext|>", "<bos>")
-EOS_NAMES = ("[SEP]", "</s>", "<|endoftext|>", "<eos>")
+CLS_NAMES = ("[CLS]", "<s>", "<|startoftext|>", "<start_of_text>", "<bos>")
+EOS_NAMES = ("[SEP]", "</s>", "<|endoftext|>", "<end_of_text>", "<eos>")
+
+
+def clip_clean(text: str) -> str:
+    """How OpenAI's CLIP and OpenCLIP clean a caption before tokenizing: ftfy's fixes (mojibake,
+    ligatures, curly quotes, full-width forms), then HTML entities unescaped twice."""
+    return html.unescape(html.unescape(_ftfy().fix_text(text)))
+
+
+def _ftfy():
+    try:
+        import ftfy
+    except ImportError:
+        raise UserError("data.text_clean: clip needs the ftfy package: pip install 'vltrain[openclip]' "
+                        "(or ftfy), or set data.text_clean=''") from None
+    return ftfy
+
+
+CLEANERS = {"": None, "clip": clip_clean}
+"""``data.text_clean``: what each name does to a caption before the tokenizer sees it."""
 
 
 class Tokenizer:
-    """A ``tokenizers.Tokenizer`` plus the special ids the collator and the MLM head need."""
+    """A ``tokenizers.Tokenizer`` plus the special ids the collator and the MLM head need, and the
+    cleaning (``data.text_clean``) its captions get first."""
 
-    def __init__(self, hf: tokenizers.Tokenizer, path: str = ""):
+    def __init__(self, hf: tokenizers.Tokenizer, path: str = "", clean: str = ""):
         self.hf = hf
         self.path = path
+        self.clean = clean
+        self._clean = CLEANERS[clean]
+        if self._clean is not None:
+            _ftfy()  # say now, not at the first caption, that it is missing
         padding = hf.padding  # a file's own padding token wins over a guess by name
         self.pad_id: int = padding["pad_id"] if padding else (self._find(PAD_NAMES) or 0)
         hf.no_padding()
@@ -51,12 +76,14 @@ class Tokenizer:
     def encode(self, text: str, max_length: int) -> tuple[list[int], bool]:
         """Ids with special tokens, at most ``max_length``; and whether the text was cut."""
         self._truncate_at(max_length)
-        enc = self.hf.encode(text)
+        enc = self.hf.encode(self._clean(text) if self._clean else text)
         return enc.ids, bool(enc.overflowing)
 
     def encode_batch(self, texts: list[str], max_length: int) -> list[list[int]]:
         """Ids of many texts at once (the library's thread pool), truncated to ``max_length``."""
         self._truncate_at(max_length)
+        if self._clean:
+            texts = [self._clean(t) for t in texts]
         out = [e.ids for e in self.hf.encode_batch(texts)]
         # The tokenizers library turns its thread pool off in forked DataLoader workers and warns
         # about it; saying so up front keeps worker start-up quiet.
@@ -94,8 +121,9 @@ class Tokenizer:
         self.hf.save(str(path))
 
 
-def load_tokenizer(path: str) -> Tokenizer:
-    """A ``tokenizer.json`` file, or a folder holding one (e.g. a local Hugging Face model)."""
+def load_tokenizer(path: str, clean: str = "") -> Tokenizer:
+    """A ``tokenizer.json`` file, or a folder holding one (e.g. a local Hugging Face model);
+    ``clean``: ``data.text_clean``."""
     if not path:
         raise UserError(
             "no tokenizer given (data.tokenizer is empty): train one with "
@@ -110,4 +138,4 @@ def load_tokenizer(path: str) -> Tokenizer:
         hf = tokenizers.Tokenizer.from_file(str(p))
     except Exception as e:  # the library raises a bare Exception on unreadable files
         raise UserError(f"{p}: not a tokenizers JSON file ({e})") from e
-    return Tokenizer(hf, str(p))
+    return Tokenizer(hf, str(p), clean)

@@ -41,7 +41,7 @@ TOKENIZER_FILE = "tokenizer.json"
 
 def _build(cfg: JobConfig, tokenizer_path: Path | str):
     """The model to load saved weights into (not model.init's: they would be overwritten)."""
-    tokenizer = load_tokenizer(str(tokenizer_path))
+    tokenizer = load_tokenizer(str(tokenizer_path), cfg.data.text_clean)
     return build_model_for(cfg, tokenizer, load_init=False), tokenizer
 
 

@@ -46,7 +46,7 @@ def tokenizer_path(cfg: JobConfig) -> str:
 
 
 def build_tokenizer(cfg: JobConfig) -> Tokenizer:
-    return load_tokenizer(tokenizer_path(cfg))
+    return load_tokenizer(tokenizer_path(cfg), cfg.data.text_clean)
 
 
 PREPROCESSING_KEYS = ("image_size", "mean", "std", "resize", "interpolation", "max_text_length")
@@ -70,10 +70,14 @@ def resolve_init(cfg: JobConfig) -> Pretrained | None:
             setattr(cfg.data, key, getattr(pp, key))
     if not cfg.data.tokenizer:
         if not pp.tokenizer:
+            hint = (" OpenCLIP's own: `vltrain tokenizer from-openclip --out tok.json` writes it" if source.kind == "openclip"
+                    else "")
             raise ConfigError(f"model.init {mc.init}: no tokenizer.json beside it; set data.tokenizer to the "
                               "tokenizer the checkpoint was trained with (a tokenizer.json, e.g. from the matching "
-                              "Hugging Face folder)")
+                              f"Hugging Face folder).{hint}")
         cfg.data.tokenizer = pp.tokenizer
+    if source.kind == "openclip" and not cfg.was_set("data.text_clean"):
+        cfg.data.text_clean = "clip"  # how OpenCLIP cleaned the captions it trained on
     if pp.objective == "siglip" and not (cfg.was_set("model.loss.itc") or cfg.was_set("model.loss.siglip")):
         mc.loss.itc, mc.loss.siglip = 0.0, 1.0
     mc.arch = source.arch.to_dict()
@@ -140,7 +144,8 @@ def _check_fits_init(cfg: JobConfig, tokenizer: Tokenizer, arch: Architecture) -
 
 
 def build_task(cfg: JobConfig, model: VLModel) -> Task:
-    """The model with the objectives ``model.loss`` asks for (those the model has heads for).
+    """The model with the objectives ``model.loss`` asks for (those the model has heads for; the
+    others are set to 0 in ``cfg``, so that a saved config says what the run trains).
     ``itm_negatives: auto`` is group with ``data.global_batch_size`` (see :func:`itm_groups`)."""
     loss = cfg.model.loss
     if loss.itm_negatives == "auto":  # groups need micro-batches of one size: fixed batching
@@ -148,7 +153,11 @@ def build_task(cfg: JobConfig, model: VLModel) -> Task:
     if loss.itm_negatives == "group" and cfg.data.batching == "budget":
         raise ConfigError("model.loss.itm_negatives: group needs data.batching: fixed (budget micro-batches differ "
                           "in size, so no group size divides them all); use local or global")
-    return Task(model, Objectives(loss, model))
+    task = Task(model, Objectives(loss, model))
+    for name in ("itc", "siglip", "itm", "mlm", "text_mlm", "image_mim"):
+        if name not in task.objectives.loss_weights:
+            setattr(loss, name, 0.0)
+    return task
 
 
 ITM_GROUP_MAX = 64

@@ -135,9 +135,14 @@ def test_openclip_errors_name_the_tensor(reference, tmp_path):
 def test_openclip_without_a_tokenizer_says_what_to_set(reference, tmp_path):
     init = _write(tmp_path / "e" / "m.pt", openclip_state_dict(reference["gelu"]), "pt")
     (init.parent / "tokenizer.json").unlink()
-    with pytest.raises(UserError, match="data.tokenizer"):
+    with pytest.raises(UserError, match="data.tokenizer.*vltrain tokenizer from-openclip --out"):
         _embeddings(init)
     (tmp_path / "tok").mkdir()
     clip_tokenizer(tmp_path / "tok")
-    texts, *_ = _embeddings(init, f"data.tokenizer={tmp_path / 'tok' / 'tokenizer.json'}")
+    texts, _, _, tokenizer, cfg = _embeddings(init, f"data.tokenizer={tmp_path / 'tok' / 'tokenizer.json'}")
     assert texts.shape == (len(TEXTS), 32)
+    # captions are cleaned as OpenCLIP cleaned them, unless the config says otherwise
+    assert cfg.data.text_clean == "clip" and tokenizer.clean == "clip"
+    assert tokenizer.encode("Tom &amp; Jerry", 16) == tokenizer.encode("Tom & Jerry", 16)
+    *_, cfg = _embeddings(init, f"data.tokenizer={tmp_path / 'tok' / 'tokenizer.json'}", "data.text_clean=''")
+    assert cfg.data.text_clean == ""

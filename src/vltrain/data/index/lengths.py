@@ -38,6 +38,8 @@ def tokenizer_fingerprint(tokenizer: Tokenizer) -> str:
     spec = json.loads(tokenizer.hf.to_str())
     spec.pop("truncation", None)
     spec.pop("padding", None)
+    if tokenizer.clean:
+        spec["text_clean"] = tokenizer.clean
     return hashlib.blake2b(json.dumps(spec, sort_keys=True).encode(), digest_size=8).hexdigest()
 
 
@@ -58,12 +60,13 @@ def _part_bounds(source: IndexedSource, parts: list[dict]) -> list[tuple[int, in
     return [(int(np.searchsorted(offsets, p["lo"])), int(np.searchsorted(offsets, p["hi"]))) for p in parts]
 
 
-def _write_lengths(parts_dir: Path, k: int, part: dict, tokenizer: Tokenizer | str, max_length: int,
+def _write_lengths(parts_dir: Path, k: int, part: dict, tokenizer: Tokenizer | tuple[str, str], max_length: int,
                    rows: int) -> None:
-    """Token counts of part ``k``'s captions, written (atomically) to ``parts_dir``."""
-    if isinstance(tokenizer, str):  # in a process of its own
+    """Token counts of part ``k``'s captions, written (atomically) to ``parts_dir``; ``tokenizer``
+    may be its (path, text_clean), to load in a process of its own."""
+    if isinstance(tokenizer, tuple):  # in a process of its own
         os.environ["TOKENIZERS_PARALLELISM"] = "false"
-        tokenizer = load_tokenizer(tokenizer)
+        tokenizer = load_tokenizer(*tokenizer)
     texts = [text for *_, text in part_rows(part, [])]
     if len(texts) != rows:
         raise DataError(f"{part.get('file') or 'shards'}: {len(texts)} rows where the index holds {rows}; "
@@ -91,7 +94,7 @@ def build_lengths(source: IndexedSource, tokenizer: Tokenizer, max_length: int, 
         parts_dir = path.with_name(path.stem + ".parts")
         parts_dir.mkdir(exist_ok=True)
         parallel = workers > 1 and tokenizer.path and len(source) >= MIN_PARALLEL_CAPTIONS
-        run_parts(parts_dir, parts, _write_lengths, (tokenizer.path if parallel else tokenizer, max_length),
+        run_parts(parts_dir, parts, _write_lengths, ((tokenizer.path, tokenizer.clean) if parallel else tokenizer, max_length),
                   workers if parallel else 1, ".npy",
                   extra=[hi - lo for lo, hi in bounds])
         out = np.lib.format.open_memmap(private_tmp(path), mode="w+", dtype=np.uint16, shape=(len(source),))
