@@ -137,7 +137,9 @@ class Trainer:
         """Restore the checkpoint ``train.resume`` names, if any; what the restart cost, read from
         ``metrics.jsonl`` before the metrics logger drops the records past the checkpoint."""
         self.restored = self.checkpointer.resume(self.cfg.train.resume)
-        self._say_itm()
+        said = describe_itm(self.objectives, bool(self.cfg.data.global_batch_size), self.itm_source)
+        if said and self.world.is_main:  # what ITM does, the checkpoint's group size included
+            log.info(said)
         if self.restored is None or not self.world.is_main:
             return ""
         return restart_cost(self.run_dir / "metrics.jsonl", self.step)
@@ -156,23 +158,14 @@ class Trainer:
 
     def _build_task(self) -> Task:
         """The model with the objectives ``model.loss`` asks for, ITM's groups sized for this run
-        (a resumed run's may change them: said once the checkpoint is read, by :meth:`_say_itm`)."""
+        (a resumed run's may change them: said once the checkpoint is read, by :meth:`_resume`)."""
         cfg = self.cfg
         task = build_task(cfg, self.model)
-        # config.yaml says what the run trains: an objective the model has no head for is 0
-        for name in ("itc", "siglip", "itm", "mlm", "text_mlm", "image_mim"):
-            if name not in task.objectives.loss_weights:
-                setattr(cfg.model.loss, name, 0.0)
-        if self.world.is_main:
+        if self.world.is_main:  # config.yaml says what the run trains (build_task)
             cfg.save(self.run_dir / "config.yaml")
         self.itm_source = itm_groups(task.objectives, cfg.model.loss.itm_group_size, cfg.data.batch_size,
                                      cfg.data.global_batch_size)
         return task
-
-    def _say_itm(self) -> None:
-        said = describe_itm(self.objectives, bool(self.cfg.data.global_batch_size), self.itm_source)
-        if said and self.world.is_main:
-            log.info(said)
 
     @staticmethod
     def _seed_rank(seed: int) -> RngState:
@@ -482,8 +475,8 @@ class Trainer:
 
     HOLD_GROUPS = ("wrapped", "model", "objectives", "params", "optimizer", "scheduler", "scaler", "checkpointer",
                    "evaluator")
-    """What holds a process group once the run is distributed: DDP (its reducer), FSDP2's modules and
-    their parameters, the optimizer's sharded state, the checkpointer's group for async saves."""
+    """What holds a process group in a distributed run: DDP, FSDP2's modules and shards, the optimizer's
+    state, the checkpointer's group for async saves."""
 
     def close(self, clean: bool = True) -> None:
         """Flush the sinks, leave the process group (``clean``: after a run that did not fail),
