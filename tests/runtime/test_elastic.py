@@ -104,6 +104,18 @@ class Nodes:
         for p in [psutil.Process(agent.pid), *psutil.Process(agent.pid).children(recursive=True)]:
             p.send_signal(sig)
 
+    def second_node_fails(self, sig: int):
+        """Two nodes; the second stalls after step 22 and gets ``sig`` there (its agent and worker)
+        while the first waits for it. The first node's finished launcher."""
+        try:
+            survivor = self.start()
+            failing = self.start(STALL.format(step=22))
+            self.wait_for_step(22)
+            self.signal_node(failing, sig)
+            return runkit.ok(runkit.finish(survivor, 200))
+        finally:
+            self.kill_all()
+
     def kill_all(self) -> None:
         """Every agent and worker still there (a stopped one too), so that none holds a pipe open."""
         for agent in self.agents:
@@ -134,17 +146,9 @@ def assert_same_curve(run_dir: Path, unchanged: dict[int, float]) -> None:
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_a_node_lost_mid_run_and_the_other_goes_on_alone(tmp_path_factory, tmp_path, unchanged):
-    # the second node stalls after step 22 and is killed while the first waits for it. Checkpoints
-    # every 5 steps and every 0.6 s: the resume is from the newer of the two
+    # checkpoints every 5 steps and every 0.6 s: the resume is from the newer of the two
     nodes = Nodes(tmp_path_factory, tmp_path / "run", 5, checkpoint__every_minutes=0.01)
-    try:
-        survivor = nodes.start()
-        lost = nodes.start(STALL.format(step=22))
-        nodes.wait_for_step(22)
-        nodes.signal_node(lost, signal.SIGKILL)
-        done = runkit.ok(runkit.finish(survivor, 200))
-    finally:
-        nodes.kill_all()
+    done = nodes.second_node_fails(signal.SIGKILL)
     assert "global batch 16 = 2 rank(s) x 1 micro-batch(es) x 8 rows" in done.stderr
     assert "stopped at step 22: lost its peers" in done.stderr, done.stderr[-3000:]
     resumed = resumed_lines(done)
@@ -182,14 +186,7 @@ def test_a_node_that_joins_mid_run_is_trained_on(tmp_path_factory, tmp_path, unc
 def test_a_hung_node_is_detected_within_the_timeout_and_the_run_goes_on(tmp_path_factory, tmp_path, unchanged):
     timeout_s = 8
     nodes = Nodes(tmp_path_factory, tmp_path / "run", 5, train__timeout_s=timeout_s)
-    try:
-        survivor = nodes.start()
-        hung = nodes.start(STALL.format(step=22))
-        nodes.wait_for_step(22)
-        nodes.signal_node(hung, signal.SIGSTOP)
-        done = runkit.ok(runkit.finish(survivor, 200))
-    finally:
-        nodes.kill_all()
+    done = nodes.second_node_fails(signal.SIGSTOP)
     said = [line for line in done.stderr.splitlines() if "did not answer within train.timeout_s" in line]
     assert len(said) == 1 and said[0].startswith("vltrain: rank 0 stopped at step 22"), done.stderr[-3000:]
     assert f"Timed out waiting {timeout_s * 1000}ms" in said[0]  # gloo's timeout is train.timeout_s
