@@ -7,13 +7,17 @@ final checkpoint. Each runs in a process of its own; the figure is the process's
 set (getrusage), read after the last step (the trainer's logged ``peak_memory_gb``) and at exit.
 
     PYTHONPATH=src python benchmarks/trainer_memory.py [--preset clip-vit-b32] [--batch 32] [--size 224]
-        [--steps 3] [--precision fp32,bf16]
+        [--steps 3] [--precision fp32,bf16] [--checkout DIR]
+
+``--checkout DIR`` runs the trainer of another checkout of vltrain (say an older commit, made
+with ``git worktree add``) on the same data, to compare its memory with today's.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import resource
 import subprocess
 import sys
@@ -52,9 +56,10 @@ def bare(preset: str, batch: int, size: int, steps: int, precision: str) -> floa
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
 
 
-def trainer(work: Path, preset: str, batch: int, size: int, steps: int, precision: str) -> tuple[float, float]:
-    """``vltrain train`` in a subprocess: (peak RSS after the last step, peak RSS at exit), GiB."""
-    run = work / f"run-{precision}"
+def trainer(work: Path, preset: str, batch: int, size: int, steps: int, precision: str,
+            checkout: Path = REPO) -> tuple[float, float]:
+    """``vltrain train`` of ``checkout`` in a subprocess: (peak RSS after the last step, at exit), GiB."""
+    run = work / f"run-{checkout.name}-{precision}"
     (work / "empty.yaml").write_text("{}\n")
     cmd = [sys.executable, "-c", "import resource, sys; from vltrain.cli.main import main; code = main(sys.argv[1:]); "
            "print('exit peak', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss); sys.exit(code)",
@@ -63,7 +68,8 @@ def trainer(work: Path, preset: str, batch: int, size: int, steps: int, precisio
            "data.num_workers=1", f"data.batch_size={batch}", f"model.preset={preset}", "model.loss.itm=0",
            f"train.max_steps={steps}", f"train.precision={precision}", "train.log_every=1", "train.progress=false",
            "checkpoint.every=0", "checkpoint.save_initial=never"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO)
+    env = {**os.environ, "PYTHONPATH": str(checkout / "src")}
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=checkout, env=env)
     if proc.returncode:
         raise SystemExit(proc.stderr[-3000:])
     rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
@@ -78,6 +84,7 @@ def main() -> None:
     ap.add_argument("--size", type=int, default=224)
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--precision", default="fp32,bf16")
+    ap.add_argument("--checkout", type=Path, default=REPO, help="the vltrain checkout whose trainer runs")
     ap.add_argument("--bare", default="", help=argparse.SUPPRESS)  # the bare loop's own process
     args = ap.parse_args()
     if args.bare:
@@ -101,7 +108,8 @@ def main() -> None:
         floor = float(subprocess.run([sys.executable, __file__, "--preset", args.preset, "--batch", str(args.batch),
                                       "--size", str(args.size), "--steps", str(args.steps), "--bare", precision],
                                      capture_output=True, text=True, check=True).stdout.split()[-1])
-        last, at_exit = trainer(work, args.preset, args.batch, args.size, args.steps, precision)
+        last, at_exit = trainer(work, args.preset, args.batch, args.size, args.steps, precision,
+                                args.checkout.resolve())
         print(f"| {precision} | {floor:.2f} GiB | {last:.2f} GiB | {at_exit:.2f} GiB | {at_exit / floor:.2f}x |")
 
 
