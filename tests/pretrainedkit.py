@@ -83,6 +83,34 @@ def make_siglip(folder: Path, seed: int = 0):
     return model
 
 
+def make_siglip2(folder: Path, seed: int = 0, max_patches: int = 64, grid: int = 4, write: str = "preprocessor"):
+    """A tiny Siglip2Model (NaFlex): a ``grid`` x ``grid`` position table of 8-pixel patches, a budget
+    of ``max_patches``. ``write``: preprocessor (preprocessor_config.json) or processor
+    (processor_config.json, the image settings nested, as transformers 5's processors save)."""
+    import json
+
+    import transformers
+    from transformers.models.siglip2.image_processing_pil_siglip2 import Siglip2ImageProcessorPil
+
+    folder.mkdir(parents=True, exist_ok=True)
+    tok = siglip_tokenizer(folder)
+    text, vision = _towers(tok.get_vocab_size(), pad_token_id=1, bos_token_id=None, eos_token_id=1)
+    vision = {k: v for k, v in vision.items() if k != "image_size"}
+    config = transformers.Siglip2Config(text_config=text,
+                                        vision_config={**vision, "num_patches": grid * grid, "patch_size": PATCH})
+    torch.manual_seed(seed)
+    model = transformers.Siglip2Model(config).eval()
+    _randomize_norms(model)
+    model.save_pretrained(folder)
+    processor = Siglip2ImageProcessorPil(patch_size=PATCH, max_num_patches=max_patches)
+    processor.save_pretrained(folder)
+    if write == "processor":
+        settings = json.loads((folder / "preprocessor_config.json").read_text())
+        (folder / "preprocessor_config.json").unlink()
+        (folder / "processor_config.json").write_text(json.dumps({"image_processor": settings}))
+    return model, processor
+
+
 @torch.no_grad()
 def _randomize_norms(model) -> None:
     """Layer norms start at (1, 0) and some biases at 0: random values make a swapped tensor show."""

@@ -20,7 +20,8 @@ class ModelInputs:
     """One micro-batch as the model and the objectives take it: on the device, pixels normalized."""
 
     pixels: torch.Tensor
-    """float [B, 3, H, W]; zeros where there is no image."""
+    """float [B, 3, H, W]; zeros where there is no image. With ``grids``: [B, N, 3 * p * p], each
+    image's patches (channel, y, x within a patch), row by row, then zeros to N."""
     input_ids: torch.Tensor
     attention_mask: torch.Tensor
     has_image: torch.Tensor
@@ -34,6 +35,9 @@ class ModelInputs:
     counts: tuple[int, int] | None = None
     """How many rows have an image and how many have text, known on the host (the collator counts
     them): the model splits rows between its towers without asking the device (None: it asks)."""
+    grids: torch.Tensor | None = None
+    """int64 [B, 2]: the rows and columns of patches each image was resized to at its own shape
+    (``data.resize: native``); None for square images of ``data.image_size``."""
     key: Any = None
     """A ``vltrain.objectives.keyed.StepKey`` (typed loosely: the objectives sit above this layer): the
     step's seed, number and objective denominators, what the objectives' random draws are keyed by

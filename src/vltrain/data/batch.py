@@ -21,12 +21,13 @@ class Batch:
     """
 
     ids: torch.Tensor  # int64 [B], stable_uid of each sample's key
-    pixel_values: torch.Tensor  # uint8 [B, 3, H, W]
+    pixel_values: torch.Tensor  # uint8 [B, 3, H, W]; at their own shape [B, N, 3 * p * p] patches
     has_image: torch.Tensor  # bool [B]
     has_text: torch.Tensor  # bool [B]
     input_ids: torch.Tensor  # int64 [B, L]
     attention_mask: torch.Tensor  # int64 [B, L]
     source: torch.Tensor | None = None  # int64 [B], index of the source in a mixture
+    grids: torch.Tensor | None = None  # int64 [B, 2], rows and columns of patches (images at their own shape)
     num_truncated: int = 0
     counts: tuple[int, int] | None = None
     """Rows with an image, rows with text: counted by the collator, so the step need not ask the device."""
@@ -89,7 +90,7 @@ class Batch:
         return ModelInputs(
             pixels=batch.pixels(mean, std), input_ids=batch.input_ids, attention_mask=batch.attention_mask,
             has_image=batch.has_image, has_text=batch.has_text, ids=batch.ids, row_weights=row_weights,
-            source=batch.source, counts=self.counts,
+            source=batch.source, counts=self.counts, grids=batch.grids,
         )
 
 
@@ -106,10 +107,16 @@ def _rebuild_flat(flat: torch.Tensor, layout: dict, rest: dict) -> Batch:
 def normalize_pixels(
     pixel_values: torch.Tensor, mean: list[float], std: list[float], dtype: torch.dtype = torch.float32
 ) -> torch.Tensor:
-    """uint8 [B,3,H,W] -> (x/255 - mean) / std, as one fused scale-and-shift."""
+    """uint8 [B,3,H,W] -> (x/255 - mean) / std, as one fused scale-and-shift. Patches [B, N, 3 * p * p]
+    (channel, y, x within a patch) take each channel's statistics over its p * p values."""
     dev = pixel_values.device
-    m = torch.tensor(mean, dtype=torch.float32, device=dev).view(1, -1, 1, 1)
-    s = torch.tensor(std, dtype=torch.float32, device=dev).view(1, -1, 1, 1)
+    m = torch.tensor(mean, dtype=torch.float32, device=dev)
+    s = torch.tensor(std, dtype=torch.float32, device=dev)
+    if pixel_values.dim() == 3:
+        per_channel = pixel_values.shape[-1] // 3
+        m, s = m.repeat_interleave(per_channel), s.repeat_interleave(per_channel)
+    else:
+        m, s = m.view(-1, 1, 1), s.view(-1, 1, 1)
     scale = 1.0 / (255.0 * s)
     shift = -m / s
     return torch.addcmul(shift, pixel_values.float(), scale).to(dtype)

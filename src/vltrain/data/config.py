@@ -126,9 +126,22 @@ class DataConfig:
     """With data.global_batch_size: the most rows one rank runs at once (0: global / ranks); the
     accumulation steps are global / (ranks x micro), with gradcache for the contrastive loss."""
     image_size: int = 224
-    """Side of the square images fed to the model; a multiple of the preset's patch size."""
-    resize: Literal["crop", "squash"] = "crop"
-    """crop: shorter side to image_size, then center crop; squash: both sides to image_size."""
+    """Side of the square images fed to the model; a multiple of the preset's patch size. With
+    resize native, the side the position table is made for (it is resized to each image's grid)."""
+    resize: Literal["crop", "squash", "native"] = "crop"
+    """crop: shorter side to image_size, then center crop; squash: both sides to image_size; native:
+    each image at its own aspect ratio, resized to the largest grid of patches within
+    data.max_patches (SigLIP 2's NaFlex; docs/formats.md#images-at-their-own-shape)."""
+    max_patches: int = 256
+    """resize native: the most patches an image becomes (the step's sequence length per image)."""
+    min_patches: int = 1
+    """resize native with upscale false: an image smaller than this many patches is enlarged to it."""
+    upscale: bool = True
+    """resize native: enlarge images smaller than the budget to fill it (SigLIP 2 does); false keeps
+    a small image at its own size (rounded up to whole patches), at least data.min_patches."""
+    patch_size: int = 0
+    """resize native: the side of the patches images are cut into; 0: the model's (filled in when the
+    model is built)."""
     mean: list[float] = field(default_factory=lambda: [0.485, 0.456, 0.406])
     """Per-channel normalization mean, applied once per batch on the device."""
     std: list[float] = field(default_factory=lambda: [0.229, 0.224, 0.225])
@@ -246,6 +259,9 @@ class DataConfig:
                               "or use data.batch_size")
         if self.image_size < 8:
             raise ConfigError(f"data.image_size must be >= 8, got {self.image_size}")
+        if not 1 <= self.min_patches <= self.max_patches:
+            raise ConfigError(f"data.min_patches ({self.min_patches}) must be >= 1 and at most data.max_patches "
+                              f"({self.max_patches})")
         if len(self.mean) != 3 or len(self.std) != 3:
             raise ConfigError("data.mean and data.std must each hold 3 numbers (R, G, B)")
         if any(s <= 0 for s in self.std):

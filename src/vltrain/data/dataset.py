@@ -26,7 +26,8 @@ import torch
 
 from vltrain.data.config import DataConfig, SourceSpec
 from vltrain.data.ids import stable_uid
-from vltrain.data.images import ImageError, decode_image, image_problem
+from vltrain.data.images import ImageError, image_problem
+from vltrain.data.image_input import decode_for
 from vltrain.data.index.open import open_indexed
 from vltrain.data.index.reader import IndexedSource
 from vltrain.data.sources.manifests import Row, Source, refuse_malformed
@@ -50,11 +51,13 @@ class Sample:
 
     uid: int
     key: str
-    image: torch.Tensor | None  # uint8 [3, S, S]
+    image: torch.Tensor | None  # uint8 [3, S, S]; at its own shape (data.resize native): [patches, 3 * p * p]
     input_ids: list[int]  # with special tokens; empty when the sample has no text
     truncated: bool
     source: int
     errors: list[tuple[str, str]] = field(default_factory=list)
+    grid: tuple[int, int] | None = None
+    """The image's rows and columns of patches, at its own shape."""
 
 
 class ImageTextDataset(torch.utils.data.Dataset):
@@ -77,12 +80,7 @@ class ImageTextDataset(torch.utils.data.Dataset):
             raise DataError("no data sources given")
         self.sources = sources
         self.tokenizer = tokenizer
-        self.image_size = cfg.image_size
-        self.resize = cfg.resize
-        self.max_image_pixels = cfg.max_image_pixels
-        self.jpeg_draft_ratio = cfg.jpeg_draft_ratio
-        self.interpolation = cfg.interpolation
-        self.jpeg_decoder = cfg.jpeg_decoder
+        self.cfg = cfg
         self.max_text_length = cfg.max_text_length
         self.on_error = cfg.on_error
         self.source_names = [s.name for s in sources]
@@ -193,15 +191,13 @@ class ImageTextDataset(torch.utils.data.Dataset):
         return out
 
     def _load(self, source: Source, s: int, j: int, row: Row, errors: list) -> Sample:
-        image = None
+        image, grid = None, None
         if row.image is not None:
-            data = source.read_image(j)
-            image = decode_image(data, self.image_size, self.resize, self.max_image_pixels, self.jpeg_draft_ratio,
-                                 self.interpolation, self.jpeg_decoder)
+            image, grid = decode_for(source.read_image(j), self.cfg)
         ids, truncated = [], False
         if row.text is not None:
             ids, truncated = self.tokenizer.encode(row.text, self.max_text_length)
-        return Sample(stable_uid(row.key), row.key, image, ids, truncated, s, errors)
+        return Sample(stable_uid(row.key), row.key, image, ids, truncated, s, errors, grid)
 
     def prefetch(self, rows: np.ndarray) -> None:
         """Start fetching what rows about to be loaded need (remote shards), in the background."""

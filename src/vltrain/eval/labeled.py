@@ -23,7 +23,8 @@ import torch
 from vltrain.data.config import DataConfig
 from vltrain.data.dataset import Sample
 from vltrain.data.ids import stable_uid
-from vltrain.data.images import ImageError, decode_image, image_problem
+from vltrain.data.image_input import decode_for
+from vltrain.data.images import ImageError, image_problem
 from vltrain.data.sources.manifests import IMAGE_KEYS
 from vltrain.data.tokenizers import Tokenizer
 from vltrain.errors import DataError
@@ -160,15 +161,14 @@ class ImageListDataset(torch.utils.data.Dataset):
 
     def __getitem__(self, i: int) -> Sample:
         path, c = self.images[i], self.cfg
-        image, errors = None, []
+        image, grid, errors = None, None, []
         try:
             with open(path, "rb") as f:
                 data = f.read()
-            image = decode_image(data, c.image_size, c.resize, c.max_image_pixels, c.jpeg_draft_ratio,
-                                 c.interpolation, c.jpeg_decoder)
+            image, grid = decode_for(data, c)
         except (ImageError, OSError) as e:
             errors.append((path, image_problem(e, path)))
-        return Sample(stable_uid(path), path, image, [], False, 0, errors)
+        return Sample(stable_uid(path), path, image, [], False, 0, errors, grid)
 
 
 class TextListDataset(torch.utils.data.Dataset):

@@ -68,6 +68,9 @@ def export_model(source: str | Path, out: str | Path, interpolate: float | None 
     cfg = load_config(ckpt / CONFIG_FILE)
     tokenizer_path = ckpt / TOKENIZER_FILE if (ckpt / TOKENIZER_FILE).is_file() else Path(cfg.data.tokenizer)
     model, tokenizer = _build(cfg, tokenizer_path)
+    if fmt == "hf" and cfg.data.resize == "native":
+        raise UserError(f"{ckpt} was trained on images at their own shape (data.resize native); --format hf does "
+                        "not write SigLIP 2 (NaFlex) folders yet: use --format native")
     family = hf_family(model, tokenizer, str(ckpt)) if fmt == "hf" else ""  # refused before any loading
     load_model_weights(ckpt, model)
     metadata = {"format": "pt", "checkpoint": ckpt.name}
@@ -174,24 +177,23 @@ def embed(model, tokenizer, cfg: JobConfig, images: list[str | Path], texts: lis
           batch_size: int = 64, device: str | torch.device = "cpu") -> np.ndarray:
     """Normalized embeddings [len(images) + len(texts), D], images first, float32."""
     from vltrain.data.dataset import Sample
-    from vltrain.data.images import ImageError, decode_image
+    from vltrain.data.image_input import decode_for
+    from vltrain.data.images import ImageError
     from vltrain.data.loading.collate import Collator
 
     dc = cfg.data
     samples = []
     for i, path in enumerate(images):
         try:
-            pixels = torch.as_tensor(decode_image(Path(path).read_bytes(), dc.image_size, dc.resize,
-                                                  dc.max_image_pixels, dc.jpeg_draft_ratio, dc.interpolation,
-                                                  dc.jpeg_decoder))
+            pixels, grid = decode_for(Path(path).read_bytes(), dc)
         except (OSError, ImageError) as e:
             raise UserError(f"cannot read image {path}: {e}") from None
-        samples.append(Sample(uid=i, key=str(path), image=pixels, input_ids=[], truncated=False, source=0))
+        samples.append(Sample(uid=i, key=str(path), image=pixels, input_ids=[], truncated=False, source=0, grid=grid))
     for i, text in enumerate(texts):
         ids, truncated = tokenizer.encode(text, dc.max_text_length)
         samples.append(Sample(uid=len(images) + i, key=f"text {i}", image=None, input_ids=ids,
                               truncated=truncated, source=0))
-    collate = Collator(tokenizer.pad_id, dc.max_text_length, dc.image_size)
+    collate = Collator.for_data(tokenizer.pad_id, dc)
     rows = []
     for start in range(0, len(samples), batch_size):
         inputs = collate(samples[start:start + batch_size]).to_model_inputs(device, dc.mean, dc.std)

@@ -67,8 +67,8 @@ class VLModel(nn.Module):
 
     # -- encoding -----------------------------------------------------------------------------
 
-    def _vision(self, pixels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        tokens, pooled = self.vision(pixels)
+    def _vision(self, pixels: torch.Tensor, grids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        tokens, pooled = self.vision(pixels, grids=grids)
         return tokens, self.image_proj(pooled)
 
     def _text(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -108,9 +108,11 @@ class VLModel(nn.Module):
 
     def encode(self, inputs: ModelInputs) -> Encoded:
         pixels, input_ids, attention_mask = inputs.pixels, inputs.input_ids, inputs.attention_mask
+        images, dummy = (pixels,), (torch.zeros_like(pixels[:1]),)
+        if inputs.grids is not None:  # images at their own shape; the dummy is one patch
+            images, dummy = (pixels, inputs.grids), (*dummy, torch.ones_like(inputs.grids[:1]))
         image_tokens, image_embeds, a_img = self._encode_present(
-            self._vision, (pixels,), (torch.zeros_like(pixels[:1]),), inputs.has_image,
-            None if inputs.counts is None else inputs.counts[0],
+            self._vision, images, dummy, inputs.has_image, None if inputs.counts is None else inputs.counts[0],
         )
         text_tokens, text_embeds, a_txt = self._encode_present(
             self._text, (input_ids, attention_mask), (input_ids[:1], torch.ones_like(attention_mask[:1])),

@@ -71,9 +71,15 @@ class VisionTransformer(nn.Module):
         self.checkpointing = False
 
     def forward(
-        self, pixels: torch.Tensor, patch_mask: torch.Tensor | None = None, mask_token: torch.Tensor | None = None
+        self, pixels: torch.Tensor, patch_mask: torch.Tensor | None = None, mask_token: torch.Tensor | None = None,
+        grids: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``patch_mask`` [B, patches] (bool): those patches enter as ``mask_token`` (masked image modelling)."""
+        """``patch_mask`` [B, patches] (bool): those patches enter as ``mask_token`` (masked image modelling).
+
+        With ``grids`` [B, 2], ``pixels`` are the patches of images at their own shape
+        (:meth:`forward_grids`)."""
+        if grids is not None:
+            return self.forward_grids(pixels, grids)
         x = self.embed_patches(pixels)
         if patch_mask is not None:
             x = torch.where(patch_mask[..., None], mask_token.to(x.dtype), x)
@@ -87,12 +93,39 @@ class VisionTransformer(nn.Module):
         x = self.norm(x)
         return x, self.pool(x)
 
-    def pool(self, x: torch.Tensor) -> torch.Tensor:
+    def forward_grids(self, patches: torch.Tensor, grids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Images at their own shape: ``patches`` [B, N, 3 * p * p], image i's first rows x cols of
+        them real (``grids[i]``), row by row, the rest padding.
+
+        Each image's positions are the table resized to its grid (:func:`resize_positions`), and
+        every token attends only to its own image's real patches (and class token): what an image
+        becomes does not depend on its padding or its batch. Padded positions come out as tokens
+        no pooling reads."""
+        x = F.linear(patches, self.patch_embed.weight.flatten(1), self.patch_embed.bias)
+        n = x.shape[1]
+        real = torch.arange(n, device=x.device) < (grids[:, 0] * grids[:, 1])[:, None]
+        table = self.pos_embed[self.num_prefix:]
+        x = x + resize_positions(table, self.cfg.image_size // self.cfg.patch_size, grids, n).to(x.dtype)
+        if self.cls_token is not None:
+            cls = (self.cls_token + self.pos_embed[0]).to(x.dtype).expand(x.shape[0], 1, -1)
+            x = torch.cat([cls, x], dim=1)
+            real = torch.cat([real.new_ones(x.shape[0], 1), real], dim=1)
+        if self.norm_pre is not None:
+            x = self.norm_pre(x)
+        x = run_blocks(self.blocks, x, real[:, None, None, :], checkpointing=self.checkpointing)
+        x = self.norm(x)
+        return x, self.pool(x, real)
+
+    def pool(self, x: torch.Tensor, real: torch.Tensor | None = None) -> torch.Tensor:
+        """The image's vector; ``real`` [B, tokens] (bool): the tokens pooling may read (None: all)."""
         if self.cfg.pooling == "cls":
             return x[:, 0]
         if self.cfg.pooling == "mean":
-            return x[:, self.num_prefix:].mean(dim=1)
-        return self.head(x)
+            if real is None:
+                return x[:, self.num_prefix:].mean(dim=1)
+            keep = real[:, self.num_prefix:, None].to(x.dtype)
+            return (x[:, self.num_prefix:] * keep).sum(dim=1) / keep.sum(dim=1)
+        return self.head(x, real)
 
     def embed_patches(self, pixels: torch.Tensor) -> torch.Tensor:
         """[B, 3, H, W] -> [B, patches, width]: the stride-p convolution written as one matmul over
@@ -137,12 +170,47 @@ class AttentionPool(nn.Module):
         self.norm = LayerNorm(cfg.width, eps=cfg.norm_eps)
         self.mlp = MLP(cfg.width, mlp_width(cfg.width, cfg.mlp_ratio), cfg.act)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, real: torch.Tensor | None = None) -> torch.Tensor:
+        """``real`` [B, tokens] (bool): the tokens the probe may attend to (None: all)."""
         b, n, w = x.shape
         h, d = self.heads, w // self.heads
         wq, wkv = self.qkv.weight.split([w, 2 * w])
         bq, bkv = self.qkv.bias.split([w, 2 * w])
         q = F.linear(self.probe.to(x.dtype), wq, bq).expand(b, 1, w).reshape(b, 1, h, d).transpose(1, 2)
         k, v = F.linear(x, wkv, bkv).view(b, n, 2, h, d).permute(2, 0, 3, 1, 4)
-        y = self.out(attention(q, k, v).transpose(1, 2).reshape(b, 1, w))
+        mask = None if real is None else real[:, None, None, :]
+        y = self.out(attention(q, k, v, mask).transpose(1, 2).reshape(b, 1, w))
         return (y + self.mlp(self.norm(y)))[:, 0]
+
+
+def axis_weights(cells: torch.Tensor, grid: int, index: torch.Tensor) -> torch.Tensor:
+    """[B, length, grid]: how much each of ``grid`` table cells gives to output cell ``index`` of an
+    axis resized to ``cells`` [B] cells: a triangle filter as wide as the larger of one output cell
+    and one table cell, normalized, centres aligned (``F.interpolate``'s bilinear with antialias,
+    ``align_corners=False``)."""
+    step = grid / cells.to(torch.float32)[:, None]  # table cells per output cell
+    width = step.clamp(min=1.0)
+    centre = (index.to(torch.float32) + 0.5) * step - 0.5
+    source = torch.arange(grid, dtype=torch.float32, device=cells.device)
+    w = (1.0 - (source - centre[..., None]).abs() / width[..., None]).clamp(min=0.0)
+    return w / w.sum(dim=-1, keepdim=True)
+
+
+def resize_positions(table: torch.Tensor, grid: int, grids: torch.Tensor, length: int) -> torch.Tensor:
+    """A square ``grid`` x ``grid`` position table [grid², W], resized to each image's grid [B, 2]
+    (bilinear, antialiased) and laid out row by row: [B, length, W], padding positions taking the
+    first cell's value.
+
+    Resizing is linear in the table, so each position is a weighted sum of the table's cells: one
+    matmul of fixed shape for the whole batch, whatever the grids (no per-shape graph, no host
+    sync), computed in fp32."""
+    position = torch.arange(length, device=grids.device)[None, :]
+    rows, cols = grids[:, :1], grids[:, 1:]
+    inside = position < rows * cols
+    row = torch.where(inside, position // cols, 0)
+    col = torch.where(inside, position % cols, 0)
+    wy = axis_weights(grids[:, 0], grid, row)
+    wx = axis_weights(grids[:, 1], grid, col)
+    weights = (wy[..., :, None] * wx[..., None, :]).flatten(2)  # [B, length, grid²]
+    with torch.autocast(table.device.type, enabled=False):
+        return weights.to(table.device) @ table.float()

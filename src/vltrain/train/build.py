@@ -49,7 +49,7 @@ def build_tokenizer(cfg: JobConfig) -> Tokenizer:
     return load_tokenizer(tokenizer_path(cfg), cfg.data.text_clean)
 
 
-PREPROCESSING_KEYS = ("image_size", "mean", "std", "resize", "interpolation", "max_text_length")
+PREPROCESSING_KEYS = ("image_size", "mean", "std", "resize", "interpolation", "max_text_length", "max_patches")
 """The ``data.*`` values ``model.init`` fills in from the checkpoint where the config sets none."""
 log = logging.getLogger("vltrain")
 
@@ -93,7 +93,9 @@ def describe_preprocessing(cfg: JobConfig, source: Pretrained) -> str:
                else "to the batch's longest caption")
     lines = [
         f"model.init {source.path} ({source.kind}, architecture {source.arch_from})",
-        f"  images: {d.image_size} px, resize {d.resize} ({d.interpolation}), mean {d.mean}, std {d.std}",
+        (f"  images: at their own shape, at most {d.max_patches} patches ({d.interpolation}), mean {d.mean}, "
+         f"std {d.std}" if d.resize == "native" else
+         f"  images: {d.image_size} px, resize {d.resize} ({d.interpolation}), mean {d.mean}, std {d.std}"),
         f"  text: tokenizer {d.tokenizer} ({'lower-cased' if load_tokenizer(d.tokenizer).lowercases() else 'cased'}), "
         f"at most {d.max_text_length} tokens, padded {padding}",
         f"  objective: itc {cfg.model.loss.itc:g}, siglip {cfg.model.loss.siglip:g}",
@@ -118,12 +120,28 @@ def build_model_for(cfg: JobConfig, tokenizer: Tokenizer, device: torch.device |
         cfg.model, vocab_size=vocab_size, pad_id=tokenizer.pad_id, mask_id=tokenizer.mask_id,
         image_size=cfg.data.image_size, max_text_length=max_text_length,
     )
+    if cfg.data.resize == "native":
+        _fit_native(cfg, model)
     if cfg.model.init and load_init:
         source = open_pretrained(cfg.model.init, quick_gelu=cfg.model.quick_gelu)
         source.arch = arch  # the resolved one (with model.preset's head counts)
         for note in load_pretrained(model, source):
             log.info("model.init: %s", note)
     return model.to(device)
+
+
+def _fit_native(cfg: JobConfig, model: VLModel) -> None:
+    """``data.resize: native``: the patch side the data cuts images into is the model's; refuse what
+    does not read images at their own shape yet."""
+    patch = model.vision.cfg.patch_size
+    if cfg.data.patch_size not in (0, patch):
+        raise ConfigError(f"data.patch_size {cfg.data.patch_size} differs from the model's patch size {patch}; "
+                          "leave it 0")
+    cfg.data.patch_size = patch
+    if model.fusion is not None or model.mim_head is not None:
+        raise ConfigError("data.resize native: the fusion encoder (model.loss.itm, model.loss.mlm) and "
+                          "model.loss.image_mim take square images only so far; set them to 0 for a dual "
+                          "encoder, or use data.resize crop or squash")
 
 
 def _check_fits_init(cfg: JobConfig, tokenizer: Tokenizer, arch: Architecture) -> tuple[int, int]:

@@ -9,7 +9,7 @@ import torch
 from torch.utils.data import get_worker_info
 
 from vltrain.data.batch import Batch
-from vltrain.data.config import PAD_MULTIPLE, padded_width
+from vltrain.data.config import PAD_MULTIPLE, DataConfig, padded_width
 from vltrain.data.dataset import Sample
 
 
@@ -43,11 +43,37 @@ class Collator:
     must round the same way: the training loader gives both ``DataConfig.resolve().pad_multiple``.
     """
 
-    def __init__(self, pad_id: int, max_text_length: int, image_size: int, pad_multiple: int = PAD_MULTIPLE):
+    def __init__(self, pad_id: int, max_text_length: int, image_size: int, pad_multiple: int = PAD_MULTIPLE,
+                 patches: tuple[int, int] | None = None):
+        """``patches``: (data.max_patches, patch side) when images come at their own shape: each
+        image's patches are then padded with zeros to max_patches, beside its grid."""
         self.pad_id = pad_id
         self.max_text_length = max_text_length
         self.image_size = image_size
         self.pad_multiple = pad_multiple
+        self.patches = patches
+
+    @classmethod
+    def for_data(cls, pad_id: int, cfg: DataConfig, pad_multiple: int = PAD_MULTIPLE) -> "Collator":
+        """The collator of ``cfg``'s images and captions."""
+        patches = (cfg.max_patches, cfg.patch_size) if cfg.resize == "native" else None
+        return cls(pad_id, cfg.max_text_length, cfg.image_size, pad_multiple, patches)
+
+    def _image_shapes(self, n: int) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        if self.patches is None:
+            return {"pixel_values": ((n, 3, self.image_size, self.image_size), torch.uint8)}
+        most, p = self.patches
+        return {"pixel_values": ((n, most, 3 * p * p), torch.uint8), "grids": ((n, 2), torch.int64)}
+
+    def _put_image(self, t: dict[str, torch.Tensor], i: int, s: Sample) -> None:
+        if self.patches is None:
+            t["pixel_values"][i] = 0 if s.image is None else s.image
+            return
+        k = 0 if s.image is None else s.image.shape[0]
+        if k:
+            t["pixel_values"][i, :k] = s.image
+        t["pixel_values"][i, k:] = 0
+        t["grids"][i] = torch.tensor(s.grid if s.image is not None else (1, 1))
 
     def text_length(self, longest: int) -> int:
         return min(padded_width(longest, self.pad_multiple), self.max_text_length)
@@ -55,9 +81,8 @@ class Collator:
     def __call__(self, samples: list[Sample]) -> Batch:
         n = len(samples)
         length = self.text_length(max(len(s.input_ids) for s in samples))
-        size = self.image_size
         t = batch_buffers({
-            "ids": ((n,), torch.int64), "pixel_values": ((n, 3, size, size), torch.uint8),
+            "ids": ((n,), torch.int64), **self._image_shapes(n),
             "has_image": ((n,), torch.bool), "has_text": ((n,), torch.bool), "input_ids": ((n, length), torch.int64),
             "attention_mask": ((n, length), torch.int64), "source": ((n,), torch.int64),
         })
@@ -68,10 +93,7 @@ class Collator:
             ids = s.input_ids[:length]
             input_ids[i, : len(ids)] = ids
             attention_mask[i, : len(ids)] = 1
-            if s.image is not None:
-                t["pixel_values"][i] = s.image
-            else:
-                t["pixel_values"][i] = 0
+            self._put_image(t, i, s)
         t["ids"].copy_(torch.tensor([s.uid for s in samples], dtype=torch.int64))
         t["has_image"].copy_(torch.tensor([s.image is not None for s in samples], dtype=torch.bool))
         t["has_text"].copy_(torch.tensor(texts, dtype=torch.bool))

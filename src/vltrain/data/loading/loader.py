@@ -312,7 +312,7 @@ def build_train_loader(
     sampler = DistributedBatchSampler(table, schedule, rank=rank, world_size=world_size)
     if getattr(dataset, "remote", False):
         sampler.lookahead = dataset.prefetch
-    collate = Collator(pad_id, data_cfg.max_text_length, data_cfg.image_size, resolved.pad_multiple)
+    collate = Collator.for_data(pad_id, data_cfg, resolved.pad_multiple)
     # Without a run folder bad samples are still counted and capped, just not written down.
     damaged = [d for s in getattr(dataset, "sources", []) for d in getattr(s, "damaged", [])]
     bad_log = BadSampleLog(run_dir, data_cfg.max_bad_fraction, damaged, len(dataset), write_damaged=rank == 0)
@@ -391,5 +391,5 @@ def build_eval_loader(
     loader = DataLoader(dataset, batch_sampler=batches, num_workers=data_cfg.num_workers,
                         worker_init_fn=_own_process_group if data_cfg.num_workers else None,
                         pin_memory=data_cfg.pin_memory and torch.cuda.is_available(),
-                        collate_fn=Collator(pad_id, data_cfg.max_text_length, data_cfg.image_size))
+                        collate_fn=Collator.for_data(pad_id, data_cfg))
     return EvalLoader(loader, start, stop - start)

@@ -10,6 +10,7 @@ first tensor that is missing, misshapen or left over; :func:`convert_out` writes
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -29,13 +30,16 @@ class Preprocessing:
     mean: list[float]
     std: list[float]
     resize: str
-    """crop (shorter side to image_size, then the centre square) | squash (both sides)."""
+    """crop (shorter side to image_size, then the centre square) | squash (both sides) | native (the
+    image's own aspect ratio, within max_patches)."""
     interpolation: str
     max_text_length: int
     tokenizer: str = ""
     """The checkpoint's own tokenizer.json, if it has one beside it."""
     objective: str = "itc"
     """itc (CLIP's softmax contrastive loss) | siglip (pairwise sigmoid, with a logit bias)."""
+    max_patches: int = 256
+    """resize native: the patch budget per image (SigLIP 2's max_num_patches)."""
     notes: list[str] = field(default_factory=list)
     """What the user should know (a setting read differently, a default assumed)."""
 
@@ -47,6 +51,9 @@ class Link:
     transpose: bool = False
     shape: tuple[int, ...] | None = None
     """Their shape, where it differs from ours only by dimensions of size 1."""
+    patch_hwc: int = 0
+    """Theirs is a linear layer over p x p patches flattened (y, x, channel) with this p (SigLIP 2's
+    NaFlex patch embedding); ours the same map as a convolution weight [width, 3, p, p]."""
 
 
 def same(ours: str, theirs: str) -> Link:
@@ -62,6 +69,8 @@ def _expected(link: Link, shape: tuple[int, ...]) -> tuple[int, ...]:
     """The shape each of ``link.theirs`` must have for our tensor of ``shape``."""
     if link.shape is not None:
         return link.shape
+    if link.patch_hwc:
+        return (shape[0], math.prod(shape[1:]))
     if link.transpose:
         return tuple(reversed(shape))
     return (shape[0] // len(link.theirs), *shape[1:]) if shape else shape
@@ -86,6 +95,9 @@ def convert_in(links: list[Link], state: dict[str, torch.Tensor], wanted: dict[s
                                 f"{arch_from} needs {list(expected)}")
             parts.append(state[key])
         t = torch.cat(parts) if len(parts) > 1 else parts[0]
+        if link.patch_hwc:
+            p = link.patch_hwc
+            t = t.reshape(shape[0], p, p, -1).permute(0, 3, 1, 2)
         out[link.ours] = (t.T if link.transpose else t).reshape(shape).contiguous()
     return out
 
@@ -102,6 +114,8 @@ def convert_out(links: list[Link], ours: dict[str, torch.Tensor]) -> dict[str, t
     for link in links:
         t = ours[link.ours].detach().cpu()
         t = t.T if link.transpose else t
+        if link.patch_hwc:
+            t = t.permute(0, 2, 3, 1).reshape(t.shape[0], -1)
         for key, part in zip(link.theirs, t.chunk(len(link.theirs)) if len(link.theirs) > 1 else (t,)):
             out[key] = (part.reshape(link.shape) if link.shape is not None else part).contiguous().clone()
     return out

@@ -1,10 +1,13 @@
-"""Hugging Face CLIPModel and SiglipModel folders: their architecture, preprocessing and weights.
+"""Hugging Face CLIPModel, SiglipModel and Siglip2Model folders: their architecture, preprocessing and weights.
 
 The same math in another layout. CLIP: a pre-norm ViT with a class token and ln_pre, a causal text
 tower pooled at the end-of-text token, bias-free projections and one temperature. SigLIP: a ViT
 without class token or ln_pre whose attention-pool head ends at the embedding size, a text tower
 attending over fixed-length padded text, pooled at the last position, with a biased linear head,
-and a temperature plus a logit bias. Separate q, k, v projections become our ``qkv``.
+and a temperature plus a logit bias. Separate q, k, v projections become our ``qkv``. SigLIP 2's
+NaFlex model (Siglip2Model) is SigLIP with images at their own shape: its patch embedding is a
+linear layer over (y, x, channel) patches, and its square position table is resized to each
+image's grid, as ``data.resize: native`` does.
 
 ``config.json`` may leave out values equal to transformers' defaults, so those defaults are here.
 """
@@ -12,6 +15,7 @@ and a temperature plus a logit bias. Separate q, k, v projections become our ``q
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -34,12 +38,15 @@ DEFAULTS: dict[tuple[str, str], dict[str, Any]] = {
     ("siglip", "vision"): {**_TOWER, "image_size": 224, "patch_size": 16, "hidden_act": "gelu_pytorch_tanh",
                            "layer_norm_eps": 1e-6, "vision_use_head": True},
 }
+DEFAULTS[("siglip2", "text")] = DEFAULTS[("siglip", "text")]
+DEFAULTS[("siglip2", "vision")] = {**_TOWER, "num_patches": 256, "patch_size": 16, "hidden_act": "gelu_pytorch_tanh",
+                                   "layer_norm_eps": 1e-6, "vision_use_head": True}
 """transformers' defaults for the values a saved config.json may omit."""
 ACTIVATIONS = {"gelu": "gelu", "quick_gelu": "quick_gelu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_tanh"}
 """transformers' hidden_act names -> ours; writing, ours -> the first of theirs."""
 RESAMPLE = {2: "bilinear", 3: "bicubic"}
 """Pillow's resampling filters (an image processor's ``resample``) -> ``data.interpolation``."""
-FAMILIES = {"clip": "CLIPModel", "siglip": "SiglipModel"}
+FAMILIES = {"clip": "CLIPModel", "siglip": "SiglipModel", "siglip2": "Siglip2Model"}
 
 
 def read_json(path: Path) -> dict[str, Any]:
@@ -53,7 +60,7 @@ def family_of(config: dict[str, Any], source: Path) -> str:
     family = config.get("model_type", "")
     if family not in FAMILIES:
         raise UserError(f"{source}/config.json has model_type {family!r}: model.init takes a Hugging Face "
-                        f"CLIPModel or SiglipModel folder (model_type clip or siglip)")
+                        f"CLIPModel, SiglipModel or Siglip2Model folder (model_type clip, siglip or siglip2)")
     return family
 
 
@@ -69,9 +76,19 @@ def _act(name: str, source: Path, side: str) -> str:
     return ACTIVATIONS[name]
 
 
+def _table_side(v: dict[str, Any], source: Path) -> int:
+    """Siglip2Model: the side, in pixels, of the square its position table was made for."""
+    grid = math.isqrt(v["num_patches"])
+    if grid * grid != v["num_patches"]:
+        raise UserError(f"{source}/config.json: vision_config.num_patches {v['num_patches']} is not a square "
+                        "number: its position table is not a square grid")
+    return grid * v["patch_size"]
+
+
 def _vision(v: dict[str, Any], family: str, source: Path) -> VisionConfig:
+    image_size = _table_side(v, source) if family == "siglip2" else v["image_size"]
     cfg = VisionConfig(
-        image_size=v["image_size"], patch_size=v["patch_size"], width=v["hidden_size"], depth=v["num_hidden_layers"],
+        image_size=image_size, patch_size=v["patch_size"], width=v["hidden_size"], depth=v["num_hidden_layers"],
         heads=v["num_attention_heads"], mlp_ratio=v["intermediate_size"] / v["hidden_size"],
         act=_act(v["hidden_act"], source, "vision"), norm_eps=v["layer_norm_eps"],
     )
@@ -124,12 +141,48 @@ def architecture(folder: Path, config: dict[str, Any]) -> Architecture:
     return Architecture(vision, text, embed_dim, image_proj="none", text_proj="linear_bias")
 
 
+def image_processor(folder: Path) -> tuple[Path, dict[str, Any]]:
+    """The folder's image processor settings: preprocessor_config.json, or the ``image_processor``
+    part of processor_config.json (what transformers 5 writes); {} when there is neither."""
+    path = folder / "preprocessor_config.json"
+    if path.is_file():
+        return path, read_json(path)
+    joint = folder / "processor_config.json"
+    if joint.is_file():
+        return joint, dict(read_json(joint).get("image_processor") or {})
+    return path, {}
+
+
+def _native(folder: Path, pp: dict[str, Any], path: Path, arch: Architecture, notes: list[str]) -> dict[str, Any]:
+    """Siglip2Model: images at their own shape, within the processor's patch budget."""
+    patch = pp.get("patch_size", arch.vision.patch_size)
+    if patch != arch.vision.patch_size:
+        raise UserError(f"{path}: patch_size {patch} differs from the model's {arch.vision.patch_size}")
+    resample = pp.get("resample", 2)
+    if resample not in RESAMPLE:
+        notes.append(f"{path.name}: resample {resample} is neither bilinear nor bicubic; bilinear is used")
+    return {"resize": "native", "max_patches": int(pp.get("max_num_patches", 256)),
+            "interpolation": RESAMPLE.get(resample, "bilinear")}
+
+
 def preprocessing(folder: Path, config: dict[str, Any], arch: Architecture) -> Preprocessing:
     """preprocessor_config.json's image statistics, size, crop and filter; the folder's tokenizer."""
     family = family_of(config, folder)
-    path = folder / "preprocessor_config.json"
-    pp = read_json(path) if path.is_file() else {}
+    path, pp = image_processor(folder)
     notes = [] if pp else [f"{path.name} absent: {family.upper()}'s usual preprocessing assumed"]
+    images = _native(folder, pp, path, arch, notes) if family == "siglip2" else _square(pp, path, arch, family, notes)
+    default_stats = (OPENAI_MEAN, OPENAI_STD) if family == "clip" else ([0.5] * 3, [0.5] * 3)
+    tokenizer = folder / "tokenizer.json"
+    return Preprocessing(
+        image_size=arch.vision.image_size, mean=list(pp.get("image_mean", default_stats[0])),
+        std=list(pp.get("image_std", default_stats[1])), max_text_length=arch.text.max_length,
+        tokenizer=str(tokenizer) if tokenizer.is_file() else "", objective="itc" if family == "clip" else "siglip",
+        notes=notes, **images,
+    )
+
+
+def _square(pp: dict[str, Any], path: Path, arch: Architecture, family: str, notes: list[str]) -> dict[str, Any]:
+    """CLIPModel, SiglipModel: square images, cropped or squashed to the model's size."""
     crop = pp.get("do_center_crop", family == "clip")
     size = pp.get("crop_size") if crop else pp.get("size")
     side = (size or {}).get("height") or (size or {}).get("shortest_edge") if isinstance(size, dict) else size
@@ -139,15 +192,7 @@ def preprocessing(folder: Path, config: dict[str, Any], arch: Architecture) -> P
     resample = pp.get("resample", 3)
     if resample not in RESAMPLE:
         notes.append(f"{path.name}: resample {resample} is neither bilinear nor bicubic; bicubic is used")
-    default_stats = (OPENAI_MEAN, OPENAI_STD) if family == "clip" else ([0.5] * 3, [0.5] * 3)
-    tokenizer = folder / "tokenizer.json"
-    return Preprocessing(
-        image_size=arch.vision.image_size, mean=list(pp.get("image_mean", default_stats[0])),
-        std=list(pp.get("image_std", default_stats[1])), resize="crop" if crop else "squash",
-        interpolation=RESAMPLE.get(resample, "bicubic"), max_text_length=arch.text.max_length,
-        tokenizer=str(tokenizer) if tokenizer.is_file() else "", objective="itc" if family == "clip" else "siglip",
-        notes=notes,
-    )
+    return {"resize": "crop" if crop else "squash", "interpolation": RESAMPLE.get(resample, "bicubic")}
 
 
 def _layer_links(ours: str, theirs: str) -> list[Link]:
@@ -159,10 +204,12 @@ def _layer_links(ours: str, theirs: str) -> list[Link]:
             *linear(f"{ours}.mlp.proj", f"{theirs}.mlp.fc2")]
 
 
-def _tower_links(arch: Architecture) -> list[Link]:
+def _tower_links(arch: Architecture, family: str) -> list[Link]:
     v, t = "vision_model", "text_model"
-    links = [*linear("vision.patch_embed", f"{v}.embeddings.patch_embedding", arch.vision.patch_bias),
-             same("vision.pos_embed", f"{v}.embeddings.position_embedding.weight")]
+    patch = linear("vision.patch_embed", f"{v}.embeddings.patch_embedding", arch.vision.patch_bias)
+    if family == "siglip2":  # a linear layer over (y, x, channel) patches
+        patch[0] = Link(patch[0].ours, patch[0].theirs, patch_hwc=arch.vision.patch_size)
+    links = [*patch, same("vision.pos_embed", f"{v}.embeddings.position_embedding.weight")]
     if arch.vision.class_token:
         links.append(same("vision.cls_token", f"{v}.embeddings.class_embedding"))
     if arch.vision.pre_norm:
@@ -178,8 +225,8 @@ def _tower_links(arch: Architecture) -> list[Link]:
 
 
 def links(arch: Architecture, family: str) -> list[Link]:
-    """Every tensor of a CLIPModel / SiglipModel, tied to ours."""
-    out = _tower_links(arch)
+    """Every tensor of a CLIPModel / SiglipModel / Siglip2Model, tied to ours."""
+    out = _tower_links(arch, family)
     if family == "clip":
         return out + [same("image_proj.proj.weight", "visual_projection.weight"),
                       same("text_proj.proj.weight", "text_projection.weight"), same("logit_scale", "logit_scale")]

@@ -1,0 +1,80 @@
+"""The vision tower on images at their own shape: positions resized as SigLIP 2 resizes them, and
+an image's embedding that depends on nothing but its own patches."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from vltrain.model.vision import VisionConfig, VisionTransformer, resize_positions
+
+GRIDS = torch.tensor([[4, 4], [2, 8], [8, 2], [3, 5], [1, 16], [5, 3]])
+
+
+def tower(pooling: str = "map", class_token: bool = False) -> VisionTransformer:
+    torch.manual_seed(0)
+    cfg = VisionConfig(image_size=32, patch_size=8, width=32, depth=2, heads=2, pooling=pooling,
+                       class_token=class_token, pre_norm=class_token, patch_bias=not class_token)
+    return VisionTransformer(cfg).eval()
+
+
+def patches(grids: torch.Tensor, length: int = 16, seed: int = 1) -> torch.Tensor:
+    """Random patches, zero past each image's grid (what the collator sends)."""
+    x = torch.randn(len(grids), length, 3 * 8 * 8, generator=torch.Generator().manual_seed(seed))
+    real = torch.arange(length) < grids.prod(-1)[:, None]
+    return x * real[..., None]
+
+
+def test_positions_equal_bilinear_antialiased_resizing_and_transformers():
+    table = torch.randn(16 * 16, 24, generator=torch.Generator().manual_seed(0))
+    grids = torch.tensor([[16, 16], [8, 32], [3, 85], [20, 12], [1, 256]])
+    ours = resize_positions(table, 16, grids, 256)
+    square = table.view(16, 16, 24).permute(2, 0, 1)[None]
+    for i, (h, w) in enumerate(grids.tolist()):
+        want = F.interpolate(square, size=(h, w), mode="bilinear", antialias=True, align_corners=False)
+        torch.testing.assert_close(ours[i, : h * w], want[0].permute(1, 2, 0).reshape(h * w, 24), atol=1e-6, rtol=0)
+    transformers = pytest.importorskip("transformers.models.siglip2.modeling_siglip2")
+    theirs = transformers.Siglip2VisionEmbeddings.resize_positional_embeddings(table.view(16, 16, 24), grids, 256)
+    torch.testing.assert_close(ours, theirs, atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("pooling,class_token", [("map", False), ("mean", False), ("cls", True)])
+def test_an_image_depends_only_on_its_own_patches(pooling, class_token):
+    vit = tower(pooling, class_token)
+    x = patches(GRIDS)
+    with torch.no_grad():
+        _, base = vit(x, grids=GRIDS)
+        changed = x.clone()
+        changed[0] += 1.0  # another image in the batch
+        changed[3, 15:] = 7.0  # the fourth image's padding
+        _, after = vit(changed, grids=GRIDS)
+    assert not torch.equal(after[0], base[0])
+    assert torch.equal(after[1:], base[1:])
+
+
+def test_padded_and_alone_give_the_same_embedding():
+    vit = tower()
+    x = patches(GRIDS, length=20)
+    with torch.no_grad():
+        _, together = vit(x, grids=GRIDS)
+        alone = [vit(x[i : i + 1, : int(GRIDS[i].prod())], grids=GRIDS[i : i + 1])[1] for i in range(len(GRIDS))]
+    torch.testing.assert_close(together, torch.cat(alone), atol=1e-6, rtol=0)
+
+
+def test_the_square_table_grid_is_the_fixed_size_path():
+    vit = tower("cls", class_token=True)
+    images = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(3))
+    as_patches = images.reshape(2, 3, 4, 8, 4, 8).permute(0, 2, 4, 1, 3, 5).reshape(2, 16, 192)
+    with torch.no_grad():
+        _, fixed = vit(images)
+        _, native = vit(as_patches, grids=torch.tensor([[4, 4], [4, 4]]))
+    torch.testing.assert_close(native, fixed, atol=1e-5, rtol=0)
+
+
+def test_gradients_reach_the_table_and_bf16_runs():
+    vit = tower().train()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        _, pooled = vit(patches(GRIDS), grids=GRIDS)
+    pooled.float().square().sum().backward()
+    assert pooled.dtype == torch.bfloat16 and vit.pos_embed.grad.abs().sum() > 0

@@ -1,0 +1,83 @@
+"""Training on images at their own shape (data.resize native): wide, tall and square images in one
+run, ranks whose micro-batches hold different grids, the same run on 1 and 2 ranks under a global
+batch, and an exact resume. Real processes: torchrun, gloo."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from PIL import Image
+from runkit import assert_identical, assert_resumed_exactly, final_state, ok, session_shapes, train
+from test_global_batch import losses, model_distance, worst
+
+from vltrain.config.job import load_config
+from vltrain.data.ids import stable_uid
+from vltrain.errors import ConfigError
+from vltrain.train.build import build_model_for, build_tokenizer
+
+SIZES = [(64, 16), (16, 64), (32, 32), (48, 24), (24, 48), (40, 8), (8, 40), (96, 32)]
+"""(width, height) of the images, in turn: 4:1 to 1:5, from 8 to 96 pixels on a side."""
+NATIVE = {"data__resize": "native", "data__max_patches": 8, "data__global_batch_size": 8, "data__audit": "true",
+          "train__debug_spmd": "true", "train__max_steps": 12, "train__log_every": 1, "checkpoint__every": 4}
+
+
+def native_shapes(tmp_path_factory) -> Path:
+    """The shapes with each image resized to one of SIZES."""
+    shapes = session_shapes(tmp_path_factory)
+    out = shapes / "native.jsonl"
+    if not out.exists():
+        (shapes / "native").mkdir(exist_ok=True)
+        rows = [json.loads(x) for x in (shapes / "train.jsonl").read_text().splitlines()]
+        for i, row in enumerate(rows):
+            if "image" in row:
+                image = Image.open(shapes / row["image"]).resize(SIZES[i % len(SIZES)], Image.Resampling.BICUBIC)
+                row["image"] = f"native/{i}.png"
+                image.save(shapes / row["image"])
+        out.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return shapes
+
+
+def different_grids_on_the_ranks(shapes: Path, run_dir: Path) -> bool:
+    """Whether some step's rows on rank 0 and rank 1 had images of different sizes (from the audit)."""
+    rows = [json.loads(x) for x in (shapes / "train.jsonl").read_text().splitlines()]
+    size = {stable_uid(r["id"]): SIZES[i % len(SIZES)] if "image" in r else None for i, r in enumerate(rows)}
+    ranks = [[json.loads(x) for x in (run_dir / "audit" / f"rank{r}.jsonl").read_text().splitlines()] for r in (0, 1)]
+    steps = [(a, b) for a, b in zip(*ranks) if a["kind"] == "batch"]
+    assert steps
+    return any({size[i] for i in a["ids"]} != {size[i] for i in b["ids"]} for a, b in steps)
+
+
+def run(shapes: Path, run_dir: Path, nproc: int, **extra):
+    return train(shapes, run_dir, nproc=nproc, timeout=240, data__train=shapes / "native.jsonl", **{**NATIVE, **extra})
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_two_ranks_of_mixed_grids_train_as_one_and_resume_exactly(tmp_path_factory, tmp_path):
+    shapes = native_shapes(tmp_path_factory)
+    two = tmp_path / "two"
+    ok(run(shapes, two, 2))  # the SPMD check compares every collective's shapes across the ranks
+    assert different_grids_on_the_ranks(shapes, two)
+    one = tmp_path / "one"
+    ok(run(shapes, one, 1, data__micro_batch_size=4))
+    assert len(losses(two)) == 12 and worst(losses(one), losses(two)) < 1e-5
+    assert model_distance(final_state(one), final_state(two)) < 1e-5
+
+    stopped = tmp_path / "stopped"
+    assert run(shapes, stopped, 2, fault="kill:at=step:step=6").returncode != 0
+    assert_resumed_exactly(ok(run(shapes, stopped, 2)), stopped, 4)
+    assert_identical(final_state(stopped), final_state(two))
+
+
+def test_what_does_not_take_images_at_their_own_shape_is_refused(tmp_path_factory):
+    shapes = session_shapes(tmp_path_factory)
+    base = [f"data.tokenizer={shapes / 'tokenizer.json'}", "data.resize=native", "data.image_size=32"]
+    for extra in (["model.preset=tiny-albef"], ["model.preset=tiny-clip", "model.loss.image_mim=0.5"],
+                  ["model.preset=tiny-clip", "data.patch_size=8"]):
+        cfg = load_config(None, base + extra)
+        with pytest.raises(ConfigError, match="data.resize native|data.patch_size 8"):
+            build_model_for(cfg, build_tokenizer(cfg))
+    with pytest.raises(ConfigError, match="data.min_patches"):
+        load_config(None, base + ["data.min_patches=300"])
