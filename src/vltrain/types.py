@@ -38,6 +38,11 @@ class ModelInputs:
     grids: torch.Tensor | None = None
     """int64 [B, 2]: the rows and columns of patches each image was resized to at its own shape
     (``data.resize: native``); None for square images of ``data.image_size``."""
+    segments: torch.Tensor | None = None
+    """int64 [S, N] with packed images (``data.pack_images``): ``pixels`` is then [S, N, 3 * p * p],
+    several images per sequence, and this says which row's image each position holds (-1: padding)."""
+    patch_index: torch.Tensor | None = None
+    """int64 [S, N] with packed images: which patch of its image each position holds."""
     key: Any = None
     """A ``vltrain.objectives.keyed.StepKey`` (typed loosely: the objectives sit above this layer): the
     step's seed, number and objective denominators, what the objectives' random draws are keyed by

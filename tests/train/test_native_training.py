@@ -71,13 +71,41 @@ def test_two_ranks_of_mixed_grids_train_as_one_and_resume_exactly(tmp_path_facto
     assert_identical(final_state(stopped), final_state(two))
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_packed_images_on_two_ranks_train_as_padded_ones_on_one(tmp_path_factory, tmp_path):
+    """A tower without a class token (a tiny SigLIP 2 folder's), images packed several to a sequence
+    on 2 ranks, against one image per sequence on 1 rank with 2 micro-batches."""
+    from pretrainedkit import make_siglip2
+
+    shapes = native_shapes(tmp_path_factory)
+    folder = tmp_path / "siglip2"
+    make_siglip2(folder)
+    init = {"model__init": folder, "data__tokenizer": "''", "data__image_size": 32, "data__max_text_length": 16,
+            "data__mean": "[0.5,0.5,0.5]", "data__std": "[0.5,0.5,0.5]", "data__max_patches": 16,
+            "model__preset": "''", "train__max_steps": 8}
+    packed = tmp_path / "packed"
+    ok(run(shapes, packed, 2, data__pack_images="true", **init))
+    padded = tmp_path / "padded"
+    ok(run(shapes, padded, 1, data__micro_batch_size=4, **init))
+    assert len(losses(packed)) == 8 and worst(losses(packed), losses(padded)) < 1e-5
+    assert model_distance(final_state(packed), final_state(padded)) < 1e-5
+
+    stopped = tmp_path / "stopped"
+    assert run(shapes, stopped, 2, fault="kill:at=step:step=6", data__pack_images="true", **init).returncode != 0
+    assert_resumed_exactly(ok(run(shapes, stopped, 2, data__pack_images="true", **init)), stopped, 4)
+    assert_identical(final_state(stopped), final_state(packed))
+
+
 def test_what_does_not_take_images_at_their_own_shape_is_refused(tmp_path_factory):
     shapes = session_shapes(tmp_path_factory)
     base = [f"data.tokenizer={shapes / 'tokenizer.json'}", "data.resize=native", "data.image_size=32"]
     for extra in (["model.preset=tiny-albef"], ["model.preset=tiny-clip", "model.loss.image_mim=0.5"],
-                  ["model.preset=tiny-clip", "data.patch_size=8"]):
+                  ["model.preset=tiny-clip", "data.patch_size=8"], ["model.preset=tiny-clip", "data.pack_images=true"]):
         cfg = load_config(None, base + extra)
-        with pytest.raises(ConfigError, match="data.resize native|data.patch_size 8"):
+        with pytest.raises(ConfigError, match="data.resize native|data.patch_size 8|class token"):
             build_model_for(cfg, build_tokenizer(cfg))
     with pytest.raises(ConfigError, match="data.min_patches"):
         load_config(None, base + ["data.min_patches=300"])
+    with pytest.raises(ConfigError, match="data.pack_images packs images at their own shape"):
+        load_config(None, ["data.pack_images=true"])

@@ -139,6 +139,10 @@ class DataConfig:
     upscale: bool = True
     """resize native: enlarge images smaller than the budget to fill it (SigLIP 2 does); false keeps
     a small image at its own size (rounded up to whole patches), at least data.min_patches."""
+    pack_images: bool = False
+    """resize native: place several images into each sequence of data.max_patches positions, attention
+    kept inside each image, instead of padding every image to max_patches (the model must have no
+    class token: SigLIP's towers; docs/formats.md#images-at-their-own-shape)."""
     patch_size: int = 0
     """resize native: the side of the patches images are cut into; 0: the model's (filled in when the
     model is built)."""
@@ -262,6 +266,9 @@ class DataConfig:
         if not 1 <= self.min_patches <= self.max_patches:
             raise ConfigError(f"data.min_patches ({self.min_patches}) must be >= 1 and at most data.max_patches "
                               f"({self.max_patches})")
+        if self.pack_images and self.resize != "native":
+            raise ConfigError("data.pack_images packs images at their own shape: set data.resize native, or "
+                              "data.pack_images false")
         if len(self.mean) != 3 or len(self.std) != 3:
             raise ConfigError("data.mean and data.std must each hold 3 numbers (R, G, B)")
         if any(s <= 0 for s in self.std):

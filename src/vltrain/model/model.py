@@ -71,6 +71,15 @@ class VLModel(nn.Module):
         tokens, pooled = self.vision(pixels, grids=grids)
         return tokens, self.image_proj(pooled)
 
+    def _packed_images(self, inputs: ModelInputs) -> tuple[None, torch.Tensor, torch.Tensor]:
+        """Packed images (``data.pack_images``): the tower runs on every packed sequence (one of padding
+        when the batch has no image); rows without an image get zero embeddings, no gradient."""
+        tokens, pooled = self.vision(inputs.pixels, grids=inputs.grids, segments=inputs.segments,
+                                     patch_index=inputs.patch_index)
+        embeds = self.image_proj(pooled)
+        anchor = 0.0 * (tokens.float().mean() + embeds.float().mean())
+        return None, torch.where(inputs.has_image[:, None], embeds, torch.zeros_like(embeds)), anchor
+
     def _text(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         tokens, pooled = self.text(input_ids, attention_mask)
         return tokens, self.text_proj(pooled)
@@ -111,9 +120,12 @@ class VLModel(nn.Module):
         images, dummy = (pixels,), (torch.zeros_like(pixels[:1]),)
         if inputs.grids is not None:  # images at their own shape; the dummy is one patch
             images, dummy = (pixels, inputs.grids), (*dummy, torch.ones_like(inputs.grids[:1]))
-        image_tokens, image_embeds, a_img = self._encode_present(
-            self._vision, images, dummy, inputs.has_image, None if inputs.counts is None else inputs.counts[0],
-        )
+        if inputs.segments is not None:
+            image_tokens, image_embeds, a_img = self._packed_images(inputs)
+        else:
+            image_tokens, image_embeds, a_img = self._encode_present(
+                self._vision, images, dummy, inputs.has_image, None if inputs.counts is None else inputs.counts[0],
+            )
         text_tokens, text_embeds, a_txt = self._encode_present(
             self._text, (input_ids, attention_mask), (input_ids[:1], torch.ones_like(attention_mask[:1])),
             inputs.has_text, None if inputs.counts is None else inputs.counts[1],

@@ -72,12 +72,15 @@ class VisionTransformer(nn.Module):
 
     def forward(
         self, pixels: torch.Tensor, patch_mask: torch.Tensor | None = None, mask_token: torch.Tensor | None = None,
-        grids: torch.Tensor | None = None,
+        grids: torch.Tensor | None = None, segments: torch.Tensor | None = None,
+        patch_index: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``patch_mask`` [B, patches] (bool): those patches enter as ``mask_token`` (masked image modelling).
 
-        With ``grids`` [B, 2], ``pixels`` are the patches of images at their own shape
-        (:meth:`forward_grids`)."""
+        With ``grids`` [B, 2], ``pixels`` are the patches of images at their own shape, one image per
+        row (:meth:`forward_grids`) or packed (with ``segments``, :meth:`forward_packed`)."""
+        if segments is not None:
+            return self.forward_packed(pixels, grids, segments, patch_index)
         if grids is not None:
             return self.forward_grids(pixels, grids)
         x = self.embed_patches(pixels)
@@ -115,6 +118,36 @@ class VisionTransformer(nn.Module):
         x = run_blocks(self.blocks, x, real[:, None, None, :], checkpointing=self.checkpointing)
         x = self.norm(x)
         return x, self.pool(x, real)
+
+    def forward_packed(self, patches: torch.Tensor, grids: torch.Tensor, segments: torch.Tensor,
+                       patch_index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Images packed several to a sequence: ``patches`` [S, N, 3 * p * p], ``segments`` [S, N] the
+        row (of ``grids`` [B, 2]) whose image each position holds (-1: padding), ``patch_index`` which
+        of its patches. Attention stays inside each image (padding attends to padding), so each
+        embedding is the one the image gets alone. Returns the packed tokens [S, N, W] and the pooled
+        vectors [B, W] (a row without an image pools its sequence's padding: finite, unused)."""
+        if self.cls_token is not None:
+            raise ValueError("packed images need a tower without a class token")
+        x = F.linear(patches, self.patch_embed.weight.flatten(1), self.patch_embed.bias)
+        positions = resize_positions(self.pos_embed, self.cfg.image_size // self.cfg.patch_size, grids, x.shape[1])
+        x = x + positions[segments.clamp(min=0), patch_index].to(x.dtype)
+        if self.norm_pre is not None:
+            x = self.norm_pre(x)
+        x = run_blocks(self.blocks, x, (segments[:, :, None] == segments[:, None, :])[:, None],
+                       checkpointing=self.checkpointing)
+        x = self.norm(x)
+        return x, self.pool_packed(x, segments, grids.shape[0])
+
+    def pool_packed(self, x: torch.Tensor, segments: torch.Tensor, rows: int) -> torch.Tensor:
+        """[rows, W]: each row's image pooled over its own positions."""
+        row = torch.arange(rows, device=x.device)
+        mine = segments[None] == row[:, None, None]  # [rows, S, N]
+        seq = mine.any(dim=2).to(torch.int64).argmax(dim=1)  # the sequence holding the row's image (0: none)
+        real = mine[row, seq] | ~mine.any(dim=(1, 2))[:, None]  # no image: all of sequence 0, never read
+        if self.cfg.pooling == "mean":
+            keep = real[..., None].to(x.dtype)
+            return (x[seq] * keep).sum(dim=1) / keep.sum(dim=1).clamp(min=1)
+        return self.head(x[seq], real)
 
     def pool(self, x: torch.Tensor, real: torch.Tensor | None = None) -> torch.Tensor:
         """The image's vector; ``real`` [B, tokens] (bool): the tokens pooling may read (None: all)."""

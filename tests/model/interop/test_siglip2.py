@@ -77,3 +77,15 @@ def test_an_image_embeds_the_same_alone_or_in_any_batch(siglip2, tmp_path):
     together = embed(model, tokenizer, cfg, paths, [], batch_size=6)
     alone = np.concatenate([embed(model, tokenizer, cfg, [p], []) for p in paths])
     np.testing.assert_allclose(together, alone, atol=1e-6, rtol=0)
+
+
+def test_packed_images_embed_as_transformers_embeds_them(siglip2, tmp_path):
+    import dataclasses
+
+    _, hf, processor, (model, tokenizer, cfg) = siglip2
+    packing = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, pack_images=True))
+    paths = images(tmp_path, SHAPES)
+    got = embed(model, tokenizer, packing, paths, [], batch_size=15)
+    with torch.no_grad():
+        want = normalized(hf.get_image_features(**processor(images=[Image.open(p) for p in paths], return_tensors="pt")))
+    np.testing.assert_allclose(got, want, atol=1e-5 * np.abs(want).max(), rtol=0)

@@ -11,6 +11,7 @@ from torch.utils.data import get_worker_info
 from vltrain.data.batch import Batch
 from vltrain.data.config import PAD_MULTIPLE, DataConfig, padded_width
 from vltrain.data.dataset import Sample
+from vltrain.data.loading.packing import layout
 
 
 def batch_buffers(shapes: dict[str, tuple[tuple[int, ...], torch.dtype]]) -> dict[str, torch.Tensor]:
@@ -44,36 +45,49 @@ class Collator:
     """
 
     def __init__(self, pad_id: int, max_text_length: int, image_size: int, pad_multiple: int = PAD_MULTIPLE,
-                 patches: tuple[int, int] | None = None):
+                 patches: tuple[int, int] | None = None, pack: bool = False):
         """``patches``: (data.max_patches, patch side) when images come at their own shape: each
-        image's patches are then padded with zeros to max_patches, beside its grid."""
+        image's patches are then padded with zeros to max_patches, beside its grid, or with ``pack``
+        placed into as few sequences of max_patches as hold them (:mod:`.packing`)."""
         self.pad_id = pad_id
         self.max_text_length = max_text_length
         self.image_size = image_size
         self.pad_multiple = pad_multiple
         self.patches = patches
+        self.pack = pack and patches is not None
 
     @classmethod
     def for_data(cls, pad_id: int, cfg: DataConfig, pad_multiple: int = PAD_MULTIPLE) -> "Collator":
         """The collator of ``cfg``'s images and captions."""
         patches = (cfg.max_patches, cfg.patch_size) if cfg.resize == "native" else None
-        return cls(pad_id, cfg.max_text_length, cfg.image_size, pad_multiple, patches)
+        return cls(pad_id, cfg.max_text_length, cfg.image_size, pad_multiple, patches, cfg.pack_images)
 
-    def _image_shapes(self, n: int) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    def _image_shapes(self, n: int, sequences: int) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         if self.patches is None:
             return {"pixel_values": ((n, 3, self.image_size, self.image_size), torch.uint8)}
         most, p = self.patches
-        return {"pixel_values": ((n, most, 3 * p * p), torch.uint8), "grids": ((n, 2), torch.int64)}
+        shapes = {"pixel_values": ((sequences, most, 3 * p * p), torch.uint8), "grids": ((n, 2), torch.int64)}
+        if self.pack:
+            shapes |= {"segments": ((sequences, most), torch.int64), "patch_index": ((sequences, most), torch.int64)}
+        return shapes
 
-    def _put_image(self, t: dict[str, torch.Tensor], i: int, s: Sample) -> None:
+    def _put_images(self, t: dict[str, torch.Tensor], samples: list[Sample], places) -> None:
         if self.patches is None:
-            t["pixel_values"][i] = 0 if s.image is None else s.image
+            for i, s in enumerate(samples):
+                t["pixel_values"][i] = 0 if s.image is None else s.image
             return
-        k = 0 if s.image is None else s.image.shape[0]
-        if k:
-            t["pixel_values"][i, :k] = s.image
-        t["pixel_values"][i, k:] = 0
-        t["grids"][i] = torch.tensor(s.grid if s.image is not None else (1, 1))
+        t["pixel_values"].zero_()
+        for i, s in enumerate(samples):
+            seq, offset = places[i] if places else (i, 0)
+            if s.image is not None:
+                t["pixel_values"][seq, offset:offset + s.image.shape[0]] = s.image
+            t["grids"][i] = torch.tensor(s.grid if s.image is not None else (1, 1))
+
+    def _layout(self, samples: list[Sample]):
+        """(places, segments, patch_index) of packed images; (None, None, None) unpacked."""
+        if not self.pack:
+            return None, None, None
+        return layout([0 if s.image is None else s.image.shape[0] for s in samples], self.patches[0])
 
     def text_length(self, longest: int) -> int:
         return min(padded_width(longest, self.pad_multiple), self.max_text_length)
@@ -81,8 +95,9 @@ class Collator:
     def __call__(self, samples: list[Sample]) -> Batch:
         n = len(samples)
         length = self.text_length(max(len(s.input_ids) for s in samples))
+        places, segments, patch_index = self._layout(samples)
         t = batch_buffers({
-            "ids": ((n,), torch.int64), **self._image_shapes(n),
+            "ids": ((n,), torch.int64), **self._image_shapes(n, n if segments is None else segments.shape[0]),
             "has_image": ((n,), torch.bool), "has_text": ((n,), torch.bool), "input_ids": ((n, length), torch.int64),
             "attention_mask": ((n, length), torch.int64), "source": ((n,), torch.int64),
         })
@@ -93,7 +108,10 @@ class Collator:
             ids = s.input_ids[:length]
             input_ids[i, : len(ids)] = ids
             attention_mask[i, : len(ids)] = 1
-            self._put_image(t, i, s)
+        self._put_images(t, samples, places)
+        if segments is not None:
+            t["segments"].copy_(segments)
+            t["patch_index"].copy_(patch_index)
         t["ids"].copy_(torch.tensor([s.uid for s in samples], dtype=torch.int64))
         t["has_image"].copy_(torch.tensor([s.image is not None for s in samples], dtype=torch.bool))
         t["has_text"].copy_(torch.tensor(texts, dtype=torch.bool))
