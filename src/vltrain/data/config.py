@@ -170,9 +170,10 @@ class DataConfig:
     tokenizer: str = ""
     """A tokenizer.json file, or a folder holding one (e.g. a local Hugging Face model folder)."""
     text_clean: str = ""
-    """Clean captions before the tokenizer sees them: "" (no), or clip: ftfy.fix_text and
-    html.unescape twice, as OpenAI's CLIP and OpenCLIP do (needs the ftfy package: vltrain[openclip]).
-    model.init of an OpenCLIP checkpoint sets it."""
+    """Clean captions before the tokenizer sees them: "" (no); clip: ftfy.fix_text and html.unescape
+    twice, as OpenAI's CLIP and OpenCLIP do (needs the ftfy package: vltrain[openclip]); lower:
+    lower-case them, as transformers' SigLIP 2 tokenizer does. model.init of an OpenCLIP checkpoint
+    sets clip, of a Siglip2Model folder lower."""
     max_text_length: int = 77
     """Token cap per caption, special tokens included; longer captions are cut and counted."""
     pad_multiple: int = 0
@@ -283,8 +284,8 @@ class DataConfig:
             raise ConfigError(f"data.num_workers must be >= 0, got {self.num_workers}")
         if not 0.1 <= self.jpeg_draft_ratio <= 1.0:
             raise ConfigError(f"data.jpeg_draft_ratio must be in [0.1, 1], got {self.jpeg_draft_ratio}")
-        if self.text_clean not in ("", "clip"):
-            raise ConfigError(f"data.text_clean must be '' or clip, got {self.text_clean!r}")
+        if self.text_clean not in ("", "clip", "lower"):
+            raise ConfigError(f"data.text_clean must be '', clip or lower, got {self.text_clean!r}")
         if self.max_text_length < 2:
             raise ConfigError(f"data.max_text_length must be >= 2, got {self.max_text_length}")
         if self.shuffle_window < -1:

@@ -40,7 +40,13 @@ def _ftfy():
     return ftfy
 
 
-CLEANERS = {"": None, "clip": clip_clean}
+def lower_clean(text: str) -> str:
+    """Lower-cased, as transformers' Siglip2Tokenizer normalizes SigLIP 2's captions (the Gemma
+    tokenizer.json of a SigLIP 2 folder keeps case; SigLIP 2 was trained on lower-cased text)."""
+    return text.lower()
+
+
+CLEANERS = {"": None, "clip": clip_clean, "lower": lower_clean}
 """``data.text_clean``: what each name does to a caption before the tokenizer sees it."""
 
 
@@ -53,7 +59,7 @@ class Tokenizer:
         self.path = path
         self.clean = clean
         self._clean = CLEANERS[clean]
-        if self._clean is not None:
+        if clean == "clip":
             _ftfy()  # say now, not at the first caption, that it is missing
         padding = hf.padding  # a file's own padding token wins over a guess by name
         self.pad_id: int = padding["pad_id"] if padding else (self._find(PAD_NAMES) or 0)

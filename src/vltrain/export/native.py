@@ -8,7 +8,8 @@
 
 safetensors holds tensors only, so loading an exported model runs no code from the file. The
 folder is what :func:`load_exported` reads, for ``vltrain embed`` and ``vltrain eval``.
-``--format hf`` writes a Hugging Face CLIPModel / SiglipModel folder instead (:mod:`vltrain.export.hf`).
+``--format hf`` writes a Hugging Face CLIPModel / SiglipModel / Siglip2Model folder instead
+(:mod:`vltrain.export.hf`).
 ``--interpolate ALPHA`` writes (1 - ALPHA) x the run's initial weights + ALPHA x the trained ones
 (WiSE-FT's weight-space ensemble; ALPHA 0 is the initial model, 1 the fine-tuned one).
 Embeddings use the training pipeline itself (``decode_image``, the tokenizer, the collator,
@@ -57,7 +58,7 @@ def _checkpoint_of(source: Path) -> Path:
 def export_model(source: str | Path, out: str | Path, interpolate: float | None = None, fmt: str = "native") -> Path:
     """Write ``out``/{model.safetensors, tokenizer.json, config.yaml} from a run or checkpoint folder;
     ``interpolate``: blend the trained weights with the run's initial ones (:func:`interpolate_weights`);
-    ``fmt`` "hf": a Hugging Face CLIPModel / SiglipModel folder instead (:mod:`vltrain.export.hf`)."""
+    ``fmt`` "hf": a Hugging Face CLIPModel / SiglipModel / Siglip2Model folder instead (:mod:`vltrain.export.hf`)."""
     source = Path(source)
     if interpolate is not None and not 0.0 <= interpolate <= 1.0:
         raise UserError(f"--interpolate must be in [0, 1] (0: the initial weights, 1: the fine-tuned ones), "
@@ -68,10 +69,7 @@ def export_model(source: str | Path, out: str | Path, interpolate: float | None 
     cfg = load_config(ckpt / CONFIG_FILE)
     tokenizer_path = ckpt / TOKENIZER_FILE if (ckpt / TOKENIZER_FILE).is_file() else Path(cfg.data.tokenizer)
     model, tokenizer = _build(cfg, tokenizer_path)
-    if fmt == "hf" and cfg.data.resize == "native":
-        raise UserError(f"{ckpt} was trained on images at their own shape (data.resize native); --format hf does "
-                        "not write SigLIP 2 (NaFlex) folders yet: use --format native")
-    family = hf_family(model, tokenizer, str(ckpt)) if fmt == "hf" else ""  # refused before any loading
+    family = hf_family(model, tokenizer, str(ckpt), cfg) if fmt == "hf" else ""  # refused before any loading
     load_model_weights(ckpt, model)
     metadata = {"format": "pt", "checkpoint": ckpt.name}
     if interpolate is not None:
@@ -151,7 +149,7 @@ def load_exported(path: str | Path, device: str | torch.device = "cpu"):
 
 def load_any(path: str | Path, overrides: list[str] | None = None, device: str | torch.device = "cpu"):
     """``(model, tokenizer, cfg)`` from an exported folder, a run or checkpoint folder, a Hugging Face
-    CLIPModel / SiglipModel folder or an OpenCLIP checkpoint (``overrides``: dotted config values,
+    CLIPModel / SiglipModel / Siglip2Model folder or an OpenCLIP checkpoint (``overrides``: dotted config values,
     e.g. data.tokenizer for an OpenCLIP file without one beside it); the model in eval mode."""
     p = Path(path).expanduser()
     overrides = list(overrides or [])

@@ -51,6 +51,8 @@ def build_tokenizer(cfg: JobConfig) -> Tokenizer:
 
 PREPROCESSING_KEYS = ("image_size", "mean", "std", "resize", "interpolation", "max_text_length", "max_patches")
 """The ``data.*`` values ``model.init`` fills in from the checkpoint where the config sets none."""
+TEXT_CLEAN = {"openclip": "clip", "hf-siglip2": "lower"}
+"""``data.text_clean`` for checkpoints whose captions were cleaned before their tokenizer.json saw them."""
 log = logging.getLogger("vltrain")
 
 
@@ -76,8 +78,8 @@ def resolve_init(cfg: JobConfig) -> Pretrained | None:
                               "tokenizer the checkpoint was trained with (a tokenizer.json, e.g. from the matching "
                               f"Hugging Face folder).{hint}")
         cfg.data.tokenizer = pp.tokenizer
-    if source.kind == "openclip" and not cfg.was_set("data.text_clean"):
-        cfg.data.text_clean = "clip"  # how OpenCLIP cleaned the captions it trained on
+    if source.kind in TEXT_CLEAN and not cfg.was_set("data.text_clean"):
+        cfg.data.text_clean = TEXT_CLEAN[source.kind]  # how the captions it trained on were cleaned
     if pp.objective == "siglip" and not (cfg.was_set("model.loss.itc") or cfg.was_set("model.loss.siglip")):
         mc.loss.itc, mc.loss.siglip = 0.0, 1.0
     mc.arch = source.arch.to_dict()
@@ -96,7 +98,8 @@ def describe_preprocessing(cfg: JobConfig, source: Pretrained) -> str:
         (f"  images: at their own shape, at most {d.max_patches} patches ({d.interpolation}), mean {d.mean}, "
          f"std {d.std}" if d.resize == "native" else
          f"  images: {d.image_size} px, resize {d.resize} ({d.interpolation}), mean {d.mean}, std {d.std}"),
-        f"  text: tokenizer {d.tokenizer} ({'lower-cased' if load_tokenizer(d.tokenizer).lowercases() else 'cased'}), "
+        f"  text: tokenizer {d.tokenizer} "
+        f"({'lower-cased' if load_tokenizer(d.tokenizer).lowercases() or d.text_clean == 'lower' else 'cased'}), "
         f"at most {d.max_text_length} tokens, padded {padding}",
         f"  objective: itc {cfg.model.loss.itc:g}, siglip {cfg.model.loss.siglip:g}",
     ]
