@@ -19,6 +19,8 @@ from vltrain.train.build import build_model_for, build_tokenizer
 
 SIZES = [(64, 16), (16, 64), (32, 32), (48, 24), (24, 48), (40, 8), (8, 40), (96, 32)]
 """(width, height) of the images, in turn: 4:1 to 1:5, from 8 to 96 pixels on a side."""
+KEEP_RATIO = Path(__file__).parents[1] / "data" / "fixtures" / "img2dataset-keep-ratio"
+"""Shards img2dataset wrote with resize_mode keep_ratio (tests/data/fixtures/make_img2dataset.py)."""
 NATIVE = {"data__resize": "native", "data__max_patches": 8, "data__global_batch_size": 8, "data__audit": "true",
           "train__debug_spmd": "true", "train__max_steps": 12, "train__log_every": 1, "checkpoint__every": 4}
 
@@ -50,7 +52,7 @@ def different_grids_on_the_ranks(shapes: Path, run_dir: Path) -> bool:
 
 
 def run(shapes: Path, run_dir: Path, nproc: int, **extra):
-    return train(shapes, run_dir, nproc=nproc, timeout=240, data__train=shapes / "native.jsonl", **{**NATIVE, **extra})
+    return train(shapes, run_dir, nproc=nproc, timeout=240, **{"data__train": shapes / "native.jsonl", **NATIVE, **extra})
 
 
 @pytest.mark.slow
@@ -74,8 +76,9 @@ def test_two_ranks_of_mixed_grids_train_as_one_and_resume_exactly(tmp_path_facto
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_packed_images_on_two_ranks_train_as_padded_ones_on_one(tmp_path_factory, tmp_path):
-    """A tower without a class token (a tiny SigLIP 2 folder's), images packed several to a sequence
-    on 2 ranks, against one image per sequence on 1 rank with 2 micro-batches."""
+    """A tower without a class token (a tiny SigLIP 2 folder's), on img2dataset shards of images at
+    their own aspect ratio (keep_ratio: 96 x 96 to 384 x 96), packed several to a sequence on 2 ranks,
+    against one image per sequence on 1 rank with 2 micro-batches."""
     from pretrainedkit import make_siglip2
 
     shapes = native_shapes(tmp_path_factory)
@@ -83,7 +86,7 @@ def test_packed_images_on_two_ranks_train_as_padded_ones_on_one(tmp_path_factory
     make_siglip2(folder)
     init = {"model__init": folder, "data__tokenizer": "''", "data__image_size": 32, "data__max_text_length": 16,
             "data__mean": "[0.5,0.5,0.5]", "data__std": "[0.5,0.5,0.5]", "data__max_patches": 16,
-            "model__preset": "''", "train__max_steps": 8}
+            "model__preset": "''", "train__max_steps": 8, "data__train": f"'{KEEP_RATIO}/{{00000..00001}}.tar'"}
     packed = tmp_path / "packed"
     ok(run(shapes, packed, 2, data__pack_images="true", **init))
     padded = tmp_path / "padded"
@@ -107,5 +110,6 @@ def test_what_does_not_take_images_at_their_own_shape_is_refused(tmp_path_factor
             build_model_for(cfg, build_tokenizer(cfg))
     with pytest.raises(ConfigError, match="data.min_patches"):
         load_config(None, base + ["data.min_patches=300"])
+    cfg = load_config(None, [f"data.tokenizer={shapes / 'tokenizer.json'}", "data.pack_images=true"])
     with pytest.raises(ConfigError, match="data.pack_images packs images at their own shape"):
-        load_config(None, ["data.pack_images=true"])
+        build_model_for(cfg, build_tokenizer(cfg))

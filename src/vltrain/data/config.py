@@ -267,9 +267,6 @@ class DataConfig:
         if not 1 <= self.min_patches <= self.max_patches:
             raise ConfigError(f"data.min_patches ({self.min_patches}) must be >= 1 and at most data.max_patches "
                               f"({self.max_patches})")
-        if self.pack_images and self.resize != "native":
-            raise ConfigError("data.pack_images packs images at their own shape: set data.resize native, or "
-                              "data.pack_images false")
         if len(self.mean) != 3 or len(self.std) != 3:
             raise ConfigError("data.mean and data.std must each hold 3 numbers (R, G, B)")
         if any(s <= 0 for s in self.std):

@@ -125,6 +125,9 @@ def build_model_for(cfg: JobConfig, tokenizer: Tokenizer, device: torch.device |
     )
     if cfg.data.resize == "native":
         _fit_native(cfg, model)
+    elif cfg.data.pack_images:  # checked here: model.init may be what sets data.resize
+        raise ConfigError("data.pack_images packs images at their own shape: set data.resize native, or "
+                          "data.pack_images false")
     if cfg.model.init and load_init:
         source = open_pretrained(cfg.model.init, quick_gelu=cfg.model.quick_gelu)
         source.arch = arch  # the resolved one (with model.preset's head counts)
