@@ -1,0 +1,131 @@
+"""Images at their own shape: how much of a step is real patches, padded or packed, and what a
+step of a SigLIP-style tower costs each way.
+
+Images: aspect ratios log-uniform from 1:3 to 3:1, long side uniform from 64 to 1,024 px (seeded).
+Each is resized to its grid within ``--max-patches`` (``vltrain.data.native.native_grid``), with
+``upscale`` true (SigLIP 2: every image fills the budget as its aspect ratio allows) and false
+(small images keep their size). Batches of ``--batch`` images are then either padded (one image
+per sequence of max_patches) or packed (first fit, largest first, into sequences of max_patches:
+``vltrain.data.loading.packing``). Printed: the share of patch positions that hold a real patch.
+
+Then the time of a forward and backward pass of a SigLIP-style tower (no class token, MAP head;
+``--width``/``--depth``) on one batch, padded against packed, fp32 and, on a CPU with bf16 matrix
+instructions, bf16 autocast: best of ``--repeats``.
+
+    PYTHONPATH=src python benchmarks/native_packing.py [--max-patches 256] [--batch 64] [--images 1024]
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import random
+import time
+
+import torch
+
+from vltrain.data.loading.packing import layout
+from vltrain.data.native import native_grid
+from vltrain.model.vision import VisionConfig, VisionTransformer
+from vltrain.runtime.precision import cpu_has_bf16_matmul
+
+PATCH = 16
+
+
+def image_sizes(count: int, seed: int = 0) -> list[tuple[int, int]]:
+    """(height, width) of ``count`` images: aspect 1:3 to 3:1 (log-uniform), long side 64 to 1,024."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(count):
+        aspect = math.exp(rng.uniform(math.log(1 / 3), math.log(3)))  # width / height
+        long = rng.randint(64, 1024)
+        w, h = (long, max(1, round(long / aspect))) if aspect >= 1 else (max(1, round(long * aspect)), long)
+        out.append((h, w))
+    return out
+
+
+def grids_of(sizes: list[tuple[int, int]], budget: int, upscale: bool) -> list[tuple[int, int]]:
+    return [native_grid(h, w, PATCH, budget, upscale=upscale) for h, w in sizes]
+
+
+def shares(grids: list[tuple[int, int]], budget: int, batch: int) -> tuple[float, float, float]:
+    """(padded share, packed share, sequences per image packed) over whole batches."""
+    real = padded = packed = 0
+    for start in range(0, len(grids) - batch + 1, batch):
+        counts = [r * c for r, c in grids[start:start + batch]]
+        _, segments, _ = layout(counts, budget)
+        real += sum(counts)
+        padded += batch * budget
+        packed += segments.numel()
+    return real / padded, real / packed, packed / budget / (padded / budget)
+
+
+def batch_inputs(grids: list[tuple[int, int]], budget: int, pack: bool, seed: int = 0) -> dict:
+    """Random patches for these grids, padded or packed as the collator lays them out."""
+    g = torch.Generator().manual_seed(seed)
+    counts = [r * c for r, c in grids]
+    dim = 3 * PATCH * PATCH
+    grid_t = torch.tensor(grids)
+    if not pack:
+        x = torch.randn(len(grids), budget, dim, generator=g)
+        x *= (torch.arange(budget) < torch.tensor(counts)[:, None])[..., None]
+        return {"pixels": x, "grids": grid_t}
+    places, segments, patch_index = layout(counts, budget)
+    x = torch.zeros(segments.shape[0], budget, dim)
+    for (seq, offset), n in zip(places, counts):
+        x[seq, offset:offset + n] = torch.randn(n, dim, generator=g)
+    return {"pixels": x, "grids": grid_t, "segments": segments, "patch_index": patch_index}
+
+
+def step_time(tower: VisionTransformer, inputs: dict, dtype: torch.dtype | None, repeats: int) -> float:
+    best = float("inf")
+    for _ in range(repeats):
+        tower.zero_grad(set_to_none=True)
+        start = time.perf_counter()
+        with torch.autocast("cpu", dtype=dtype or torch.bfloat16, enabled=dtype is not None):
+            _, pooled = tower(inputs["pixels"], grids=inputs["grids"], segments=inputs.get("segments"),
+                              patch_index=inputs.get("patch_index"))
+        pooled.float().square().mean().backward()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--max-patches", type=int, default=256)
+    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--images", type=int, default=1024)
+    ap.add_argument("--width", type=int, default=384)
+    ap.add_argument("--depth", type=int, default=4)
+    ap.add_argument("--timed-batch", type=int, default=32)
+    ap.add_argument("--repeats", type=int, default=3)
+    args = ap.parse_args()
+    budget, sizes = args.max_patches, image_sizes(args.images)
+    print(f"{args.images} images, aspect 1:3 to 3:1, long side 64-1024 px; patch {PATCH}, max_patches {budget}, "
+          f"batches of {args.batch}; torch {torch.__version__}, {torch.get_num_threads()} threads\n")
+    print("| upscale | real patches per image (mean) | padded: real share | packed: real share | packed sequences / padded |")
+    print("|---|---:|---:|---:|---:|")
+    for upscale in (True, False):
+        grids = grids_of(sizes, budget, upscale)
+        padded, packed, ratio = shares(grids, budget, args.batch)
+        mean = sum(r * c for r, c in grids) / len(grids)
+        print(f"| {str(upscale).lower()} | {mean:.0f} | {padded:.1%} | {packed:.1%} | {ratio:.2f} |")
+
+    torch.manual_seed(0)
+    tower = VisionTransformer(VisionConfig(image_size=budget and int(math.isqrt(budget)) * PATCH, patch_size=PATCH,
+                                           width=args.width, depth=args.depth, heads=args.width // 64, pooling="map",
+                                           class_token=False, pre_norm=False, patch_bias=True))
+    grids = grids_of(sizes[: args.timed_batch], budget, upscale=False)
+    dtypes = [("fp32", None)] + ([("bf16", torch.bfloat16)] if cpu_has_bf16_matmul() else [])
+    print(f"\nForward + backward, {args.timed_batch} images (upscale false), tower {args.width} wide, {args.depth} "
+          f"blocks, best of {args.repeats}\n")
+    print("| precision | padded (s) | packed (s) | padded / packed |")
+    print("|---|---:|---:|---:|")
+    for name, dtype in dtypes:
+        padded = step_time(tower, batch_inputs(grids, budget, False), dtype, args.repeats)
+        packed = step_time(tower, batch_inputs(grids, budget, True), dtype, args.repeats)
+        print(f"| {name} | {padded:.3f} | {packed:.3f} | {padded / packed:.2f}x |")
+
+
+if __name__ == "__main__":
+    main()
