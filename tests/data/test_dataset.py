@@ -217,3 +217,28 @@ def test_plan_aware_replacement_is_an_argument_not_a_side_effect_of_table(tmp_pa
     fitted = build_dataset(c, "train", tok, plan_aware=True)[planned]  # no table() call first
     assert fitted.image is not None and fitted.key.startswith("s") and fitted.truncated
     assert fitted.key != after.key
+
+
+def test_native_shape_samples_and_their_bad_inputs(tmp_path, tok):
+    """data.resize native: a 1 x 4000 strip and a 16 x 16 thumbnail are samples like any other; an image
+    over data.max_image_pixels is a counted bad sample, replaced; the batch pads or packs them."""
+    from PIL import Image
+
+    rows = good_rows(tmp_path, 4)
+    for name, size in (("strip", (4000, 1)), ("thumb", (16, 16)), ("huge", (3000, 3000))):
+        Image.new("RGB", size, (200, 10, 10)).save(tmp_path / "img" / f"{name}.png")
+        rows.append({"id": name, "image": f"img/{name}.png", "text": "red"})
+    m = str(write_jsonl(tmp_path / "m.jsonl", rows))
+    c = cfg(m, resize="native", max_patches=16, patch_size=4, max_image_pixels=1_000_000)
+    ds = build_dataset(c, "train", tok)
+    strip, thumb, huge = ds[4], ds[5], ds[6]
+    assert strip.grid == (1, 16) and strip.image.shape == (16, 48) and strip.errors == []
+    assert thumb.grid == (4, 4) and thumb.image.shape == (16, 48)  # enlarged to the budget (upscale)
+    assert huge.key != "huge" and huge.errors[0][0] == "huge" and "data.max_image_pixels" in huge.errors[0][1]
+    samples = [ds[i] for i in range(len(ds))]
+    padded = Collator.for_data(tok.pad_id, c)(samples)
+    assert padded.pixel_values.shape == (7, 16, 48) and padded.grids[4].tolist() == [1, 16]
+    assert [k for k, _ in padded.errors] == ["huge"]
+    packed = Collator.for_data(tok.pad_id, DataConfig(**{**vars(c), "pack_images": True}))(samples)
+    real = sum(int(g.prod()) for g in packed.grids)
+    assert int((packed.segments >= 0).sum()) == real and packed.pixel_values.shape[1:] == (16, 48)
