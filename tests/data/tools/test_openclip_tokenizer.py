@@ -90,8 +90,9 @@ def test_text_clean_and_the_merges_file_are_checked(tmp_path):
 
     cfg = load_config(None, ["data.text_clean=clip"])
     assert cfg.data.text_clean == "clip"
-    with pytest.raises(UserError, match="data.text_clean must be '' or clip"):
+    with pytest.raises(UserError, match="data.text_clean must be '', clip or lower"):
         load_config(None, ["data.text_clean=ftfy"])
+    assert load_config(None, ["data.text_clean=lower"]).data.text_clean == "lower"
     (tmp_path / "vocab.txt").write_text("#version 0.2\na b\n")
     with pytest.raises(UserError, match="not CLIP's BPE merges"):
         openclip_tokenizer(tmp_path / "vocab.txt")
