@@ -15,13 +15,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import torch
+
+from _net import free_port
 
 
 def worker(args: argparse.Namespace) -> None:
@@ -53,12 +54,6 @@ def worker(args: argparse.Namespace) -> None:
     if world.is_main:
         print(json.dumps({"samples_per_s": args.global_batch / times[len(times) // 2]}))
     world.close()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def launch(nproc: int, threads: int, args: argparse.Namespace) -> float:

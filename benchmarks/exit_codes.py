@@ -19,7 +19,6 @@ import argparse
 import itertools
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -30,6 +29,8 @@ from pathlib import Path
 
 from vltrain.data.tools.synth import synthesize
 from vltrain.data.tools.tokenizer_training import source_texts, train_tokenizer
+
+from _net import free_port
 
 AXES = {
     "batching": {"fixed": {}, "budget": {"data.batching": "budget"}},
@@ -44,12 +45,6 @@ def make_data(root: Path) -> Path:
     synthesize(root, 128, 32, text_only_fraction=0.2, seed=0, image_size=32)
     train_tokenizer(source_texts([str(root / "train.jsonl")]), root / "tokenizer.json", vocab_size=200)
     return root
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def command(data: Path, run_dir: Path, combo: dict[str, str]) -> list[str]:

@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -28,6 +27,8 @@ from vltrain.checkpoint.manager import find_checkpoint
 from vltrain.checkpoint.storage import read_tensors
 from vltrain.data.tools.synth import synthesize
 from vltrain.data.tools.tokenizer_training import source_texts, train_tokenizer
+
+from _net import free_port
 
 FUSION = {"model.preset": "tiny-albef", "model.loss.itm": 1, "model.loss.mlm": 0.5, "model.loss.text_mlm": 0.3}
 CASES = {
@@ -49,12 +50,6 @@ def make_data(root: Path) -> Path:
     (root / "mixed.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     train_tokenizer(source_texts([str(root / "train.jsonl")]), root / "tokenizer.json", vocab_size=200)
     return root
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def train(data: Path, run_dir: Path, nproc: int, settings: dict) -> None:
