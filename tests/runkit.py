@@ -73,6 +73,18 @@ def train(shapes: Path, run_dir: Path, *, nproc: int = 2, max_restarts: int = 0,
     return finish(start(train_command(shapes, run_dir, launch, **extra), fault), timeout)
 
 
+def train_here(cfg):
+    """Run ``cfg`` to its end in this process (one rank, no torchrun) and close it; returns the trainer."""
+    from vltrain.train.trainer import Trainer
+
+    trainer = Trainer(cfg)
+    try:
+        trainer.train()
+    finally:
+        trainer.close()
+    return trainer
+
+
 def train_command(shapes: Path, run_dir: Path, launch: list[str], **extra) -> list[str]:
     """``torchrun LAUNCH... -m vltrain train`` with the tiny run's overrides."""
     return [sys.executable, "-m", "torch.distributed.run", *launch,

@@ -13,7 +13,7 @@ transformers = pytest.importorskip("transformers")
 
 from modelkit import small_model  # noqa: E402
 from pretrainedkit import TEXTS, image_file, make_clip, make_siglip, normalized  # noqa: E402
-from runkit import overrides, session_shapes  # noqa: E402
+from runkit import overrides, session_shapes, train_here  # noqa: E402
 
 from vltrain.config.job import load_config  # noqa: E402
 from vltrain.errors import UserError  # noqa: E402
@@ -27,8 +27,6 @@ FAMILIES = {"clip": (make_clip, "CLIPModel", "CLIPImageProcessor"),
 @pytest.fixture(scope="module", params=list(FAMILIES))
 def finetuned(request, tmp_path_factory):
     """A few steps of the trainer from a tiny random Hugging Face model; returns (run, original, family)."""
-    from vltrain.train.trainer import Trainer
-
     family = request.param
     root = tmp_path_factory.mktemp(f"ft-{family}")
     original = FAMILIES[family][0](root / "pretrained")
@@ -36,11 +34,7 @@ def finetuned(request, tmp_path_factory):
     cfg = load_config(None, overrides(shapes, root / "run", model__init=root / "pretrained", data__tokenizer="''",
                                       data__mean="[0.4,0.5,0.6]", train__max_steps=2, data__num_workers=0,
                                       checkpoint__every=0))
-    trainer = Trainer(cfg)
-    try:
-        trainer.train()
-    finally:
-        trainer.close()
+    train_here(cfg)
     return root / "run", original, family
 
 

@@ -16,7 +16,7 @@ transformers = pytest.importorskip("transformers")
 
 from PIL import Image  # noqa: E402
 from pretrainedkit import make_clip, make_siglip2, normalized  # noqa: E402
-from runkit import overrides, session_shapes  # noqa: E402
+from runkit import overrides, session_shapes, train_here  # noqa: E402
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors  # noqa: E402
 
 from vltrain.config.job import load_config  # noqa: E402
@@ -56,18 +56,12 @@ def siglip2_folder(folder: Path, lowercase: bool = True):
 @pytest.fixture(scope="module")
 def finetuned(tmp_path_factory):
     """Two trainer steps from a tiny Siglip2Model folder; returns (run, original)."""
-    from vltrain.train.trainer import Trainer
-
     root = tmp_path_factory.mktemp("ft-siglip2")
     original = siglip2_folder(root / "pretrained")
     cfg = load_config(None, overrides(session_shapes(tmp_path_factory), root / "run", model__init=root / "pretrained",
                                       data__tokenizer="''", data__mean="[0.4,0.5,0.6]", train__max_steps=2,
                                       data__num_workers=0, checkpoint__every=0))
-    trainer = Trainer(cfg)
-    try:
-        trainer.train()
-    finally:
-        trainer.close()
+    train_here(cfg)
     return root / "run", original
 
 

@@ -7,7 +7,7 @@ import json
 import numpy as np
 import pytest
 import torch
-from runkit import overrides, session_shapes
+from runkit import overrides, session_shapes, train_here
 
 from vltrain.config.job import load_config
 from vltrain.errors import UserError
@@ -17,17 +17,11 @@ from vltrain.export.native import load_exported
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
     """A few steps of the fusion model in this process; returns (trainer, shapes)."""
-    from vltrain.train.trainer import Trainer
-
     shapes = session_shapes(tmp_path_factory)
     run = tmp_path_factory.mktemp("export") / "run"
     cfg = load_config(None, overrides(shapes, run, model__preset="tiny-albef", train__max_steps=3,
                                       data__num_workers=0, checkpoint__every=0))
-    trainer = Trainer(cfg)
-    try:
-        trainer.train()
-    finally:
-        trainer.close()
+    trainer = train_here(cfg)
     return trainer, shapes
 
 

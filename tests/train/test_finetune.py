@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from runkit import final_state, overrides, session_shapes
+from runkit import final_state, overrides, session_shapes, train_here
 from safetensors.torch import load_file
 
 from vltrain.checkpoint.manager import INITIAL_FILE
@@ -112,19 +112,13 @@ def test_initial_weights_written_when_asked(tmp_path, save_initial, init, main, 
 @pytest.fixture(scope="module")
 def finetuned(tmp_path_factory):
     """3 steps of tiny-clip with layer decay, the vision tower frozen but its last block."""
-    from vltrain.train.trainer import Trainer
-
     shapes = session_shapes(tmp_path_factory)
     run = tmp_path_factory.mktemp("finetune") / "run"
     cfg = load_config(RECIPE, overrides(
         shapes, run, train__max_steps=3, data__num_workers=0, checkpoint__every=0, train__layer_decay=0.7,
         train__freeze="[vision]", train__unlock_last=1, checkpoint__save_initial="always",
         data__max_text_length=16, eval__every=0))
-    trainer = Trainer(cfg)
-    try:
-        trainer.train()
-    finally:
-        trainer.close()
+    train_here(cfg)
     return run
 
 
