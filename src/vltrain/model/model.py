@@ -117,12 +117,12 @@ class VLModel(nn.Module):
 
     def encode(self, inputs: ModelInputs) -> Encoded:
         pixels, input_ids, attention_mask = inputs.pixels, inputs.input_ids, inputs.attention_mask
-        images, dummy = (pixels,), (torch.zeros_like(pixels[:1]),)
-        if inputs.grids is not None:  # images at their own shape; the dummy is one patch
-            images, dummy = (pixels, inputs.grids), (*dummy, torch.ones_like(inputs.grids[:1]))
         if inputs.segments is not None:
             image_tokens, image_embeds, a_img = self._packed_images(inputs)
         else:
+            images, dummy = (pixels,), (torch.zeros_like(pixels[:1]),)
+            if inputs.grids is not None:  # images at their own shape; the dummy is one patch
+                images, dummy = (pixels, inputs.grids), (*dummy, torch.ones_like(inputs.grids[:1]))
             image_tokens, image_embeds, a_img = self._encode_present(
                 self._vision, images, dummy, inputs.has_image, None if inputs.counts is None else inputs.counts[0],
             )

@@ -141,9 +141,11 @@ class VisionTransformer(nn.Module):
     def pool_packed(self, x: torch.Tensor, segments: torch.Tensor, rows: int) -> torch.Tensor:
         """[rows, W]: each row's image pooled over its own positions."""
         row = torch.arange(rows, device=x.device)
-        mine = segments[None] == row[:, None, None]  # [rows, S, N]
-        seq = mine.any(dim=2).to(torch.int64).argmax(dim=1)  # the sequence holding the row's image (0: none)
-        real = mine[row, seq] | ~mine.any(dim=(1, 2))[:, None]  # no image: all of sequence 0, never read
+        # the sequence holding each row's image (0: none); padding (-1) lands in a slot of its own
+        sequence = torch.arange(segments.shape[0], device=x.device)[:, None].expand_as(segments)
+        seq = segments.new_zeros(rows + 1).scatter_(0, (segments + 1).flatten(), sequence.flatten())[1:]
+        real = segments[seq] == row[:, None]
+        real |= ~real.any(dim=1, keepdim=True)  # no image: all of sequence 0, never read
         if self.cfg.pooling == "mean":
             keep = real[..., None].to(x.dtype)
             return (x[seq] * keep).sum(dim=1) / keep.sum(dim=1).clamp(min=1)

@@ -71,17 +71,23 @@ class Collator:
             shapes |= {"segments": ((sequences, most), torch.int64), "patch_index": ((sequences, most), torch.int64)}
         return shapes
 
-    def _put_images(self, t: dict[str, torch.Tensor], samples: list[Sample], places) -> None:
+    def _put_images(self, t: dict[str, torch.Tensor], samples: list[Sample], places, segments) -> None:
+        """Each image into its place; zeros only where no image is (the buffers start uninitialized)."""
+        pixels = t["pixel_values"]
         if self.patches is None:
             for i, s in enumerate(samples):
-                t["pixel_values"][i] = 0 if s.image is None else s.image
+                pixels[i] = 0 if s.image is None else s.image
             return
-        t["pixel_values"].zero_()
         for i, s in enumerate(samples):
             seq, offset = places[i] if places else (i, 0)
-            if s.image is not None:
-                t["pixel_values"][seq, offset:offset + s.image.shape[0]] = s.image
-            t["grids"][i] = torch.tensor(s.grid if s.image is not None else (1, 1))
+            n = 0 if s.image is None else s.image.shape[0]
+            if n:
+                pixels[seq, offset:offset + n] = s.image
+            if segments is None:
+                pixels[i, n:] = 0
+        if segments is not None:
+            pixels.masked_fill_((segments < 0)[..., None], 0)
+        t["grids"].copy_(torch.tensor([s.grid if s.image is not None else (1, 1) for s in samples], dtype=torch.int64))
 
     def _layout(self, samples: list[Sample]):
         """(places, segments, patch_index) of packed images; (None, None, None) unpacked."""
@@ -108,7 +114,7 @@ class Collator:
             ids = s.input_ids[:length]
             input_ids[i, : len(ids)] = ids
             attention_mask[i, : len(ids)] = 1
-        self._put_images(t, samples, places)
+        self._put_images(t, samples, places, segments)
         if segments is not None:
             t["segments"].copy_(segments)
             t["patch_index"].copy_(patch_index)

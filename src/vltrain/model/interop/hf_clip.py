@@ -153,7 +153,7 @@ def image_processor(folder: Path) -> tuple[Path, dict[str, Any]]:
     return path, {}
 
 
-def _native(folder: Path, pp: dict[str, Any], path: Path, arch: Architecture, notes: list[str]) -> dict[str, Any]:
+def _native(pp: dict[str, Any], path: Path, arch: Architecture, notes: list[str]) -> dict[str, Any]:
     """Siglip2Model: images at their own shape, within the processor's patch budget."""
     patch = pp.get("patch_size", arch.vision.patch_size)
     if patch != arch.vision.patch_size:
@@ -170,7 +170,7 @@ def preprocessing(folder: Path, config: dict[str, Any], arch: Architecture) -> P
     family = family_of(config, folder)
     path, pp = image_processor(folder)
     notes = [] if pp else [f"{path.name} absent: {family.upper()}'s usual preprocessing assumed"]
-    images = _native(folder, pp, path, arch, notes) if family == "siglip2" else _square(pp, path, arch, family, notes)
+    images = _native(pp, path, arch, notes) if family == "siglip2" else _square(pp, path, arch, family, notes)
     default_stats = (OPENAI_MEAN, OPENAI_STD) if family == "clip" else ([0.5] * 3, [0.5] * 3)
     tokenizer = folder / "tokenizer.json"
     return Preprocessing(
