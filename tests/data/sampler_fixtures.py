@@ -22,7 +22,7 @@ from vltrain.data.tools.synth import describe, sample_scene, synthesize
 from vltrain.data.tools.tokenizer_training import source_texts, train_tokenizer
 
 
-def table(text_len, has_image=None, has_text=None, source=None) -> SampleTable:
+def table(text_len, has_image=None, has_text=None, source=None, patches=None) -> SampleTable:
     text_len = np.asarray(text_len, dtype=np.int32)
     n = len(text_len)
     return SampleTable(
@@ -30,6 +30,7 @@ def table(text_len, has_image=None, has_text=None, source=None) -> SampleTable:
         has_text=(text_len > 0) if has_text is None else np.asarray(has_text, bool),
         text_len=text_len,
         source=np.zeros(n, np.int16) if source is None else np.asarray(source, np.int16),
+        patches=None if patches is None else np.asarray(patches, np.int32),
     )
 
 def shapes_lengths(n: int, seed: int = 0) -> np.ndarray:

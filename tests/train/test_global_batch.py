@@ -186,7 +186,7 @@ def test_budget_steps_that_cannot_feed_every_micro_batch_are_refused():
     cfg.data.token_budget = 0  # the step's default: 16 x 32 / 2
     said = resolve_global_batch(cfg, 2)
     assert said == ("global batch 16 = 2 rank(s) x 2 micro-batch(es) x at most 4 rows (gradcache); budget steps "
-                    "of 4 to 16 rows, 256 text positions and 16 images")
+                    "of 4 to 16 rows, 256 text positions, 16 images")
 
 
 def test_the_default_itm_group_depends_on_the_global_batch_alone():

@@ -14,8 +14,11 @@ from test_global_batch import losses, model_distance, worst
 
 from vltrain.config.job import load_config
 from vltrain.data.ids import stable_uid
-from vltrain.errors import ConfigError
-from vltrain.train.build import build_model_for, build_tokenizer
+from vltrain.data.index.open import open_indexed
+from vltrain.data.index.sizes import image_sizes
+from vltrain.data.native import patch_counts
+from vltrain.errors import ConfigError, UserError
+from vltrain.train.build import build_model_for, build_tokenizer, resolve_global_batch
 
 SIZES = [(64, 16), (16, 64), (32, 32), (48, 24), (24, 48), (40, 8), (8, 40), (96, 32)]
 """(width, height) of the images, in turn: 4:1 to 1:5, from 8 to 96 pixels on a side."""
@@ -73,12 +76,24 @@ def test_two_ranks_of_mixed_grids_train_as_one_and_resume_exactly(tmp_path_facto
     assert_identical(final_state(stopped), final_state(two))
 
 
+def step_patches(run_dir: Path, max_patches: int) -> list[int]:
+    """Patches in each step of a run on the keep_ratio shards, both ranks together (from the audit),
+    each image counted at its grid (the folder's 8-pixel patches)."""
+    source = open_indexed(f"{KEEP_RATIO}/{{00000..00001}}.tar", None, 16)
+    counts = patch_counts(image_sizes(source), source.has_image(), 8, max_patches)
+    patches = {stable_uid(source.row(i).key): int(counts[i]) for i in range(len(source))}
+    ranks = [[json.loads(x) for x in (run_dir / "audit" / f"rank{r}.jsonl").read_text().splitlines()] for r in (0, 1)]
+    steps = [a["ids"] + b["ids"] for a, b in zip(*ranks) if a["kind"] == "batch"]
+    return [sum(patches[i] for i in ids) for ids in steps]
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_packed_images_on_two_ranks_train_as_padded_ones_on_one(tmp_path_factory, tmp_path):
     """A tower without a class token (a tiny SigLIP 2 folder's), on img2dataset shards of images at
-    their own aspect ratio (keep_ratio: 96 x 96 to 384 x 96), packed several to a sequence on 2 ranks,
-    against one image per sequence on 1 rank with 2 micro-batches."""
+    their own aspect ratio (keep_ratio: 96 x 96 to 384 x 96), in steps of at most 64 patches
+    (data.patch_budget), packed several to a sequence on 2 ranks, against one image per sequence on
+    1 rank with 2 micro-batches."""
     from pretrainedkit import make_siglip2
 
     shapes = native_shapes(tmp_path_factory)
@@ -86,9 +101,13 @@ def test_packed_images_on_two_ranks_train_as_padded_ones_on_one(tmp_path_factory
     make_siglip2(folder)
     init = {"model__init": folder, "data__tokenizer": "''", "data__image_size": 32, "data__max_text_length": 16,
             "data__mean": "[0.5,0.5,0.5]", "data__std": "[0.5,0.5,0.5]", "data__max_patches": 16,
-            "model__preset": "''", "train__max_steps": 8, "data__train": f"'{KEEP_RATIO}/{{00000..00001}}.tar'"}
+            "model__preset": "''", "train__max_steps": 8, "data__train": f"'{KEEP_RATIO}/{{00000..00001}}.tar'",
+            "data__batching": "budget", "data__patch_budget": 64, "data__token_budget": 128}
     packed = tmp_path / "packed"
     ok(run(shapes, packed, 2, data__pack_images="true", **init))
+    patches = step_patches(packed, 16)
+    # every step within the budget, and full to within one image but for the epoch's last, short one
+    assert max(patches) <= 64 and sum(p > 64 - 16 for p in patches) >= len(patches) - 1
     padded = tmp_path / "padded"
     ok(run(shapes, padded, 1, data__micro_batch_size=4, **init))
     assert len(losses(packed)) == 8 and worst(losses(packed), losses(padded)) < 1e-5
@@ -113,3 +132,14 @@ def test_what_does_not_take_images_at_their_own_shape_is_refused(tmp_path_factor
     cfg = load_config(None, [f"data.tokenizer={shapes / 'tokenizer.json'}", "data.pack_images=true"])
     with pytest.raises(ConfigError, match="data.pack_images packs images at their own shape"):
         build_model_for(cfg, build_tokenizer(cfg))
+    with pytest.raises(ConfigError, match="data.patch_budget plans batches by patch count.*data.batching budget"):
+        load_config(None, base + ["data.patch_budget=512"])
+    with pytest.raises(ConfigError, match="data.patch_budget 100 is smaller than one image of data.max_patches"):
+        load_config(None, base + ["data.batching=budget", "data.patch_budget=100"])
+    cfg = load_config(None, [f"data.tokenizer={shapes / 'tokenizer.json'}", "data.batching=budget",
+                             "data.patch_budget=512"])
+    with pytest.raises(ConfigError, match="data.patch_budget counts the patches of images at their own shape"):
+        build_model_for(cfg, build_tokenizer(cfg))
+    cfg = load_config(None, base + ["data.batching=budget", "data.patch_budget=600", "data.global_batch_size=16"])
+    with pytest.raises(UserError, match="data.patch_budget=600 is too small .* at least 2048"):
+        resolve_global_batch(cfg, 2)

@@ -39,6 +39,8 @@ def add_parsers(data: argparse.ArgumentParser, tokenizer: argparse.ArgumentParse
     ix.add_argument("--max-text-length", type=int, default=None, help="token cap (default 77, or the config's)")
     ix.add_argument("--config", default=None, help="take the tokenizer, text length and cache folder from a config")
     ix.add_argument("--cache-dir", default=None, help="where indexes of read-only data go")
+    ix.add_argument("--image-sizes", action="store_true",
+                    help="also read every image's size from its header (what data.patch_budget plans with)")
     ix.add_argument("--workers", type=int, default=0, help="processes (0: all cores)")
     ix.set_defaults(func=index)
 
@@ -165,8 +167,8 @@ def stats(args: argparse.Namespace) -> int:
 
 
 def index(args: argparse.Namespace) -> int:
-    """``vltrain data index SOURCES... [--tokenizer T]``: build (or find) each source's sample index,
-    and with a tokenizer its caption token counts.
+    """``vltrain data index SOURCES... [--tokenizer T] [--image-sizes]``: build (or find) each source's
+    sample index, with a tokenizer its caption token counts, and with ``--image-sizes`` its images' sizes.
 
     Exit 0 clean, 1 when rows were dropped as malformed (they are listed in the index's
     problems.jsonl), 2 on a usage error."""
@@ -199,6 +201,8 @@ def index(args: argparse.Namespace) -> int:
                               storage_options=storage_options, cache_limit_gb=cache_limit_gb, retries=retries)
         took = time.monotonic() - started
         _index_report(spec, source, took, tokenizer is not None)
+        if args.image_sizes:
+            _sizes_report(source, workers)
         dropped += source.meta["errors"]
     return 1 if dropped else 0
 
@@ -225,6 +229,21 @@ def _index_report(spec: str, source, took: float, with_lengths: bool) -> None:
         print(f"  damaged {d['where']}: {d['reason']}")
     for p in [p for p in source.errors() if p.where not in {d["where"] for d in damaged}][:5]:
         print(f"  dropped {p}")
+
+
+def _sizes_report(source, workers: int) -> None:
+    import numpy as np
+
+    from vltrain.data.index.sizes import SIZES_FILE, image_sizes
+
+    had = (source.index_dir / SIZES_FILE).is_file()
+    started = time.monotonic()
+    sizes = image_sizes(source, workers=workers)
+    took = time.monotonic() - started
+    images = int(np.asarray(source.has_image()).sum())
+    unread = images - int((np.asarray(sizes)[:, 0] > 0).sum())
+    print("  image sizes " + ("up to date" if had else f"read in {took:.1f} s ({images / max(took, 1e-9):,.0f} images/s)")
+          + (f"; {unread} image(s) whose header cannot be read (bad samples when loaded)" if unread else ""))
 
 
 def shard(args: argparse.Namespace) -> int:

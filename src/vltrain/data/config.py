@@ -105,6 +105,8 @@ class ResolvedBatching:
     pad_multiple: int
     token_budget: int
     image_budget: int
+    patch_budget: int = 0
+    """0: no patch budget."""
 
 
 @dataclass
@@ -226,7 +228,8 @@ class DataConfig:
     remainder: Literal["pad", "drop"] = "pad"
     """Equal batch counts on every rank: pad the epoch by repeating samples, or drop the tail."""
     batching: Literal["fixed", "budget"] = "fixed"
-    """fixed: data.batch_size rows per batch; budget: batches packed under token_budget and image_budget."""
+    """fixed: data.batch_size rows per batch; budget: batches packed under token_budget, image_budget
+    and patch_budget."""
     token_budget: int = 0
     """Budget batching: the most padded text positions per batch (0: batch_size x max_text_length / 2,
     at least one padded caption of max_text_length). With data.global_batch_size: per step, over
@@ -234,6 +237,12 @@ class DataConfig:
     image_budget: int = 0
     """Budget batching: the most images per batch (0: batch_size). With data.global_batch_size: per
     step, over every rank (0: global_batch_size)."""
+    patch_budget: int = 0
+    """Budget batching with resize native: the most image patches per batch, each image counted at
+    the grid it is resized to, so a batch of small images holds more of them than one of large
+    images (0: no patch budget). At least data.max_patches. With data.global_batch_size: per step,
+    over every rank. The first run reads every image's header once to plan with
+    (docs/formats.md#a-patch-budget-per-step)."""
     epoch_size: int = 0
     """Samples per epoch when data.train lists several sources, drawn by weight (0: all their rows)."""
     modality_weights: ModalityWeights = field(default_factory=ModalityWeights)
@@ -252,7 +261,7 @@ class DataConfig:
         rows = self.global_batch_size or self.batch_size
         token_budget = self.token_budget or max(rows * self.max_text_length // 2,
                                                 padded_width(self.max_text_length, multiple))
-        return ResolvedBatching(multiple, token_budget, self.image_budget or rows)
+        return ResolvedBatching(multiple, token_budget, self.image_budget or rows, self.patch_budget)
 
     def validate(self) -> None:
         if self.batch_size < 1:
@@ -287,9 +296,15 @@ class DataConfig:
             raise ConfigError(f"data.max_text_length must be >= 2, got {self.max_text_length}")
         if self.shuffle_window < -1:
             raise ConfigError(f"data.shuffle_window must be >= 0 (-1: automatic), got {self.shuffle_window}")
-        for key in ("token_budget", "image_budget", "epoch_size", "pad_multiple"):
+        for key in ("token_budget", "image_budget", "patch_budget", "epoch_size", "pad_multiple"):
             if getattr(self, key) < 0:
                 raise ConfigError(f"data.{key} must be >= 0 (0: the default), got {getattr(self, key)}")
+        if self.patch_budget and self.batching != "budget":
+            raise ConfigError("data.patch_budget plans batches by patch count, which budget batching does: set "
+                              "data.batching budget, or data.patch_budget 0")
+        if 0 < self.patch_budget < self.max_patches:
+            raise ConfigError(f"data.patch_budget {self.patch_budget} is smaller than one image of data.max_patches "
+                              f"({self.max_patches} patches): raise it to at least {self.max_patches}")
         if not isinstance(self.train, str) and any(s.weight < 0 or s.loss_weight < 0 for s in self.train):
             raise ConfigError("data.train: source weight and loss_weight must be >= 0")
         for split in ("train", "val"):

@@ -8,7 +8,8 @@ raises after a bounded number of tries: it never loops.
 A training dataset (``plan_aware=True``) also makes a replacement fit the plan the sampler made
 from the sample table for the sample it replaces: it has the same modalities and at most as many
 tokens (among ``PROBES`` hashed candidates; a longer caption is cut to the planned length and
-counted as truncated). So budget batches stay within their token budget. Only a source where
+counted as truncated) and, under a patch budget, at most as many patches when one of them has
+that few. So budget batches stay within their token budget. Only a source where
 none of the candidates has the planned modality can put an image where none was planned: at most
 one image slot more per replaced row.
 """
@@ -30,6 +31,8 @@ from vltrain.data.images import ImageError, image_problem
 from vltrain.data.image_input import decode_for
 from vltrain.data.index.open import open_indexed
 from vltrain.data.index.reader import IndexedSource
+from vltrain.data.index.sizes import image_sizes
+from vltrain.data.native import patch_counts
 from vltrain.data.sources.manifests import Row, Source, refuse_malformed
 from vltrain.data.table import SampleTable
 from vltrain.data.tokenizers import Tokenizer
@@ -97,10 +100,10 @@ class ImageTextDataset(torch.utils.data.Dataset):
         return self._starts[-1]
 
     def __getstate__(self) -> dict:
-        """For loader workers started by pickling: a table still waiting for its token counts
-        holds a function, and is rebuilt from the mapped indexes in the worker instead."""
+        """For loader workers started by pickling: a table still waiting for its token counts or
+        patch counts holds a function, and is rebuilt from the mapped indexes in the worker instead."""
         state = dict(self.__dict__)
-        if self._table is not None and not self._table.has_lengths:
+        if self._table is not None and self._table.pending:
             state["_table"] = None
         return state
 
@@ -116,6 +119,7 @@ class ImageTextDataset(torch.utils.data.Dataset):
         source = self.sources[s]
         planned = int(index)
         errors: list[tuple[str, str]] = []
+        failed: set[int] = set()
         for attempt in range(MAX_TRIES):
             row = None
             try:
@@ -133,26 +137,30 @@ class ImageTextDataset(torch.utils.data.Dataset):
                         "Set data.on_error: skip to replace bad samples and log them to bad_samples.jsonl."
                     ) from e
                 errors.append((key, reason))
-            j = self._replacement(s, planned, attempt)
+                failed.add(j)
+            j = self._replacement(s, planned, attempt, failed)
         shown = "; ".join(f"{k}: {r}" for k, r in errors[:3])
         raise DataError(
             f"{source.name}: {MAX_TRIES} samples in a row failed to load ({shown}; ...). The source "
             f"looks unusable: check it with `vltrain data validate {source.name}`."
         )
 
-    def _replacement(self, s: int, planned: int, attempt: int) -> int:
+    def _replacement(self, s: int, planned: int, attempt: int, failed: set[int]) -> int:
         """A row of source ``s`` to load instead: same source, a position spread far from the
-        failed one (bad samples come in runs), with the planned modalities and length when the
-        dataset is plan-aware."""
+        failed one (bad samples come in runs), none of the rows that already ``failed``, with the
+        planned modalities and length when the dataset is plan-aware."""
         n = len(self.sources[s])
         candidates = [stable_uid(f"{planned}:{attempt}:{k}") % n for k in range(PROBES)]
         if not self.plan_aware:
-            return candidates[0]
+            return next((c for c in candidates if c not in failed), candidates[0])
         t = self.table()
         rows = self._starts[s] + np.asarray(candidates)
         same = (t.has_image[rows] == t.has_image[planned]) & (t.has_text[rows] == t.has_text[planned])
+        same &= ~np.isin(candidates, list(failed))
         lengths = self._lengths(np.r_[rows, planned])
         fits = same & (lengths[:-1] <= lengths[-1])
+        if self.cfg.patch_budget:  # no more patches than planned either
+            fits &= t.patches[rows] <= t.patches[planned]
         pick = np.flatnonzero(fits if fits.any() else same)
         return candidates[int(pick[0]) if len(pick) else 0]
 
@@ -230,6 +238,7 @@ class ImageTextDataset(torch.utils.data.Dataset):
                 ),
                 blocks=np.unique(np.concatenate(
                     [start + s.blocks() for start, s in zip(self._starts, self.sources)])),
+                patches=self._patch_counts(),
             )
         if self._table is None:
             texts = [t for s in self.sources for t in s.texts()]
@@ -241,8 +250,26 @@ class ImageTextDataset(torch.utils.data.Dataset):
                 source=np.concatenate(
                     [np.full(len(src), k, dtype=np.int16) for k, src in enumerate(self.sources)]
                 ),
+                patches=self._patch_counts(),
             )
         return self._table
+
+    def _patch_counts(self):
+        """The table's patch counts at native shape, as a function to call on first use (it reads every
+        image's header once, for the first run); None where images are resized to a square."""
+        cfg = self.cfg
+        if cfg.resize != "native":
+            return None
+
+        def count() -> np.ndarray:
+            if cfg.patch_size < 1:
+                raise ValueError("data.patch_size is not set: it comes from the model, built before the plan")
+            workers = os.cpu_count() or 1
+            sizes = np.concatenate([image_sizes(s, workers=workers) for s in self.sources])
+            has_image = np.concatenate([np.asarray(s.has_image()) for s in self.sources])
+            return patch_counts(sizes, has_image, cfg.patch_size, cfg.max_patches, cfg.min_patches, cfg.upscale)
+
+        return count
 
 
 def _problems_hint(source: Source) -> str:

@@ -58,6 +58,21 @@ def native_grid(
     return _smallest_grid_reaching(height, width, patch, min_patches, max_patches)
 
 
+def patch_counts(sizes: np.ndarray, has_image: np.ndarray, patch: int, max_patches: int, min_patches: int = 1,
+                 upscale: bool = True) -> np.ndarray:
+    """int32 [n]: the patches each image becomes, from ``sizes`` ([n, 2] height and width); 0 for a
+    row without an image, and the whole budget for one whose size is unknown (0 x 0: its header
+    could not be read). Each distinct size is solved once: a dataset has few of them."""
+    sizes = np.asarray(sizes)
+    if len(sizes) == 0:
+        return np.zeros(0, dtype=np.int32)
+    distinct, inverse = np.unique(sizes, axis=0, return_inverse=True)
+    counts = np.array([max_patches if h == 0 or w == 0 else math.prod(native_grid(h, w, patch, max_patches,
+                                                                                    min_patches, upscale))
+                       for h, w in distinct.tolist()], dtype=np.int32)
+    return np.where(np.asarray(has_image, dtype=bool), counts[inverse.reshape(-1)], 0).astype(np.int32)
+
+
 def check_budget(min_patches: int, max_patches: int) -> None:
     """Refuse a patch budget no grid can meet."""
     if min_patches < 1 or max_patches < 1:

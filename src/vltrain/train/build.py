@@ -125,9 +125,10 @@ def build_model_for(cfg: JobConfig, tokenizer: Tokenizer, device: torch.device |
     )
     if cfg.data.resize == "native":
         _fit_native(cfg, model)
-    elif cfg.data.pack_images:  # checked here: model.init may be what sets data.resize
-        raise ConfigError("data.pack_images packs images at their own shape: set data.resize native, or "
-                          "data.pack_images false")
+    elif cfg.data.pack_images or cfg.data.patch_budget:  # checked here: model.init may be what sets data.resize
+        key = "data.pack_images packs" if cfg.data.pack_images else "data.patch_budget counts the patches of"
+        raise ConfigError(f"{key} images at their own shape: set data.resize native, or "
+                          f"{key.split()[0]} {'false' if cfg.data.pack_images else '0'}")
     if cfg.model.init and load_init:
         source = open_pretrained(cfg.model.init, quick_gelu=cfg.model.quick_gelu)
         source.arch = arch  # the resolved one (with model.preset's head counts)
@@ -285,10 +286,11 @@ def resolve_global_batch(cfg: JobConfig, world_size: int) -> str:
                           f"use a data.micro_batch_size from {fits}")
     resolved = data.resolve()
     budget.check_step_budgets(g, resolved.token_budget, resolved.image_budget, data.max_text_length,
-                              resolved.pad_multiple)
+                              resolved.pad_multiple, resolved.patch_budget, data.max_patches)
+    patches = f" and {resolved.patch_budget} patches" if resolved.patch_budget else ""
     return (said.replace(f"x {micro} rows", f"x at most {micro} rows")
-            + f"; budget steps of {least} to {g} rows, {resolved.token_budget} text positions and "
-            f"{resolved.image_budget} images")
+            + f"; budget steps of {least} to {g} rows, {resolved.token_budget} text positions, "
+            f"{resolved.image_budget} images{patches}")
 
 
 def build_train_loader_for(cfg: JobConfig, tokenizer: Tokenizer, world: World, run_dir: Path) -> TrainLoader:

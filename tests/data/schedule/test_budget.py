@@ -65,19 +65,19 @@ def test_split_to_multiple_gives_up_only_when_nothing_splits():
     assert len(out) == 4 and sorted(np.concatenate(out).tolist()) == list(range(7))
 
 
-def _greedy_by_row(rows, lens, imgs, batch_size, token_budget, image_budget, multiple):
+def _greedy_by_row(rows, lens, costs, batch_size, token_budget, multiple):
     """The packing rule stated row by row: close the batch when one more row would not fit."""
-    batches, start, longest, images = [], 0, 0, 0
+    batches, start, longest, spent = [], 0, 0, [0] * len(costs)
     for i in range(len(rows)):
         longest_with = max(longest, int(lens[i]))
         count = i - start + 1
-        fits = (count <= batch_size and images + int(imgs[i]) <= image_budget
-                and count * budget.padded_width(longest_with, multiple) <= token_budget)
+        fits = (count <= batch_size and count * budget.padded_width(longest_with, multiple) <= token_budget
+                and all(s + int(c[i]) <= limit for s, (c, limit) in zip(spent, costs)))
         if not fits and i > start:
             batches.append(rows[start:i])
-            start, longest_with, images = i, int(lens[i]), 0
+            start, longest_with, spent = i, int(lens[i]), [0] * len(costs)
         longest = longest_with
-        images += int(imgs[i])
+        spent = [s + int(c[i]) for s, (c, _) in zip(spent, costs)]
     if start < len(rows):
         batches.append(rows[start:])
     return batches
@@ -94,11 +94,43 @@ def test_pack_sorted_equals_the_row_by_row_rule(data):
     widest = budget.padded_width(int(lens.max()) if n else 0, multiple)
     batch_size = data.draw(st.integers(1, 64))
     token_budget = data.draw(st.integers(widest, 700))
-    image_budget = data.draw(st.integers(1, 40))
+    costs = [(imgs, data.draw(st.integers(1, 40)))]
+    if data.draw(st.booleans()):  # a patch budget: each image its grid's patches
+        patches = np.where(imgs, np.array(data.draw(st.lists(st.integers(1, 64), min_size=n, max_size=n)),
+                                          dtype=np.int64), 0)
+        costs.append((patches, data.draw(st.integers(64, 600))))
     rows = np.arange(n) + 1000
-    want = _greedy_by_row(rows, lens, imgs, batch_size, token_budget, image_budget, multiple)
-    got = budget._pack_sorted(rows, lens, imgs, batch_size, token_budget, image_budget, multiple)
+    want = _greedy_by_row(rows, lens, costs, batch_size, token_budget, multiple)
+    got = budget._pack_sorted(rows, lens, costs, batch_size, token_budget, multiple)
     assert [b.tolist() for b in got] == [b.tolist() for b in want]
+
+
+@settings(max_examples=40, deadline=None)
+@given(rows=st.integers(1, 300), patch_budget=st.integers(64, 2000), seed=st.integers(0, 5))
+def test_a_patch_budget_bounds_every_batch_and_lets_small_images_share_one(rows, patch_budget, seed):
+    rng = np.random.default_rng(seed)
+    has_image = rng.random(rows) > 0.1
+    patches = np.where(has_image, rng.integers(1, 65, rows), 0)
+    t = table(rng.integers(3, 30, rows), has_image, patches=patches)
+    batches = budget.pack(rng.permutation(rows), t, batch_size=64, token_budget=64 * 32, image_budget=64,
+                          rng=np.random.default_rng(seed), patch_budget=patch_budget)
+    assert sorted(np.concatenate(batches).tolist()) == list(range(rows))
+    for b in batches:
+        assert int(t.patches[b].sum()) <= patch_budget
+    small = table(np.full(64, 10), patches=np.full(64, 4))  # 64 images of 4 patches: one batch of all
+    assert len(budget.pack(np.arange(64), small, batch_size=64, token_budget=64 * 16, image_budget=64, rng=None,
+                           patch_budget=256)) == 1
+    large = table(np.full(64, 10), patches=np.full(64, 64))  # of 64 patches: 4 a batch
+    assert {len(b) for b in budget.pack(np.arange(64), large, batch_size=64, token_budget=64 * 16, image_budget=64,
+                                        rng=None, patch_budget=256)} == {4}
+
+
+def test_a_patch_budget_under_one_image_is_refused():
+    t = table([10, 10], patches=[64, 100])
+    with pytest.raises(UserError, match="data.patch_budget=80 is smaller than one image's 100 patches"):
+        budget.pack(np.arange(2), t, batch_size=4, token_budget=64, image_budget=4, rng=None, patch_budget=80)
+    with pytest.raises(UserError, match="data.patch_budget=500 is too small .* at least 8 images .* at least 512"):
+        budget.check_step_budgets(16, 400, 16, 20, 1, patch_budget=500, max_patches=64)
 
 
 # -- global steps (data.global_batch_size with budget batching) ------------------------------
@@ -120,13 +152,16 @@ def test_global_steps_are_the_same_for_every_split_and_within_the_step_budgets(r
     max_len, multiple = 40, 1
     need = 2 * budget.min_step_rows(global_batch)
     tokens, images = need * max_len + slack * 37, need + slack
-    budget.check_step_budgets(global_batch, tokens, images, max_len, multiple)
+    t = table(t.text_len, has_image, has_text, patches=np.where(has_image, rng.integers(1, 17, rows), 0))
+    patch_budget = (need * 16 + slack * 11) if seed % 2 else 0  # images of up to 16 patches
+    budget.check_step_budgets(global_batch, tokens, images, max_len, multiple, patch_budget, 16)
     order = rng.permutation(rows)
     least = budget.min_step_rows(global_batch)
     by_split = {}
     for slots in [s for s in (1, 2, 4, 8) if s <= least]:
         parts = budget.pack_steps(order, t, global_batch=global_batch, slots=slots, token_budget=tokens,
-                                  image_budget=images, rng=np.random.default_rng(seed), pad_multiple=multiple)
+                                  image_budget=images, rng=np.random.default_rng(seed), pad_multiple=multiple,
+                                  patch_budget=patch_budget)
         assert len(parts) % slots == 0
         sizes = [len(p) for p in parts]
         assert min(sizes) >= 1 and max(sizes) <= -(-global_batch // slots)
@@ -138,6 +173,7 @@ def test_global_steps_are_the_same_for_every_split_and_within_the_step_budgets(r
             assert least <= len(s) <= global_batch
             assert budget.batch_tokens(t.text_len[s], multiple) <= tokens
             assert int(t.has_image[s].sum()) <= images
+            assert not patch_budget or int(t.patches[s].sum()) <= patch_budget
         assert sorted(np.concatenate(steps).tolist()) == list(range(rows))  # every row once
     first = by_split[1]
     assert all(v == first for v in by_split.values())

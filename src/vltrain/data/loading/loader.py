@@ -305,6 +305,7 @@ def build_train_loader(
     schedule = Schedule(
         batch_size=data_cfg.batch_size, seed=seed, shuffle=data_cfg.shuffle, remainder=data_cfg.remainder,
         batching=data_cfg.batching, token_budget=resolved.token_budget, image_budget=resolved.image_budget,
+        patch_budget=resolved.patch_budget,
         source_weights=source_shares(data_cfg.train, table), epoch_size=data_cfg.epoch_size or None,
         pad_multiple=resolved.pad_multiple, window=shuffle_window(data_cfg, dataset),
         global_batch=data_cfg.global_batch_size,

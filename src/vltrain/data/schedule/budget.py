@@ -1,7 +1,8 @@
-"""Budget batching: batches packed under a token budget and an image budget.
+"""Budget batching: batches packed under a token budget, an image budget and a patch budget.
 
 A batch costs ``rows x padded width`` text positions, where the width is the longest row rounded
-up to ``data.pad_multiple`` (the collator pads the same way), and one image slot per row with an image.
+up to ``data.pad_multiple`` (the collator pads the same way), one image slot per row with an image
+and, with images at their own shape and ``data.patch_budget``, the patches of every image's grid.
 Rows are grouped by modality (image-text, text-only, image-only) so a batch never mixes them,
 and sorted by padded width inside large shuffled windows ("megabatches", as in LLaVA's
 modality-length grouping) so a batch holds similar lengths while batch composition still
@@ -37,15 +38,24 @@ def modality(table: SampleTable, rows: np.ndarray) -> np.ndarray:
     return np.where(img & txt, 0, np.where(txt, 1, 2))
 
 
-def _pack_sorted(rows: np.ndarray, lens: np.ndarray, imgs: np.ndarray, batch_size: int,
-                 token_budget: int, image_budget: int, multiple: int) -> list[np.ndarray]:
+def _costs(table: SampleTable, rows: np.ndarray, image_budget: int, patch_budget: int) -> list[tuple[np.ndarray, int]]:
+    """What each of ``rows`` spends of the budgets besides text: an image slot, and its patches
+    under a patch budget."""
+    costs = [(table.has_image[rows], image_budget)]
+    if patch_budget:
+        costs.append((table.patches[rows], patch_budget))
+    return costs
+
+
+def _pack_sorted(rows: np.ndarray, lens: np.ndarray, costs: list[tuple[np.ndarray, int]], batch_size: int,
+                 token_budget: int, multiple: int) -> list[np.ndarray]:
     """Greedy packing of rows already sorted by padded width: a batch closes when one more row
-    would not fit (a single row always fits).
+    would not fit (a single row always fits). ``costs`` pairs a per-row cost with its budget.
 
     Each batch is found in one step rather than row by row. Widths only grow along the rows, so
     for a batch starting at row ``a`` the rows that fit form a prefix, ended by the first of: the
-    row count, the image count (a search in the running image sum) and, per run of one width
-    ``w``, the first row past ``a + token_budget // w - 1``. Runs of one width are few (about
+    row count, each cost's budget (a search in the running sum of that cost) and, per run of one
+    width ``w``, the first row past ``a + token_budget // w - 1``. Runs of one width are few (about
     ``max_text_length / multiple``), so packing costs O(batches x runs), not a Python step per row.
     """
     n = len(rows)
@@ -55,12 +65,13 @@ def _pack_sorted(rows: np.ndarray, lens: np.ndarray, imgs: np.ndarray, batch_siz
     run_starts = np.flatnonzero(np.r_[True, widths[1:] != widths[:-1]])
     run_caps = token_budget // widths[run_starts]  # rows of that width a batch may hold
     run_ends = np.r_[run_starts[1:], n]
-    images = np.r_[0, np.cumsum(np.asarray(imgs, dtype=np.int64))]
+    sums = [(np.r_[0, np.cumsum(np.asarray(cost, dtype=np.int64))], limit) for cost, limit in costs]
     bounds, a, run = [0], 0, 0
     while a < n:
         while run_ends[run] <= a:
             run += 1
-        end = min(n, a + batch_size, int(np.searchsorted(images, images[a] + image_budget, side="right")) - 1)
+        end = min(n, a + batch_size, *(int(np.searchsorted(total, total[a] + limit, side="right")) - 1
+                                       for total, limit in sums))
         r = run
         while r < len(run_starts) and run_starts[r] < end:
             stop = max(int(run_starts[r]), a + int(run_caps[r]))  # first row of this run that overflows
@@ -82,11 +93,13 @@ def pack(
     image_budget: int,
     rng: np.random.Generator | None,
     pad_multiple: int = PAD_MULTIPLE,
+    patch_budget: int = 0,
 ) -> list[np.ndarray]:
     """Batches of dataset indices covering ``order`` exactly once, each within every budget.
 
     ``rng`` shuffles the batch order (None keeps modality-then-length order, for shuffle=False).
-    With ``pad_multiple`` 1 rows are grouped by exact length.
+    With ``pad_multiple`` 1 rows are grouped by exact length. ``patch_budget`` (0: none) counts the
+    table's patches.
     """
     if len(order) == 0:
         return []
@@ -98,6 +111,9 @@ def pack(
         )
     if image_budget < 1 and np.any(table.has_image[order]):
         raise UserError(f"data.image_budget={image_budget} leaves no room for an image; set it >= 1")
+    if patch_budget and len(order) and int(table.patches[order].max()) > patch_budget:
+        raise UserError(f"data.patch_budget={patch_budget} is smaller than one image's "
+                        f"{int(table.patches[order].max())} patches; raise it to at least data.max_patches")
     mods = modality(table, order)
     window = batch_size * MEGABATCH
     batches: list[np.ndarray] = []
@@ -108,8 +124,8 @@ def pack(
             # Sort by padded width, not length: rows of one width cost the same, so their
             # (shuffled) order is kept and batch composition changes from epoch to epoch.
             chunk = chunk[np.argsort(_widths(table.text_len[chunk], pad_multiple), kind="stable")]
-            batches += _pack_sorted(chunk, table.text_len[chunk], table.has_image[chunk], batch_size,
-                                    token_budget, image_budget, pad_multiple)
+            batches += _pack_sorted(chunk, table.text_len[chunk], _costs(table, chunk, image_budget, patch_budget),
+                                    batch_size, token_budget, pad_multiple)
     if rng is not None:
         batches = [batches[i] for i in rng.permutation(len(batches))]
     return batches
@@ -144,7 +160,7 @@ def min_step_rows(global_batch: int) -> int:
 
 
 def check_step_budgets(global_batch: int, token_budget: int, image_budget: int, max_text_length: int,
-                       multiple: int = PAD_MULTIPLE) -> None:
+                       multiple: int = PAD_MULTIPLE, patch_budget: int = 0, max_patches: int = 0) -> None:
     """Refuse step budgets under which a step could not hold :func:`min_step_rows` (twice over,
     so that a short last step can always be merged with its neighbour)."""
     need = 2 * min_step_rows(global_batch)
@@ -156,6 +172,10 @@ def check_step_budgets(global_batch: int, token_budget: int, image_budget: int, 
     if image_budget < need:
         raise UserError(f"data.image_budget={image_budget} is too small for data.global_batch_size={global_batch}: "
                         f"a step's images must fit at least {need} rows; set it to at least {need}, or 0 (automatic)")
+    if patch_budget and patch_budget < need * max_patches:
+        raise UserError(f"data.patch_budget={patch_budget} is too small for data.global_batch_size={global_batch}: "
+                        f"a step must hold at least {need} images of data.max_patches ({max_patches}); set it to "
+                        f"at least {need * max_patches}, or 0 (no patch budget)")
 
 
 def _balance_last(steps: list[np.ndarray], table: SampleTable, least: int, multiple: int) -> list[np.ndarray]:
@@ -187,12 +207,13 @@ def pack_steps(
     image_budget: int,
     rng: np.random.Generator | None,
     pad_multiple: int = PAD_MULTIPLE,
+    patch_budget: int = 0,
 ) -> list[np.ndarray]:
     """Global steps of ``order``, each dealt to ``slots`` micro-batches: the step's rows are
     decided for the whole world, then split.
 
-    A step holds at most ``global_batch`` rows, ``token_budget`` padded text positions and
-    ``image_budget`` images (the step's budgets, not a micro-batch's), one modality where it can
+    A step holds at most ``global_batch`` rows, ``token_budget`` padded text positions,
+    ``image_budget`` images and ``patch_budget`` patches (the step's budgets, not a micro-batch's), one modality where it can
     (the rows each modality leaves over are packed together), and at least a quarter of
     ``global_batch`` rows. None of that depends on ``slots``: every split of the world sees the same
     steps. Each step is then cut into ``slots`` runs of its width-sorted rows, equal in count to
@@ -204,14 +225,14 @@ def pack_steps(
         raise UserError(f"{slots} micro-batches per step exceed the {least} rows a budget step may hold: use a "
                         f"data.micro_batch_size of at least {-(-global_batch // least)}")
     steps = pack(order, table, batch_size=global_batch, token_budget=token_budget, image_budget=image_budget,
-                 rng=None, pad_multiple=pad_multiple)
+                 rng=None, pad_multiple=pad_multiple, patch_budget=patch_budget)
     whole = [s for s in steps if len(s) >= least]
     left = [s for s in steps if len(s) < least]
     if left:
         rows = np.concatenate(left)
         rows = rows[np.argsort(_widths(table.text_len[rows], pad_multiple), kind="stable")]
-        whole += _pack_sorted(rows, table.text_len[rows], table.has_image[rows], global_batch, token_budget,
-                              image_budget, pad_multiple)
+        whole += _pack_sorted(rows, table.text_len[rows], _costs(table, rows, image_budget, patch_budget),
+                              global_batch, token_budget, pad_multiple)
         whole = _balance_last(whole, table, least, pad_multiple)
     if rng is not None:
         whole = [whole[i] for i in rng.permutation(len(whole))]

@@ -131,6 +131,9 @@ class Schedule:
     batching: Literal["fixed", "budget"] = "fixed"
     token_budget: int = 0
     image_budget: int = 0
+    patch_budget: int = 0
+    """Budget batching at native image shape: the most patches per batch (per step with a global batch);
+    0: none. The table's ``patches`` are then read."""
     source_weights: list[float] | None = None
     """Per-source sampling weights of a mixture; None: every row once per epoch."""
     epoch_size: int | None = None
@@ -159,6 +162,7 @@ class DistributedBatchSampler:
         self.batching, self.source_weights, self.epoch_size = s.batching, s.source_weights, s.epoch_size
         # Budget batching packs under these as given: DataConfig.resolve() decides them.
         self.pad_multiple, self.token_budget, self.image_budget = s.pad_multiple, s.token_budget, s.image_budget
+        self.patch_budget = s.patch_budget if s.batching == "budget" else 0
         self.window = int(s.window)
         self.global_batch = s.global_batch
         self.lookahead: Callable[[np.ndarray], None] | None = None
@@ -228,9 +232,11 @@ class DistributedBatchSampler:
         if self.global_batch:
             return budget.pack_steps(rows, self.table, global_batch=self.global_batch,
                                      slots=self.global_batch // self.batch_size, token_budget=self.token_budget,
-                                     image_budget=self.image_budget, rng=rng, pad_multiple=self.pad_multiple)
+                                     image_budget=self.image_budget, rng=rng, pad_multiple=self.pad_multiple,
+                                     patch_budget=self.patch_budget)
         batches = budget.pack(rows, self.table, batch_size=self.batch_size, token_budget=self.token_budget,
-                              image_budget=self.image_budget, rng=rng, pad_multiple=self.pad_multiple)
+                              image_budget=self.image_budget, rng=rng, pad_multiple=self.pad_multiple,
+                              patch_budget=self.patch_budget)
         return budget.split_to_multiple(batches, self.world_size)
 
     def _compute(self, epoch: int) -> EpochPlan:
@@ -335,6 +341,8 @@ class DistributedBatchSampler:
             identity["global_batch"] = self.global_batch
         if self.global_batch and self.batching == "budget":  # the step budgets decide the steps
             identity.update(token_budget=self.token_budget, image_budget=self.image_budget)
+        if self.patch_budget:  # so do the patch budget and every image's patch count
+            identity.update(patch_budget=self.patch_budget, patches=int(self.table.patches.sum()))
         return identity
 
     def state_dict(self) -> dict:
