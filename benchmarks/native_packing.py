@@ -8,6 +8,11 @@ Each is resized to its grid within ``--max-patches`` (``vltrain.data.native.nati
 per sequence of max_patches) or packed (first fit, largest first, into sequences of max_patches:
 ``vltrain.data.loading.packing``). Printed: the share of patch positions that hold a real patch.
 
+Then what a step holds, with ``upscale`` false: batches of ``--batch`` images (fixed batching)
+against batches packed under a patch budget of ``--batch`` x the mean patches per image
+(``data.patch_budget``: ``vltrain.data.schedule.budget.pack``, rows capped at twice ``--batch``):
+patches and packed sequences per step, their spread, and rows per step.
+
 Then the time of a forward and backward pass of a SigLIP-style tower (no class token, MAP head;
 ``--width``/``--depth``) on one batch, padded against packed, fp32 and, on a CPU with bf16 matrix
 instructions, bf16 autocast: best of ``--repeats``.
@@ -22,10 +27,13 @@ import math
 import random
 import time
 
+import numpy as np
 import torch
 
 from vltrain.data.loading.packing import layout
 from vltrain.data.native import native_grid
+from vltrain.data.schedule import budget as batching
+from vltrain.data.table import SampleTable
 from vltrain.model.vision import VisionConfig, VisionTransformer
 from vltrain.runtime.precision import cpu_has_bf16_matmul
 
@@ -58,6 +66,30 @@ def shares(grids: list[tuple[int, int]], budget: int, batch: int) -> tuple[float
         padded += batch * budget
         packed += segments.numel()
     return real / padded, real / packed, packed / budget / (padded / budget)
+
+
+def step_spread(grids: list[tuple[int, int]], budget: int, batch: int) -> None:
+    """Patches, packed sequences and rows per step: fixed batches against a patch budget."""
+    counts = np.array([r * c for r, c in grids], dtype=np.int32)
+    n = len(counts)
+    table = SampleTable(np.ones(n, bool), np.ones(n, bool), np.full(n, 8, np.int32), np.zeros(n, np.int16),
+                        patches=counts)
+    patch_budget = int(round(batch * counts.mean()))
+    order = np.random.default_rng(0).permutation(n)
+    plans = {f"fixed, {batch} rows": [order[i:i + batch] for i in range(0, n - batch + 1, batch)]}
+    packed = batching.pack(order, table, batch_size=2 * batch, token_budget=2 * batch * 8, image_budget=2 * batch,
+                           rng=None, pad_multiple=1, patch_budget=patch_budget)
+    plans[f"patch budget {patch_budget}"] = [b for b in packed if counts[b].sum() > patch_budget - budget]  # not a tail
+    print(f"\nWhat a step holds (upscale false, {n} images)\n")
+    print("| batching | steps | patches per step (min-max) | spread (std / mean) | packed sequences per step (min-max) "
+          "| rows per step (min-max) |")
+    print("|---|---:|---:|---:|---:|---:|")
+    for name, steps in plans.items():
+        patches = np.array([int(counts[b].sum()) for b in steps])
+        sequences = [len(layout(counts[b].tolist(), budget)[1]) for b in steps]
+        rows = [len(b) for b in steps]
+        print(f"| {name} | {len(steps)} | {patches.min():,}-{patches.max():,} | {patches.std() / patches.mean():.1%} "
+              f"| {min(sequences)}-{max(sequences)} | {min(rows)}-{max(rows)} |")
 
 
 def batch_inputs(grids: list[tuple[int, int]], budget: int, pack: bool, seed: int = 0) -> dict:
@@ -110,6 +142,7 @@ def main() -> None:
         padded, packed, ratio = shares(grids, budget, args.batch)
         mean = sum(r * c for r, c in grids) / len(grids)
         print(f"| {str(upscale).lower()} | {mean:.0f} | {padded:.1%} | {packed:.1%} | {ratio:.2f} |")
+    step_spread(grids_of(sizes, budget, upscale=False), budget, args.batch)
 
     torch.manual_seed(0)
     tower = VisionTransformer(VisionConfig(image_size=budget and int(math.isqrt(budget)) * PATCH, patch_size=PATCH,
