@@ -1,4 +1,5 @@
-"""Each tower traces as one graph: what ``torch.compile`` of a whole tower needs (0 graph breaks).
+"""Each tower traces as one graph: what ``torch.compile`` of a whole tower needs (0 graph breaks);
+with images at their own shape too, padded or packed, over a bounded number of compilations.
 
 The text tower is traced with the padded layout, ``model.text.layout=auto``'s choice on a GPU
 (packing, a CPU-only path, finds the tokens with ``nonzero``: a break by design).
@@ -9,9 +10,12 @@ from __future__ import annotations
 import pytest
 import torch
 import torch._dynamo as dynamo
+from torch._dynamo.testing import CompileCounter
 
+from vltrain.data.loading.packing import layout
 from vltrain.model import build_model
 from vltrain.model.config import ModelConfig
+from vltrain.model.vision import VisionConfig, VisionTransformer
 
 
 @pytest.mark.parametrize("preset", ["tiny-clip", "tiny-albef"])
@@ -27,3 +31,37 @@ def test_both_towers_trace_without_a_graph_break(preset):
     for tower, args in ((model.vision, (pixels,)), (model.text, (ids, mask))):
         explained = dynamo.explain(tower)(*args)
         assert (explained.graph_count, explained.graph_break_count) == (1, 0), explained.break_reasons
+
+
+def native_inputs(grids: list[tuple[int, int]], pack: bool, length: int = 16, patch: int = 8):
+    """Patches of images with these grids, one per sequence of ``length`` or packed (the collator's layouts)."""
+    counts = [r * c for r, c in grids]
+    if not pack:
+        return torch.randn(len(grids), length, 3 * patch * patch), {"grids": torch.tensor(grids)}
+    _, segments, patch_index = layout(counts, length)
+    return (torch.randn(segments.shape[0], length, 3 * patch * patch),
+            {"grids": torch.tensor(grids), "segments": segments, "patch_index": patch_index})
+
+
+@pytest.mark.parametrize("pack", [False, True])
+def test_a_tower_of_images_at_their_own_shape_traces_once_and_compiles_a_bounded_number_of_times(pack):
+    """No graph break for any grid (the grids are data, never read on the host), and batches of other
+    grids, image counts and packed sequence counts compile at most three times: the first shapes,
+    dynamo's dynamic graph that serves the rest, and a batch of one (sizes 0 and 1 are specialized)."""
+    torch.manual_seed(0)
+    tower = VisionTransformer(VisionConfig(image_size=32, patch_size=8, width=64, depth=2, heads=2, pooling="map",
+                                           class_token=False, pre_norm=False, patch_bias=True))
+    dynamo.reset()
+    pixels, kw = native_inputs([(2, 8), (4, 4), (1, 16), (3, 5)], pack)
+    explained = dynamo.explain(tower)(pixels, **kw)
+    assert (explained.graph_count, explained.graph_break_count) == (1, 0), explained.break_reasons
+    dynamo.reset()
+    counter = CompileCounter()
+    compiled = torch.compile(tower, backend=counter)
+    for grids in ([(2, 8), (4, 4), (1, 16), (3, 5)], [(4, 4), (2, 2), (1, 3)],
+                  [(1, 16), (4, 4), (2, 8), (3, 5), (2, 3), (4, 2)], [(2, 2)] * 9, [(16, 1)], [(1, 1)],
+                  [(3, 3)] * 5, [(8, 2)] * 2):
+        pixels, kw = native_inputs(grids, pack)
+        torch.testing.assert_close(compiled(pixels, **kw)[1], tower(pixels, **kw)[1])
+    assert counter.frame_count <= 3
+    dynamo.reset()
