@@ -43,6 +43,9 @@ class ModelInputs:
     several images per sequence, and this says which row's image each position holds (-1: padding)."""
     patch_index: torch.Tensor | None = None
     """int64 [S, N] with packed images: which patch of its image each position holds."""
+    image_slots: torch.Tensor | None = None
+    """int64 [S, K] with packed images: the rows whose images each sequence holds, in order (-1: none),
+    where a tower with a class token puts their class tokens."""
     key: Any = None
     """A ``vltrain.objectives.keyed.StepKey`` (typed loosely: the objectives sit above this layer): the
     step's seed, number and objective denominators, what the objectives' random draws are keyed by

@@ -81,49 +81,53 @@ def test_gradients_reach_the_table_and_bf16_runs():
 
 
 def packed(x: torch.Tensor, grids: torch.Tensor, length: int = 16):
-    """The padded patches ``x`` packed as the collator packs them: (pixels, segments, patch_index)."""
-    from vltrain.data.loading.packing import layout
+    """The padded patches ``x`` packed as the collator packs them: (pixels, {segments, patch_index,
+    image_slots})."""
+    from vltrain.data.loading.packing import class_slots, layout
 
     sizes = grids.prod(-1).tolist()
     places, segments, patch_index = layout(sizes, length)
     out = torch.zeros(segments.shape[0], length, x.shape[-1])
     for i, (seq, offset) in enumerate(places):
         out[seq, offset:offset + sizes[i]] = x[i, : sizes[i]]
-    return out, segments, patch_index
+    return out, {"segments": segments, "patch_index": patch_index,
+                 "image_slots": class_slots(places, sizes, segments.shape[0])}
 
 
-@pytest.mark.parametrize("pooling", ["map", "mean"])
-def test_packed_and_padded_give_the_same_embeddings(pooling):
-    vit = tower(pooling)
+@pytest.mark.parametrize("pooling,class_token", [("map", False), ("mean", False), ("cls", True), ("mean", True),
+                                                 ("map", True)])
+def test_packed_and_padded_give_the_same_embeddings(pooling, class_token):
+    vit = tower(pooling, class_token)
     x = patches(GRIDS)
     small = torch.tensor([[1, 2], [2, 3], [3, 1], [2, 2]])  # four images that share sequences
     grids = torch.cat([GRIDS, small])
     x = torch.cat([x, patches(small, seed=5)])
-    pixels, segments, patch_index = packed(x, grids)
-    assert segments.shape[0] < len(grids)  # really packed
+    pixels, layout = packed(x, grids)
+    assert layout["segments"].shape[0] < len(grids) and layout["image_slots"].shape[1] > 1  # really packed
     with torch.no_grad():
         _, padded = vit(x, grids=grids)
-        _, together = vit(pixels, grids=grids, segments=segments, patch_index=patch_index)
+        _, together = vit(pixels, grids=grids, **layout)
     torch.testing.assert_close(together, padded, atol=1e-6, rtol=0)
 
 
-def test_a_packed_image_never_sees_another_images_patches():
-    vit = tower()
+@pytest.mark.parametrize("pooling,class_token", [("map", False), ("cls", True)])
+def test_a_packed_image_never_sees_another_images_patches(pooling, class_token):
+    vit = tower(pooling, class_token)
     grids = torch.tensor([[2, 3], [1, 4], [2, 2], [1, 2]])  # 6 + 4 + 4 + 2: one sequence of 16
-    pixels, segments, patch_index = packed(patches(grids), grids)
-    assert segments.shape[0] == 1
+    pixels, layout = packed(patches(grids), grids)
+    assert layout["segments"].shape[0] == 1 and layout["image_slots"].tolist() == [[0, 1, 2, 3]]
     with torch.no_grad():
-        _, base = vit(pixels, grids=grids, segments=segments, patch_index=patch_index)
+        _, base = vit(pixels, grids=grids, **layout)
         changed = pixels.clone()
-        changed[segments == 1] += 3.0
-        _, after = vit(changed, grids=grids, segments=segments, patch_index=patch_index)
+        changed[layout["segments"] == 1] += 3.0
+        _, after = vit(changed, grids=grids, **layout)
     assert not torch.equal(after[1], base[1])
     keep = torch.tensor([0, 2, 3])
     assert torch.equal(after[keep], base[keep])
 
 
 def test_packing_fills_sequences_first_fit_largest_first():
-    from vltrain.data.loading.packing import first_fit, layout, real_share
+    from vltrain.data.loading.packing import class_slots, first_fit, layout, real_share
 
     assert first_fit([3, 9, 8, 2, 5], 10) == [(2, 5), (0, 0), (1, 0), (1, 8), (2, 0)]
     places, segments, patch_index = layout([0, 4, 0, 3], 5)
@@ -131,5 +135,9 @@ def test_packing_fills_sequences_first_fit_largest_first():
     assert patch_index[1].tolist() == [0, 1, 2, 0, 0] and real_share(segments) == pytest.approx(0.7)
     _, segments, _ = layout([0, 0], 5)  # no image at all: one sequence of padding
     assert segments.tolist() == [[-1] * 5]
+    sizes = [0, 4, 0, 3, 1, 2]  # 4 + 1 in the first sequence, 3 + 2 in the second
+    places, segments, _ = layout(sizes, 5)
+    assert class_slots(places, sizes, 2).tolist() == [[1, 4], [3, 5]]
+    assert class_slots([(0, 0)], [0], 1).tolist() == [[-1]]
     with pytest.raises(ValueError, match="does not fit"):
         first_fit([6], 5)

@@ -30,6 +30,7 @@ class Batch:
     grids: torch.Tensor | None = None  # int64 [B, 2], rows and columns of patches (images at their own shape)
     segments: torch.Tensor | None = None  # int64 [S, N], packed: the row whose patch each position holds (-1: none)
     patch_index: torch.Tensor | None = None  # int64 [S, N], packed: which of that row's patches it is
+    image_slots: torch.Tensor | None = None  # int64 [S, K], packed: the rows each sequence holds (-1: none)
     num_truncated: int = 0
     counts: tuple[int, int] | None = None
     """Rows with an image, rows with text: counted by the collator, so the step need not ask the device."""
@@ -93,7 +94,7 @@ class Batch:
             pixels=batch.pixels(mean, std), input_ids=batch.input_ids, attention_mask=batch.attention_mask,
             has_image=batch.has_image, has_text=batch.has_text, ids=batch.ids, row_weights=row_weights,
             source=batch.source, counts=self.counts, grids=batch.grids, segments=batch.segments,
-            patch_index=batch.patch_index,
+            patch_index=batch.patch_index, image_slots=batch.image_slots,
         )
 
 

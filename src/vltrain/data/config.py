@@ -143,8 +143,8 @@ class DataConfig:
     a small image at its own size (rounded up to whole patches), at least data.min_patches."""
     pack_images: bool = False
     """resize native: place several images into each sequence of data.max_patches positions, attention
-    kept inside each image, instead of padding every image to max_patches (the model must have no
-    class token: SigLIP's towers; docs/formats.md#images-at-their-own-shape)."""
+    kept inside each image, instead of padding every image to max_patches (a tower with a class token
+    adds one position per image; docs/formats.md#images-at-their-own-shape)."""
     patch_size: int = 0
     """resize native: the side of the patches images are cut into; 0: the model's (filled in when the
     model is built)."""

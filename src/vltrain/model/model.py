@@ -75,7 +75,7 @@ class VLModel(nn.Module):
         """Packed images (``data.pack_images``): the tower runs on every packed sequence (one of padding
         when the batch has no image); rows without an image get zero embeddings, no gradient."""
         tokens, pooled = self.vision(inputs.pixels, grids=inputs.grids, segments=inputs.segments,
-                                     patch_index=inputs.patch_index)
+                                     patch_index=inputs.patch_index, image_slots=inputs.image_slots)
         embeds = self.image_proj(pooled)
         anchor = 0.0 * (tokens.float().mean() + embeds.float().mean())
         return None, torch.where(inputs.has_image[:, None], embeds, torch.zeros_like(embeds)), anchor

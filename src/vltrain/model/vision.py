@@ -73,14 +73,14 @@ class VisionTransformer(nn.Module):
     def forward(
         self, pixels: torch.Tensor, patch_mask: torch.Tensor | None = None, mask_token: torch.Tensor | None = None,
         grids: torch.Tensor | None = None, segments: torch.Tensor | None = None,
-        patch_index: torch.Tensor | None = None,
+        patch_index: torch.Tensor | None = None, image_slots: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``patch_mask`` [B, patches] (bool): those patches enter as ``mask_token`` (masked image modelling).
 
         With ``grids`` [B, 2], ``pixels`` are the patches of images at their own shape, one image per
         row (:meth:`forward_grids`) or packed (with ``segments``, :meth:`forward_packed`)."""
         if segments is not None:
-            return self.forward_packed(pixels, grids, segments, patch_index)
+            return self.forward_packed(pixels, grids, segments, patch_index, image_slots)
         if grids is not None:
             return self.forward_grids(pixels, grids)
         x = self.embed_patches(pixels)
@@ -120,34 +120,50 @@ class VisionTransformer(nn.Module):
         return x, self.pool(x, real)
 
     def forward_packed(self, patches: torch.Tensor, grids: torch.Tensor, segments: torch.Tensor,
-                       patch_index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                       patch_index: torch.Tensor, image_slots: torch.Tensor | None = None,
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
         """Images packed several to a sequence: ``patches`` [S, N, 3 * p * p], ``segments`` [S, N] the
         row (of ``grids`` [B, 2]) whose image each position holds (-1: padding), ``patch_index`` which
-        of its patches. Attention stays inside each image (padding attends to padding), so each
-        embedding is the one the image gets alone. Returns the packed tokens [S, N, W] and the pooled
+        of its patches. With a class token, ``image_slots`` [S, K] (the rows each sequence holds) gives
+        the K positions put before each sequence's patches, one class token per image. Attention stays
+        inside each image (padding attends to padding), so each embedding is the one the image gets
+        alone. Returns the packed tokens [S, K + N, W] (K = 0 without a class token) and the pooled
         vectors [B, W] (a row without an image pools its sequence's padding: finite, unused)."""
-        if self.cls_token is not None:
-            raise ValueError("packed images need a tower without a class token")
         x = F.linear(patches, self.patch_embed.weight.flatten(1), self.patch_embed.bias)
-        positions = resize_positions(self.pos_embed, self.cfg.image_size // self.cfg.patch_size, grids, x.shape[1])
+        positions = resize_positions(self.pos_embed[self.num_prefix:], self.cfg.image_size // self.cfg.patch_size,
+                                     grids, x.shape[1])
         x = x + positions[segments.clamp(min=0), patch_index].to(x.dtype)
+        slots = 0
+        if self.cls_token is not None:
+            if image_slots is None:
+                raise ValueError("packed images through a tower with a class token need image_slots")
+            slots = image_slots.shape[1]
+            cls = (self.cls_token + self.pos_embed[0]).to(x.dtype).expand(*image_slots.shape, -1)
+            x = torch.cat([cls, x], dim=1)
+            segments = torch.cat([image_slots, segments], dim=1)
         if self.norm_pre is not None:
             x = self.norm_pre(x)
         x = run_blocks(self.blocks, x, (segments[:, :, None] == segments[:, None, :])[:, None],
                        checkpointing=self.checkpointing)
         x = self.norm(x)
-        return x, self.pool_packed(x, segments, grids.shape[0])
+        return x, self.pool_packed(x, segments, grids.shape[0], slots)
 
-    def pool_packed(self, x: torch.Tensor, segments: torch.Tensor, rows: int) -> torch.Tensor:
-        """[rows, W]: each row's image pooled over its own positions."""
+    def pool_packed(self, x: torch.Tensor, segments: torch.Tensor, rows: int, slots: int = 0) -> torch.Tensor:
+        """[rows, W]: each row's image pooled over its own positions; the first ``slots`` positions of
+        each sequence hold class tokens (cls pooling reads its image's; mean pooling skips them)."""
         row = torch.arange(rows, device=x.device)
         # the sequence holding each row's image (0: none); padding (-1) lands in a slot of its own
         sequence = torch.arange(segments.shape[0], device=x.device)[:, None].expand_as(segments)
         seq = segments.new_zeros(rows + 1).scatter_(0, (segments + 1).flatten(), sequence.flatten())[1:]
+        if self.cfg.pooling == "cls":
+            place = torch.arange(segments.shape[0] * slots, device=x.device).view(-1, slots)
+            at = segments.new_zeros(rows + 1).scatter_(0, (segments[:, :slots] + 1).flatten(), place.flatten())[1:]
+            return x[:, :slots].flatten(0, 1)[at]
         real = segments[seq] == row[:, None]
         real |= ~real.any(dim=1, keepdim=True)  # no image: all of sequence 0, never read
         if self.cfg.pooling == "mean":
             keep = real[..., None].to(x.dtype)
+            keep[:, :slots] = 0
             return (x[seq] * keep).sum(dim=1) / keep.sum(dim=1).clamp(min=1)
         return self.head(x[seq], real)
 

@@ -145,9 +145,6 @@ def _fit_native(cfg: JobConfig, model: VLModel) -> None:
         raise ConfigError(f"data.patch_size {cfg.data.patch_size} differs from the model's patch size {patch}; "
                           "leave it 0")
     cfg.data.patch_size = patch
-    if cfg.data.pack_images and model.vision.cls_token is not None:
-        raise ConfigError("data.pack_images: this vision tower has a class token, which packed images do not "
-                          "have yet; use a tower without one (a SigLIP checkpoint's), or data.pack_images false")
     if model.fusion is not None or model.mim_head is not None:
         raise ConfigError("data.resize native: the fusion encoder (model.loss.itm, model.loss.mlm) and "
                           "model.loss.image_mim take square images only so far; set them to 0 for a dual "

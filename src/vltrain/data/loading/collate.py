@@ -11,7 +11,7 @@ from torch.utils.data import get_worker_info
 from vltrain.data.batch import Batch
 from vltrain.data.config import PAD_MULTIPLE, DataConfig, padded_width
 from vltrain.data.dataset import Sample
-from vltrain.data.loading.packing import layout
+from vltrain.data.loading.packing import class_slots, layout
 
 
 def batch_buffers(shapes: dict[str, tuple[tuple[int, ...], torch.dtype]]) -> dict[str, torch.Tensor]:
@@ -62,13 +62,14 @@ class Collator:
         patches = (cfg.max_patches, cfg.patch_size) if cfg.resize == "native" else None
         return cls(pad_id, cfg.max_text_length, cfg.image_size, pad_multiple, patches, cfg.pack_images)
 
-    def _image_shapes(self, n: int, sequences: int) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    def _image_shapes(self, n: int, sequences: int, slots: int) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         if self.patches is None:
             return {"pixel_values": ((n, 3, self.image_size, self.image_size), torch.uint8)}
         most, p = self.patches
         shapes = {"pixel_values": ((sequences, most, 3 * p * p), torch.uint8), "grids": ((n, 2), torch.int64)}
         if self.pack:
-            shapes |= {"segments": ((sequences, most), torch.int64), "patch_index": ((sequences, most), torch.int64)}
+            shapes |= {"segments": ((sequences, most), torch.int64), "patch_index": ((sequences, most), torch.int64),
+                       "image_slots": ((sequences, slots), torch.int64)}
         return shapes
 
     def _put_images(self, t: dict[str, torch.Tensor], samples: list[Sample], places, segments) -> None:
@@ -90,10 +91,12 @@ class Collator:
         t["grids"].copy_(torch.tensor([s.grid if s.image is not None else (1, 1) for s in samples], dtype=torch.int64))
 
     def _layout(self, samples: list[Sample]):
-        """(places, segments, patch_index) of packed images; (None, None, None) unpacked."""
+        """(places, segments, patch_index, image_slots) of packed images; four Nones unpacked."""
         if not self.pack:
-            return None, None, None
-        return layout([0 if s.image is None else s.image.shape[0] for s in samples], self.patches[0])
+            return None, None, None, None
+        sizes = [0 if s.image is None else s.image.shape[0] for s in samples]
+        places, segments, patch_index = layout(sizes, self.patches[0])
+        return places, segments, patch_index, class_slots(places, sizes, segments.shape[0])
 
     def text_length(self, longest: int) -> int:
         return min(padded_width(longest, self.pad_multiple), self.max_text_length)
@@ -101,9 +104,10 @@ class Collator:
     def __call__(self, samples: list[Sample]) -> Batch:
         n = len(samples)
         length = self.text_length(max(len(s.input_ids) for s in samples))
-        places, segments, patch_index = self._layout(samples)
+        places, segments, patch_index, slots = self._layout(samples)
+        sequences, width = (n, 0) if slots is None else slots.shape
         t = batch_buffers({
-            "ids": ((n,), torch.int64), **self._image_shapes(n, n if segments is None else segments.shape[0]),
+            "ids": ((n,), torch.int64), **self._image_shapes(n, sequences, width),
             "has_image": ((n,), torch.bool), "has_text": ((n,), torch.bool), "input_ids": ((n, length), torch.int64),
             "attention_mask": ((n, length), torch.int64), "source": ((n,), torch.int64),
         })
@@ -118,6 +122,7 @@ class Collator:
         if segments is not None:
             t["segments"].copy_(segments)
             t["patch_index"].copy_(patch_index)
+            t["image_slots"].copy_(slots)
         t["ids"].copy_(torch.tensor([s.uid for s in samples], dtype=torch.int64))
         t["has_image"].copy_(torch.tensor([s.image is not None for s in samples], dtype=torch.bool))
         t["has_text"].copy_(torch.tensor(texts, dtype=torch.bool))

@@ -4,8 +4,9 @@ Padded, each image takes a whole sequence of ``data.max_patches`` positions howe
 has: a 3:1 panorama at a 256-patch budget is 9 x 27 = 243 patches, a 1:4 receipt 8 x 32 = 256, but a
 thumbnail left at its own size (``data.upscale: false``) may be 20. Packed, the collator places the
 batch's images into as few sequences of that length as it can (first fit, largest first), and the
-model keeps attention inside each image (block-diagonal), so an image embeds as it would alone. The
-layout is computed here, on the host, in the loader's workers: the model only gathers by it, with
+model keeps attention inside each image (block-diagonal), so an image embeds as it would alone. A
+tower with a class token gives each packed image one more position, before its sequence's patches
+(``class_slots``). The layout is computed here, on the host, in the loader's workers: the model only gathers by it, with
 no host synchronization.
 """
 
@@ -48,6 +49,19 @@ def layout(sizes: list[int], length: int) -> tuple[list[tuple[int, int]], torch.
         patch_index[seq, offset:offset + n] = torch.arange(n)
         place[i] = (seq, offset)
     return place, segments, patch_index
+
+
+def class_slots(places: list[tuple[int, int]], sizes: list[int], sequences: int) -> torch.Tensor:
+    """[S, K]: the images (rows) each packed sequence holds, in the order they lie in it, -1 past
+    its last; K is the most any sequence holds (at least 1). A tower with a class token puts one
+    class token per image in these K positions before the sequence's patches."""
+    held: list[list[int]] = [[] for _ in range(sequences)]
+    for i in sorted((i for i, n in enumerate(sizes) if n), key=lambda i: places[i]):
+        held[places[i][0]].append(i)
+    slots = torch.full((sequences, max(1, *map(len, held))), -1, dtype=torch.int64)
+    for seq, rows in enumerate(held):
+        slots[seq, :len(rows)] = torch.tensor(rows, dtype=torch.int64)
+    return slots
 
 
 def real_share(segments: torch.Tensor) -> float:
