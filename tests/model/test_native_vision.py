@@ -141,3 +141,36 @@ def test_packing_fills_sequences_first_fit_largest_first():
     assert class_slots([(0, 0)], [0], 1).tolist() == [[-1]]
     with pytest.raises(ValueError, match="does not fit"):
         first_fit([6], 5)
+
+
+def test_the_fusion_encoder_reads_only_an_images_real_tokens():
+    """ITM through the fusion encoder (tiny-albef) on images at their own shape: the same whatever
+    the padding holds and however long the batch is padded; only the key mask makes it so."""
+    from vltrain.model import build_model
+    from vltrain.model.config import ModelConfig
+    from vltrain.model.vision import image_key_mask
+
+    torch.manual_seed(0)
+    model = build_model(ModelConfig(preset="tiny-albef"), vocab_size=64, pad_id=0, mask_id=1, image_size=32,
+                        max_text_length=8).eval()
+    p = model.vision.cfg.patch_size
+    grids = torch.tensor([[1, 2], [2, 1], [1, 1]])
+    x = torch.randn(3, 4, 3 * p * p, generator=torch.Generator().manual_seed(2))
+    x *= (torch.arange(4) < grids.prod(-1)[:, None])[..., None]
+    ids = torch.randint(2, 64, (3, 8), generator=torch.Generator().manual_seed(3))
+    mask = torch.ones(3, 8, dtype=torch.long)
+
+    def itm(pixels: torch.Tensor, keyed: bool = True) -> torch.Tensor:
+        with torch.no_grad():
+            tokens, _ = model.vision(pixels, grids=grids)
+            key = image_key_mask(grids, tokens.shape[1], pixels.shape[1]) if keyed else None
+            return model.itm_head(model.fuse(model.text_tokens(ids, mask), mask, tokens, key))
+
+    base = itm(x)
+    assert image_key_mask(grids, 5, 4).tolist() == [[True, True, True, False, False], [True, True, True, False, False],
+                                                     [True, True, False, False, False]]
+    garbage = x + 5.0 * (torch.arange(4) >= grids.prod(-1)[:, None])[..., None]  # the padding holds noise
+    longer = torch.cat([x, torch.randn(3, 5, 3 * p * p)], dim=1)  # padded to 9 patches, not 4
+    torch.testing.assert_close(itm(garbage), base, atol=1e-6, rtol=0)
+    torch.testing.assert_close(itm(longer), base, atol=1e-6, rtol=0)
+    assert not torch.allclose(itm(longer, keyed=False), base, atol=1e-4)  # without the mask it would move

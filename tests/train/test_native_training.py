@@ -76,6 +76,27 @@ def test_two_ranks_of_mixed_grids_train_as_one_and_resume_exactly(tmp_path_facto
     assert_identical(final_state(stopped), final_state(two))
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_a_fusion_model_on_images_at_their_own_shape_trains_as_one_on_two_ranks(tmp_path_factory, tmp_path):
+    """tiny-albef (ITC, ITM with hard negatives and MLM through the fusion encoder) on images at their
+    own shape, padded: the fusion reads only each image's real tokens, wherever its negatives come
+    from. 2 ranks whose steps hold different grids and 1 rank with 2 micro-batches train the same
+    model; evaluation re-ranks with ITM."""
+    shapes = native_shapes(tmp_path_factory)
+    fusion = {"model__preset": "tiny-albef", "model__loss__mlm": 0.5, "data__val": shapes / "val.jsonl",
+              "eval__itm_rerank_k": 4, "train__max_steps": 8}
+    two = tmp_path / "two"
+    ok(run(shapes, two, 2, **fusion))
+    assert different_grids_on_the_ranks(shapes, two)
+    one = tmp_path / "one"
+    ok(run(shapes, one, 1, data__micro_batch_size=4, **fusion))
+    assert len(losses(two)) == 8 and worst(losses(one), losses(two)) < 1e-5
+    assert model_distance(final_state(one), final_state(two)) < 1e-5
+    last = json.loads((two / "eval.json").read_text())[-1]
+    assert 0 <= last["itm_t2i_r1"] <= 1 and 0 <= last["t2i_r1"] <= 1
+
+
 def step_patches(run_dir: Path, max_patches: int) -> list[int]:
     """Patches in each step of a run on the keep_ratio shards, both ranks together (from the audit),
     each image counted at its grid (the folder's 8-pixel patches)."""
@@ -122,10 +143,10 @@ def test_packed_images_on_two_ranks_train_as_padded_ones_on_one(tmp_path_factory
 def test_what_does_not_take_images_at_their_own_shape_is_refused(tmp_path_factory):
     shapes = session_shapes(tmp_path_factory)
     base = [f"data.tokenizer={shapes / 'tokenizer.json'}", "data.resize=native", "data.image_size=32"]
-    for extra in (["model.preset=tiny-albef"], ["model.preset=tiny-clip", "model.loss.image_mim=0.5"],
-                  ["model.preset=tiny-clip", "data.patch_size=8"]):
+    for extra in (["model.preset=tiny-albef", "data.pack_images=true"],
+                  ["model.preset=tiny-clip", "model.loss.image_mim=0.5"], ["model.preset=tiny-clip", "data.patch_size=8"]):
         cfg = load_config(None, base + extra)
-        with pytest.raises(ConfigError, match="data.resize native|data.patch_size 8"):
+        with pytest.raises(ConfigError, match="data.resize native|data.patch_size 8|the fusion encoder reads"):
             build_model_for(cfg, build_tokenizer(cfg))
     with pytest.raises(ConfigError, match="data.min_patches"):
         load_config(None, base + ["data.min_patches=300"])

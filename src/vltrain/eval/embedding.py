@@ -20,6 +20,7 @@ from vltrain.data.config import DataConfig
 from vltrain.data.loading.loader import EvalLoader, build_eval_loader
 from vltrain.data.tokenizers import Tokenizer
 from vltrain.eval.labeled import TextListDataset
+from vltrain.model.vision import image_key_mask
 from vltrain.runtime.distributed import all_gather_no_grad, pad_to
 
 
@@ -45,7 +46,8 @@ class Embedded:
     tokens: torch.Tensor | None = None
     """[n, T, W] the tower's tokens (kept for ITM re-ranking only)."""
     mask: torch.Tensor | None = None
-    """int64 [n, L] the texts' attention mask (text lists with tokens only)."""
+    """int64 [n, L] the texts' attention mask (text lists with tokens only); for images at their own
+    shape, which of their tokens are real (``image_key_mask``)."""
     errors: list[tuple[str, str]] = dataclasses.field(default_factory=list)
     """(path, reason) of this rank's unreadable images."""
 
@@ -91,13 +93,16 @@ def embed_list(encoder: Encoder, loader: EvalLoader, side: str, keep_tokens: boo
         present.append(inputs.has_image if image else inputs.has_text)
         if keep_tokens:
             tokens.append(enc.image_tokens if image else enc.text_tokens)
-            masks.append(inputs.attention_mask)
+            if not image:
+                masks.append(inputs.attention_mask)
+            elif inputs.grids is not None:  # images at their own shape: which tokens are real
+                masks.append(image_key_mask(inputs.grids, enc.image_tokens.shape[1], inputs.pixels.shape[1]).long())
         errors.update(dict(batch.errors))  # a padding row repeats the last row's error
     n = loader.num_samples
     out = Embedded(torch.cat(embeds)[:n], torch.cat(present)[:n], errors=list(errors.items()))
     if keep_tokens:
         out.tokens = (cat_padded(tokens) if side == "text" else torch.cat(tokens))[:n]
-        out.mask = cat_padded(masks)[:n] if side == "text" else None
+        out.mask = cat_padded(masks)[:n] if masks else None
     return out
 
 

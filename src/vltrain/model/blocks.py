@@ -152,12 +152,13 @@ class CrossAttention(nn.Module):
         self.kv = nn.Linear(kv_width, 2 * width)
         self.out = nn.Linear(width, width)
 
-    def forward(self, x: torch.Tensor, context: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, context: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        """``mask`` [B, 1, 1, M] (bool): the context tokens each row may attend to (None: all)."""
         b, n, w = x.shape
         h, d = self.heads, w // self.heads
         q = self.q(x).view(b, n, h, d).transpose(1, 2)
         k, v = self.kv(context).view(b, context.shape[1], 2, h, d).permute(2, 0, 3, 1, 4)
-        y = attention(q, k, v)
+        y = attention(q, k, v, mask)
         return self.out(y.transpose(1, 2).reshape(b, n, w))
 
 
@@ -212,9 +213,10 @@ class CrossBlock(nn.Module):
         self.norm3 = LayerNorm(width)
         self.mlp = MLP(width, mlp_width(width, mlp_ratio))
 
-    def forward(self, x: torch.Tensor, mask: torch.Tensor | None, image: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None, image: torch.Tensor,
+                image_mask: torch.Tensor | None = None) -> torch.Tensor:
         x = x + self.attn(self.norm1(x), mask)
-        x = x + self.cross(self.norm2(x), image)
+        x = x + self.cross(self.norm2(x), image, image_mask)
         return x + self.mlp(self.norm3(x))
 
 

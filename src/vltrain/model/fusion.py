@@ -28,9 +28,13 @@ class FusionEncoder(nn.Module):
         self.norm = LayerNorm(width)
         self.checkpointing = False
 
-    def forward(self, text_tokens: torch.Tensor, attention_mask: torch.Tensor, image_tokens: torch.Tensor) -> torch.Tensor:
+    def forward(self, text_tokens: torch.Tensor, attention_mask: torch.Tensor, image_tokens: torch.Tensor,
+                image_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """``image_mask`` [B, M] (bool): the image tokens that are real, for images at their own shape
+        padded to a common length (None: all)."""
         mask = key_padding_mask(attention_mask)
-        x = run_blocks(self.blocks, text_tokens, mask, image_tokens, checkpointing=self.checkpointing)
+        cross = None if image_mask is None else image_mask[:, None, None, :]
+        x = run_blocks(self.blocks, text_tokens, mask, image_tokens, cross, checkpointing=self.checkpointing)
         return self.norm(x)
 
     def flops(self, length: int, image_tokens: int) -> float:

@@ -143,9 +143,11 @@ class VLModel(nn.Module):
         tokens, _ = self.vision(pixels, patch_mask, self.mim_head.mask_token)
         return tokens[:, self.vision.num_prefix:]
 
-    def fuse(self, text_tokens: torch.Tensor, attention_mask: torch.Tensor, image_tokens: torch.Tensor) -> torch.Tensor:
-        """Text tokens attending to image tokens through the fusion encoder (fusion models only)."""
-        return self.fusion(text_tokens, attention_mask, image_tokens)
+    def fuse(self, text_tokens: torch.Tensor, attention_mask: torch.Tensor, image_tokens: torch.Tensor,
+             image_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Text tokens attending to image tokens through the fusion encoder (fusion models only);
+        ``image_mask`` [B, M]: the real image tokens of images at their own shape (``image_key_mask``)."""
+        return self.fusion(text_tokens, attention_mask, image_tokens, image_mask)
 
     # -- the model protocol (vltrain.model.weight_decay) -------------------------------------------
 

@@ -31,6 +31,7 @@ import torch
 
 from vltrain.model.config import LossConfig
 from vltrain.model.model import VLModel
+from vltrain.model.vision import image_key_mask
 from vltrain.objectives.keyed import UNKEYED, StepKey, Stream
 from vltrain.objectives.losses import (
     itc_loss,
@@ -94,6 +95,8 @@ class ITMPairs:
     pair_weights: torch.Tensor
     negative_text_ids: torch.Tensor
     negative_image_ids: torch.Tensor
+    image_mask: torch.Tensor | None = None
+    """[3B, M] (bool) the real image tokens, for images at their own shape; None: all."""
 
 
 @dataclass
@@ -108,10 +111,15 @@ class _Columns:
     ids: torch.Tensor
     has_image: torch.Tensor
     has_text: torch.Tensor
+    grids: torch.Tensor | None = None
+    """[n, 2] the columns' image grids, for images at their own shape."""
 
     @staticmethod
     def gather(enc: Encoded, inputs: ModelInputs, global_: bool) -> "_Columns":
-        meta = torch.stack([inputs.ids, inputs.has_image.long(), inputs.has_text.long()], dim=1)
+        meta = [inputs.ids, inputs.has_image.long(), inputs.has_text.long()]
+        if inputs.grids is not None:
+            meta += [inputs.grids[:, 0], inputs.grids[:, 1]]
+        meta = torch.stack(meta, dim=1)
         parts = (enc.image_tokens, enc.text_tokens, inputs.attention_mask, enc.image_embeds, enc.text_embeds, meta)
         if global_:
             shapes = exchange_shapes(*parts)  # one exchange; text widths differ between ranks
@@ -119,7 +127,8 @@ class _Columns:
             parts = tuple((all_gather_with_grad if g else all_gather_no_grad)(x, s)
                           for x, s, g in zip(parts, shapes, grad))
         *tensors, meta = parts
-        return _Columns(*tensors, meta[:, 0], meta[:, 1].bool(), meta[:, 2].bool())
+        grids = meta[:, 3:5] if inputs.grids is not None else None
+        return _Columns(*tensors, meta[:, 0], meta[:, 1].bool(), meta[:, 2].bool(), grids)
 
 
 def _denominator(inputs: ModelInputs, name: str) -> torch.Tensor | None:
@@ -209,6 +218,10 @@ class Objectives:
         neg_image, image_found = sample_negatives(sim_t2i, ids, cols.ids, image_ok,
                                                   key.uniform(Stream.ITM_IMAGE, ids, 1)[:, 0])
         valid = (inputs.has_image & inputs.has_text).float()
+        image_mask = None
+        if inputs.grids is not None:  # images at their own shape: the fusion reads only real tokens
+            grids = torch.cat([inputs.grids, inputs.grids, cols.grids.index_select(0, neg_image)])
+            image_mask = image_key_mask(grids, enc.image_tokens.shape[1], inputs.pixels.shape[1])
         return ITMPairs(
             text_tokens=torch.cat([text_tokens, cols.text_tokens.index_select(0, neg_text), text_tokens]),
             attention_mask=torch.cat([attention_mask, cols.attention_mask[neg_text], attention_mask]),
@@ -217,6 +230,7 @@ class Objectives:
             pair_weights=torch.cat([valid, valid * text_found, valid * image_found]),
             negative_text_ids=cols.ids[neg_text],
             negative_image_ids=cols.ids[neg_image],
+            image_mask=image_mask,
         )
 
     def _itm_allowed(self, ids: torch.Tensor, col_ids: torch.Tensor, col_image: torch.Tensor, col_text: torch.Tensor
@@ -243,7 +257,8 @@ class Objectives:
     def _itm(self, model: VLModel, enc: Encoded, inputs: ModelInputs, row_losses: dict[str, RowLosses]
              ) -> tuple[torch.Tensor, torch.Tensor]:
         pairs = self.itm_pairs(model, enc, inputs)
-        logits = model.itm_head(model.fuse(pairs.text_tokens, pairs.attention_mask, pairs.image_tokens))
+        logits = model.itm_head(model.fuse(pairs.text_tokens, pairs.attention_mask, pairs.image_tokens,
+                                           pairs.image_mask))
         w = pairs.pair_weights
         if inputs.row_weights is not None:
             w = w * inputs.row_weights.float().repeat(3)
@@ -287,7 +302,9 @@ class Objectives:
         paired = inputs.has_image & inputs.has_text
         masked, labels = self._mask(model, inputs, paired)
         tokens = model.text_tokens(masked, inputs.attention_mask)
-        fused = model.fuse(tokens, inputs.attention_mask, enc.image_tokens)
+        image_mask = None if inputs.grids is None else image_key_mask(inputs.grids, enc.image_tokens.shape[1],
+                                                                      inputs.pixels.shape[1])
+        fused = model.fuse(tokens, inputs.attention_mask, enc.image_tokens, image_mask)
         per_row: list = []
         loss = mlm_loss(model.mlm_head(fused), labels, inputs.row_weights, per_row, _denominator(inputs, "mlm"))
         row_losses["mlm"] = RowLosses(per_row[0], paired & (labels != -100).any(dim=1))

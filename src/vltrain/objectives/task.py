@@ -9,7 +9,7 @@ so every pass that leads to a backward goes through ``Task.forward``, named by i
   embeddings, and its per-row losses (gradient caching's loss over the cached global batch);
 - ``task("replay", inputs, cache, i, encode_rng)``: gradient caching's second pass
   over micro-batch ``i`` (see :mod:`vltrain.train.gradcache`);
-- ``task("itm", text_tokens, attention_mask, image_tokens)``: ITM logits [B, 2] of fused pairs
+- ``task("itm", text_tokens, attention_mask, image_tokens[, image_mask])``: ITM logits [B, 2] of fused pairs
   (evaluation's re-ranking: under FSDP2 the fusion encoder and the head are gathered only here).
 """
 
@@ -98,8 +98,9 @@ class Task(nn.Module):
     def all(self, inputs: ModelInputs) -> ObjectiveOutput:
         return self.objectives.score(self.model, self.model.encode(inputs), inputs)
 
-    def itm(self, text_tokens: torch.Tensor, attention_mask: torch.Tensor, image_tokens: torch.Tensor) -> torch.Tensor:
-        return self.model.itm_head(self.model.fuse(text_tokens, attention_mask, image_tokens))
+    def itm(self, text_tokens: torch.Tensor, attention_mask: torch.Tensor, image_tokens: torch.Tensor,
+            image_mask: torch.Tensor | None = None) -> torch.Tensor:
+        return self.model.itm_head(self.model.fuse(text_tokens, attention_mask, image_tokens, image_mask))
 
     def replay(self, inputs: ModelInputs, cache: ContrastiveCache, i: int, encode_rng: GeneratorState
                ) -> tuple[torch.Tensor, ObjectiveOutput]:
