@@ -146,7 +146,7 @@ def test_what_does_not_take_images_at_their_own_shape_is_refused(tmp_path_factor
     for extra in (["model.preset=tiny-albef", "data.pack_images=true"],
                   ["model.preset=tiny-clip", "model.loss.image_mim=0.5"], ["model.preset=tiny-clip", "data.patch_size=8"]):
         cfg = load_config(None, base + extra)
-        with pytest.raises(ConfigError, match="data.resize native|data.patch_size 8|the fusion encoder reads"):
+        with pytest.raises(ConfigError, match="data.resize native|data.patch_size 8|data.pack_images: the fusion encoder"):
             build_model_for(cfg, build_tokenizer(cfg))
     with pytest.raises(ConfigError, match="data.min_patches"):
         load_config(None, base + ["data.min_patches=300"])
