@@ -218,3 +218,33 @@ def test_eval_reports_each_validation_source(tmp_path_factory, tmp_path):
         assert both[f"val/{name}/num_pairs"] == alone["num_pairs"] == n
         assert both[f"val/{name}/t2i_r1"] == pytest.approx(alone["t2i_r1"])
         assert both[f"val/{name}/i2t_r5"] == pytest.approx(alone["i2t_r5"])
+
+
+def test_masked_image_modelling_of_images_at_their_own_shape_reads_and_predicts_real_patches_only():
+    """image_mim on padded native patches: the keyed mask falls on real patches only, the target is
+    the patches themselves, and noise in the padding changes neither the loss nor its gradients."""
+    from vltrain.model.vision import image_key_mask
+
+    task = small_task(image_mim=1.0, image_mim_paired=True)
+    model, objectives = task.model, task.objectives
+    p, n = model.vision.cfg.patch_size, 6
+    grids = torch.tensor([[1, 2], [2, 3], [1, 1], [3, 2]])
+    batch = make_batch(len(grids), seed=3)
+    real = image_key_mask(grids, n, n)
+    pixels = torch.randn(len(grids), n, 3 * p * p, generator=torch.Generator().manual_seed(4)) * real[..., None]
+    inputs = replace(batch, pixels=pixels, grids=grids, counts=None)
+    masked = objectives._patch_mask(model, inputs, inputs.ids, grids)
+    assert masked.shape == (4, n) and not (masked & ~real).any() and masked.any()
+
+    def loss_and_grads(x):
+        model.zero_grad(set_to_none=True)
+        loss = objectives._image_mim(model, replace(inputs, pixels=x), {})
+        loss.backward()
+        return loss.detach(), {k: v.grad.clone() for k, v in model.vision.named_parameters() if v.grad is not None}
+
+    base, grads_base = loss_and_grads(pixels)
+    noisy, grads_noisy = loss_and_grads(pixels + 3.0 * (~real)[..., None])
+    torch.testing.assert_close(noisy, base, atol=1e-6, rtol=0)
+    for k in grads_base:
+        torch.testing.assert_close(grads_noisy[k], grads_base[k], atol=1e-6, rtol=1e-5)
+    assert base > 0

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from PIL import Image
 from runkit import assert_identical, assert_resumed_exactly, final_state, ok, session_shapes, train
-from test_global_batch import losses, model_distance, worst
+from test_global_batch import losses, metric_rows, model_distance, worst
 
 from vltrain.config.job import load_config
 from vltrain.data.ids import stable_uid
@@ -79,12 +79,14 @@ def test_two_ranks_of_mixed_grids_train_as_one_and_resume_exactly(tmp_path_facto
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_a_fusion_model_on_images_at_their_own_shape_trains_as_one_on_two_ranks(tmp_path_factory, tmp_path):
-    """tiny-albef (ITC, ITM with hard negatives and MLM through the fusion encoder) on images at their
-    own shape, padded: the fusion reads only each image's real tokens, wherever its negatives come
-    from. 2 ranks whose steps hold different grids and 1 rank with 2 micro-batches train the same
-    model; evaluation re-ranks with ITM."""
+    """tiny-albef (ITC, ITM with hard negatives and MLM through the fusion encoder, and masked image
+    modelling) on images at their own shape, padded: the fusion reads only each image's real tokens,
+    wherever its negatives come from, and MIM masks and predicts only real patches. 2 ranks whose
+    steps hold different grids and 1 rank with 2 micro-batches train the same model; evaluation
+    re-ranks with ITM."""
     shapes = native_shapes(tmp_path_factory)
-    fusion = {"model__preset": "tiny-albef", "model__loss__mlm": 0.5, "data__val": shapes / "val.jsonl",
+    fusion = {"model__preset": "tiny-albef", "model__loss__mlm": 0.5, "model__loss__image_mim": 0.5,
+              "model__loss__image_mim_paired": "true", "data__val": shapes / "val.jsonl",
               "eval__itm_rerank_k": 4, "train__max_steps": 8}
     two = tmp_path / "two"
     ok(run(shapes, two, 2, **fusion))
@@ -93,6 +95,7 @@ def test_a_fusion_model_on_images_at_their_own_shape_trains_as_one_on_two_ranks(
     ok(run(shapes, one, 1, data__micro_batch_size=4, **fusion))
     assert len(losses(two)) == 8 and worst(losses(one), losses(two)) < 1e-5
     assert model_distance(final_state(one), final_state(two)) < 1e-5
+    assert all(r["loss/image_mim"] > 0 for r in metric_rows(two))
     last = json.loads((two / "eval.json").read_text())[-1]
     assert 0 <= last["itm_t2i_r1"] <= 1 and 0 <= last["t2i_r1"] <= 1
 
@@ -144,9 +147,10 @@ def test_what_does_not_take_images_at_their_own_shape_is_refused(tmp_path_factor
     shapes = session_shapes(tmp_path_factory)
     base = [f"data.tokenizer={shapes / 'tokenizer.json'}", "data.resize=native", "data.image_size=32"]
     for extra in (["model.preset=tiny-albef", "data.pack_images=true"],
-                  ["model.preset=tiny-clip", "model.loss.image_mim=0.5"], ["model.preset=tiny-clip", "data.patch_size=8"]):
+                  ["model.preset=tiny-clip", "model.loss.image_mim=0.5", "data.pack_images=true"],
+                  ["model.preset=tiny-clip", "data.patch_size=8"]):
         cfg = load_config(None, base + extra)
-        with pytest.raises(ConfigError, match="data.resize native|data.patch_size 8|data.pack_images: the fusion encoder"):
+        with pytest.raises(ConfigError, match="data.patch_size 8|data.pack_images: (the fusion encoder|model.loss.image_mim)"):
             build_model_for(cfg, build_tokenizer(cfg))
     with pytest.raises(ConfigError, match="data.min_patches"):
         load_config(None, base + ["data.min_patches=300"])

@@ -137,10 +137,11 @@ class VLModel(nn.Module):
         tokens, _ = self.text(input_ids, attention_mask)
         return tokens
 
-    def masked_patch_tokens(self, pixels: torch.Tensor, patch_mask: torch.Tensor) -> torch.Tensor:
+    def masked_patch_tokens(self, pixels: torch.Tensor, patch_mask: torch.Tensor,
+                            grids: torch.Tensor | None = None) -> torch.Tensor:
         """The vision tower's patch tokens [B, patches, W] with the masked patches replaced by the MIM
-        mask token (image_mim only)."""
-        tokens, _ = self.vision(pixels, patch_mask, self.mim_head.mask_token)
+        mask token (image_mim only); ``grids`` for images at their own shape, padded."""
+        tokens, _ = self.vision(pixels, patch_mask, self.mim_head.mask_token, grids=grids)
         return tokens[:, self.vision.num_prefix:]
 
     def fuse(self, text_tokens: torch.Tensor, attention_mask: torch.Tensor, image_tokens: torch.Tensor,

@@ -82,7 +82,7 @@ class VisionTransformer(nn.Module):
         if segments is not None:
             return self.forward_packed(pixels, grids, segments, patch_index, image_slots)
         if grids is not None:
-            return self.forward_grids(pixels, grids)
+            return self.forward_grids(pixels, grids, patch_mask, mask_token)
         x = self.embed_patches(pixels)
         if patch_mask is not None:
             x = torch.where(patch_mask[..., None], mask_token.to(x.dtype), x)
@@ -96,15 +96,18 @@ class VisionTransformer(nn.Module):
         x = self.norm(x)
         return x, self.pool(x)
 
-    def forward_grids(self, patches: torch.Tensor, grids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward_grids(self, patches: torch.Tensor, grids: torch.Tensor, patch_mask: torch.Tensor | None = None,
+                      mask_token: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Images at their own shape: ``patches`` [B, N, 3 * p * p], image i's first rows x cols of
-        them real (``grids[i]``), row by row, the rest padding.
+        them real (``grids[i]``), row by row, the rest padding; ``patch_mask`` [B, N] as in ``forward``.
 
         Each image's positions are the table resized to its grid (:func:`resize_positions`), and
         every token attends only to its own image's real patches (and class token): what an image
         becomes does not depend on its padding or its batch. Padded positions come out as tokens
         no pooling reads."""
         x = F.linear(patches, self.patch_embed.weight.flatten(1), self.patch_embed.bias)
+        if patch_mask is not None:
+            x = torch.where(patch_mask[..., None], mask_token.to(x.dtype), x)
         n = x.shape[1]
         real = torch.arange(n, device=x.device) < (grids[:, 0] * grids[:, 1])[:, None]
         table = self.pos_embed[self.num_prefix:]

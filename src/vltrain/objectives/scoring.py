@@ -292,9 +292,13 @@ class Objectives:
     def _mim_rows(self, inputs: ModelInputs) -> torch.Tensor:
         return inputs.has_image & (~inputs.has_text | self.image_mim_paired)
 
-    def _patch_mask(self, ids: torch.Tensor, key: StepKey | None, patches: int) -> torch.Tensor:
-        """SimMIM's patch mask of these rows, keyed by (seed, step, sample id, patch)."""
-        return (key or UNKEYED).uniform(Stream.MIM_PATCH, ids, patches) < self.mim_ratio
+    def _patch_mask(self, model: VLModel, inputs: ModelInputs, ids: torch.Tensor, grids: torch.Tensor | None
+                    ) -> torch.Tensor:
+        """SimMIM's patch mask of these rows, keyed by (seed, step, sample id, patch); for images at
+        their own shape (``grids``), of their real patches only."""
+        patches = model.vision.cfg.num_patches if grids is None else inputs.pixels.shape[1]
+        mask = (inputs.key or UNKEYED).uniform(Stream.MIM_PATCH, ids, patches) < self.mim_ratio
+        return mask if grids is None else mask & image_key_mask(grids, patches, patches)
 
     def _mlm(self, model: VLModel, enc: Encoded, inputs: ModelInputs, row_losses: dict[str, RowLosses]
              ) -> torch.Tensor:
@@ -339,15 +343,17 @@ class Objectives:
         applies = self._mim_rows(inputs)
         index, n = _present_rows(applies)
         pixels = inputs.pixels.index_select(0, index) if n else torch.zeros_like(inputs.pixels[:1])
-        vision = model.vision.cfg
-        patch_mask = self._patch_mask(inputs.ids[index] if n else inputs.ids[:1], inputs.key, vision.num_patches)
+        grids = inputs.grids  # images at their own shape come as patches already, padded
+        if grids is not None:
+            grids = grids.index_select(0, index) if n else torch.ones_like(grids[:1])
+        patch_mask = self._patch_mask(model, inputs, inputs.ids[index] if n else inputs.ids[:1], grids)
         if not n:
             patch_mask = torch.zeros_like(patch_mask)  # the dummy row: nothing to predict
-        prediction = model.mim_head(model.masked_patch_tokens(pixels, patch_mask))
+        prediction = model.mim_head(model.masked_patch_tokens(pixels, patch_mask, grids))
         weights = None if inputs.row_weights is None or not n else inputs.row_weights[index]
         per_row: list = []
-        loss = mim_loss(prediction, patchify(pixels, vision.patch_size), patch_mask, weights, per_row,
-                        _denominator(inputs, "image_mim"))
+        target = pixels if grids is not None else patchify(pixels, model.vision.cfg.patch_size)
+        loss = mim_loss(prediction, target, patch_mask, weights, per_row, _denominator(inputs, "image_mim"))
         row_losses["image_mim"] = RowLosses(_scatter(per_row[0], index, n, len(inputs)), applies)
         return loss
 
@@ -372,7 +378,7 @@ class Objectives:
                     total = total + ((labels != -100).float() * w[:, None]).sum()
                 else:
                     rows = self._mim_rows(m)
-                    patches = self._patch_mask(m.ids, m.key, model.vision.cfg.num_patches).float().sum(dim=1)
+                    patches = self._patch_mask(model, m, m.ids, m.grids).float().sum(dim=1)
                     total = total + (patches * w * rows.float()).sum()
             totals.append(total)
         return torch.stack(totals) if totals else torch.zeros(0, device=micro[0].ids.device)

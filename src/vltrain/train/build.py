@@ -145,13 +145,11 @@ def _fit_native(cfg: JobConfig, model: VLModel) -> None:
         raise ConfigError(f"data.patch_size {cfg.data.patch_size} differs from the model's patch size {patch}; "
                           "leave it 0")
     cfg.data.patch_size = patch
-    if model.mim_head is not None:
-        raise ConfigError("data.resize native: model.loss.image_mim takes square images only so far; set it "
-                          "to 0, or use data.resize crop or squash")
-    if model.fusion is not None and cfg.data.pack_images:
-        raise ConfigError("data.pack_images: the fusion encoder (model.loss.itm, model.loss.mlm) reads each "
-                          "image's tokens in a row of its own; set data.pack_images false (images are then "
-                          "padded, and the fusion reads only their real tokens)")
+    if cfg.data.pack_images and (model.fusion is not None or model.mim_head is not None):
+        what = "the fusion encoder (model.loss.itm, model.loss.mlm)" if model.fusion is not None \
+            else "model.loss.image_mim"
+        raise ConfigError(f"data.pack_images: {what} reads each image's tokens in a row of its own; set "
+                          "data.pack_images false (images are then padded, and only their real patches are read)")
 
 
 def _check_fits_init(cfg: JobConfig, tokenizer: Tokenizer, arch: Architecture) -> tuple[int, int]:
