@@ -44,6 +44,11 @@ def test_export_then_embed_gives_the_trainers_embeddings(trained, tmp_path, cli)
                "--texts", *[rows[i]["text"] for i in texts], "--out", tmp_path / "emb.npy")
     assert proc.returncode == 0, proc.stderr
     got = np.load(tmp_path / "emb.npy")
+    proc = cli("embed", out, "--images", *[shapes / rows[i]["image"] for i in with_image],
+               "--texts", *[rows[i]["text"] for i in texts], "--out", tmp_path / "emb.npz")
+    assert proc.returncode == 0 and f"wrote {tmp_path / 'emb.npz'}:" in proc.stdout, proc.stderr
+    named = np.load(tmp_path / "emb.npz")
+    np.testing.assert_array_equal(np.concatenate([named["images"], named["texts"]]), got)
 
     # the trainer's own pipeline and model
     dataset = build_dataset(trainer.cfg.data, "train", trainer.tokenizer)

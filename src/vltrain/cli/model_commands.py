@@ -68,7 +68,7 @@ def add_parsers(sub) -> None:
     _add_overrides(m, "config values, e.g. model.preset=clip-vit-b16 or model.quick_gelu=true")
     m.add_argument("--images", nargs="*", default=[])
     m.add_argument("--texts", nargs="*", default=[])
-    m.add_argument("--out", required=True, help=".npy file (images first, then texts)")
+    m.add_argument("--out", required=True, help=".npy file (images first, then texts), or .npz (arrays images, texts)")
     m.set_defaults(func=embed)
 
 
@@ -215,7 +215,14 @@ def embed(args: argparse.Namespace) -> int:
     overrides = overrides_of(args) + ([f"data.tokenizer={args.tokenizer}"] if args.tokenizer else [])
     model, tokenizer, cfg = load_any(args.model_dir, overrides)
     emb = embed_inputs(model, tokenizer, cfg, args.images, args.texts)
-    np.save(args.out, emb)
-    print(f"wrote {args.out}: {len(args.images)} image and {len(args.texts)} text embeddings of size "
-          f"{emb.shape[1]} (images first)")
+    out = Path(args.out)
+    if out.suffix == ".npz":  # two named arrays
+        np.savez(out, images=emb[:len(args.images)], texts=emb[len(args.images):])
+        what = "arrays images and texts"
+    else:  # one array, images first; numpy names the file .npy
+        out = out if out.suffix == ".npy" else out.with_name(out.name + ".npy")
+        np.save(out, emb)
+        what = "images first"
+    print(f"wrote {out}: {len(args.images)} image and {len(args.texts)} text embeddings of size "
+          f"{emb.shape[1]} ({what})")
     return 0
