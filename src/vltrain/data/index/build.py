@@ -375,6 +375,29 @@ def run_parts(parts_dir: Path, parts: list[dict], work, args: tuple, workers: in
             work(*a)
 
 
+def save_part(parts_dir: Path, k: int, array: np.ndarray) -> None:
+    """Part ``k`` of a per-row column, written atomically as ``part-K.npy`` (what ``run_parts`` looks for)."""
+    tmp = private_tmp(parts_dir / f"part-{k:06d}.npy")
+    with open(tmp, "wb") as f:
+        np.save(f, array)
+    os.replace(tmp, parts_dir / f"part-{k:06d}.npy")
+
+
+def merge_parts(parts_dir: Path, bounds: list[tuple[int, int]], path: Path, dtype, shape: tuple[int, ...]
+                ) -> np.ndarray:
+    """The column at ``path`` (``shape``, rows ``bounds[k]`` from part k of ``parts_dir``), written
+    atomically; the parts are then removed. Returns it memory-mapped."""
+    out = np.lib.format.open_memmap(private_tmp(path), mode="w+", dtype=dtype, shape=shape)
+    for k, (lo, hi) in enumerate(bounds):
+        out[lo:hi] = np.load(parts_dir / f"part-{k:06d}.npy")
+    out.flush()
+    tmp = Path(out.filename)
+    del out
+    os.replace(tmp, path)
+    shutil.rmtree(parts_dir, ignore_errors=True)
+    return np.load(path, mmap_mode="r")
+
+
 def build_structure(index_dir: Path, identity: dict, workers: int, cache: ShardCache | None,
                     manifest_local: str) -> dict:
     started = time.monotonic()

@@ -15,14 +15,13 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import shutil
 from pathlib import Path
 
 import numpy as np
 
-from vltrain.data.index.build import part_rows, plan_parts, run_parts
+from vltrain.data.index.build import merge_parts, part_rows, plan_parts, run_parts, save_part
 from vltrain.data.index.reader import IndexedSource
-from vltrain.data.sources.filelock import build_once, private_tmp
+from vltrain.data.sources.filelock import build_once
 from vltrain.data.sources.shard_cache import ShardCache
 from vltrain.data.tokenizers import Tokenizer, load_tokenizer
 from vltrain.errors import DataError
@@ -71,11 +70,7 @@ def _write_lengths(parts_dir: Path, k: int, part: dict, tokenizer: Tokenizer | t
     if len(texts) != rows:
         raise DataError(f"{part.get('file') or 'shards'}: {len(texts)} rows where the index holds {rows}; "
                         "the source changed while it was read: run again to index it anew")
-    lengths = np.asarray(tokenizer.token_lengths(texts, max_length), dtype=np.uint16)
-    tmp = private_tmp(parts_dir / f"part-{k:06d}.npy")
-    with open(tmp, "wb") as f:
-        np.save(f, lengths)
-    os.replace(tmp, parts_dir / f"part-{k:06d}.npy")
+    save_part(parts_dir, k, np.asarray(tokenizer.token_lengths(texts, max_length), dtype=np.uint16))
 
 
 def build_lengths(source: IndexedSource, tokenizer: Tokenizer, max_length: int, *, workers: int = 1,
@@ -97,14 +92,6 @@ def build_lengths(source: IndexedSource, tokenizer: Tokenizer, max_length: int, 
         run_parts(parts_dir, parts, _write_lengths, ((tokenizer.path, tokenizer.clean) if parallel else tokenizer, max_length),
                   workers if parallel else 1, ".npy",
                   extra=[hi - lo for lo, hi in bounds])
-        out = np.lib.format.open_memmap(private_tmp(path), mode="w+", dtype=np.uint16, shape=(len(source),))
-        for k, (lo, hi) in enumerate(bounds):
-            out[lo:hi] = np.load(parts_dir / f"part-{k:06d}.npy")
-        out.flush()
-        tmp = Path(out.filename)
-        del out
-        os.replace(tmp, path)
-        shutil.rmtree(parts_dir, ignore_errors=True)
-        return np.load(path, mmap_mode="r")
+        return merge_parts(parts_dir, bounds, path, np.uint16, (len(source),))
 
     return build_once(path, fresh, build, what=f"count the caption tokens of {source.name}")

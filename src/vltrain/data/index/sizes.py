@@ -15,17 +15,15 @@ second as a bad sample when it gets there, as it would have without the sizes.
 from __future__ import annotations
 
 import io
-import os
-import shutil
 from pathlib import Path
 
 import numpy as np
 from PIL import Image, UnidentifiedImageError
 
 from vltrain.data.images import DECODE_ERRORS
-from vltrain.data.index.build import run_parts
+from vltrain.data.index.build import merge_parts, run_parts, save_part
 from vltrain.data.index.reader import IndexedSource
-from vltrain.data.sources.filelock import build_once, private_tmp
+from vltrain.data.sources.filelock import build_once
 from vltrain.data.sources.manifests import Source
 
 SIZES_FILE = "image-sizes.npy"
@@ -63,11 +61,7 @@ def read_sizes(source: Source, lo: int, hi: int) -> np.ndarray:
 
 
 def _write_part(parts_dir: Path, k: int, part: dict, source: IndexedSource) -> None:
-    sizes = read_sizes(source, part["lo"], part["hi"])
-    tmp = private_tmp(parts_dir / f"part-{k:06d}.npy")
-    with open(tmp, "wb") as f:
-        np.save(f, sizes)
-    os.replace(tmp, parts_dir / f"part-{k:06d}.npy")
+    save_part(parts_dir, k, read_sizes(source, part["lo"], part["hi"]))
 
 
 def build_sizes(source: IndexedSource, *, workers: int = 1) -> np.ndarray:
@@ -84,15 +78,7 @@ def build_sizes(source: IndexedSource, *, workers: int = 1) -> np.ndarray:
         parts_dir = path.with_name(path.stem + ".parts")
         parts_dir.mkdir(exist_ok=True)
         run_parts(parts_dir, parts, _write_part, (source,), workers if n >= MIN_PARALLEL_ROWS else 1, ".npy")
-        out = np.zeros((n, 2), dtype=np.uint32)
-        for k, part in enumerate(parts):
-            out[part["lo"]:part["hi"]] = np.load(parts_dir / f"part-{k:06d}.npy")
-        tmp = private_tmp(path)
-        with open(tmp, "wb") as f:
-            np.save(f, out)
-        os.replace(tmp, path)
-        shutil.rmtree(parts_dir, ignore_errors=True)
-        return np.load(path, mmap_mode="r")
+        return merge_parts(parts_dir, [(p["lo"], p["hi"]) for p in parts], path, np.uint32, (n, 2))
 
     return build_once(path, fresh, build, what=f"read the image sizes of {source.name}")
 
