@@ -103,6 +103,9 @@ class Encoded:
     """[B, L, Wt] the text tower's tokens (fusion models only); zeros where there is no text."""
     anchor: torch.Tensor
     """A zero scalar connected to every parameter ``encode`` used."""
+    image_mask: torch.Tensor | None = None
+    """[B, N] (bool) which of ``image_tokens`` are real, for images at their own shape padded to a
+    common length (what the fusion encoder may read); None: all of them."""
 
 
 @runtime_checkable

@@ -20,7 +20,6 @@ from vltrain.data.config import DataConfig
 from vltrain.data.loading.loader import EvalLoader, build_eval_loader
 from vltrain.data.tokenizers import Tokenizer
 from vltrain.eval.labeled import TextListDataset
-from vltrain.model.vision import image_key_mask
 from vltrain.runtime.distributed import all_gather_no_grad, pad_to
 
 
@@ -95,8 +94,8 @@ def embed_list(encoder: Encoder, loader: EvalLoader, side: str, keep_tokens: boo
             tokens.append(enc.image_tokens if image else enc.text_tokens)
             if not image:
                 masks.append(inputs.attention_mask)
-            elif inputs.grids is not None:  # images at their own shape: which tokens are real
-                masks.append(image_key_mask(inputs.grids, enc.image_tokens.shape[1], inputs.pixels.shape[1]).long())
+            elif enc.image_mask is not None:  # images at their own shape: which tokens are real
+                masks.append(enc.image_mask.long())
         errors.update(dict(batch.errors))  # a padding row repeats the last row's error
     n = loader.num_samples
     out = Embedded(torch.cat(embeds)[:n], torch.cat(present)[:n], errors=list(errors.items()))

@@ -26,7 +26,6 @@ from vltrain.eval.embedding import Embedded, Encoder, cat_padded, eval_mode
 from vltrain.eval.retrieval import evaluate_retrieval, itm_rerank, multi_caption_recall, open_retrieval
 from vltrain.eval.zeroshot import evaluate_zeroshot, open_zeroshot
 from vltrain.export.native import is_exported, load_exported
-from vltrain.model.vision import image_key_mask
 from vltrain.model.interop.pretrained import is_pretrained
 from vltrain.runtime.distributed import World, all_gather_no_grad
 from vltrain.runtime.precision import Precision
@@ -108,8 +107,7 @@ def embed_pairs(encoder: Encoder, loader, keep_tokens: bool = False) -> Pairs:
         texts = Embedded(enc.text_embeds[keep].float(), keep[keep])
         if keep_tokens:
             images.tokens, texts.tokens, texts.mask = enc.image_tokens[keep], enc.text_tokens[keep], inputs.attention_mask[keep]
-            images.mask = None if inputs.grids is None else image_key_mask(
-                inputs.grids, enc.image_tokens.shape[1], inputs.pixels.shape[1])[keep].long()
+            images.mask = None if enc.image_mask is None else enc.image_mask[keep].long()
         parts.append(Pairs(images, texts, inputs.ids[keep], inputs.source[keep]))
     return _cat_pairs(parts)
 

@@ -20,6 +20,7 @@ from torch import nn
 
 from vltrain.model.fusion import FusionEncoder
 from vltrain.model.heads import ITMHead, MIMHead, MLMHead, Projection
+from vltrain.model.vision import image_key_mask
 from vltrain.model.weight_decay import default_no_weight_decay
 from vltrain.types import Encoded, ModelInputs
 
@@ -130,7 +131,10 @@ class VLModel(nn.Module):
             self._text, (input_ids, attention_mask), (input_ids[:1], torch.ones_like(attention_mask[:1])),
             inputs.has_text, None if inputs.counts is None else inputs.counts[1],
         )
-        return Encoded(image_embeds, text_embeds, image_tokens, text_tokens, a_img + a_txt)
+        image_mask = None
+        if image_tokens is not None and inputs.grids is not None:  # padded images at their own shape
+            image_mask = image_key_mask(inputs.grids, image_tokens.shape[1], pixels.shape[1])
+        return Encoded(image_embeds, text_embeds, image_tokens, text_tokens, a_img + a_txt, image_mask)
 
     def text_tokens(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         """The text tower's tokens of (e.g. masked) captions, for MLM."""

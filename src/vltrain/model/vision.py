@@ -154,14 +154,14 @@ class VisionTransformer(nn.Module):
     def pool_packed(self, x: torch.Tensor, segments: torch.Tensor, rows: int, slots: int = 0) -> torch.Tensor:
         """[rows, W]: each row's image pooled over its own positions; the first ``slots`` positions of
         each sequence hold class tokens (cls pooling reads its image's; mean pooling skips them)."""
+        if self.cfg.pooling == "cls":  # each row's class token: where its slot is (0: no image, never read)
+            place = torch.arange(segments.shape[0] * slots, device=x.device).view(-1, slots)
+            at = segments.new_zeros(rows + 1).scatter_(0, (segments[:, :slots] + 1).flatten(), place.flatten())[1:]
+            return x[:, :slots].flatten(0, 1)[at]
         row = torch.arange(rows, device=x.device)
         # the sequence holding each row's image (0: none); padding (-1) lands in a slot of its own
         sequence = torch.arange(segments.shape[0], device=x.device)[:, None].expand_as(segments)
         seq = segments.new_zeros(rows + 1).scatter_(0, (segments + 1).flatten(), sequence.flatten())[1:]
-        if self.cfg.pooling == "cls":
-            place = torch.arange(segments.shape[0] * slots, device=x.device).view(-1, slots)
-            at = segments.new_zeros(rows + 1).scatter_(0, (segments[:, :slots] + 1).flatten(), place.flatten())[1:]
-            return x[:, :slots].flatten(0, 1)[at]
         real = segments[seq] == row[:, None]
         real |= ~real.any(dim=1, keepdim=True)  # no image: all of sequence 0, never read
         if self.cfg.pooling == "mean":

@@ -32,7 +32,7 @@ import torch
 from vltrain.model.config import LossConfig
 from vltrain.model.model import VLModel
 from vltrain.model.vision import image_key_mask
-from vltrain.objectives.keyed import UNKEYED, StepKey, Stream
+from vltrain.objectives.keyed import UNKEYED, Stream
 from vltrain.objectives.losses import (
     itc_loss,
     itm_loss,
@@ -111,24 +111,23 @@ class _Columns:
     ids: torch.Tensor
     has_image: torch.Tensor
     has_text: torch.Tensor
-    grids: torch.Tensor | None = None
-    """[n, 2] the columns' image grids, for images at their own shape."""
+    image_mask: torch.Tensor | None = None
+    """[n, M] the columns' real image tokens, for images at their own shape."""
 
     @staticmethod
     def gather(enc: Encoded, inputs: ModelInputs, global_: bool) -> "_Columns":
-        meta = [inputs.ids, inputs.has_image.long(), inputs.has_text.long()]
-        if inputs.grids is not None:
-            meta += [inputs.grids[:, 0], inputs.grids[:, 1]]
-        meta = torch.stack(meta, dim=1)
+        meta = torch.stack([inputs.ids, inputs.has_image.long(), inputs.has_text.long()], dim=1)
         parts = (enc.image_tokens, enc.text_tokens, inputs.attention_mask, enc.image_embeds, enc.text_embeds, meta)
+        if enc.image_mask is not None:
+            parts += (enc.image_mask.long(),)
         if global_:
             shapes = exchange_shapes(*parts)  # one exchange; text widths differ between ranks
-            grad = (True, True, False, False, False, False)
+            grad = (True, True, False, False, False, False, False)
             parts = tuple((all_gather_with_grad if g else all_gather_no_grad)(x, s)
                           for x, s, g in zip(parts, shapes, grad))
-        *tensors, meta = parts
-        grids = meta[:, 3:5] if inputs.grids is not None else None
-        return _Columns(*tensors, meta[:, 0], meta[:, 1].bool(), meta[:, 2].bool(), grids)
+        *tensors, meta = parts[:6]
+        image_mask = parts[6].bool() if len(parts) > 6 else None
+        return _Columns(*tensors, meta[:, 0], meta[:, 1].bool(), meta[:, 2].bool(), image_mask)
 
 
 def _denominator(inputs: ModelInputs, name: str) -> torch.Tensor | None:
@@ -219,9 +218,8 @@ class Objectives:
                                                   key.uniform(Stream.ITM_IMAGE, ids, 1)[:, 0])
         valid = (inputs.has_image & inputs.has_text).float()
         image_mask = None
-        if inputs.grids is not None:  # images at their own shape: the fusion reads only real tokens
-            grids = torch.cat([inputs.grids, inputs.grids, cols.grids.index_select(0, neg_image)])
-            image_mask = image_key_mask(grids, enc.image_tokens.shape[1], inputs.pixels.shape[1])
+        if enc.image_mask is not None:  # images at their own shape: the fusion reads only real tokens
+            image_mask = torch.cat([enc.image_mask, enc.image_mask, cols.image_mask.index_select(0, neg_image)])
         return ITMPairs(
             text_tokens=torch.cat([text_tokens, cols.text_tokens.index_select(0, neg_text), text_tokens]),
             attention_mask=torch.cat([attention_mask, cols.attention_mask[neg_text], attention_mask]),
@@ -306,9 +304,7 @@ class Objectives:
         paired = inputs.has_image & inputs.has_text
         masked, labels = self._mask(model, inputs, paired)
         tokens = model.text_tokens(masked, inputs.attention_mask)
-        image_mask = None if inputs.grids is None else image_key_mask(inputs.grids, enc.image_tokens.shape[1],
-                                                                      inputs.pixels.shape[1])
-        fused = model.fuse(tokens, inputs.attention_mask, enc.image_tokens, image_mask)
+        fused = model.fuse(tokens, inputs.attention_mask, enc.image_tokens, enc.image_mask)
         per_row: list = []
         loss = mlm_loss(model.mlm_head(fused), labels, inputs.row_weights, per_row, _denominator(inputs, "mlm"))
         row_losses["mlm"] = RowLosses(per_row[0], paired & (labels != -100).any(dim=1))

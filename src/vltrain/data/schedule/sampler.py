@@ -163,6 +163,7 @@ class DistributedBatchSampler:
         # Budget batching packs under these as given: DataConfig.resolve() decides them.
         self.pad_multiple, self.token_budget, self.image_budget = s.pad_multiple, s.token_budget, s.image_budget
         self.patch_budget = s.patch_budget if s.batching == "budget" else 0
+        self._patches_total: int | None = None
         self.window = int(s.window)
         self.global_batch = s.global_batch
         self.lookahead: Callable[[np.ndarray], None] | None = None
@@ -342,7 +343,9 @@ class DistributedBatchSampler:
         if self.global_batch and self.batching == "budget":  # the step budgets decide the steps
             identity.update(token_budget=self.token_budget, image_budget=self.image_budget)
         if self.patch_budget:  # so do the patch budget and every image's patch count
-            identity.update(patch_budget=self.patch_budget, patches=int(self.table.patches.sum()))
+            if self._patches_total is None:  # a sum over every row: once, not at every checkpoint
+                self._patches_total = int(self.table.patches.sum())
+            identity.update(patch_budget=self.patch_budget, patches=self._patches_total)
         return identity
 
     def state_dict(self) -> dict:
