@@ -93,5 +93,9 @@ def test_two_ranks_train_from_s3_resume_exactly_within_the_cache_limit(s3, tmp_p
     shutil.rmtree(cache)  # a new node: nothing cached
     proc = ok(train(shapes, run, **remote))
     assert "at step 4 (exactly)" in proc.stderr, proc.stderr[-3000:]
-    assert_identical(final_state(ref), final_state(run))
+    try:
+        assert_identical(final_state(ref), final_state(run))
+    except AssertionError as e:  # once in a dozen runs seen to differ: keep what tells why
+        kept = shutil.copytree(tmp_path, Path("/tmp") / f"vltrain-s3-resume-{tmp_path.name}", dirs_exist_ok=True)
+        raise AssertionError(f"{e}\nboth runs kept in {kept}; resumed run's log tail:\n{proc.stderr[-3000:]}") from e
     assert STEPS == 10
