@@ -110,6 +110,22 @@ def test_loss_weight_two_counts_a_row_twice():
                                mim_loss(pred[twice], target[twice], mask[twice]))
 
 
+def test_the_mim_gradient_does_not_flip_on_a_rounding_error():
+    """A pixel predicted one float32 step above or below its target (a tie that training makes
+    common) gets nearly the same gradient, so splits of a step that round differently agree; L1's
+    sign would differ there by 2 / (patches x pixels). Far from the target it is L1's gradient."""
+    target = torch.full((1, 2, 12), 0.5)
+    grads = []
+    for nudge in (1, -1):
+        pred = torch.nextafter(target, target + nudge).requires_grad_()
+        mim_loss(pred, target, torch.ones(1, 2, dtype=torch.bool)).backward()
+        grads.append(pred.grad)
+    assert (grads[0] - grads[1]).abs().max() < 1e-5  # L1: 1 / 12
+    far = torch.tensor([[[1.5, -0.5]]], requires_grad=True)
+    mim_loss(far, torch.zeros(1, 1, 2), torch.ones(1, 1, dtype=torch.bool)).backward()
+    torch.testing.assert_close(far.grad, torch.tensor([[[0.5, -0.5]]]))
+
+
 def test_source_and_modality_weights_multiply_into_row_weights():
     from vltrain.data.config import ModalityWeights
 
