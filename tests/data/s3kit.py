@@ -9,6 +9,7 @@ from __future__ import annotations
 import io
 import socket
 import tarfile
+import time
 import urllib.request
 
 import pytest
@@ -97,3 +98,21 @@ def s3(s3_server: S3, monkeypatch: pytest.MonkeyPatch) -> S3:
     s3_server.reset()
     s3_server.env(monkeypatch)
     return s3_server
+
+
+def evict_after_lookup(cache, other, url: str, push: str) -> None:
+    """``url`` fetched into the cache by ``other``; the first time ``cache`` then finds it there,
+    ``other`` fetches ``push``, which evicts it, before ``cache`` can go on."""
+    other.local(url)
+    path, fresh, cache.raced = cache.path_for(url), cache._fresh, []
+
+    def fresh_then_evicted(p, want) -> bool:
+        found = fresh(p, want)
+        if found and p == path and not cache.raced:
+            cache.raced.append(p)
+            time.sleep(0.02)  # a younger file than it: evicted first
+            other.local(push)
+            assert not p.exists()
+        return found
+
+    cache._fresh = fresh_then_evicted

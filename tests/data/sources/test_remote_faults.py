@@ -17,7 +17,7 @@ pytest.importorskip("s3fs")
 pytest.importorskip("moto.server")
 
 from multiproc import free_port  # noqa: E402
-from s3kit import S3, s3, s3_server, tar_shard  # noqa: E402,F401  (fixtures)
+from s3kit import S3, evict_after_lookup, s3, s3_server, tar_shard  # noqa: E402,F401  (fixtures)
 
 from vltrain.data.index.open import open_indexed  # noqa: E402
 from vltrain.data.sources.remote import RemoteReadError  # noqa: E402
@@ -100,6 +100,21 @@ def test_a_shard_evicted_while_open_is_closed_and_downloaded_again(s3, tmp_path)
     downloads = source.cache.stats.downloads
     assert source.read_image(0) == first  # the schedule comes back to it: fetched again
     assert source.cache.stats.downloads == downloads + 1
+
+
+def test_a_shard_evicted_between_its_lookup_and_its_open_is_fetched_again(s3, tmp_path):
+    """Another rank's download can evict the shard a worker has just found in the cache, before
+    the worker opens it: the read must still succeed, not fail (the sample would be replaced in
+    this run only, and a resumed run would differ from the uninterrupted one)."""
+    from vltrain.data.sources.shard_cache import ShardCache
+
+    pattern, shard = upload(s3)
+    cache_dir = tmp_path / "cache"
+    source = open_indexed(pattern, None, 16, cache_dir=cache_dir, cache_limit_gb=1.5 * shard / 2**30)
+    other = ShardCache(cache_dir, source.cache.limit_bytes)  # another process on the same cache
+    evict_after_lookup(source.cache, other, source.files[0], source.files[3])
+    assert source.read_image(0) == bytes([0]) * IMAGE_BYTES  # tar_shard's image of row 0, shard 0
+    assert source.cache.raced
 
 
 def test_local_descriptors_stay_open(tmp_path):

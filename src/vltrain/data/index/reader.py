@@ -168,7 +168,7 @@ class IndexedSource(Source):
         if fd is None:
             if len(self._fds) >= 64:
                 os.close(self._fds.pop(next(iter(self._fds))))
-            fd = self._fds[file] = os.open(self._local(file), os.O_RDONLY)
+            fd = self._fds[file] = self._open(file)
         data = os.pread(fd, length, offset)
         if self.cache is not None and (file != self._reading or time.monotonic() > self._swept + SWEEP_S):
             self._reading = file
@@ -272,6 +272,13 @@ class IndexedSource(Source):
         if ext is None:
             raise ValueError(f"row {i} of {self.name} has no image")
         return members[ext]
+
+    def _open(self, file: str) -> int:
+        """A descriptor of a manifest or shard: of the file itself, or of its cached copy, opened by
+        the cache (a path from it may be evicted by another process before it is opened)."""
+        if self.cache is None:
+            return os.open(file, os.O_RDONLY)
+        return self.cache.open_fd(file, self._stat.get(file))
 
     def _local(self, file: str) -> str:
         """A manifest or shard as a local file: itself, or its whole copy in the shard cache."""

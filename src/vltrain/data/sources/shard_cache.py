@@ -42,6 +42,10 @@ than the network, and a failed chunk is retried alone."""
 LOCK_WAIT_S = 1800.0
 """The longest a process waits for another's download (which touches its lock after every chunk,
 so that a lock from a dead process on another host is taken over after filelock.STALE_S)."""
+OPEN_TRIES = 3
+"""Tries to open an object that another process downloaded and a third evicted before this one
+could open it (each try may download it here, which cannot fail so): more means a cache far too
+small for the shards being read at once."""
 DOWN_S = 30.0
 """After a read that failed past its retries, further reads from the same store (endpoint and
 bucket, or host) that the cache cannot answer fail at once for this long, then are tried again.
@@ -69,9 +73,10 @@ class ShardCache:
     changed object is downloaded again.
 
     Eviction deletes files other processes may be reading. On Linux an open file stays readable
-    after it is unlinked, so a reader should hold one open file per shard (``open()``), not
-    reopen ``local()``'s path per sample. Downloads in progress are not counted against the
-    limit, so the cache may exceed it by what is being fetched.
+    after it is unlinked, so a reader should hold one open file per shard (``open()`` or
+    ``open_fd()``), not open ``local()``'s path: that path may be gone by the time it is opened.
+    Downloads in progress are not counted against the limit, so the cache may exceed it by what
+    is being fetched.
 
     A store whose read failed past the retries is remembered as down for ``DOWN_S`` (per
     process): reads from it that need a download fail at once with that failure's message, while
@@ -117,7 +122,14 @@ class ShardCache:
         return self.root / f"{digest}-{name}"
 
     def local(self, url: str, stat: dict | None = None) -> Path:
-        """A local file holding the whole object at ``url``, downloaded first when needed."""
+        """A local file holding the whole object at ``url``, downloaded first when needed. Another
+        process may evict it at any time: to read it, use ``open()`` or ``open_fd()``."""
+        os.close(self.open_fd(url, stat))
+        return self.path_for(url)
+
+    def open_fd(self, url: str, stat: dict | None = None) -> int:
+        """The whole object at ``url`` opened read-only, downloaded first when needed; the
+        descriptor outlives an eviction of the object."""
         if os.getpid() != self._pid:
             self._reset()
         with self._mutex:
@@ -125,19 +137,42 @@ class ShardCache:
         if pending is not None:
             with contextlib.suppress(Exception):  # its error, if any, is raised again below
                 pending.result()
-        return self._local(url, stat)
+        return self._open(url, stat)
 
-    def _local(self, url: str, stat: dict | None) -> Path:
+    def _open(self, url: str, stat: dict | None) -> int:
+        """A cached copy is opened before it is checked, and a download before it is renamed into
+        place: never by a path checked earlier, which another process's download may evict in
+        between (a reader meeting FileNotFoundError would replace a sample in this run only)."""
         path = self.path_for(url)
         want = stat or self._known.get(url)
-        if want is None or not self._fresh(path, want):
+        for _ in range(OPEN_TRIES):
+            fd = None if want is None else self._open_fresh(path, want)
+            if fd is not None:
+                filelock.touch(path)  # its last use, for LRU eviction
+                self._count(hits=1)
+                return fd
             with self._outage(url):
                 want = want or self._stat(url)
-                if not self._fresh(path, want):
-                    return self._fetch_locked(url, path, want)
-        filelock.touch(path)  # its last use, for LRU eviction
-        self._count(hits=1)
-        return path
+                fd = self._fetch_locked(url, path, want)
+            if fd is not None:
+                return fd
+        raise RemoteReadError(f"{url}: evicted from {self.root} by other processes {OPEN_TRIES} times before "
+                              "it could be opened; raise data.cache_limit_gb")
+
+    def _open_fresh(self, path: Path, want: dict) -> int | None:
+        """``path`` opened if it holds the object ``want`` describes (its record says so, and the
+        path still names the opened file), else None."""
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except FileNotFoundError:
+            return None
+        try:
+            if self._fresh(path, want) and os.fstat(fd).st_ino == path.stat().st_ino:
+                return fd
+        except FileNotFoundError:
+            pass
+        os.close(fd)
+        return None
 
     @contextlib.contextmanager
     def _outage(self, url: str) -> Iterator[None]:
@@ -157,13 +192,8 @@ class ShardCache:
             raise
 
     def open(self, url: str, stat: dict | None = None) -> BinaryIO:
-        """``local(url)`` opened for reading; the open file outlives an eviction of the object."""
-        for _ in range(3):
-            try:
-                return open(self.local(url, stat), "rb")
-            except FileNotFoundError:
-                continue  # evicted by another process between the two calls
-        raise RemoteReadError(f"{url}: evicted from {self.root} as soon as fetched; raise data.cache_limit_gb")
+        """``open_fd(url)`` as a file; the open file outlives an eviction of the object."""
+        return os.fdopen(self.open_fd(url, stat), "rb")
 
     def prefetch(self, urls: Iterable[str]) -> int:
         """Start downloading ``urls`` in the background, in order; how many were started.
@@ -218,7 +248,7 @@ class ShardCache:
 
     def _prefetch_one(self, url: str) -> None:
         try:
-            self._local(url, None)
+            os.close(self._open(url, None))
         except Exception:
             self._count(prefetch_errors=1)
 
@@ -245,21 +275,25 @@ class ShardCache:
             return False
         return not (want.get("version") and have.get("version") != want["version"])
 
-    def _fetch_locked(self, url: str, path: Path, want: dict) -> Path:
-        """Download under the object's lock, or wait for the process that holds it."""
+    def _fetch_locked(self, url: str, path: Path, want: dict) -> int | None:
+        """Download under the object's lock, or wait for the process that holds it; the object
+        opened, or None when another process's download of it was evicted before it was opened."""
         self.root.mkdir(parents=True, exist_ok=True)
         lock = path.with_name(path.name.split("-", 1)[0] + ".lock")
         with filelock.exclusive(lock, self.lock_wait_s, lambda: self._fresh(path, want), f"download {url}") as mine:
-            if mine and not self._fresh(path, want):
-                self._download(url, path, want, lock)
+            fd = self._open_fresh(path, want)
+            if fd is None and mine:
+                fd = self._download(url, path, want, lock)
                 self._evict(keep=path)
-                return path
-        filelock.touch(path)  # its last use, for LRU eviction
-        self._count(hits=1)
-        return path
+                return fd
+        if fd is not None:
+            filelock.touch(path)  # its last use, for LRU eviction
+            self._count(hits=1)
+        return fd
 
-    def _download(self, url: str, path: Path, want: dict, lock: Path) -> None:
-        """Stream into a temporary file, then rename it into place and record what it is."""
+    def _download(self, url: str, path: Path, want: dict, lock: Path) -> int:
+        """Stream into a temporary file, then rename it into place and record what it is; the file
+        opened for reading before the rename, so that no eviction can take it from this process."""
         fs, rpath = filesystem(url, self.storage_options)
         tmp = path.with_name(f"{path.name}.{socket.gethostname()}.{os.getpid()}.{threading.get_ident()}.tmp")
         size = want.get("size")
@@ -274,15 +308,21 @@ class ShardCache:
                     self._get_chunks(fs, rpath, url, size, fd, lock)
             finally:
                 os.close(fd)
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(_meta(path))  # the old record goes first: never an old record over new bytes
-            os.replace(tmp, path)
-            _write_json(_meta(path), {"url": url, "size": size, "version": want.get("version", "")})
+            reader = os.open(tmp, os.O_RDONLY)
+            try:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(_meta(path))  # the old record goes first: never an old record over new bytes
+                os.replace(tmp, path)
+                _write_json(_meta(path), {"url": url, "size": size, "version": want.get("version", "")})
+            except BaseException:
+                os.close(reader)
+                raise
         except BaseException:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(tmp)
             raise
         self._count(downloads=1, bytes_downloaded=size)
+        return reader
 
     def _get_chunks(self, fs: Any, rpath: str, url: str, size: int, fd: int, lock: Path) -> None:
         def one(start: int) -> None:
