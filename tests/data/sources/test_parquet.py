@@ -1,7 +1,7 @@
 import numpy as np
 import pytest
 from parquetkit import hub_parquet, img2dataset_parquet, shapes
-from s3kit import s3, s3_server  # noqa: F401  (fixtures)
+from s3kit import evict_after_lookup, s3, s3_server  # noqa: F401  (fixtures)
 
 from vltrain.data.config import CsvConfig
 from vltrain.data.index.open import open_indexed
@@ -137,6 +137,24 @@ def test_remote_parquet_is_cached_whole_and_reads_like_local(hub, s3, tmp_path):
     assert [source.row(i).text for i in range(12)] == [c for _, c in pairs]
     listed = open_indexed("s3://bucket/hub/train-*.parquet", None, 77, cache_dir=tmp_path / "cache")  # a glob
     assert listed.files == source.files and [listed.row(i).text for i in range(12)] == [c for _, c in pairs]
+
+
+def test_a_remote_parquet_file_evicted_between_its_lookup_and_its_open_is_fetched_again(hub, s3, tmp_path):
+    """As for tar shards: another process's download evicts the file a reader has just found in
+    the cache, before pyarrow opens it. The row must still read, not be replaced in this run only."""
+    from vltrain.data.sources.shard_cache import ShardCache
+
+    root, pairs, files = hub
+    s3.fs.mkdir("bucket")
+    for f in files:
+        s3.fs.put(str(f), f"bucket/hub/{f.name}")
+    cache_dir = tmp_path / "cache"
+    limit = int(1.5 * max(f.stat().st_size for f in files))
+    source = open_indexed("s3://bucket/hub/train-{00000..00002}-of-00003.parquet", None, 77,
+                          cache_dir=cache_dir, cache_limit_gb=limit / 2**30)
+    evict_after_lookup(source.cache, ShardCache(cache_dir, limit), source.files[0], source.files[2])
+    assert source.read_image(0) == pairs[0][0]
+    assert source.cache.raced
 
 
 def test_the_data_tools_read_parquet(hub, capsys, tmp_path):

@@ -26,6 +26,7 @@ import json
 import os
 import time
 from pathlib import Path
+from typing import BinaryIO
 
 import numpy as np
 
@@ -246,7 +247,7 @@ class IndexedSource(Source):
         if self._row is not None and self._row[0] == i:
             return self._row[1]
         file = self.files[k]
-        given, text, image = self._groups.fields(file, g, r, self._local)
+        given, text, image = self._groups.fields(file, g, r, self._parquet_input)
         if isinstance(image, str):
             image = image_path(file, image)
         ref = image if isinstance(image, str) else None if image is None else f"{file}:{g}:{r}.{image_ext(image)}"
@@ -280,9 +281,10 @@ class IndexedSource(Source):
             return os.open(file, os.O_RDONLY)
         return self.cache.open_fd(file, self._stat.get(file))
 
-    def _local(self, file: str) -> str:
-        """A manifest or shard as a local file: itself, or its whole copy in the shard cache."""
-        return str(self.cache.local(file, self._stat.get(file))) if self.cache is not None else file
+    def _parquet_input(self, file: str) -> str | BinaryIO:
+        """A parquet file for pyarrow: its path, or its cached copy already open (a path to the
+        copy could be evicted before pyarrow opened it, as ``_open`` says)."""
+        return self.cache.open(file, self._stat.get(file)) if self.cache is not None else file
 
     def _read_image_file(self, image: str) -> bytes:
         base = self.files[0].rsplit("/", 1)[0] if "/" in self.files[0] else "."

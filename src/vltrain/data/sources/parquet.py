@@ -198,8 +198,8 @@ class RowGroupReader:
 
     def group(self, file: str, g: int, local) -> dict:
         """Row group ``g`` of ``file`` as {column: array}, read (the wanted columns) on first use
-        from ``local(file)``, the file itself or its copy in the shard cache; the open file is
-        held, so it survives the copy's eviction."""
+        from ``local(file)``: the file's path, or its copy in the shard cache already open; the
+        open file is held, so it survives the copy's eviction."""
         if os.getpid() != self._pid:  # a forked loader worker reads on its own
             self._files, self._groups, self._bytes, self._pid = {}, OrderedDict(), 0, os.getpid()
         key = (file, g)
