@@ -24,7 +24,6 @@ from __future__ import annotations
 import csv
 import json
 import os
-import time
 from pathlib import Path
 from typing import BinaryIO
 
@@ -50,8 +49,6 @@ INDEX_VERSION = 2
 """2: ``meta.json`` lists the damaged files and row groups (``damaged``)."""
 COLUMNS = {"offset": np.uint64, "length": np.uint32, "line": np.uint32, "has_image": np.bool_, "has_text": np.bool_}
 BYTES_PER_SAMPLE = sum(np.dtype(t).itemsize for t in COLUMNS.values()) + 2  # + the token counts
-SWEEP_S = 1.0
-"""How often a process reading one remote file checks whether its other open files were evicted."""
 PROBLEMS_KEPT = 1000
 """Problems held in memory (the first ones); all of them are in problems.jsonl."""
 
@@ -108,9 +105,6 @@ class IndexedSource(Source):
         """Where the token counts for the dataset's tokenizer are (or will be) stored."""
         self._stat = {f["path"]: {"size": f["size"], "version": f.get("version", "")} for f in meta["files"]}
         self._fds: dict[str, int] = {}
-        self._reading: str | None = None
-        """The remote file read last: an evicted one is closed when the reads move on."""
-        self._swept = 0.0
         self._pid = os.getpid()
         self._span: tuple[int, dict[str, bytes], str] | None = None
         self._row: tuple[int, Row | tuple] | None = None  # parquet: (Row, image)
@@ -163,36 +157,25 @@ class IndexedSource(Source):
     # -- rows -----------------------------------------------------------------------------------
 
     def _read(self, file: str, offset: int, length: int) -> bytes:
-        if os.getpid() != self._pid:  # a forked loader worker opens its own descriptors
-            self._fds, self._pid, self._reading = {}, os.getpid(), None
-        fd = self._fds.get(file)
-        if fd is None:
-            if len(self._fds) >= 64:
-                os.close(self._fds.pop(next(iter(self._fds))))
-            fd = self._fds[file] = self._open(file)
+        fd = self.cache.hold(file, self._stat.get(file)) if self.cache is not None else self._local_fd(file)
         data = os.pread(fd, length, offset)
-        if self.cache is not None and (file != self._reading or time.monotonic() > self._swept + SWEEP_S):
-            self._reading = file
-            self._close_evicted()
         if len(data) != length:
             raise OSError(f"{file} ends early: wanted {length} bytes at offset {offset}, got {len(data)} "
                           "(the file changed after it was indexed?)")
         return data
 
-    def _close_evicted(self) -> None:
-        """Close the cached files the shard cache has deleted since they were opened.
-
-        An unlinked file keeps its disk space while a descriptor holds it, outside the cache's
-        account: held for long, they would fill the disk whatever ``data.cache_limit_gb`` says.
-        So a process holds an evicted file only while it reads that one file (its window: checked
-        when the reads move to another file, and every SWEEP_S); the next read of it goes through
-        the cache again (downloaded anew, with its retries). Local files are never
-        deleted, so their descriptors stay open.
-        """
-        self._swept = time.monotonic()
-        for name, fd in list(self._fds.items()):
-            if name != self._reading and os.fstat(fd).st_nlink == 0:
-                os.close(self._fds.pop(name))
+    def _local_fd(self, file: str) -> int:
+        """A descriptor on a local file, kept open (the 64 last opened): local files are never
+        deleted. A remote file's copy is held by the shard cache instead, one at a time
+        (``ShardCache.hold``): an evicted copy held open would keep its disk space."""
+        if os.getpid() != self._pid:  # a forked loader worker opens its own descriptors
+            self._fds, self._pid = {}, os.getpid()
+        fd = self._fds.get(file)
+        if fd is None:
+            if len(self._fds) >= 64:
+                os.close(self._fds.pop(next(iter(self._fds))))
+            fd = self._fds[file] = os.open(file, os.O_RDONLY)
+        return fd
 
     def row(self, i: int) -> Row:
         c = self.columns
@@ -274,17 +257,12 @@ class IndexedSource(Source):
             raise ValueError(f"row {i} of {self.name} has no image")
         return members[ext]
 
-    def _open(self, file: str) -> int:
-        """A descriptor of a manifest or shard: of the file itself, or of its cached copy, opened by
-        the cache (a path from it may be evicted by another process before it is opened)."""
-        if self.cache is None:
-            return os.open(file, os.O_RDONLY)
-        return self.cache.open_fd(file, self._stat.get(file))
-
     def _parquet_input(self, file: str) -> str | BinaryIO:
-        """A parquet file for pyarrow: its path, or its cached copy already open (a path to the
-        copy could be evicted before pyarrow opened it, as ``_open`` says)."""
-        return self.cache.open(file, self._stat.get(file)) if self.cache is not None else file
+        """What a parquet file is read from: its path, or the shard cache's held copy (not closed
+        here: the cache closes it when this process moves to another file)."""
+        if self.cache is None:
+            return file
+        return open(self.cache.hold(file, self._stat.get(file)), "rb", closefd=False)
 
     def _read_image_file(self, image: str) -> bytes:
         base = self.files[0].rsplit("/", 1)[0] if "/" in self.files[0] else "."
@@ -304,7 +282,7 @@ class IndexedSource(Source):
 
     def __getstate__(self) -> dict:
         state = dict(self.__dict__)
-        state.update(_fds={}, _reading=None, _span=None, _row=None, columns=None, lengths=None)
+        state.update(_fds={}, _span=None, _row=None, columns=None, lengths=None)
         return state
 
     def __setstate__(self, state: dict) -> None:

@@ -198,8 +198,9 @@ class RowGroupReader:
 
     def group(self, file: str, g: int, local) -> dict:
         """Row group ``g`` of ``file`` as {column: array}, read (the wanted columns) on first use
-        from ``local(file)``: the file's path, or its copy in the shard cache already open; the
-        open file is held, so it survives the copy's eviction."""
+        from ``local(file)``: the file's path, kept open (the 64 last used), or for a remote file
+        the copy the shard cache holds open for this process (``ShardCache.hold``), read from
+        and let go, since an evicted copy held open would keep its disk space."""
         if os.getpid() != self._pid:  # a forked loader worker reads on its own
             self._files, self._groups, self._bytes, self._pid = {}, OrderedDict(), 0, os.getpid()
         key = (file, g)
@@ -209,9 +210,12 @@ class RowGroupReader:
             return found
         f = self._files.get(file)
         if f is None:
-            if len(self._files) >= 64:
-                self._files.pop(next(iter(self._files)))
-            f = self._files[file] = require_pyarrow().ParquetFile(local(file))
+            where = local(file)
+            f = require_pyarrow().ParquetFile(where)
+            if isinstance(where, str):
+                if len(self._files) >= 64:
+                    self._files.pop(next(iter(self._files)))
+                self._files[file] = f
         columns = [c for c in (self.spec["image"], self.spec["text"], self.spec["id"]) if c]
         try:
             table = f.read_row_group(g, columns=columns)

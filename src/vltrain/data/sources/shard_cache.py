@@ -73,10 +73,11 @@ class ShardCache:
     changed object is downloaded again.
 
     Eviction deletes files other processes may be reading. On Linux an open file stays readable
-    after it is unlinked, so a reader should hold one open file per shard (``open()`` or
-    ``open_fd()``), not open ``local()``'s path: that path may be gone by the time it is opened.
-    Downloads in progress are not counted against the limit, so the cache may exceed it by what
-    is being fetched.
+    after it is unlinked, so a reader reads through a descriptor (``hold()``), not by opening
+    ``local()``'s path, which may be gone by then; but the unlinked file keeps its blocks while it is open, so a
+    process holds one at a time. Downloads in progress are not counted against the limit. So the
+    disk held is at most the limit plus one shard per process that reads (open or downloading)
+    and one per download ahead (``prefetch``): docs/formats.md, "The shard cache".
 
     A store whose read failed past the retries is remembered as down for ``DOWN_S`` (per
     process): reads from it that need a download fail at once with that failure's message, while
@@ -194,6 +195,25 @@ class ShardCache:
     def open(self, url: str, stat: dict | None = None) -> BinaryIO:
         """``open_fd(url)`` as a file; the open file outlives an eviction of the object."""
         return os.fdopen(self.open_fd(url, stat), "rb")
+
+    def hold(self, url: str, stat: dict | None = None) -> int:
+        """A read-only descriptor on ``url``'s cached copy: the one cached file this process holds.
+
+        An evicted file keeps its blocks while a descriptor holds it, outside the limit's account,
+        so a process that held every file it read would fill the disk whatever the limit says. A
+        process holds one at a time instead: the previous one is closed before ``url`` is looked
+        up (and perhaps downloaded), so it never holds an evicted file while it downloads another.
+        Reading on in the same file costs nothing; moving to another costs one cache lookup. The
+        descriptor is valid until the next ``hold`` or ``release`` in this process (one reading
+        thread per process, as a loader worker has).
+        """
+        key = (str(self.root), url)
+        if _held.key == key and _held.pid == os.getpid():
+            return _held.fd
+        release()
+        fd = self.open_fd(url, stat)
+        _held.key, _held.pid, _held.fd = key, os.getpid(), fd
+        return fd
 
     def prefetch(self, urls: Iterable[str]) -> int:
         """Start downloading ``urls`` in the background, in order; how many were started.
@@ -377,6 +397,29 @@ class ShardCache:
                     os.unlink(f)
             total -= size
             self._count(evictions=1)
+
+
+class _Held:
+    """The cached file a process holds open for reading (``ShardCache.hold``): one per process,
+    whatever the number of sources and caches, so that the disk bound counts one per process."""
+
+    key: tuple[str, str] | None = None
+    pid: int | None = None
+    fd: int = -1
+
+
+_held = _Held()
+
+
+def release() -> None:
+    """Close the cached file this process holds, if any.
+
+    A forked loader worker inherits its parent's descriptor, a copy that would keep the file's
+    blocks for the worker's life: it is closed in the worker too."""
+    if _held.key is not None:
+        fd, _held.key, _held.pid, _held.fd = _held.fd, None, None, -1
+        with contextlib.suppress(OSError):
+            os.close(fd)
 
 
 def _meta(path: Path) -> Path:
