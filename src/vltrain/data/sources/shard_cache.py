@@ -204,8 +204,7 @@ class ShardCache:
         process holds one at a time instead: the previous one is closed before ``url`` is looked
         up (and perhaps downloaded), so it never holds an evicted file while it downloads another.
         Reading on in the same file costs nothing; moving to another costs one cache lookup. The
-        descriptor is valid until the next ``hold`` or ``release`` in this process (one reading
-        thread per process, as a loader worker has).
+        descriptor is valid until the next ``hold`` or ``release`` in this thread.
         """
         key = (str(self.root), url)
         if _held.key == key and _held.pid == os.getpid():
@@ -399,9 +398,11 @@ class ShardCache:
             self._count(evictions=1)
 
 
-class _Held:
-    """The cached file a process holds open for reading (``ShardCache.hold``): one per process,
-    whatever the number of sources and caches, so that the disk bound counts one per process."""
+class _Held(threading.local):
+    """The cached file a process holds open for reading (``ShardCache.hold``): one per process
+    (per reading thread, should a process read from several), whatever the number of sources and
+    caches, so that the disk bound counts one per process. Per thread, so that no thread closes a
+    descriptor another is reading from."""
 
     key: tuple[str, str] | None = None
     pid: int | None = None
