@@ -309,12 +309,18 @@ def host_any(flag: bool) -> bool:
 
 def host_flags(*flags: bool) -> tuple[bool, ...]:
     """For each flag, whether it is set on any rank: one all-reduce of host memory, as :func:`host_any`."""
+    return tuple(v > 0 for v in host_sums(*(int(f) for f in flags)))
+
+
+def host_sums(*values: int) -> tuple[int, ...]:
+    """Each count summed over ranks: one all-reduce of host memory, as :func:`host_any`, so that
+    flags and host-side counts (a step's bad samples) ride in the same small exchange."""
     if world_info()[1] == 1:
-        return tuple(flags)
-    t = torch.tensor([int(f) for f in flags], dtype=torch.int32)
+        return tuple(values)
+    t = torch.tensor(values, dtype=torch.int64)
     group = host_group()
-    issue("all_reduce", t, lambda: dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group), sent=4 * len(flags))
-    return tuple(v > 0 for v in t.tolist())
+    issue("all_reduce", t, lambda: dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group), sent=8 * len(values))
+    return tuple(t.tolist())
 
 
 def barrier() -> None:
