@@ -36,7 +36,7 @@ from vltrain.errors import UserError
 from vltrain.eval.evaluator import Evaluator, append_eval, check_early_stop_metric, format_metrics
 from vltrain.objectives.keyed import StepKey
 from vltrain.objectives.task import Task
-from vltrain.runtime.distributed import all_reduce_sum, host_flags, release_mesh
+from vltrain.runtime.distributed import all_gather_object, all_reduce_sum, host_sums, release_mesh
 from vltrain.runtime.faults import maybe_fail
 from vltrain.runtime.precision import Precision
 from vltrain.runtime.preemption import EXIT_CODE as PREEMPTED_EXIT
@@ -280,6 +280,7 @@ class Trainer:
             result, grad_norm = self.train_step(micro)
             RECORDER.end(self.device)
             self.step += 1
+            self._stop_on_bad_samples()
             self.throughput.add(0, wait, self._flops(micro))
             self.metrics.advance()
             if self.step % tc.log_every == 0 or self.step == tc.max_steps:
@@ -297,7 +298,7 @@ class Trainer:
         if self.evaluator and evaluated_at != self.step:
             last_eval = self.run_eval()
         self._checkpoint(final=True)
-        self.bad_samples = self._bad_samples()
+        self.bad_samples = self.loader.bad_log.num_bad
         return last_eval
 
     def _next_micro_batches(self) -> tuple[list[Batch], float]:
@@ -349,8 +350,12 @@ class Trainer:
         self.guard.record_on_device(skip)
         self._samples_pending = packet[1] if self._samples_pending is None else self._samples_pending + packet[1]
         self._meter_sources(inputs, result, ~skip)
-        # the preemption flag and a timed save's clock live on the host: agreed over host memory, every step
-        self.preempt_agreed, self.save_due = host_flags(self.preemption.requested, self.checkpointer.due())
+        # the preemption flag, a timed save's clock and the bad samples the loader replaced live on
+        # the host: agreed over host memory, every step, in one exchange
+        preempt, due, bad, tried = host_sums(self.preemption.requested, self.checkpointer.due(),
+                                             *self.loader.bad_log.take())
+        self.preempt_agreed, self.save_due = preempt > 0, due > 0
+        self.loader.bad_log.add(bad, tried)
         return StepLosses(packet[2], {k: packet[3 + i] for i, k in enumerate(names)}), grad_norm
 
     def _keyed(self, inputs: list[ModelInputs]) -> list[ModelInputs]:
@@ -390,11 +395,15 @@ class Trainer:
         for source, row_losses in result.rows:
             self.source_meter.add(source, row_losses, applied)
 
-    def _bad_samples(self) -> int:
-        """Samples replaced so far on every rank together (one all-reduce: call it on every rank)."""
+    def _stop_on_bad_samples(self) -> None:
+        """Stop past ``data.max_bad_fraction``, judged on every rank's samples together (agreed in
+        :meth:`train_step`): every rank stops after the same step with the same message. Only then
+        do the ranks exchange their last failure, so that the message names the same one."""
         log = self.loader.bad_log
-        count = torch.tensor(float(log.num_bad if log is not None else 0), dtype=torch.float64, device=self.device)
-        return int(all_reduce_sum(count).item()) if self.world.world_size > 1 else int(count.item())
+        if not log.too_many():
+            return
+        last = next((x for x in all_gather_object(log.last) if x is not None), None)
+        raise log.error(self.step, last)
 
     def _log(self, result: StepLosses, grad_norm: torch.Tensor) -> None:
         skipped = self.settle()
@@ -406,7 +415,7 @@ class Trainer:
             "skipped": skipped > 0,  # a step since the last log line (log_every 1: this step)
             "skipped_total": self.guard.total,
             "samples_seen": self.samples_seen,
-            "data/bad_samples": self._bad_samples(),
+            "data/bad_samples": self.loader.bad_log.num_bad,
             **self.throughput.read(),
             **self.source_meter.read(),
             "peak_memory_gb": peak_memory_bytes(self.device) / 2**30,

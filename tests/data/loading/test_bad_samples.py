@@ -17,11 +17,19 @@ def batch(n, errors=()):
     )
 
 
+def step(log, b, number=1):
+    """One step of a world of one: the loader records, the trainer adds the step's counts and judges."""
+    log.record(b)
+    log.add(*log.take())
+    if log.too_many():
+        raise log.error(number, log.last)
+
+
 def test_errors_are_appended_to_bad_samples_jsonl(tmp_path):
     log = BadSampleLog(tmp_path, max_bad_fraction=0.5)
-    log.record(batch(4, [("a", "empty file (0 bytes)")]))
-    log.record(batch(4))
-    log.record(batch(4, [("b", "image file not found: ü.png")]))
+    step(log, batch(4, [("a", "empty file (0 bytes)")]))
+    step(log, batch(4))
+    step(log, batch(4, [("b", "image file not found: ü.png")]))
     lines = [json.loads(x) for x in (tmp_path / "bad_samples.jsonl").read_text(encoding="utf-8").splitlines()]
     assert lines == [{"key": "a", "reason": "empty file (0 bytes)"}, {"key": "b", "reason": "image file not found: ü.png"}]
     assert (log.num_bad, log.num_seen) == (2, 14)
@@ -29,9 +37,9 @@ def test_errors_are_appended_to_bad_samples_jsonl(tmp_path):
 
 def test_one_early_bad_sample_does_not_stop_the_run(tmp_path):
     log = BadSampleLog(tmp_path, max_bad_fraction=0.01)
-    log.record(batch(8, [("a", "r")]))
+    step(log, batch(8, [("a", "r")]))
     for _ in range(20):
-        log.record(batch(8))
+        step(log, batch(8))
     assert log.num_bad == 1
 
 
@@ -40,41 +48,42 @@ def test_a_rate_under_the_limit_survives_whatever_the_batch_size(tmp_path, batch
     """openclipart: 15 images over the pixel limit in 7,000 (0.2%), two of them in the first 194
     samples at batch 64: a run must not stop on that, at either batch size."""
     log = BadSampleLog(tmp_path, max_bad_fraction=0.01)
-    log.record(batch(192, [("big1", "too many pixels"), ("big2", "too many pixels")]))
+    step(log, batch(192, [("big1", "too many pixels"), ("big2", "too many pixels")]))
     later = [300 + 500 * i for i in range(13)]  # sample positions of the other 13
     for start in range(192, 7000, batch_size):
         n = sum(start <= p < start + batch_size for p in later)
-        log.record(batch(batch_size - n, [("x", "too many pixels")] * n))
+        step(log, batch(batch_size - n, [("x", "too many pixels")] * n))
     assert log.num_bad == 15
 
 
 def test_a_rate_over_the_limit_stops_once_the_evidence_says_so(tmp_path):
     log = BadSampleLog(tmp_path, max_bad_fraction=0.01)
-    with pytest.raises(DataError, match=r"failed to load \(listed in .*bad_samples.jsonl\): at least .* with "
-                                        r"confidence, more than data.max_bad_fraction=0.01. Last: k: gone"):
-        for _ in range(100):  # 5% bad
-            log.record(batch(19, [("k", "gone")]))
+    with pytest.raises(DataError, match=r"failed to load by step 5 \(listed in .*bad_samples.jsonl\): at least .* "
+                                        r"with confidence, more than data.max_bad_fraction=0.01. Last: k: gone"):
+        for i in range(100):  # 5% bad
+            step(log, batch(19, [("k", "gone")]), i + 1)
     assert 100 <= log.num_seen < 2000
 
 
 def test_all_bad_from_the_start_stops_at_once(tmp_path):
     log = BadSampleLog(tmp_path, max_bad_fraction=0.5)
-    log.record(batch(0, [("a", "image file not found: a.jpg")] * 8))
+    step(log, batch(0, [("a", "image file not found: a.jpg")] * 8))
     with pytest.raises(DataError, match="16 of 16 samples failed to load .*: every one of them"):
-        log.record(batch(0, [("b", "image file not found: b.jpg")] * 8))
+        step(log, batch(0, [("b", "image file not found: b.jpg")] * 8))
 
 
 def test_strict_limit_stops_on_the_first_bad_sample(tmp_path):
     log = BadSampleLog(tmp_path, max_bad_fraction=0.0)
-    log.record(batch(64))
+    step(log, batch(64))
     with pytest.raises(DataError):
-        log.record(batch(63, [("a", "r")]))
+        step(log, batch(63, [("a", "r")]))
 
 
 def test_state_round_trips_and_no_run_dir_writes_nothing(tmp_path):
     log = BadSampleLog(None, max_bad_fraction=1.0)
-    log.record(batch(3, [("a", "r")]))
+    step(log, batch(3, [("a", "r")]))
     other = BadSampleLog(None, max_bad_fraction=1.0)
     other.load_state_dict(log.state_dict())
     assert (other.num_bad, other.num_seen) == (1, 4)
     assert not list(tmp_path.iterdir())
+

@@ -39,6 +39,12 @@ class BadSampleLog:
     rate is above ``max_bad_fraction`` with confidence (:func:`rate_lower_bound`, from ``MIN_SEEN``
     samples on), whatever the batch size or the order the samples came in, and at once when the
     first ``ALL_BAD`` all failed. ``max_bad_fraction=0`` stops on the first failure.
+
+    The stop is one decision for the whole run: each rank's loader records what it replaced
+    (:meth:`record`), the trainer sums every rank's counts of a step (:meth:`take`, then
+    :meth:`add`) and every rank judges those same totals (:meth:`too_many`) after the same step.
+    A rank judging its own rows alone would stop while the others wait for it in the next
+    collective, and when a run stops would depend on how its rows were split among ranks.
     """
 
     def __init__(self, run_dir: str | Path | None, max_bad_fraction: float, damaged: list[dict] = (),
@@ -47,6 +53,9 @@ class BadSampleLog:
         self.max_bad_fraction = max_bad_fraction
         self.num_bad = 0
         self.num_seen = 0
+        """Over every rank, as of the last step (:meth:`add`): what is judged, and saved."""
+        self._new = [0, 0]
+        """This rank's failed and tried samples not yet taken into the totals."""
         self.last: tuple[str, str] | None = None
         self.lost = sum(int(d["lost"]) for d in damaged)
         """Samples lost in damaged files (known when the index was built, before any was read)."""
@@ -80,8 +89,9 @@ class BadSampleLog:
         return self.known + (1 - self.known) * rate_lower_bound(self.num_bad, self.num_seen)
 
     def record(self, batch: Batch) -> None:
-        self.num_bad += len(batch.errors)
-        self.num_seen += len(batch) + len(batch.errors)
+        """Write this rank's failures down and count them; the stop is judged on the totals."""
+        self._new[0] += len(batch.errors)
+        self._new[1] += len(batch) + len(batch.errors)
         if batch.errors:
             self.last = batch.errors[-1]
         if batch.errors and self.path is not None:
@@ -89,19 +99,33 @@ class BadSampleLog:
             with open(self.path, "a", encoding="utf-8") as f:
                 for key, reason in batch.errors:
                     f.write(json.dumps({"key": key, "reason": reason}, ensure_ascii=False) + "\n")
-        if self.too_many():
-            where = f" (listed in {self.path})" if self.path else ""
-            last_key, last_reason = self.last
-            lost = f" and {self.known:.2%} lost in damaged files" if self.lost else ""
-            judged = ("every one of them" if self.num_bad == self.num_seen else
-                      f"at least {self._judged():.2%} with confidence{lost}")
-            raise DataError(
-                f"{self.num_bad} of {self.num_seen} samples failed to load{where}: {judged}, more than "
-                f"data.max_bad_fraction={self.max_bad_fraction:g}. Last: {last_key}: {last_reason}. "
-                "Check the data with `vltrain data validate`, or raise data.max_bad_fraction."
-            )
+
+    def take(self) -> tuple[int, int]:
+        """This rank's failed and tried samples since the last take, to be summed over ranks."""
+        new, self._new = tuple(self._new), [0, 0]
+        return new
+
+    def add(self, bad: int, seen: int) -> None:
+        """Count one step's failed and tried samples of every rank into the totals."""
+        self.num_bad += bad
+        self.num_seen += seen
+
+    def error(self, step: int, last: tuple[str, str] | None) -> DataError:
+        """The stop, in words the same on every rank: ``last`` is one failure, whichever rank had it."""
+        where = f" (listed in {self.path})" if self.path else ""
+        lost = f" and {self.known:.2%} lost in damaged files" if self.lost else ""
+        judged = ("every one of them" if self.num_bad == self.num_seen else
+                  f"at least {self._judged():.2%} with confidence{lost}")
+        example = f" Last: {last[0]}: {last[1]}." if last else ""
+        return DataError(
+            f"{self.num_bad} of {self.num_seen} samples failed to load by step {step}{where}: {judged}, more "
+            f"than data.max_bad_fraction={self.max_bad_fraction:g}.{example} "
+            "Check the data with `vltrain data validate`, or raise data.max_bad_fraction."
+        )
 
     def state_dict(self) -> dict:
+        """The run's totals: the same on every rank, so the checkpoint's one copy (rank 0's) fits
+        every rank of a resumed run, on any world size."""
         return {"num_bad": self.num_bad, "num_seen": self.num_seen}
 
     def load_state_dict(self, state: dict) -> None:
