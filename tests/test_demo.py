@@ -40,10 +40,25 @@ def test_step_count_fits_the_time_budget_within_bounds():
     assert choose_steps(rate * 1.01, 128) == choose_steps(rate * 1.05, 128)  # small jitter, same count
 
 
-def test_measured_rate_is_the_demo_models_training_speed():
-    from vltrain.config.job import load_config
-    from vltrain.demo import demo_config_path, measure_rate
+@pytest.mark.slow
+def test_the_probe_times_the_demo_run_itself_and_leaves_nothing_behind(tmp_path, capsys):
+    """The step count comes from a short run of the demo's own config on its own data (loader
+    worker included); it prints nothing, keeps no run folder, and a mistake in the config stops it
+    with the run's own error rather than a rate."""
+    import math
 
-    cfg = load_config(demo_config_path(), ["data.batch_size=8", "train.threads=1"])
-    rate = measure_rate(cfg, steps=2)
-    assert 1 < rate < 1e6
+    from vltrain.demo import prepare_data, probe_rate
+    from vltrain.errors import UserError
+
+    data = tmp_path / "shapes"
+    tokenizer = prepare_data(data, num=200, val=20)
+    capsys.readouterr()
+    given = [f"data.train={data / 'train.jsonl'}", f"data.tokenizer={tokenizer}", "data.batch_size=16",
+             "train.threads=1", f"run.dir={tmp_path / 'run'}"]
+    rate = probe_rate(given, steps=3, warmup=2)
+    assert math.isfinite(rate) and rate > 0
+    out = capsys.readouterr()
+    assert out.out == "" and out.err == ""
+    assert not (tmp_path / "run").exists()
+    with pytest.raises(UserError, match="nothing.jsonl"):
+        probe_rate([*given, f"data.train={data / 'nothing.jsonl'}"], steps=1, warmup=1)

@@ -5,16 +5,19 @@ training rows (a fifth of them text-only), 1,000 held-out pairs, the demo config
 class-per-folder set (one shape per image) classified zero-shot by shape kind.
 
 CPUs differ widely in training speed (bf16 matmuls above all: AMX, AVX-512 bf16, neither), so
-the demo does not fix its step count: it times a few training steps of its model on random pairs
-and trains as many steps as fit ``TRAIN_SECONDS``, between ``MIN_STEPS`` (enough to meet the
-demo's retrieval target: ``docs/benchmarks.md#demo``) and ``MAX_STEPS``, rounded down to a
-multiple of ``STEP_QUANTUM`` so a given machine gets the same count run after run.
+the demo does not fix its step count: it times a short run of its own config on its own data
+(``probe_rate``) and trains as many steps as fit ``TRAIN_SECONDS``, between ``MIN_STEPS`` (enough
+to meet the demo's retrieval target: ``docs/benchmarks.md#demo``) and ``MAX_STEPS``, rounded down
+to a multiple of ``STEP_QUANTUM`` so a given machine gets the same count run after run.
 ``train.max_steps=N`` pins it.
 """
 
 from __future__ import annotations
 
+import contextlib
+import io
 import os
+import tempfile
 from pathlib import Path
 
 from vltrain.config.job import load_config
@@ -26,6 +29,8 @@ NUM_TRAIN, NUM_VAL, TEXT_ONLY_FRACTION = 10_000, 1_000, 0.2
 CLASSIFY_PER_CLASS = 30
 """The zero-shot set: one shape per image, 30 of each of the 6 kinds (a second or two per evaluation)."""
 TRAIN_SECONDS, MIN_STEPS, MAX_STEPS, STEP_QUANTUM = 170.0, 600, 1000, 100
+PROBE_WARMUP, PROBE_STEPS = 5, 40
+"""The probe's untimed first steps (allocation, the loader worker's start) and its timed ones."""
 
 
 def demo_config_path() -> Path:
@@ -97,15 +102,40 @@ def measure_rate(cfg, vocab: int = TOKENIZER_VOCAB, steps: int = 3) -> float:
     return steps * cfg.data.batch_size / (clock.perf_counter() - start)
 
 
+def probe_rate(given: list[str], steps: int = PROBE_STEPS, warmup: int = PROBE_WARMUP) -> float:
+    """Training samples/s of the demo's run on this machine, measured as that run trains: the same
+    config on the same data through the trainer and its loader (the loader worker decoding beside
+    the step's threads on the same cores, the captions at their own widths), ``warmup`` steps
+    untimed, then ``steps`` timed. A model step on random pairs alone (``measure_rate``) misses the
+    loader's share of the cores, and on some CPUs overestimated the run's rate by a third."""
+    from vltrain.train.metrics import read_jsonl
+    from vltrain.train.trainer import Trainer
+
+    with tempfile.TemporaryDirectory() as tmp, contextlib.redirect_stderr(io.StringIO()):
+        cfg = load_config(demo_config_path(), [*given, f"run.dir={tmp}", f"train.max_steps={warmup + steps}",
+                                               "train.log_every=1", "eval.every=0", "data.val=''",
+                                               "eval.zeroshot=[]", "checkpoint.every=0"])
+        trainer = Trainer(cfg)
+        clean = False
+        try:
+            trainer.train()
+            clean = True
+        finally:
+            trainer.close(clean)
+        rows = [r for r in read_jsonl(Path(tmp) / "metrics.jsonl") if "loss" in r and r["step"] > warmup]
+    batch = cfg.data.batch_size * cfg.train.accumulation
+    return len(rows) * batch / sum(batch / r["samples_per_s"] for r in rows)
+
+
 def choose_steps(rate: float, batch: int) -> int:
     """The steps that fit ``TRAIN_SECONDS`` at ``rate`` samples/s, within [MIN_STEPS, MAX_STEPS]."""
     fit = int(rate * TRAIN_SECONDS / batch) // STEP_QUANTUM * STEP_QUANTUM
     return max(MIN_STEPS, min(MAX_STEPS, fit))
 
 
-def _step_overrides(cfg) -> list[str]:
+def _step_overrides(cfg, given: list[str]) -> list[str]:
     """``train.max_steps`` from this machine's measured rate (the config warms up over a tenth of it)."""
-    rate = measure_rate(cfg)
+    rate = probe_rate(given)
     steps = choose_steps(rate, cfg.data.batch_size)
     note = ""
     if steps * cfg.data.batch_size / rate > TRAIN_SECONDS:
@@ -143,7 +173,7 @@ def run_demo(run_dir: Path, data: Path, overrides: list[str], num: int = NUM_TRA
             given.insert(len(given) - len(overrides), "train.precision=fp32")
             cfg = load_config(demo_config_path(), given)
     if on_cpu and not any(o.startswith("train.max_steps=") for o in overrides):
-        cfg = load_config(demo_config_path(), given + _step_overrides(cfg) + list(overrides))
+        cfg = load_config(demo_config_path(), given + _step_overrides(cfg, given) + list(overrides))
     trainer = Trainer(cfg)
     clean = False
     try:
