@@ -90,14 +90,24 @@ def test_cpu_peak_and_memory_are_positive():
     assert peak_memory_bytes(torch.device("cpu")) > 0
 
 
+def test_current_memory_follows_what_the_process_holds():
+    from vltrain.train.metrics import memory_bytes
+
+    cpu = torch.device("cpu")
+    before = memory_bytes(cpu)
+    held = torch.ones(64 * 2**20 // 4)  # 64 MiB, touched
+    assert memory_bytes(cpu) - before > 60 * 2**20
+    del held
+
+
 def test_log_line_holds_what_a_slurm_log_reader_needs():
     from vltrain.train.metrics import log_line
 
     line = log_line(120, 1000, {"loss": 1.23456, "loss/itc": 1.0, "loss/itm": 0.5, "lr": 9.8e-4,
                                 "samples_per_s": 2345.6, "data_wait": 0.031, "mfu": 0.123,
-                                "peak_memory_gb": 1.2}, eta_s=312)
+                                "memory_gb": 0.9, "peak_memory_gb": 1.2}, eta_s=312)
     assert line == ("step 120/1000 | loss 1.2346 (itc 1.0000, itm 0.5000) | lr 9.80e-04 | 2,346 samples/s | "
-                    "data wait 3% | MFU 12.3% | mem 1.20 GiB | ETA 5m12s")
+                    "data wait 3% | MFU 12.3% | mem 0.90 GiB (peak 1.20) | ETA 5m12s")
 
 
 def test_without_a_terminal_every_logged_step_prints_a_line_and_the_remainder_once(cli, tmp_path):

@@ -67,6 +67,21 @@ def peak_flops(device: torch.device, dtype: torch.dtype) -> float:
     return measure_cpu_peak(dtype)
 
 
+def memory_bytes(device: torch.device) -> int:
+    """CUDA memory allocated now, or this process's resident set size now (Linux; elsewhere 0).
+
+    On a CPU the resident size includes what the C allocator keeps of freed memory for reuse
+    (``keep_freed_memory``): it grows over the first hundreds of steps and then levels off while
+    the memory in use stays flat (docs/benchmarks.md#resident-memory-over-a-run)."""
+    if device.type == "cuda":
+        return int(torch.cuda.memory_allocated(device))
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
 def peak_memory_bytes(device: torch.device) -> int:
     """CUDA max allocated since the last reset, or this process's peak resident set size (the
     most it has held, as the CUDA figure is: the current size rises and falls within a step)."""
@@ -154,7 +169,9 @@ def log_line(step: int, total: int, values: dict[str, Any], eta_s: float | None)
         parts.append(f"data wait {100 * values['data_wait']:.0f}%")
     if "mfu" in values:
         parts.append(f"MFU {100 * values['mfu']:.1f}%")
-    if "peak_memory_gb" in values:
+    if values.get("memory_gb") and "peak_memory_gb" in values:
+        parts.append(f"mem {values['memory_gb']:.2f} GiB (peak {values['peak_memory_gb']:.2f})")
+    elif "peak_memory_gb" in values:
         parts.append(f"mem {values['peak_memory_gb']:.2f} GiB")
     if values.get("skipped"):
         parts.append("step skipped")

@@ -57,8 +57,8 @@ from vltrain.train.build import (
     resolve_init,
 )
 from vltrain.train.gradcache import gradcache_backward
-from vltrain.train.metrics import (GpuUtilization, MetricsLogger, Throughput, peak_flops, peak_memory_bytes,
-                                   plot_curves, restart_cost)
+from vltrain.train.metrics import (GpuUtilization, MetricsLogger, Throughput, memory_bytes, peak_flops,
+                                   peak_memory_bytes, plot_curves, restart_cost)
 from vltrain.train.nonfinite import NonFiniteGuard
 from vltrain.train.optim import build_optimizer, build_scheduler, freeze_towers
 from vltrain.train.parallelize import clip_grad_norm, parallelize, reduce_replicated_grads
@@ -418,6 +418,7 @@ class Trainer:
             "data/bad_samples": self.loader.bad_log.num_bad,
             **self.throughput.read(),
             **self.source_meter.read(),
+            "memory_gb": memory_bytes(self.device) / 2**30,
             "peak_memory_gb": peak_memory_bytes(self.device) / 2**30,
         }
         # FSDP2 leaves the 0-dim temperature replicated: a plain tensor on every rank

@@ -1,0 +1,117 @@
+"""Resident memory over a long run of the demo config: what the process holds now (not the peak),
+split into what the C allocator hands out and what it keeps of freed memory, every few hundred
+steps, with ``keep_freed_memory`` (the trainer's default on a CPU) and with glibc's defaults.
+
+Each variant trains ``configs/demo.yaml`` on the demo's shapes data in a process of its own; a
+thread samples ``/proc/self/statm`` and glibc's ``mallinfo2`` (all arenas) every second, and the
+table prints the sample nearest each reported step.
+
+    PYTHONPATH=src python benchmarks/memory_over_run.py --data data/shapes [--steps 1000] [--every 100]
+        [--variants keep,default]
+
+``--data`` is a folder ``vltrain demo`` wrote (train.jsonl, tokenizer.json).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
+GLIBC_DEFAULT = 128 * 1024
+"""glibc's initial trim and mmap thresholds (it raises them as it goes; here they stay put)."""
+
+
+class MallInfo2(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
+                                                "fsmblks", "uordblks", "fordblks", "keepcost")]
+
+
+def child(data: Path, steps: int, variant: str, out: Path) -> None:
+    """One run in this process; samples written to ``out`` as JSON lines."""
+    from vltrain.config.job import load_config
+    from vltrain.demo import demo_config_path
+    from vltrain.train.trainer import Trainer
+
+    libc = ctypes.CDLL("libc.so.6")
+    libc.mallinfo2.restype = MallInfo2
+    page = os.sysconf("SC_PAGE_SIZE")
+    with tempfile.TemporaryDirectory() as run:
+        cfg = load_config(demo_config_path(), [f"run.dir={run}", f"data.train={data / 'train.jsonl'}", "data.val=''",
+                                               f"data.tokenizer={data / 'tokenizer.json'}", f"train.max_steps={steps}",
+                                               "train.log_every=100000", "eval.every=0", "train.progress=false"])
+        trainer = Trainer(cfg)  # keep_freed_memory() ran in its set-up
+        if variant == "default":
+            libc.mallopt(_M_MMAP_THRESHOLD, GLIBC_DEFAULT)
+            libc.mallopt(_M_TRIM_THRESHOLD, GLIBC_DEFAULT)
+        done = threading.Event()
+
+        def sample() -> None:
+            with open(out, "w") as f:
+                while not done.is_set():
+                    m = libc.mallinfo2()
+                    with open("/proc/self/statm") as statm:
+                        rss = int(statm.read().split()[1]) * page
+                    f.write(json.dumps({"step": trainer.step, "time": time.perf_counter(), "rss": rss,
+                                        "in_use": m.uordblks + m.hblkhd, "kept_free": m.fordblks}) + "\n")
+                    f.flush()
+                    done.wait(1.0)
+
+        sampler = threading.Thread(target=sample, daemon=True)
+        sampler.start()
+        trainer.train()
+        done.set()
+        sampler.join()
+        trainer.close()
+
+
+def table(samples: dict[str, list[dict]], every: int) -> None:
+    gib = 2**30
+    print("| step | " + " | ".join(f"{v}: RSS / in use / kept free (GiB)" for v in samples) + " |")
+    print("|---:|" + "---:|" * len(samples))
+    last = max(s[-1]["step"] for s in samples.values())
+    for step in [1, *range(every, last + 1, every)]:
+        cells = []
+        for rows in samples.values():
+            r = min(rows, key=lambda x: abs(x["step"] - step))
+            cells.append(f"{r['rss'] / gib:.2f} / {r['in_use'] / gib:.2f} / {r['kept_free'] / gib:.2f}")
+        print(f"| {step} | " + " | ".join(cells) + " |")
+    for name, rows in samples.items():
+        trained = [r for r in rows if r["step"] > 0]
+        rate = (trained[-1]["step"] - trained[0]["step"]) / max(trained[-1]["time"] - trained[0]["time"], 1e-9)
+        print(f"{name}: {rate:.2f} steps/s")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--data", type=Path, required=True)
+    p.add_argument("--steps", type=int, default=1000)
+    p.add_argument("--every", type=int, default=100)
+    p.add_argument("--variants", default="keep,default")
+    p.add_argument("--child", nargs=2, metavar=("VARIANT", "OUT"), help=argparse.SUPPRESS)
+    a = p.parse_args()
+    if a.child:
+        child(a.data, a.steps, a.child[0], Path(a.child[1]))
+        return
+    samples = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for variant in a.variants.split(","):
+            out = Path(tmp) / f"{variant}.jsonl"
+            env = dict(os.environ, PYTHONPATH=str(REPO / "src"))
+            subprocess.run([sys.executable, __file__, "--data", str(a.data), "--steps", str(a.steps),
+                            "--child", variant, str(out)], check=True, env=env)
+            samples[variant] = [json.loads(x) for x in out.read_text().splitlines()]
+    table(samples, a.every)
+
+
+if __name__ == "__main__":
+    main()
