@@ -34,7 +34,7 @@ def add_parsers(sub) -> None:
     d = sub.add_parser("demo", help="synthesize shapes, train a tokenizer and a model, evaluate, plot")
     d.add_argument("--dir", default="runs/demo", help="run folder (default runs/demo)")
     d.add_argument("--data", default="data/shapes", help="where the synthetic data goes (default data/shapes)")
-    d.add_argument("--num", type=int, default=10000, help="synthetic training rows (default 10000)")
+    d.add_argument("--num", type=int, default=20000, help="synthetic training rows (default 20000)")
     d.add_argument("--val", type=int, default=1000, help="held-out pairs (default 1000)")
     _add_overrides(d, "dotted overrides of configs/demo.yaml")
     d.set_defaults(func=demo)
