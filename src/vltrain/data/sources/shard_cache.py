@@ -74,8 +74,8 @@ class ShardCache:
 
     Eviction deletes files other processes may be reading. On Linux an open file stays readable
     after it is unlinked, so a reader reads through a descriptor (``hold()``), not by opening
-    ``local()``'s path, which may be gone by then; but the unlinked file keeps its blocks while it is open, so a
-    process holds one at a time. Downloads in progress are not counted against the limit. So the
+    ``local()``'s path, which may be gone by then; but the unlinked file keeps its blocks while it
+    is open, so a process holds one at a time. Downloads in progress are not counted against the limit. So the
     disk held is at most the limit plus one shard per process that reads (open or downloading)
     and one per download ahead (``prefetch``): docs/formats.md, "The shard cache".
 
@@ -149,8 +149,6 @@ class ShardCache:
         for _ in range(OPEN_TRIES):
             fd = None if want is None else self._open_fresh(path, want)
             if fd is not None:
-                filelock.touch(path)  # its last use, for LRU eviction
-                self._count(hits=1)
                 return fd
             with self._outage(url):
                 want = want or self._stat(url)
@@ -162,13 +160,15 @@ class ShardCache:
 
     def _open_fresh(self, path: Path, want: dict) -> int | None:
         """``path`` opened if it holds the object ``want`` describes (its record says so, and the
-        path still names the opened file), else None."""
+        path still names the opened file), counted as a hit; else None."""
         try:
             fd = os.open(path, os.O_RDONLY)
         except FileNotFoundError:
             return None
         try:
             if self._fresh(path, want) and os.fstat(fd).st_ino == path.stat().st_ino:
+                filelock.touch(path)  # its last use, for LRU eviction
+                self._count(hits=1)
                 return fd
         except FileNotFoundError:
             pass
@@ -304,10 +304,6 @@ class ShardCache:
             if fd is None and mine:
                 fd = self._download(url, path, want, lock)
                 self._evict(keep=path)
-                return fd
-        if fd is not None:
-            filelock.touch(path)  # its last use, for LRU eviction
-            self._count(hits=1)
         return fd
 
     def _download(self, url: str, path: Path, want: dict, lock: Path) -> int:
