@@ -112,22 +112,14 @@ def probe_rate(given: list[str], steps: int = PROBE_STEPS, warmup: int = PROBE_W
     untimed, then ``steps`` timed. A model step on random pairs alone (``measure_rate``) misses the
     loader's share of the cores, and on some CPUs overestimated the run's rate by a third."""
     from vltrain.train.metrics import read_jsonl
-    from vltrain.train.trainer import Trainer
 
     with tempfile.TemporaryDirectory() as tmp, contextlib.redirect_stderr(io.StringIO()):
         cfg = load_config(demo_config_path(), [*given, f"run.dir={tmp}", f"train.max_steps={warmup + steps}",
                                                "train.log_every=1", "eval.every=0", "data.val=''",
                                                "eval.zeroshot=[]", "checkpoint.every=0"])
-        trainer = Trainer(cfg)
-        clean = False
-        try:
-            trainer.train()
-            clean = True
-        finally:
-            trainer.close(clean)
+        _train(cfg)
         rows = [r for r in read_jsonl(Path(tmp) / "metrics.jsonl") if "loss" in r and r["step"] > warmup]
-    batch = cfg.data.batch_size * cfg.train.accumulation
-    return len(rows) * batch / sum(batch / r["samples_per_s"] for r in rows)
+    return len(rows) / sum(1 / r["samples_per_s"] for r in rows)  # equal steps: the harmonic mean
 
 
 def choose_steps(rate: float, batch: int) -> int:
@@ -156,8 +148,6 @@ def _cuda() -> bool:
 
 def run_demo(run_dir: Path, data: Path, overrides: list[str], num: int = NUM_TRAIN, val: int = NUM_VAL):
     """Train the demo config end to end; returns (trainer, final eval metrics)."""
-    from vltrain.train.trainer import Trainer
-
     tokenizer = prepare_data(data, num, val)
     given = [
         f"run.dir={run_dir}",
@@ -177,6 +167,14 @@ def run_demo(run_dir: Path, data: Path, overrides: list[str], num: int = NUM_TRA
             cfg = load_config(demo_config_path(), given)
     if on_cpu and not any(o.startswith("train.max_steps=") for o in overrides):
         cfg = load_config(demo_config_path(), given + _step_overrides(cfg, given) + list(overrides))
+    return _train(cfg)
+
+
+def _train(cfg):
+    """Train ``cfg`` to its end in this process and close the trainer; returns (trainer, final eval
+    metrics)."""
+    from vltrain.train.trainer import Trainer
+
     trainer = Trainer(cfg)
     clean = False
     try:
