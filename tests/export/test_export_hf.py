@@ -18,7 +18,8 @@ from runkit import overrides, session_shapes, train_here  # noqa: E402
 from vltrain.config.job import load_config  # noqa: E402
 from vltrain.errors import UserError  # noqa: E402
 from vltrain.export.hf import hf_family  # noqa: E402
-from vltrain.export.native import embed, export_model, load_any  # noqa: E402
+from vltrain.checkpoint.opening import open_model  # noqa: E402
+from vltrain.export.native import embed, export_model  # noqa: E402
 
 FAMILIES = {"clip": (make_clip, "CLIPModel", "CLIPImageProcessor"),
             "siglip": (make_siglip, "SiglipModel", "SiglipImageProcessor")}
@@ -57,7 +58,7 @@ def test_a_run_from_model_init_says_and_saves_its_preprocessing(finetuned, capsy
     # the run's config rebuilds the model without the checkpoint it started from
     pretrained.rename(run.parent / "moved")
     try:
-        assert load_any(run)[0].embed_dim == embed_dim
+        assert open_model(run).model.embed_dim == embed_dim
     finally:
         (run.parent / "moved").rename(pretrained)
 
@@ -72,7 +73,8 @@ def test_exported_folder_loads_in_transformers_with_vltrains_embeddings(finetune
     changed = [k for k, v in hf.state_dict().items() if not torch.equal(v, original.state_dict()[k])]
     assert changed  # the fine-tune moved the weights: the export is not the starting point
 
-    model, tokenizer, cfg = load_any(run)
+    opened = open_model(run)
+    model, tokenizer, cfg = opened.model, opened.tokenizer, opened.cfg
     hf_tok = transformers.AutoTokenizer.from_pretrained(out)
     padding = {"padding": "max_length", "max_length": 16} if family == "siglip" else {"padding": True}
     batch = hf_tok(TEXTS, return_tensors="pt", **padding)
@@ -110,7 +112,8 @@ def test_cli_exports_hf_and_embeds_and_evaluates_pretrained_folders(finetuned, t
     png = image_file(tmp_path / "y.png", seed=8)
     proc = cli("embed", out, "--images", png, "--texts", *TEXTS[:2], "--out", tmp_path / "e.npy")
     assert proc.returncode == 0, proc.stderr
-    model, tokenizer, cfg = load_any(run)
+    opened = open_model(run)
+    model, tokenizer, cfg = opened.model, opened.tokenizer, opened.cfg
     np.testing.assert_allclose(np.load(tmp_path / "e.npy"), embed(model, tokenizer, cfg, [png], TEXTS[:2]), atol=1e-5)
     shapes = run.parent.parent / "shapes"
     proc = cli("eval", out, "train.threads=1", "data.num_workers=0", "--data", shapes / "val.jsonl", "--json")

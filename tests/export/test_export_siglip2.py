@@ -22,7 +22,8 @@ from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers,
 from vltrain.config.job import load_config  # noqa: E402
 from vltrain.errors import UserError  # noqa: E402
 from vltrain.export.hf import hf_family  # noqa: E402
-from vltrain.export.native import embed, export_model, load_any  # noqa: E402
+from vltrain.checkpoint.opening import open_model  # noqa: E402
+from vltrain.export.native import embed, export_model  # noqa: E402
 
 CAPTIONS = ["a dog", "A CAT", "dog cat a", "a red dog!", "cat dog " * 12]
 """Known and unknown characters, upper case, and one cut at the 16-token limit."""
@@ -80,7 +81,8 @@ def images(folder: Path) -> list[Path]:
 
 def test_exported_folder_is_a_siglip2_model_with_vltrains_embeddings(finetuned, tmp_path):
     run, original = finetuned
-    model, tokenizer, cfg = load_any(run)
+    opened = open_model(run)
+    model, tokenizer, cfg = opened.model, opened.tokenizer, opened.cfg
     assert (cfg.data.resize, cfg.data.max_patches, cfg.data.patch_size) == ("native", 64, 8)
     out = export_model(run, tmp_path / "hf", fmt="hf")
     config = json.loads((out / "config.json").read_text())
@@ -129,7 +131,8 @@ def test_refused_exports_write_nothing_and_say_so_on_one_line(finetuned, tmp_pat
 
 def test_a_native_clip_has_no_transformers_equivalent(tmp_path):
     make_clip(tmp_path / "clip")
-    model, tokenizer, cfg = load_any(tmp_path / "clip", ["data.resize=native"])
+    opened = open_model(tmp_path / "clip", ["data.resize=native"])
+    model, tokenizer, cfg = opened.model, opened.tokenizer, opened.cfg
     with pytest.raises(UserError, match=r"images at their own shape .*\(Siglip2Model needs no class token;") as e:
         hf_family(model, tokenizer, "clip-native", cfg)
     assert "vision pooling map (is cls)" in str(e.value) and "\n" not in str(e.value)
@@ -138,16 +141,20 @@ def test_a_native_clip_has_no_transformers_equivalent(tmp_path):
 def test_a_tokenizer_transformers_reads_otherwise_is_refused(tmp_path):
     """make_siglip2's word-level tokenizer: Siglip2Tokenizer rebuilds it as a BPE and reads other ids."""
     make_siglip2(tmp_path / "words")
-    model, tokenizer, cfg = load_any(tmp_path / "words")
+    opened = open_model(tmp_path / "words")
+    model, tokenizer, cfg = opened.model, opened.tokenizer, opened.cfg
     with pytest.raises(UserError, match=r"as its Siglip2Tokenizer .* encodes 'a photo of a dog' as \[3, 2, 3, 2, 1"):
         hf_family(model, tokenizer, "words", cfg)
     siglip2_folder(tmp_path / "cased", lowercase=False)  # cased, as the Hub's SigLIP 2 tokenizer.json is
-    model, tokenizer, cfg = load_any(tmp_path / "cased")
+    opened = open_model(tmp_path / "cased")
+    model, tokenizer, cfg = opened.model, opened.tokenizer, opened.cfg
     assert cfg.data.text_clean == "lower"  # model.init lower-cases captions, as Siglip2Tokenizer does
     assert hf_family(model, tokenizer, "cased", cfg) == "siglip2"
-    model, tokenizer, cfg = load_any(tmp_path / "cased", ["data.text_clean=''"])
+    opened = open_model(tmp_path / "cased", ["data.text_clean=''"])
+    model, tokenizer, cfg = opened.model, opened.tokenizer, opened.cfg
     with pytest.raises(UserError, match=r"encodes 'Two RED circles.*: vltrain's keeps case, and SigLIP 2 reads lower"):
         hf_family(model, tokenizer, "cased", cfg)
     siglip2_folder(tmp_path / "gemma")  # the same model with a tokenizer of SigLIP 2's kind exports
-    model, tokenizer, cfg = load_any(tmp_path / "gemma")
+    opened = open_model(tmp_path / "gemma")
+    model, tokenizer, cfg = opened.model, opened.tokenizer, opened.cfg
     assert hf_family(model, tokenizer, "gemma", cfg) == "siglip2"

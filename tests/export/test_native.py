@@ -11,7 +11,7 @@ from runkit import overrides, session_shapes, train_here
 
 from vltrain.config.job import load_config
 from vltrain.errors import UserError
-from vltrain.export.native import load_exported
+from vltrain.checkpoint.opening import open_model
 
 
 @pytest.fixture(scope="module")
@@ -78,9 +78,10 @@ def test_exported_weights_that_do_not_fit_are_refused(trained, tmp_path):
 
     trainer, _ = trained
     out = export_model(trainer.run_dir, tmp_path / "exported")
-    model, tokenizer, cfg = load_exported(out)
-    assert not model.training and cfg.data.tokenizer == str(out / "tokenizer.json")
+    opened = open_model(out)
+    assert opened.located.kind == "export"
+    assert not opened.model.training and opened.cfg.data.tokenizer == str(out / "tokenizer.json")
     config = (out / "config.yaml").read_text()
     (out / "config.yaml").write_text(config.replace("embed_dim: 0", "embed_dim: 48"))
     with pytest.raises(UserError, match=r"'image_proj\.proj\.weight' has shape \[128, 128\] there but \[48, 128\] here"):
-        load_exported(out)
+        open_model(out)

@@ -1,45 +1,43 @@
-"""``model.init`` from a vltrain checkpoint: a new run (a new batch size, schedule or data) that
-starts from another run's weights, with a fresh optimizer and data order.
+"""``model.init`` from a vltrain checkpoint or export: a new run (a new batch size, schedule or data)
+that starts from another run's weights, with a fresh optimizer and data order.
 
-The checkpoint's saved config gives what the weights need to load: every ``model.*`` key and the
-preprocessing the position embeddings depend on, where this run's config does not set them, and the
-tokenizer saved beside the checkpoint.
+The saved config gives what the weights need to load: every ``model.*`` key and the preprocessing
+the position embeddings depend on, where this run's config does not set them, and the tokenizer
+saved with the weights (:mod:`vltrain.checkpoint.opening`'s rule). The weights are read by
+:func:`vltrain.checkpoint.opening.load_weights` once the model is built.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from pathlib import Path
 
-from vltrain.checkpoint.manager import CONFIG_FILE, STATE_FILE, find_checkpoint
-from vltrain.config.job import JobConfig, load_config
+from vltrain.checkpoint.opening import model_config
+from vltrain.checkpoint.paths import VLTRAIN_KINDS, Located, locate
+from vltrain.config.job import JobConfig
 from vltrain.model.config import ModelConfig
 from vltrain.train.build import PREPROCESSING_KEYS
 
 
-def vltrain_checkpoint(init: str) -> Path | None:
-    """The checkpoint ``model.init`` names if it is a vltrain one: a ``step-N`` folder, a run's
-    ``checkpoints`` folder or a run folder (its latest checkpoint); None for anything else."""
+def vltrain_model(init: str) -> Located | None:
+    """What ``model.init`` names if vltrain wrote it (a run, a checkpoint, an export); None when it is
+    empty or an imported checkpoint (:func:`vltrain.train.build.resolve_init` reads those)."""
     if not init:
         return None
-    p = Path(init).expanduser()
-    is_run = (p / CONFIG_FILE).is_file() and (p / "checkpoints").is_dir()
-    if not ((p / STATE_FILE).is_file() or is_run or (p.name == "checkpoints" and p.is_dir())):
-        return None
-    return find_checkpoint(p)
+    found = locate(init, role="model.init")
+    return found if found.kind in VLTRAIN_KINDS else None
 
 
-def adopt_checkpoint_model(cfg: JobConfig, ckpt: Path) -> None:
-    """Fill ``cfg`` from the checkpoint's saved config where ``cfg`` sets nothing; ``model.init`` is
-    then done with (the caller loads the weights into the built model)."""
-    saved = load_config(ckpt / CONFIG_FILE)
+def adopt_saved_model(cfg: JobConfig, found: Located) -> None:
+    """Fill ``cfg`` from the saved config where ``cfg`` sets nothing; ``model.init`` is then done
+    with (the caller loads the weights into the built model)."""
+    saved = model_config(found)
     for f in dataclasses.fields(ModelConfig):
         if f.name != "init" and not cfg.was_set(f"model.{f.name}"):
             setattr(cfg.model, f.name, getattr(saved.model, f.name))
     for key in PREPROCESSING_KEYS:
         if not cfg.was_set(f"data.{key}"):
             setattr(cfg.data, key, getattr(saved.data, key))
-    tokenizer = ckpt / "tokenizer.json"
-    if not cfg.data.tokenizer and tokenizer.is_file():
+    tokenizer = found.saved_tokenizer() or saved.data.tokenizer
+    if not cfg.data.tokenizer and tokenizer:
         cfg.data.tokenizer = str(tokenizer)
     cfg.model.init = ""

@@ -25,7 +25,6 @@ either the previous checkpoint or the new one complete, never a half one that lo
 from __future__ import annotations
 
 import json
-import re
 import shutil
 import sys
 import threading
@@ -46,6 +45,14 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
+from vltrain.checkpoint.paths import (
+    CONFIG_FILE,
+    LATEST_FILE,
+    STATE_FILE,
+    complete_checkpoints,
+    find_checkpoint,
+    latest_checkpoint,
+)
 from vltrain.checkpoint.space import disk_full, no_space, space_warning
 from vltrain.checkpoint.storage import (
     PART_SUFFIX,
@@ -63,14 +70,10 @@ from vltrain.errors import UserError
 from vltrain.runtime.distributed import all_gather_object, barrier, broadcast_object, is_initialized, world_info
 from vltrain.runtime.faults import maybe_fail
 
-STATE_FILE = "state.json"
-CONFIG_FILE = "config.yaml"
 INITIAL_FILE = "init.safetensors"
 """RUN_DIR's copy of the weights the run started from (``checkpoint.save_initial``)."""
-LATEST_FILE = "latest"
 TMP_PREFIX = ".tmp-"
 FORMAT_VERSION = 1
-_STEP_DIR = re.compile(r"^step-(\d+)$")
 
 
 class Stateful(Protocol):
@@ -151,50 +154,7 @@ def _read_fitting(path: Path, targets: dict[str, torch.Tensor], saved_keys: list
 
 
 # ---------------------------------------------------------------------------------------------
-# Folders
-
-
-def _step_of(path: Path) -> int | None:
-    m = _STEP_DIR.match(path.name)
-    return int(m.group(1)) if m else None
-
-
-def is_complete(path: Path) -> bool:
-    return _step_of(path) is not None and (path / STATE_FILE).is_file() and (path / ".metadata").is_file()
-
-
-def complete_checkpoints(folder: Path) -> list[Path]:
-    """The complete ``step-N`` folders under ``folder``, oldest first."""
-    if not folder.is_dir():
-        return []
-    found = [p for p in folder.iterdir() if p.is_dir() and is_complete(p)]
-    return sorted(found, key=lambda p: _step_of(p))
-
-
-def latest_checkpoint(folder: Path) -> Path | None:
-    """The checkpoint ``latest`` names if it is complete, else the newest complete one."""
-    pointer = folder / LATEST_FILE
-    if pointer.is_file():
-        name = pointer.read_text().strip()
-        if _STEP_DIR.match(name) and is_complete(folder / name):
-            return folder / name
-    found = complete_checkpoints(folder)
-    return found[-1] if found else None
-
-
-def find_checkpoint(path: str | Path, folder: str = "checkpoints") -> Path:
-    """A checkpoint folder from what a user may name: itself, a checkpoints folder or a run folder."""
-    p = Path(path)
-    if is_complete(p):
-        return p
-    for candidate in (p, p / folder):
-        found = latest_checkpoint(candidate)
-        if found is not None:
-            return found
-    if not p.exists():
-        raise UserError(f"{p} does not exist (expected a run folder or a checkpoint folder)")
-    raise UserError(f"{p} holds no complete checkpoint (expected a step-N folder with {STATE_FILE}, "
-                    "a checkpoints folder or a run folder that has one)")
+# Model weights (the folders are read by vltrain.checkpoint.paths)
 
 
 def load_model_weights(ckpt: Path, model: torch.nn.Module) -> None:
@@ -387,7 +347,7 @@ class Checkpointer:
             return None
         if resume == "auto":
             return latest_checkpoint(self.folder)
-        return find_checkpoint(resume, self.cfg.folder)
+        return find_checkpoint(resume)
 
     def resume(self, resume: str) -> Restored | None:
         """Resolve on rank 0 (so every rank loads the same one) and load; None if nothing to resume."""

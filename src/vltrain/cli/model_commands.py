@@ -39,9 +39,9 @@ def add_parsers(sub) -> None:
     _add_overrides(d, "dotted overrides of configs/demo.yaml")
     d.set_defaults(func=demo)
 
-    e = sub.add_parser("eval", help="retrieval and zero-shot metrics of a run's latest checkpoint or an exported model")
-    e.add_argument("path", help="a run folder, an exported model folder, a Hugging Face CLIPModel/SiglipModel "
-                                "folder or an OpenCLIP checkpoint")
+    e = sub.add_parser("eval", help="retrieval and zero-shot metrics of a run's latest checkpoint or any model")
+    e.add_argument("path", help="a run folder, a checkpoint, an exported model folder, a Hugging Face "
+                                "CLIPModel/SiglipModel folder or an OpenCLIP checkpoint")
     e.add_argument("--data", default=None, help="val source (default: the run's data.val)")
     e.add_argument("--zeroshot", default=None, metavar="DIR",
                    help="zero-shot classification on a class-per-folder image set (or a manifest with labels)")
@@ -53,7 +53,8 @@ def add_parsers(sub) -> None:
     e.set_defaults(func=evaluate)
 
     x = sub.add_parser("export", help="write model.safetensors, the tokenizer and the config")
-    x.add_argument("run_dir")
+    x.add_argument("run_dir", help="a run folder, a checkpoint, an exported model folder, a Hugging Face "
+                                   "CLIPModel/SiglipModel folder or an OpenCLIP checkpoint")
     x.add_argument("--out", required=True)
     x.add_argument("--format", choices=["native", "hf"], default="native",
                    help="native (vltrain's, the default) or hf (a folder transformers' CLIPModel/SiglipModel loads)")
@@ -61,7 +62,7 @@ def add_parsers(sub) -> None:
                    help="WiSE-FT: (1-ALPHA) x the run's initial weights + ALPHA x the trained ones (0..1)")
     x.set_defaults(func=export)
 
-    m = sub.add_parser("embed", help="normalized embeddings of images and texts from an exported model")
+    m = sub.add_parser("embed", help="normalized embeddings of images and texts from any model vltrain opens")
     m.add_argument("model_dir", help="an exported model folder, a run folder, a Hugging Face CLIPModel/SiglipModel "
                                      "folder or an OpenCLIP checkpoint")
     m.add_argument("--tokenizer", default=None, help="tokenizer.json (an OpenCLIP checkpoint without one beside it)")
@@ -205,16 +206,16 @@ def embed(args: argparse.Namespace) -> int:
     import numpy as np
     import torch
 
+    from vltrain.checkpoint.opening import open_model
     from vltrain.errors import UserError
     from vltrain.export.native import embed as embed_inputs
-    from vltrain.export.native import load_any
 
     if not args.images and not args.texts:
         raise UserError("nothing to embed: give --images and/or --texts")
     torch.set_grad_enabled(False)
     overrides = overrides_of(args) + ([f"data.tokenizer={args.tokenizer}"] if args.tokenizer else [])
-    model, tokenizer, cfg = load_any(args.model_dir, overrides)
-    emb = embed_inputs(model, tokenizer, cfg, args.images, args.texts)
+    opened = open_model(args.model_dir, overrides)
+    emb = embed_inputs(opened.model, opened.tokenizer, opened.cfg, args.images, args.texts)
     out = Path(args.out)
     if out.suffix == ".npz":  # two named arrays
         np.savez(out, images=emb[:len(args.images)], texts=emb[len(args.images):])

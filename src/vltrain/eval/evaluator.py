@@ -17,20 +17,19 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from vltrain.checkpoint.manager import find_checkpoint, load_model_weights
-from vltrain.config.job import JobConfig, load_config
+from vltrain.checkpoint.opening import model_config, open_model
+from vltrain.checkpoint.paths import IMPORTED, locate
+from vltrain.config.job import JobConfig
 from vltrain.data.dataset import source_specs
 from vltrain.data.tokenizers import Tokenizer
 from vltrain.errors import ConfigError, UserError
 from vltrain.eval.embedding import Embedded, Encoder, cat_padded, eval_mode
 from vltrain.eval.retrieval import evaluate_retrieval, itm_rerank, multi_caption_recall, open_retrieval
 from vltrain.eval.zeroshot import evaluate_zeroshot, open_zeroshot
-from vltrain.export.native import is_exported, load_exported
-from vltrain.model.interop.pretrained import is_pretrained
 from vltrain.runtime.distributed import World, all_gather_no_grad
 from vltrain.runtime.precision import Precision
 from vltrain.runtime.world import setup_world
-from vltrain.train.build import build_model_for, build_task, build_tokenizer, build_val_loader, resolve_init
+from vltrain.train.build import build_task, build_val_loader
 
 log = logging.getLogger(__name__)
 
@@ -237,49 +236,30 @@ def format_table(m: dict[str, float]) -> str:
     return "\n".join(lines)
 
 
-def evaluate_run(run_dir: Path, data: str | None = None, overrides: list[str] | None = None,
+def evaluate_run(path: Path, data: str | None = None, overrides: list[str] | None = None,
                  val: bool = True) -> dict[str, float]:
-    """Metrics of a run's latest checkpoint, an exported model or a pretrained checkpoint (a Hugging
-    Face folder or an OpenCLIP file, as ``model.init`` takes) (``vltrain eval``): its ``data.val``
-    (unless ``val`` is false) and its ``eval.zeroshot`` and ``eval.retrieval`` sets."""
-    exported, pretrained = is_exported(run_dir), is_pretrained(run_dir)
-    config_path = run_dir / "config.yaml"
-    if not (exported or pretrained or config_path.exists()):
-        raise UserError(f"{run_dir} is neither a run folder (with config.yaml and checkpoints), an exported model "
-                        "(vltrain export), a Hugging Face CLIPModel/SiglipModel folder nor an OpenCLIP checkpoint")
-    overrides = list(overrides or []) + ([f"data.val={data}"] if data else [])
-    if pretrained:
-        cfg = load_config(None, [f"model.init={run_dir}", *overrides])
-        resolve_init(cfg)
-        if not any(o.startswith("train.precision=") for o in overrides):
-            cfg.train.precision = "fp32"  # a checkpoint of someone else's: its numbers as they are
-    else:
-        cfg = load_config(config_path, overrides)
+    """Metrics of any model vltrain opens (``vltrain eval``: a run's latest checkpoint, a checkpoint,
+    an export, a Hugging Face folder or an OpenCLIP file; :mod:`vltrain.checkpoint.opening`): its
+    ``data.val`` (unless ``val`` is false) and its ``eval.zeroshot`` and ``eval.retrieval`` sets."""
+    found = locate(path)
+    cfg = model_config(found, list(overrides or []) + ([f"data.val={data}"] if data else []))
     if not val:
         cfg.data.val = ""
-    ckpt = None if exported or pretrained else find_checkpoint(run_dir, cfg.checkpoint.folder)
     if not (cfg.data.val or cfg.eval.zeroshot or cfg.eval.retrieval):
-        raise UserError(f"{run_dir} names no data.val and no eval sets; pass --data VAL_MANIFEST, "
+        raise UserError(f"{path} names no data.val and no eval sets; pass --data VAL_MANIFEST, "
                         "--zeroshot DIR or --retrieval FILE")
     world = setup_world(timeout_s=cfg.train.timeout_s, device=cfg.train.device, threads=cfg.train.threads,
                         tf32=cfg.train.tf32)
     clean = False
     try:
-        if exported:
-            model, tokenizer, exported_cfg = load_exported(run_dir, world.device)
-            cfg.data.tokenizer = exported_cfg.data.tokenizer
-        else:
-            tokenizer = build_tokenizer(cfg)
-            model = build_model_for(cfg, tokenizer, world.device, load_init=pretrained)
-            if ckpt is not None:
-                load_model_weights(ckpt, model)
-        evaluator = Evaluator(cfg, tokenizer, world)
+        opened = open_model(found, device=world.device, cfg=cfg)
+        evaluator = Evaluator(cfg, opened.tokenizer, world)
         precision = Precision(cfg.train.precision, world.device)
         if world.is_main:
-            why = ("an imported checkpoint: fp32 unless train.precision says otherwise" if pretrained
+            why = ("an imported checkpoint: fp32 unless train.precision says otherwise" if found.kind in IMPORTED
                    else "the run's train.precision")
-            log.info(f"evaluating {run_dir} in {cfg.train.precision} ({why}) on {world.world_size} rank(s)")
-        metrics = evaluator.run(build_task(cfg, model), model, world.device, precision.autocast)
+            log.info(f"evaluating {path} in {cfg.train.precision} ({why}) on {world.world_size} rank(s)")
+        metrics = evaluator.run(build_task(cfg, opened.model), opened.model, world.device, precision.autocast)
         clean = True
         return metrics
     finally:

@@ -19,15 +19,15 @@ from typing import Any
 import numpy as np
 import torch
 
-from vltrain.checkpoint.init_from import adopt_checkpoint_model, vltrain_checkpoint
+from vltrain.checkpoint.init_from import adopt_saved_model, vltrain_model
 from vltrain.checkpoint.manager import (
     Checkpointer,
     ModelState,
     OptimizerState,
-    latest_checkpoint,
-    load_model_weights,
     save_initial_weights,
 )
+from vltrain.checkpoint.opening import load_weights
+from vltrain.checkpoint.paths import latest_checkpoint
 from vltrain.checkpoint.space import QuietWrites, check_writable
 from vltrain.config.job import JobConfig
 from vltrain.data.batch import Batch
@@ -151,7 +151,7 @@ class Trainer:
         self.tokenizer = build_tokenizer(self.cfg)
         self.model = build_model_for(self.cfg, self.tokenizer, self.device)
         if self.init_checkpoint is not None:
-            load_model_weights(self.init_checkpoint, self.model)
+            load_weights(self.init_checkpoint, self.model)
         freeze_towers(self.model, tc.freeze, tc.unlock_last)
         self._save_initial()
         self.precision = Precision(tc.precision, self.device)
@@ -199,13 +199,13 @@ class Trainer:
 
     def _resolve_init(self) -> None:
         """``model.init``: the checkpoint's architecture and preprocessing enter the config before it
-        is saved with the run; rank 0 says what they are. A vltrain checkpoint (or run folder) gives
+        is saved with the run; rank 0 says what they are. A vltrain run, checkpoint or export gives
         its model section and tokenizer instead, and its weights once the model is built."""
-        self.init_checkpoint = vltrain_checkpoint(self.cfg.model.init)
+        self.init_checkpoint = vltrain_model(self.cfg.model.init)
         if self.init_checkpoint is not None:
-            adopt_checkpoint_model(self.cfg, self.init_checkpoint)
+            adopt_saved_model(self.cfg, self.init_checkpoint)
             if self.world.is_main:
-                print(f"model.init {self.init_checkpoint}: a vltrain checkpoint (its model section, tokenizer "
+                print(f"model.init {self.init_checkpoint.weights}: saved by vltrain (its model section, tokenizer "
                       "and weights; a new optimizer and schedule)", flush=True)
             return
         source = resolve_init(self.cfg)

@@ -59,14 +59,6 @@ class Pretrained:
         return openclip.IGNORED if self.kind == "openclip" else hf_clip.IGNORED
 
 
-def is_pretrained(path: str | Path) -> bool:
-    """Whether ``path`` looks like something ``model.init`` takes (for commands that take any model)."""
-    p = Path(path).expanduser()
-    if p.is_file():
-        return p.suffix in CHECKPOINT_SUFFIXES
-    return (p / "config.json").is_file() and not (p / "config.yaml").is_file()
-
-
 def open_pretrained(path: str | Path, preset: str = "", quick_gelu: bool = False) -> Pretrained:
     """The architecture and preprocessing of a checkpoint (``preset``: OpenCLIP's head counts)."""
     p = Path(path).expanduser()

@@ -1,0 +1,107 @@
+"""The one door: what a path is (``checkpoint/paths.py``) and opening it (``checkpoint/opening.py``)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+from runkit import overrides, session_shapes, train_here
+
+from vltrain.checkpoint.paths import CHECKPOINT, EXPORT, HF, KINDS, OPENCLIP, RUN, find_checkpoint, locate
+from vltrain.config.job import load_config
+from vltrain.errors import UserError
+
+
+def _checkpoint(folder):
+    folder.mkdir(parents=True)
+    (folder / "state.json").write_text("{}")
+    (folder / ".metadata").write_bytes(b"")
+    return folder
+
+
+def test_each_kind_of_path_is_told_apart(tmp_path):
+    step = _checkpoint(tmp_path / "run" / "checkpoints" / "step-3")
+    (tmp_path / "run" / "config.yaml").write_text("checkpoint: {folder: checkpoints}\n")
+    export = tmp_path / "export"
+    export.mkdir()
+    for name in ("model.safetensors", "tokenizer.json", "config.yaml"):
+        (export / name).write_text("")
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    (hf / "config.json").write_text("{}")
+    (tmp_path / "open_clip.pt").write_bytes(b"")
+
+    assert locate(tmp_path / "run") == locate(str(tmp_path / "run"))
+    assert (locate(tmp_path / "run").kind, locate(tmp_path / "run").checkpoint) == (RUN, step)
+    assert (locate(step).kind, locate(step).checkpoint) == (CHECKPOINT, step)
+    assert (locate(step.parent).kind, locate(step.parent).checkpoint) == (CHECKPOINT, step)
+    assert locate(export).kind == EXPORT and locate(export).weights == export / "model.safetensors"
+    assert locate(hf).kind == HF and locate(tmp_path / "open_clip.pt").kind == OPENCLIP
+    assert find_checkpoint(tmp_path / "run") == step
+    with pytest.raises(UserError, match="is an exported model .*, not a vltrain run or checkpoint"):
+        find_checkpoint(export)
+
+
+def test_a_run_reads_the_checkpoint_folder_its_config_names(tmp_path):
+    step = _checkpoint(tmp_path / "run" / "saved" / "step-1")
+    (tmp_path / "run" / "config.yaml").write_text("checkpoint: {folder: saved}\n")
+    assert locate(tmp_path / "run").checkpoint == step
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "empty" / "config.yaml").write_text("{}\n")
+    with pytest.raises(UserError, match=r"empty is a run folder, but .*checkpoints holds no complete checkpoint"):
+        locate(tmp_path / "empty")
+
+
+@pytest.mark.parametrize("name, why", [("nowhere", "does not exist"), ("notes.txt", "is a file but not a checkpoint"),
+                                       ("folder", "holds no complete checkpoint and no model")])
+def test_a_bad_path_is_named_with_every_kind_accepted(tmp_path, name, why):
+    (tmp_path / "notes.txt").write_text("")
+    (tmp_path / "folder").mkdir()
+    with pytest.raises(UserError) as e:
+        locate(tmp_path / name, role="model.init")
+    message = str(e.value)
+    assert message.startswith(f"model.init {tmp_path / name} {why}") and "\n" not in message
+    assert all(kind in message for kind in KINDS.values())
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_run_whose_tokenizer_moved_evaluates_embeds_and_exports(tmp_path, tmp_path_factory, cli):
+    """The tokenizer saved with the checkpoint is the one every command reads, before data.tokenizer."""
+    shapes = session_shapes(tmp_path_factory)
+    tokenizer = tmp_path / "tokenizers" / "tokenizer.json"
+    tokenizer.parent.mkdir()
+    shutil.copy(shapes / "tokenizer.json", tokenizer)
+    run = tmp_path / "run"
+    train_here(load_config(None, overrides(shapes, run, data__tokenizer=tokenizer, data__val=shapes / "val.jsonl",
+                                           train__max_steps=2, data__num_workers=0, checkpoint__every=0,
+                                           eval__every=0)))
+    evaluate = ("eval", run, "train.threads=1", "eval.batch_size=16", "--json")
+    proc = cli(*evaluate)
+    assert proc.returncode == 0, proc.stderr
+    before = json.loads(proc.stdout)
+
+    tokenizer.rename(tmp_path / "moved.json")
+    proc = cli(*evaluate)
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout) == before
+    image = shapes / "images" / "val" / "000000.png"
+    proc = cli("embed", run, "--images", image, "--texts", "a red circle", "--out", tmp_path / "e.npy")
+    assert proc.returncode == 0, proc.stderr
+    proc = cli("export", run, "--out", tmp_path / "exported")
+    assert proc.returncode == 0, proc.stderr
+    proc = cli("embed", tmp_path / "exported", "--images", image, "--texts", "a red circle",
+               "--out", tmp_path / "x.npy")
+    assert proc.returncode == 0, proc.stderr
+    np.testing.assert_array_equal(np.load(tmp_path / "e.npy"), np.load(tmp_path / "x.npy"))
+
+
+@pytest.mark.slow
+def test_the_commands_name_a_path_they_cannot_open_in_one_line(tmp_path, cli):
+    for argv in (["eval", tmp_path / "nowhere"], ["export", tmp_path / "nowhere", "--out", tmp_path / "x"],
+                 ["embed", tmp_path / "nowhere", "--texts", "a dog", "--out", tmp_path / "e.npy"]):
+        proc = cli(*argv)
+        assert proc.returncode != 0 and "Traceback" not in proc.stderr
+        assert proc.stderr.strip().count("\n") == 0 and f"{tmp_path / 'nowhere'} does not exist" in proc.stderr
