@@ -1,7 +1,7 @@
 """The package's layers: every import, function-level ones included, points down one chain.
 
     errors -> types -> runtime -> data | model -> config -> objectives -> train -> checkpoint
-           -> export -> eval -> train.trainer -> demo -> cli
+           -> export -> eval -> train.trainer | train.resolve -> demo -> cli
 
 A module may import its own layer and any layer below it, never one above; ``data`` and ``model``
 are side by side and import neither each other. ``docs/architecture.md`` says why each layer sits
@@ -26,7 +26,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("checkpoint",),
     ("export",),
     ("eval",),
-    ("train.trainer",),
+    ("train.trainer", "train.resolve"),
     ("demo",),
     ("cli", "__main__", ""),
 ]

@@ -124,3 +124,31 @@ class TrainableModel(Protocol):
 
     def set_activation_checkpointing(self, enabled: bool) -> None:
         """Recompute each block's activations in the backward instead of keeping them."""
+
+
+class Settings:
+    """A config section (a dataclass) that :func:`freeze` makes read-only.
+
+    A run decides its whole config in one pass (:mod:`vltrain.train.resolve`), saves it, and then
+    freezes it: what ``config.yaml`` says is what the run used, since nothing can change it later."""
+
+    _frozen = False
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if self._frozen:
+            raise AttributeError(f"{type(self).__name__}.{name}: the config is decided and frozen; set it in the "
+                                 "config, or decide it in vltrain.train.resolve before the run is built")
+        object.__setattr__(self, name, value)
+
+
+def freeze(settings: Any) -> None:
+    """Make ``settings`` and every section under it (lists of sections included) read-only."""
+    if isinstance(settings, (list, tuple)):
+        for item in settings:
+            freeze(item)
+        return
+    if not isinstance(settings, Settings):
+        return
+    for value in vars(settings).values():
+        freeze(value)
+    object.__setattr__(settings, "_frozen", True)

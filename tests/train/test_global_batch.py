@@ -197,18 +197,18 @@ def test_the_default_itm_group_depends_on_the_global_batch_alone():
 
 
 def test_a_split_the_default_itm_groups_cannot_serve_is_refused_naming_what_works():
-    from modelkit import small_task
-
     from vltrain.errors import ConfigError
-    from vltrain.train.build import itm_groups
+    from vltrain.model.config import LossConfig
+    from vltrain.train.build import itm_group
 
-    task = small_task("tiny-albef", itm=1.0, itm_negatives="group")
+    loss = LossConfig(itm=1.0, itm_negatives="group")
     for micro in (16, 8, 4):  # 1, 2 and 4 micro-batches: groups of 4 in each
-        assert itm_groups(task.objectives, 0, micro, 16) == "the default for a global batch of 16"
-        assert task.objectives.itm_group_size == 4
+        assert itm_group(loss, micro, 16) == (4, "the default for a global batch of 16")
     with pytest.raises(ConfigError, match=r"groups of 4 rows .* micro-batches of 2 rows: split a step of 16 rows "
                                           r"into at most 4 micro-batches .* one of \[1, 2\]"):
-        itm_groups(task.objectives, 0, 2, 16)
-    assert itm_groups(task.objectives, 2, 2, 16) == "model.loss.itm_group_size"  # the user's choice serves it
-    assert itm_groups(task.objectives, 0, 8, 16, saved=8) == "the checkpoint's"
-    assert task.objectives.itm_group_size == 8
+        itm_group(loss, 2, 16)
+    assert itm_group(loss, 8, 16, saved=8) == (8, "the checkpoint's")
+    loss.itm_group_size = 2
+    assert itm_group(loss, 2, 16) == (2, "model.loss.itm_group_size")  # the user's choice serves it
+    assert itm_group(loss, 8, 16, saved=8) == (2, "model.loss.itm_group_size")  # and is kept over a checkpoint's
+    assert itm_group(LossConfig(itm=1.0, itm_negatives="local"), 8, 16) == (0, "")  # no groups: nothing chosen

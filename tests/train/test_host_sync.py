@@ -44,7 +44,7 @@ def count_per_step(root: Path, run_dir: Path, overrides: list[str]) -> list[int]
                 trainer.settle()
         counts.append(c.total)
         if len(counts) == STEPS:
-            trainer.cfg.train.max_steps = trainer.step + 1
+            object.__setattr__(trainer.cfg.train, "max_steps", trainer.step + 1)  # past the frozen config
         return out
 
     trainer.train_step = counted

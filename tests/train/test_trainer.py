@@ -121,13 +121,13 @@ def test_nonfinite_steps_in_a_row_stop_with_a_clear_error(shapes, tmp_path):
     try:
         # a loss that is NaN on every step from step 2 on: two in a row stop the run, at the
         # first log step that reads the device's count (settle; log_every 1 here: every step)
-        trainer.cfg.train.debug_nan_step = 2
+        object.__setattr__(trainer.cfg.train, "debug_nan_step", 2)  # past the frozen config
         trainer.train_step([next(trainer.loader)])
         trainer.settle()
         trainer.step = 2
         trainer.train_step([next(trainer.loader)])
         trainer.settle()
-        trainer.cfg.train.debug_nan_step = 3
+        object.__setattr__(trainer.cfg.train, "debug_nan_step", 3)  # past the frozen config
         trainer.step = 3
         trainer.train_step([next(trainer.loader)])
         with pytest.raises(NonFiniteError, match="2 steps in a row"):

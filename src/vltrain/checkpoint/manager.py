@@ -183,6 +183,16 @@ def save_initial_weights(run_dir: Path, model: torch.nn.Module) -> None:
 # The checkpointer
 
 
+def resume_target(resume: str, folder: Path) -> Path | None:
+    """The checkpoint ``train.resume`` names: auto (the newest complete one in ``folder``, if any),
+    never (None) or a path."""
+    if resume == "never":
+        return None
+    if resume == "auto":
+        return latest_checkpoint(folder)
+    return find_checkpoint(resume)
+
+
 class Checkpointer:
     """Saves and restores a run's states; every rank calls every method (they hold collectives).
 
@@ -343,11 +353,7 @@ class Checkpointer:
 
     def resolve(self, resume: str) -> Path | None:
         """``train.resume``: auto (the newest complete checkpoint, if any) | never | a path."""
-        if resume == "never":
-            return None
-        if resume == "auto":
-            return latest_checkpoint(self.folder)
-        return find_checkpoint(resume)
+        return resume_target(resume, self.folder)
 
     def resume(self, resume: str) -> Restored | None:
         """Resolve on rank 0 (so every rank loads the same one) and load; None if nothing to resume."""

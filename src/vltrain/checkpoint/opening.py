@@ -32,7 +32,7 @@ from vltrain.config.job import JobConfig, load_config
 from vltrain.data.config import DataConfig
 from vltrain.data.tokenizers import Tokenizer
 from vltrain.model import VLModel
-from vltrain.train.build import build_model_for, build_tokenizer, resolve_init
+from vltrain.train.build import build_model_for, build_tokenizer, fit_native, resolve_init
 
 
 @dataclass
@@ -55,11 +55,13 @@ def model_config(found: Located, overrides: list[str] | None = None) -> JobConfi
     """The config that rebuilds the model ``found`` holds (the module's rules), with ``overrides``."""
     overrides = list(overrides or [])
     if found.kind not in IMPORTED:
-        return load_config(found.config_file(), overrides)
-    cfg = load_config(None, [f"model.init={found.path}", *overrides])
-    resolve_init(cfg)
-    if not any(o.startswith("train.precision=") for o in overrides):
-        cfg.train.precision = "fp32"
+        cfg = load_config(found.config_file(), overrides)
+    else:
+        cfg = load_config(None, [f"model.init={found.path}", *overrides])
+        resolve_init(cfg)
+        if not any(o.startswith("train.precision=") for o in overrides):
+            cfg.train.precision = "fp32"
+    fit_native(cfg)  # the patch side images are cut into: the architecture's
     return cfg
 
 

@@ -18,10 +18,11 @@ from vltrain.config.loading import apply_override, dotted_keys, from_dict, read_
 from vltrain.data.config import DataConfig
 from vltrain.errors import ConfigError
 from vltrain.model.config import ModelConfig
+from vltrain.types import Settings
 
 
 @dataclass
-class RunConfig:
+class RunConfig(Settings):
     dir: str = "runs/default"
     """Everything a run writes goes here: config.yaml, metrics, checkpoints, bad_samples.jsonl."""
     name: str = ""
@@ -29,7 +30,7 @@ class RunConfig:
 
 
 @dataclass
-class TrainConfig:
+class TrainConfig(Settings):
     max_steps: int = 1000
     """Optimizer steps of the run."""
     lr: float = 5e-4
@@ -135,7 +136,7 @@ class TrainConfig:
 
 
 @dataclass
-class ZeroShotSet:
+class ZeroShotSet(Settings):
     name: str = ""
     """Metrics are written as zeroshot/NAME/top1, top5, mean_per_class."""
     path: str = ""
@@ -149,7 +150,7 @@ class ZeroShotSet:
 
 
 @dataclass
-class RetrievalSet:
+class RetrievalSet(Settings):
     name: str = ""
     """Metrics are written as retrieval/NAME/i2t_r1 ... (and itm_i2t_r1 ... when re-ranked)."""
     path: str = ""
@@ -169,7 +170,7 @@ def _check_set_name(key: str, name: str, path: str) -> None:
 
 
 @dataclass
-class EvalConfig:
+class EvalConfig(Settings):
     every: int = 0
     """Evaluate on data.val, eval.zeroshot and eval.retrieval every N steps (0: only at the end)."""
     batch_size: int = 256
@@ -202,7 +203,7 @@ class EvalConfig:
 
 
 @dataclass
-class CheckpointConfig:
+class CheckpointConfig(Settings):
     every: int = 0
     """Save every N steps (0: only at the end)."""
     every_minutes: float = 0.0
@@ -230,7 +231,7 @@ class CheckpointConfig:
 
 
 @dataclass
-class MetricsConfig:
+class MetricsConfig(Settings):
     wandb: bool = False
     """Log the same scalars and evaluations as TensorBoard, and the resolved config, to Weights &
     Biases (rank 0; needs the optional `wandb` package). The W&B run id is kept in RUN_DIR/wandb_id,
@@ -246,7 +247,7 @@ class MetricsConfig:
 
 
 @dataclass
-class JobConfig:
+class JobConfig(Settings):
     run: RunConfig = field(default_factory=RunConfig)
     data: DataConfig = field(default_factory=DataConfig)
     model: ModelConfig = field(default_factory=ModelConfig)

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, Union
 
 from vltrain.errors import ConfigError
+from vltrain.types import Settings
 
 PAD_MULTIPLE = 8
 """The default rounding of padded widths (``DataConfig.pad_multiple``)."""
@@ -24,7 +25,7 @@ a config (an index build's worker processes do) does not import torch."""
 
 
 @dataclass
-class SourceSpec:
+class SourceSpec(Settings):
     """One source of a mixture: a manifest (.jsonl/.csv/.tsv) or a shard pattern, with a weight."""
 
     path: str = ""
@@ -68,7 +69,7 @@ def as_specs(value: Any) -> Union[str, list[SourceSpec]]:
 
 
 @dataclass
-class CsvConfig:
+class CsvConfig(Settings):
     """Column names and separator for CSV/TSV manifests (OpenCLIP writes filepath/title, tab-separated)."""
 
     image_key: str = "filepath"
@@ -83,7 +84,7 @@ class CsvConfig:
 
 
 @dataclass
-class ModalityWeights:
+class ModalityWeights(Settings):
     """Loss weights of rows by modality, for objectives that accept single-modality rows."""
 
     image_text: float = 1.0
@@ -110,7 +111,7 @@ class ResolvedBatching:
 
 
 @dataclass
-class DataConfig:
+class DataConfig(Settings):
     train: Sources = ""
     """A manifest, a brace pattern or a glob of tar shards or parquet files, local or remote
     ('shards/{00000..00009}.tar', 'data/train-*.parquet'); or a list of those, and of {path, weight,

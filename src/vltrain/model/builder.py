@@ -18,7 +18,7 @@ from vltrain.model.config import ModelConfig
 from vltrain.model.fusion import FusionEncoder
 from vltrain.model.heads import ITMHead, MIMHead, MLMHead, Projection
 from vltrain.model.model import VLModel
-from vltrain.model.presets import PRESETS, Architecture
+from vltrain.model.presets import Architecture
 from vltrain.model.text import HFTextEncoder, TextTransformer
 from vltrain.model.vision import VisionTransformer
 
@@ -63,7 +63,7 @@ def build_model(
     projections, heads), so a seed gives the same initial weights.
     """
     model_cfg.validate()  # a config built in code has not been through load_config
-    arch = Architecture.from_dict(model_cfg.arch) if model_cfg.arch else PRESETS[model_cfg.preset]()
+    arch = model_cfg.architecture()
     if image_size % arch.vision.patch_size:
         raise ConfigError(
             f"image size {image_size} is not a multiple of {model_cfg.preset or 'the architecture'}'s patch size "

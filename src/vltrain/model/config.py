@@ -6,12 +6,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from vltrain.errors import ConfigError
-from vltrain.model.presets import list_presets
+from vltrain.model.presets import PRESETS, Architecture, list_presets
 from vltrain.model.text import POOLINGS, TEXT_LAYOUTS
+from vltrain.types import Settings
 
 
 @dataclass
-class TextConfig:
+class TextConfig(Settings):
     hf_path: str = ""
     """A local Hugging Face encoder folder (needs the `hf` extra); its tokenizer.json is used."""
     pooling: str = ""
@@ -23,7 +24,7 @@ class TextConfig:
 
 
 @dataclass
-class LossConfig:
+class LossConfig(Settings):
     """Per-objective weights. An objective the model has no head for (ITM or MLM on a dual encoder)
     is ignored, so one loss section serves every preset."""
 
@@ -84,7 +85,7 @@ class LossConfig:
 
 
 @dataclass
-class ModelConfig:
+class ModelConfig(Settings):
     preset: str = "tiny-clip"
     """A name from ``vltrain.model.list_presets()`` (tiny-clip, tiny-albef, clip-vit-b32, ...); empty
     in a run's saved config when model.init gave the architecture (model.arch)."""
@@ -101,6 +102,10 @@ class ModelConfig:
     arch: dict[str, Any] = field(default_factory=dict)
     """The architecture ``model.init`` describes, filled in from the checkpoint so that the run's
     saved config rebuilds the model without it; leave it out of configs."""
+
+    def architecture(self) -> Architecture:
+        """The preset's architecture, or ``model.arch`` (the one ``model.init`` read from its checkpoint)."""
+        return Architecture.from_dict(self.arch) if self.arch else PRESETS[self.preset]()
 
     def validate(self) -> None:
         if self.preset not in list_presets() and not (self.preset == "" and (self.arch or self.init)):

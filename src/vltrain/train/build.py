@@ -18,6 +18,7 @@ from vltrain.data.schedule import budget
 from vltrain.data.tokenizers import Tokenizer, load_tokenizer
 from vltrain.errors import ConfigError
 from vltrain.model import VLModel, build_model, hf_tokenizer_file
+from vltrain.model.config import LossConfig
 from vltrain.model.interop.pretrained import Pretrained, load_pretrained, open_pretrained
 from vltrain.model.presets import Architecture
 from vltrain.objectives.scoring import Objectives
@@ -123,12 +124,9 @@ def build_model_for(cfg: JobConfig, tokenizer: Tokenizer, device: torch.device |
         cfg.model, vocab_size=vocab_size, pad_id=tokenizer.pad_id, mask_id=tokenizer.mask_id,
         image_size=cfg.data.image_size, max_text_length=max_text_length,
     )
-    if cfg.data.resize == "native":
-        _fit_native(cfg, model)
-    elif cfg.data.pack_images or cfg.data.patch_budget:  # checked here: model.init may be what sets data.resize
-        key = "data.pack_images packs" if cfg.data.pack_images else "data.patch_budget counts the patches of"
-        raise ConfigError(f"{key} images at their own shape: set data.resize native, or "
-                          f"{key.split()[0]} {'false' if cfg.data.pack_images else '0'}")
+    if cfg.data.resize == "native" and cfg.data.patch_size != model.vision.cfg.patch_size:
+        raise ConfigError(f"data.patch_size {cfg.data.patch_size} is not the model's patch size "
+                          f"{model.vision.cfg.patch_size}: decide the config first (vltrain.train.build.fit_native)")
     if cfg.model.init and load_init:
         source = open_pretrained(cfg.model.init, quick_gelu=cfg.model.quick_gelu)
         source.arch = arch  # the resolved one (with model.preset's head counts)
@@ -137,17 +135,25 @@ def build_model_for(cfg: JobConfig, tokenizer: Tokenizer, device: torch.device |
     return model.to(device)
 
 
-def _fit_native(cfg: JobConfig, model: VLModel) -> None:
-    """``data.resize: native``: the patch side the data cuts images into is the model's; refuse what
-    does not read images at their own shape yet."""
-    patch = model.vision.cfg.patch_size
-    if cfg.data.patch_size not in (0, patch):
-        raise ConfigError(f"data.patch_size {cfg.data.patch_size} differs from the model's patch size {patch}; "
+def fit_native(cfg: JobConfig) -> None:
+    """``data.resize: native``: the patch side the data cuts images into is the architecture's (so
+    data code needs no model); refuse what does not read images at their own shape yet."""
+    data, loss = cfg.data, cfg.model.loss
+    if data.resize != "native":
+        if data.pack_images or data.patch_budget:
+            key = "data.pack_images packs" if data.pack_images else "data.patch_budget counts the patches of"
+            raise ConfigError(f"{key} images at their own shape: set data.resize native, or "
+                              f"{key.split()[0]} {'false' if data.pack_images else '0'}")
+        return
+    arch = cfg.model.architecture()
+    patch = arch.vision.patch_size
+    if data.patch_size not in (0, patch):
+        raise ConfigError(f"data.patch_size {data.patch_size} differs from the model's patch size {patch}; "
                           "leave it 0")
-    cfg.data.patch_size = patch
-    if cfg.data.pack_images and (model.fusion is not None or model.mim_head is not None):
-        what = "the fusion encoder (model.loss.itm, model.loss.mlm)" if model.fusion is not None \
-            else "model.loss.image_mim"
+    data.patch_size = patch
+    fused = arch.fusion is not None and (loss.itm > 0 or loss.mlm > 0)
+    if data.pack_images and (fused or loss.image_mim > 0):
+        what = "the fusion encoder (model.loss.itm, model.loss.mlm)" if fused else "model.loss.image_mim"
         raise ConfigError(f"data.pack_images: {what} reads each image's tokens in a row of its own; set "
                           "data.pack_images false (images are then padded, and only their real patches are read)")
 
@@ -169,21 +175,23 @@ def _check_fits_init(cfg: JobConfig, tokenizer: Tokenizer, arch: Architecture) -
     return arch.text.vocab_size, arch.text.max_length
 
 
-def build_task(cfg: JobConfig, model: VLModel) -> Task:
-    """The model with the objectives ``model.loss`` asks for (those the model has heads for; the
-    others are set to 0 in ``cfg``, so that a saved config says what the run trains).
-    ``itm_negatives: auto`` is group with ``data.global_batch_size`` (see :func:`itm_groups`)."""
+def decide_objectives(cfg: JobConfig) -> None:
+    """The objectives the run trains, in ``cfg``: those the architecture has no head for (ITM and MLM
+    without a fusion encoder) set to 0, so that a saved config says what the run trains;
+    ``itm_negatives: auto`` is group with ``data.global_batch_size`` (see :func:`itm_group`)."""
     loss = cfg.model.loss
+    if cfg.model.architecture().fusion is None:
+        loss.itm, loss.mlm = 0.0, 0.0
     if loss.itm_negatives == "auto":  # groups need micro-batches of one size: fixed batching
         loss.itm_negatives = "group" if cfg.data.global_batch_size and cfg.data.batching == "fixed" else "local"
     if loss.itm_negatives == "group" and cfg.data.batching == "budget":
         raise ConfigError("model.loss.itm_negatives: group needs data.batching: fixed (budget micro-batches differ "
                           "in size, so no group size divides them all); use local or global")
-    task = Task(model, Objectives(loss, model))
-    for name in ("itc", "siglip", "itm", "mlm", "text_mlm", "image_mim"):
-        if name not in task.objectives.loss_weights:
-            setattr(loss, name, 0.0)
-    return task
+
+
+def build_task(cfg: JobConfig, model: VLModel) -> Task:
+    """The model with the objectives of the decided ``model.loss`` (:func:`decide_objectives`)."""
+    return Task(model, Objectives(cfg.model.loss, model))
 
 
 ITM_GROUP_MAX = 64
@@ -202,17 +210,18 @@ def default_itm_group(rows: int) -> int:
     return max(fits) if fits else min(d for d in range(2, rows + 1) if rows % d == 0)
 
 
-def itm_groups(objectives: Objectives, configured: int, micro: int, global_batch: int = 0, saved: int = 0) -> str:
-    """Set the ITM group size on ``objectives`` for micro-batches of ``micro`` rows; say where it
-    came from ("" when the run draws no ITM negatives by group).
+def itm_group(loss: LossConfig, micro: int, global_batch: int = 0, saved: int = 0) -> tuple[int, str]:
+    """The ITM group size for micro-batches of ``micro`` rows, and where it came from ("" when the
+    run draws no ITM negatives by group: the size is then the config's, unused).
 
-    The ``configured`` size (``model.loss.itm_group_size``), else a resumed run's (``saved``), else
+    The configured size (``model.loss.itm_group_size``), else a resumed run's (``saved``), else
     the default of a step of ``global_batch`` rows (:func:`default_itm_group`): the same on any
     number of ranks. Without a global batch the step depends on the split anyway, and the default
     is the micro-batch's largest divisor up to 64. A size that does not divide ``micro`` is
     refused, since a group cut by a micro-batch boundary would change with the split."""
-    if "itm" not in objectives.loss_weights or objectives.itm_negatives != "group":
-        return ""
+    configured = loss.itm_group_size
+    if loss.itm <= 0 or loss.itm_negatives != "group":
+        return configured, ""
     fits = [d for d in range(1, micro + 1) if micro % d == 0]
     if configured:
         size, said = configured, "model.loss.itm_group_size"
@@ -234,13 +243,12 @@ def itm_groups(objectives: Objectives, configured: int, micro: int, global_batch
         raise ConfigError(f"{where} {size} does not divide the micro-batch of {micro} rows: ITM groups must not "
                           f"straddle micro-batches. Use a data.micro_batch_size that is a multiple of {size}, or "
                           f"model.loss.itm_group_size set to one of {fits} (another group size changes the run)")
-    objectives.itm_group_size = size
-    return said
+    return size, said
 
 
 def describe_itm(objectives: Objectives, global_batch: bool, source: str = "") -> str | None:
     """One log line on where ITM draws its negatives, and whether that ties the run to its split;
-    ``source``: where the group size came from (:func:`itm_groups`)."""
+    ``source``: where the group size came from (:func:`itm_group`)."""
     if "itm" not in objectives.loss_weights:
         return None
     if objectives.itm_negatives == "group":

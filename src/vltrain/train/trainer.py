@@ -19,7 +19,6 @@ from typing import Any
 import numpy as np
 import torch
 
-from vltrain.checkpoint.init_from import adopt_saved_model, vltrain_model
 from vltrain.checkpoint.manager import (
     Checkpointer,
     ModelState,
@@ -35,7 +34,6 @@ from vltrain.data.dataset import source_specs
 from vltrain.errors import UserError
 from vltrain.eval.evaluator import Evaluator, append_eval, check_early_stop_metric, format_metrics
 from vltrain.objectives.keyed import StepKey
-from vltrain.objectives.task import Task
 from vltrain.runtime.distributed import all_gather_object, all_reduce_sum, host_sums, release_mesh
 from vltrain.runtime.faults import maybe_fail
 from vltrain.runtime.precision import Precision
@@ -47,14 +45,11 @@ from vltrain.runtime.spmd import RECORDER
 from vltrain.runtime.world import setup_world
 from vltrain.train.build import (
     describe_itm,
-    itm_groups,
     build_model_for,
     build_task,
     build_tokenizer,
     build_train_loader_for,
     describe_preprocessing,
-    resolve_global_batch,
-    resolve_init,
 )
 from vltrain.train.gradcache import gradcache_backward
 from vltrain.train.metrics import (GpuUtilization, MetricsLogger, Throughput, memory_bytes, peak_flops,
@@ -62,6 +57,7 @@ from vltrain.train.metrics import (GpuUtilization, MetricsLogger, Throughput, me
 from vltrain.train.nonfinite import NonFiniteGuard
 from vltrain.train.optim import build_optimizer, build_scheduler, freeze_towers
 from vltrain.train.parallelize import clip_grad_norm, parallelize, reduce_replicated_grads
+from vltrain.train.resolve import resolve_run
 from vltrain.train.source_metrics import SourceMeter
 from vltrain.train.step import StepLosses, apply_update, plain_backward
 from vltrain.types import ModelInputs
@@ -81,15 +77,19 @@ class Trainer:
         self.world = setup_world(timeout_s=tc.timeout_s, device=tc.device, threads=tc.threads, tf32=tc.tf32,
                                  debug_spmd=tc.debug_spmd, deterministic=tc.deterministic)
         self.device = self.world.device
-        self.batch_said = resolve_global_batch(cfg, self.world.world_size)
+        # the config, decided once and frozen: what config.yaml says is what the run uses
+        self.resolved = resolve_run(cfg, self.world.world_size)
+        self.init_checkpoint = self.resolved.saved_init
+        self.itm_source = self.resolved.itm_source
         self._prepare_run_dir()
         if self.world.is_main:
-            log.info(self.batch_said)
+            self._say_init()
+            log.info(self.resolved.batch)
 
         self._build_model()
 
         # the objectives, and the parallelized task
-        task = self._build_task()
+        task = build_task(cfg, self.model)
         self.objectives = task.objectives
         self.wrapped = parallelize(task, tc, self.device)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
@@ -156,17 +156,6 @@ class Trainer:
         self._save_initial()
         self.precision = Precision(tc.precision, self.device)
 
-    def _build_task(self) -> Task:
-        """The model with the objectives ``model.loss`` asks for, ITM's groups sized for this run
-        (a resumed run's may change them: said once the checkpoint is read, by :meth:`_resume`)."""
-        cfg = self.cfg
-        task = build_task(cfg, self.model)
-        if self.world.is_main:  # config.yaml says what the run trains (build_task)
-            cfg.save(self.run_dir / "config.yaml")
-        self.itm_source = itm_groups(task.objectives, cfg.model.loss.itm_group_size, cfg.data.batch_size,
-                                     cfg.data.global_batch_size)
-        return task
-
     @staticmethod
     def _seed_rank(seed: int) -> RngState:
         """Seed torch, numpy and random for this rank; the generators a checkpoint keeps."""
@@ -197,25 +186,18 @@ class Trainer:
         if self.world.is_main and (when == "always" or (when == "auto" and started_from)):
             save_initial_weights(self.run_dir, self.model)
 
-    def _resolve_init(self) -> None:
-        """``model.init``: the checkpoint's architecture and preprocessing enter the config before it
-        is saved with the run; rank 0 says what they are. A vltrain run, checkpoint or export gives
-        its model section and tokenizer instead, and its weights once the model is built."""
-        self.init_checkpoint = vltrain_model(self.cfg.model.init)
+    def _say_init(self) -> None:
+        """What ``model.init`` gave the run (rank 0): a vltrain run, checkpoint or export its model
+        section, tokenizer and weights; another checkpoint its architecture and preprocessing."""
         if self.init_checkpoint is not None:
-            adopt_saved_model(self.cfg, self.init_checkpoint)
-            if self.world.is_main:
-                print(f"model.init {self.init_checkpoint.weights}: saved by vltrain (its model section, tokenizer "
-                      "and weights; a new optimizer and schedule)", flush=True)
-            return
-        source = resolve_init(self.cfg)
-        if source is not None and self.world.is_main:
-            print(describe_preprocessing(self.cfg, source), flush=True)
+            print(f"model.init {self.init_checkpoint.weights}: saved by vltrain (its model section, tokenizer "
+                  "and weights; a new optimizer and schedule)", flush=True)
+        elif self.resolved.imported_init is not None:
+            print(describe_preprocessing(self.cfg, self.resolved.imported_init), flush=True)
 
     def _prepare_run_dir(self) -> None:
-        """``model.init`` resolved into the config; rank 0: the run folder, its config.yaml, and no
-        marker of an earlier preemption."""
-        self._resolve_init()
+        """Rank 0: the run folder, its config.yaml (written once: the decided config), and no marker
+        of an earlier preemption."""
         check_writable(self.run_dir)  # on every rank: each stops with the message, none waits
         if self.world.is_main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -258,8 +240,6 @@ class Trainer:
             raise UserError(f"cannot resume the same run: the checkpoint's global batch is {saved} samples, this "
                             f"run's is {self.global_batch} (data.global_batch_size); resume with "
                             f"data.global_batch_size={saved}")
-        self.itm_source = itm_groups(self.objectives, self.cfg.model.loss.itm_group_size, self.cfg.data.batch_size,
-                                     self.cfg.data.global_batch_size, int(state.get("itm_group_size", 0)))
         self.step = int(state["step"])
         self.samples_seen = int(state["samples_seen"])
         self.best_metric = state["best_metric"]

@@ -14,7 +14,7 @@ from pretrainedkit import TEXTS, make_siglip2, normalized  # noqa: E402
 
 from vltrain.config.job import load_config  # noqa: E402
 from vltrain.export.native import embed  # noqa: E402
-from vltrain.train.build import build_model_for, build_tokenizer, resolve_init  # noqa: E402
+from vltrain.train.build import build_model_for, build_tokenizer, fit_native, resolve_init  # noqa: E402
 
 # (width, height): aspect ratios 1:4 to 4:1, each at three sizes (small ones are enlarged to the budget)
 SHAPES = [(w * k, h * k) for w, h in ((10, 40), (20, 40), (30, 30), (40, 20), (40, 10)) for k in (1, 4, 15)]
@@ -23,6 +23,7 @@ SHAPES = [(w * k, h * k) for w, h in ((10, 40), (20, 40), (30, 30), (40, 20), (4
 def load(init, *overrides):
     cfg = load_config(None, [f"model.init={init}", *overrides])
     resolve_init(cfg)
+    fit_native(cfg)
     tokenizer = build_tokenizer(cfg)
     return build_model_for(cfg, tokenizer).eval(), tokenizer, cfg
 

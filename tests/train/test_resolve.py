@@ -1,0 +1,44 @@
+"""A run's config is decided in one pass before anything is built, frozen, and saved once: the saved
+config.yaml is the config the run used."""
+
+from __future__ import annotations
+
+import pytest
+from runkit import overrides, session_shapes, train_here
+
+from vltrain.checkpoint.paths import latest_checkpoint
+from vltrain.config.job import load_config
+from vltrain.data.dataset import build_dataset
+from vltrain.train.build import build_tokenizer
+from vltrain.train.resolve import resolve_run
+
+
+def test_the_pass_decides_what_the_model_and_the_world_imply_without_building_a_model(tmp_path_factory, tmp_path):
+    shapes = session_shapes(tmp_path_factory)
+    cfg = load_config(None, overrides(shapes, tmp_path / "run", data__resize="native", data__max_patches=8,
+                                      data__global_batch_size=8, model__loss__itm=0.5, model__loss__mlm=0.5))
+    resolved = resolve_run(cfg, world_size=2)
+    assert cfg.data.patch_size == 16  # tiny-clip's patches: the data knows it before any model exists
+    assert (cfg.model.loss.itm, cfg.model.loss.mlm) == (0.0, 0.0)  # a dual encoder has no fusion heads
+    assert (cfg.data.batch_size, cfg.train.accumulation) == (4, 1) and resolved.batch.startswith("global batch 8 =")
+    with pytest.raises(AttributeError, match="DataConfig.batch_size: the config is decided and frozen"):
+        cfg.data.batch_size = 2
+    with pytest.raises(AttributeError, match="LossConfig.itc: the config is decided and frozen"):
+        cfg.model.loss.itc = 0.5
+    dataset = build_dataset(cfg.data, "train", build_tokenizer(cfg))  # native: planned from the config alone
+    assert len(dataset) > 0
+
+
+def test_the_itm_group_is_decided_before_the_run_and_the_saved_config_is_the_one_used(tmp_path_factory, tmp_path):
+    shapes = session_shapes(tmp_path_factory)
+    cfg = load_config(None, overrides(shapes, tmp_path / "run", model__preset="tiny-albef", model__loss__itm=0.5,
+                                      data__global_batch_size=8, train__max_steps=4, checkpoint__every=0,
+                                      data__num_workers=0))
+    trainer = train_here(cfg)
+    loss = trainer.cfg.model.loss
+    assert (loss.itm_negatives, loss.itm_group_size) == ("group", 2)  # auto under a global batch of 8
+    assert trainer.objectives.itm_group_size == 2 and trainer.itm_source == "the default for a global batch of 8"
+    saved = (tmp_path / "run" / "config.yaml").read_text()
+    assert saved == trainer.cfg.to_yaml()
+    assert (latest_checkpoint(tmp_path / "run" / "checkpoints") / "config.yaml").read_text() == saved
+    assert load_config(tmp_path / "run" / "config.yaml").model.loss.itm_group_size == 2
