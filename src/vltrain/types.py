@@ -108,6 +108,15 @@ class Encoded:
     common length (what the fusion encoder may read); None: all of them."""
 
 
+def image_key_mask(grids: torch.Tensor, tokens: int, patches: int) -> torch.Tensor:
+    """[B, tokens] (bool): which of a padded batch's image tokens are real, for images at their own
+    shape: the tower's ``tokens - patches`` prefix tokens (its class token) and each image's first
+    rows x cols patch tokens of ``grids`` [B, 2] (``ModelInputs.grids``). What the fusion encoder's
+    cross-attention may read, and the patches masked image modelling may mask."""
+    position = torch.arange(tokens, device=grids.device) - (tokens - patches)
+    return position[None, :] < (grids[:, 0] * grids[:, 1])[:, None]
+
+
 @runtime_checkable
 class TrainableModel(Protocol):
     def flops_per_sample(self, text_len: int | None = None) -> float:

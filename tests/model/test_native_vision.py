@@ -148,7 +148,7 @@ def test_the_fusion_encoder_reads_only_an_images_real_tokens():
     the padding holds and however long the batch is padded; only the key mask makes it so."""
     from vltrain.model import build_model
     from vltrain.model.config import ModelConfig
-    from vltrain.model.vision import image_key_mask
+    from vltrain.types import image_key_mask
 
     torch.manual_seed(0)
     model = build_model(ModelConfig(preset="tiny-albef"), vocab_size=64, pad_id=0, mask_id=1, image_size=32,

@@ -239,7 +239,7 @@ def test_eval_reports_each_validation_source(tmp_path_factory, tmp_path):
 def test_masked_image_modelling_of_images_at_their_own_shape_reads_and_predicts_real_patches_only():
     """image_mim on padded native patches: the keyed mask falls on real patches only, the target is
     the patches themselves, and noise in the padding changes neither the loss nor its gradients."""
-    from vltrain.model.vision import image_key_mask
+    from vltrain.types import image_key_mask
 
     task = small_task(image_mim=1.0, image_mim_paired=True)
     model, objectives = task.model, task.objectives

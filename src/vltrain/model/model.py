@@ -20,9 +20,8 @@ from torch import nn
 
 from vltrain.model.fusion import FusionEncoder
 from vltrain.model.heads import ITMHead, MIMHead, MLMHead, Projection
-from vltrain.model.vision import image_key_mask
 from vltrain.model.weight_decay import default_no_weight_decay
-from vltrain.types import Encoded, ModelInputs
+from vltrain.types import Encoded, ModelInputs, image_key_mask
 
 
 class VLModel(nn.Module):

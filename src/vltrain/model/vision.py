@@ -250,14 +250,6 @@ def axis_weights(cells: torch.Tensor, grid: int, index: torch.Tensor) -> torch.T
     return w / w.sum(dim=-1, keepdim=True)
 
 
-def image_key_mask(grids: torch.Tensor, tokens: int, patches: int) -> torch.Tensor:
-    """[B, tokens] (bool): which of a padded batch's image tokens are real, for images at their own
-    shape: the tower's ``tokens - patches`` prefix tokens (its class token) and each image's first
-    rows x cols patch tokens of ``grids`` [B, 2]. What the fusion encoder's cross-attention may read."""
-    position = torch.arange(tokens, device=grids.device) - (tokens - patches)
-    return position[None, :] < (grids[:, 0] * grids[:, 1])[:, None]
-
-
 def resize_positions(table: torch.Tensor, grid: int, grids: torch.Tensor, length: int) -> torch.Tensor:
     """A square ``grid`` x ``grid`` position table [grid², W], resized to each image's grid [B, 2]
     (bilinear, antialiased) and laid out row by row: [B, length, W], padding positions taking the

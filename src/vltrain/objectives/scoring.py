@@ -31,7 +31,6 @@ import torch
 
 from vltrain.model.config import LossConfig
 from vltrain.model.model import VLModel
-from vltrain.model.vision import image_key_mask
 from vltrain.objectives.keyed import UNKEYED, Stream
 from vltrain.objectives.losses import (
     itc_loss,
@@ -46,7 +45,7 @@ from vltrain.objectives.losses import (
 )
 from vltrain.objectives.ring import itc_loss_ring, siglip_loss_ring
 from vltrain.runtime.distributed import all_gather_no_grad, all_gather_with_grad, exchange_shapes, pad_to
-from vltrain.types import Encoded, ModelInputs, Rows
+from vltrain.types import Encoded, ModelInputs, Rows, image_key_mask
 
 
 @dataclass
