@@ -33,7 +33,7 @@ def main() -> None:
                 model = build_model(ModelConfig(preset=name, loss=loss), vocab_size=vocab, pad_id=0, mask_id=1,
                                     image_size=image, max_text_length=length)
             params = sum(p.numel() for p in model.parameters()) / 1e6
-            objectives = "+".join(Objectives(loss, model).loss_weights)
+            objectives = "+".join(Objectives(loss, model.spec).loss_weights)
             print(f"{name:<14} {objectives:<16} {image:>5} {length:>4} {params:>11.2f} {model.flops_per_sample() / 1e9:>19.2f}")
 
 

@@ -41,7 +41,7 @@ def bare(preset: str, batch: int, size: int, steps: int, precision: str) -> floa
     loss = LossConfig(itc=1.0, itm=0.0)
     model = build_model(ModelConfig(preset=preset, loss=loss), vocab_size=49408, pad_id=0, mask_id=None,
                         image_size=size, max_text_length=32)
-    task = Task(model, Objectives(loss, model))
+    task = Task(model, Objectives(loss, model.spec))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
     for _ in range(steps):
         inputs = ModelInputs(

@@ -23,7 +23,7 @@ def small_model(preset: str = "tiny-clip", seed: int = 0, **loss) -> VLModel:
 def small_task(preset: str = "tiny-clip", seed: int = 0, **loss) -> Task:
     """``small_model`` with the objectives of ``loss``: ``task("all", batch)`` scores a batch."""
     model = small_model(preset, seed, **loss)
-    return Task(model, Objectives(LossConfig(**loss), model))
+    return Task(model, Objectives(LossConfig(**loss), model.spec))
 
 
 def make_batch(n: int, seed: int = 0, has_image=None, has_text=None, ids=None, weights: bool = False) -> ModelInputs:

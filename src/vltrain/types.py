@@ -1,6 +1,7 @@
 """What every layer passes on: one micro-batch as the model takes it (:class:`ModelInputs`), the rows
-the objectives weigh (:class:`Rows`), what the model's ``encode`` returns (:class:`Encoded`), and what
-the trainer asks of a model besides encoding (:class:`TrainableModel`).
+the objectives weigh (:class:`Rows`), what the model's ``encode`` returns (:class:`Encoded`), what the
+objectives know of a model (:class:`ModelSpec`) and the passes they ask of it (:class:`ModelPasses`),
+and what the trainer asks of a model besides encoding (:class:`TrainableModel`).
 
 They sit below the code that makes them (the loader, the model) so that a consumer (the objectives,
 the step, gradient caching) never imports a producer.
@@ -115,6 +116,60 @@ def image_key_mask(grids: torch.Tensor, tokens: int, patches: int) -> torch.Tens
     cross-attention may read, and the patches masked image modelling may mask."""
     position = torch.arange(tokens, device=grids.device) - (tokens - patches)
     return position[None, :] < (grids[:, 0] * grids[:, 1])[:, None]
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """What the objectives know of a model, fixed when it is built (``VLModel.spec``): which heads it
+    has, hence which objectives can run, and the facts their draws and targets need."""
+
+    heads: frozenset[str]
+    """The objectives beyond the contrastive ones that the model has a head for: a subset of itm,
+    mlm, text_mlm, image_mim."""
+    vocab_size: int
+    pad_id: int
+    mask_id: int | None
+    """The tokenizer's mask token (MLM), if it has one."""
+    patch_size: int
+    num_patches: int
+    """Patches of a square image (``data.image_size``)."""
+
+
+class ModelPasses(Protocol):
+    """The model passes the objectives run, each on inputs the objective itself chose; ``VLModel``
+    offers them.
+
+    Why the objectives get these passes and not their results: every one of them runs on something
+    only the objective decides. ITM's hard negatives are drawn from the similarity of the encoded
+    embeddings, so its fusion pass can only run once they are chosen; MLM and MIM mask with draws
+    keyed by the step and the sample; text MLM and MIM pick the rows they apply to (or one dummy
+    row, so that every rank runs the same graph). Handing the objectives tensors instead would split
+    each objective into a half before its pass and a half after it, with the task threading them,
+    and the order of the passes, which sets the order autograd sums gradients in (so the bits of a
+    fixed-seed curve), would be kept in a second place. Through this protocol the objectives still
+    call no tower, fusion encoder or head themselves and import no model class.
+    """
+
+    logit_scale: torch.Tensor
+    """The learnable log inverse temperature of ITC and SigLIP."""
+    logit_bias: torch.Tensor | None
+    """SigLIP's learnable bias (None: no SigLIP bias)."""
+
+    def itm_logits(self, text_tokens: torch.Tensor, attention_mask: torch.Tensor, image_tokens: torch.Tensor,
+                   image_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """[B, 2] ITM logits of fused (caption, image) pairs; ``image_mask`` [B, M]: real image tokens."""
+
+    def mlm_logits(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, image_tokens: torch.Tensor,
+                   image_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """[B, L, V] MLM logits of (masked) captions re-encoded and fused with their images' tokens."""
+
+    def text_mlm_logits(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        """[B, L, V] MLM logits of (masked) captions from the text tower alone."""
+
+    def mim_prediction(self, pixels: torch.Tensor, patch_mask: torch.Tensor,
+                       grids: torch.Tensor | None = None) -> torch.Tensor:
+        """[B, patches, 3 * p * p] the pixels predicted for each patch, the masked ones entering as the
+        mask token; ``grids`` for images at their own shape, padded."""
 
 
 @runtime_checkable

@@ -56,7 +56,7 @@ def test_hf_text_tower_trains_every_parameter(bert_folder, preset):
     assert model.text.width == 32 and model.text.model.pooler is None
     assert all(m.p == 0 for m in model.text.modules() if isinstance(m, torch.nn.Dropout))
     batch = _batch(bert_folder, ["a red circle", "a large blue square", "small square", ""])
-    out = Task(model, Objectives(cfg.loss, model))("all", batch)
+    out = Task(model, Objectives(cfg.loss, model.spec))("all", batch)
     out.loss.backward()
     missing = [n for n, p in model.named_parameters() if p.grad is None]
     assert not missing
@@ -74,7 +74,7 @@ def test_hf_text_tower_checkpointing_is_exact(bert_folder):
         torch.manual_seed(0)
         model = build_model(cfg, vocab_size=len(WORDS), pad_id=0, mask_id=4, image_size=32, max_text_length=8)
         model.set_activation_checkpointing(enabled)
-        Task(model, Objectives(cfg.loss, model))("all", batch).loss.backward()
+        Task(model, Objectives(cfg.loss, model.spec))("all", batch).loss.backward()
         results.append(model.text.token_embedding.weight.grad.clone())
     torch.testing.assert_close(results[0], results[1])
 

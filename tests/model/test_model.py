@@ -150,7 +150,7 @@ def _itm_worker(rank, world):
     enc = task("encode", batch)
     draws = []
     for _ in range(50):
-        pairs = task.objectives.itm_pairs(task.model, enc, batch)
+        pairs = task.objectives.itm_pairs(enc, batch, task.model.logit_scale)
         draws.append((pairs.negative_text_ids, pairs.negative_image_ids, pairs.pair_weights))
     return batch.ids, draws
 

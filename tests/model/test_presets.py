@@ -56,7 +56,7 @@ def test_tiny_preset_builds_and_runs_on_cpu():
     ids = torch.randint(1, vocab, (2, length))
     inputs = ModelInputs(torch.randn(2, 3, image, image), ids, torch.ones_like(ids), torch.ones(2, dtype=torch.bool),
                          torch.ones(2, dtype=torch.bool), torch.arange(2))
-    out = Task(model, Objectives(LossConfig(), model))("all", inputs)
+    out = Task(model, Objectives(LossConfig(), model.spec))("all", inputs)
     assert out.loss.ndim == 0 and torch.isfinite(out.loss)
 
 

@@ -249,7 +249,7 @@ def test_masked_image_modelling_of_images_at_their_own_shape_reads_and_predicts_
     real = image_key_mask(grids, n, n)
     pixels = torch.randn(len(grids), n, 3 * p * p, generator=torch.Generator().manual_seed(4)) * real[..., None]
     inputs = replace(batch, pixels=pixels, grids=grids, counts=None)
-    masked = objectives._patch_mask(model, inputs, inputs.ids, grids)
+    masked = objectives._patch_mask(inputs, inputs.ids, grids)
     assert masked.shape == (4, n) and not (masked & ~real).any() and masked.any()
 
     def loss_and_grads(x):

@@ -39,6 +39,7 @@ class StandIn(nn.Module):
         self.text_proj = nn.Sequential(nn.Dropout(dropout), nn.Linear(8, 8))
         self.itm = nn.Linear(16, 2)
         self.logit_scale = nn.Parameter(torch.tensor(1.5))
+        self.logit_bias = None
 
     def encode(self, inputs: ModelInputs) -> Encoded:
         mask = inputs.attention_mask.unsqueeze(-1).float()
@@ -49,8 +50,8 @@ class StandIn(nn.Module):
 class StandInObjectives:
     """The objectives contract in miniature: an in-batch contrastive term plus a per-row ITM term."""
 
-    def contrastive(self, model, image_embeds, text_embeds, rows, row_losses=None):
-        logits = model.logit_scale.exp() * image_embeds @ text_embeds.T
+    def contrastive(self, image_embeds, text_embeds, rows, logit_scale, logit_bias=None, row_losses=None):
+        logits = logit_scale.exp() * image_embeds @ text_embeds.T
         target = torch.arange(logits.shape[0])
         return (F.cross_entropy(logits, target) + F.cross_entropy(logits.T, target)) / 2
 
@@ -59,7 +60,7 @@ class StandInObjectives:
         itm = F.cross_entropy(model.itm(pair), inputs.has_text.long())
         if not contrastive:
             return Output(itm, {"itm": itm}, {})
-        itc = self.contrastive(model, enc.image_embeds, enc.text_embeds, inputs.rows())
+        itc = self.contrastive(enc.image_embeds, enc.text_embeds, inputs.rows(), model.logit_scale)
         return Output(itc + itm, {"itc": itc, "itm": itm}, {})
 
 

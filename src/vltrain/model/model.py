@@ -1,8 +1,9 @@
 """The vision-language model: given its towers, projections and heads, it encodes.
 
-Scoring is not the model's: :mod:`vltrain.objectives.scoring` takes what ``encode`` returns (and calls
-``fuse``, ``text_tokens`` and the heads for ITM and MLM), and :class:`vltrain.objectives.task.Task` composes the
-two into what data parallelism wraps.
+Scoring is not the model's: :mod:`vltrain.objectives.scoring` takes what ``encode`` returns and, for
+ITM, MLM and MIM, runs the passes this model offers (``itm_logits``, ``mlm_logits``,
+``text_mlm_logits``, ``mim_prediction``: the :class:`vltrain.types.ModelPasses` protocol) on the
+inputs it chose; :class:`vltrain.objectives.task.Task` composes the two into what data parallelism wraps.
 
 Every rank runs the same graph whatever its batch holds. A tower whose modality is absent from the
 whole local batch runs on one dummy row, and every tower output enters the loss through ``anchor``
@@ -21,7 +22,7 @@ from torch import nn
 from vltrain.model.fusion import FusionEncoder
 from vltrain.model.heads import ITMHead, MIMHead, MLMHead, Projection
 from vltrain.model.weight_decay import default_no_weight_decay
-from vltrain.types import Encoded, ModelInputs, image_key_mask
+from vltrain.types import Encoded, ModelInputs, ModelSpec, image_key_mask
 
 
 class VLModel(nn.Module):
@@ -152,6 +153,35 @@ class VLModel(nn.Module):
         """Text tokens attending to image tokens through the fusion encoder (fusion models only);
         ``image_mask`` [B, M]: the real image tokens of images at their own shape (``image_key_mask``)."""
         return self.fusion(text_tokens, attention_mask, image_tokens, image_mask)
+
+    # -- the passes the objectives run (vltrain.types.ModelPasses) -----------------------------------
+
+    @property
+    def spec(self) -> ModelSpec:
+        """What the objectives know of this model: its heads, vocabulary and patches."""
+        heads = {"itm": self.itm_head, "mlm": self.mlm_head, "text_mlm": self.text_mlm_head, "image_mim": self.mim_head}
+        return ModelSpec(frozenset(k for k, head in heads.items() if head is not None), self.vocab_size, self.pad_id,
+                         self.mask_id, self.vision.cfg.patch_size, self.vision.cfg.num_patches)
+
+    def itm_logits(self, text_tokens: torch.Tensor, attention_mask: torch.Tensor, image_tokens: torch.Tensor,
+                   image_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """[B, 2] ITM logits of fused pairs (training's positives and negatives, evaluation's re-ranking)."""
+        return self.itm_head(self.fuse(text_tokens, attention_mask, image_tokens, image_mask))
+
+    def mlm_logits(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, image_tokens: torch.Tensor,
+                   image_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """[B, L, V] MLM logits: the (masked) captions re-encoded by the text tower and fused with their images."""
+        tokens = self.text_tokens(input_ids, attention_mask)
+        return self.mlm_head(self.fuse(tokens, attention_mask, image_tokens, image_mask))
+
+    def text_mlm_logits(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        """[B, L, V] MLM logits of the text tower alone (text_mlm)."""
+        return self.text_mlm_head(self.text_tokens(input_ids, attention_mask))
+
+    def mim_prediction(self, pixels: torch.Tensor, patch_mask: torch.Tensor,
+                       grids: torch.Tensor | None = None) -> torch.Tensor:
+        """[B, patches, 3 * p * p] SimMIM's predicted pixels of every patch (image_mim)."""
+        return self.mim_head(self.masked_patch_tokens(pixels, patch_mask, grids))
 
     # -- the model protocol (vltrain.model.weight_decay) -------------------------------------------
 

@@ -1,14 +1,18 @@
 """The objectives: given what the model encoded, which losses a step computes, on which rows, with
 which weights.
 
-Parameter-free. ITC and SigLIP score the towers' embeddings (:mod:`vltrain.objectives.losses`, or around a ring
-of ranks with :mod:`vltrain.objectives.ring`). ITM draws hard negatives from the similarity matrix and runs the
-model's fusion encoder and ITM head on positives and negatives; MLM masks captions, re-encodes them
-with the text tower and runs the fusion encoder and the MLM head. An objective runs only where the
-model has its head (``build_model`` decides that once).
+Parameter-free, and given tensors: no model class is imported here. ITC and SigLIP score the
+towers' embeddings with the model's temperature (:mod:`vltrain.objectives.losses`, or around a ring of
+ranks with :mod:`vltrain.objectives.ring`). ITM draws hard negatives from the similarity matrix and
+scores the ITM logits the model gives for positives and negatives; MLM masks captions and scores the
+logits of the model's MLM pass over them; text MLM and MIM likewise. Those passes reach the
+objectives as :class:`vltrain.types.ModelPasses` (why, there): the objectives choose each pass's
+inputs and score its output, and call no tower, fusion encoder or head. An objective runs only
+where the model has its head (``build_model`` decides that once; :class:`vltrain.types.ModelSpec`
+says which).
 
 Splitting the contrastive term from the rest serves gradient-cached accumulation:
-``score(model, enc, inputs)`` equals the contrastive term plus ``score(..., contrastive=False)``, so
+``score(passes, enc, inputs)`` equals the contrastive term plus ``score(..., contrastive=False)``, so
 (cached-embedding surrogate) + ``score(..., contrastive=False)`` has the exact gradient.
 
 Nothing here depends on how a step is split among ranks and micro-batches
@@ -30,7 +34,6 @@ from dataclasses import dataclass, field
 import torch
 
 from vltrain.model.config import LossConfig
-from vltrain.model.model import VLModel
 from vltrain.objectives.keyed import UNKEYED, Stream
 from vltrain.objectives.losses import (
     itc_loss,
@@ -45,7 +48,7 @@ from vltrain.objectives.losses import (
 )
 from vltrain.objectives.ring import itc_loss_ring, siglip_loss_ring
 from vltrain.runtime.distributed import all_gather_no_grad, all_gather_with_grad, exchange_shapes, pad_to
-from vltrain.types import Encoded, ModelInputs, Rows, image_key_mask
+from vltrain.types import Encoded, ModelInputs, ModelPasses, ModelSpec, Rows, image_key_mask
 
 
 @dataclass
@@ -136,20 +139,14 @@ def _denominator(inputs: ModelInputs, name: str) -> torch.Tensor | None:
 
 
 class Objectives:
-    """The weighted objectives of one model: ``loss_weights`` holds those with weight > 0 that the
-    model has heads for."""
+    """The weighted objectives of one model (``spec``, e.g. ``VLModel.spec``): ``loss_weights`` holds
+    those with weight > 0 that the model has heads for."""
 
-    def __init__(self, loss: LossConfig, model: VLModel):
+    def __init__(self, loss: LossConfig, spec: ModelSpec):
         w = {"itc": loss.itc, "siglip": loss.siglip}
-        if model.itm_head is not None:
-            w["itm"] = loss.itm
-        if model.mlm_head is not None:
-            w["mlm"] = loss.mlm
-        if model.text_mlm_head is not None:
-            w["text_mlm"] = loss.text_mlm
-        if model.mim_head is not None:
-            w["image_mim"] = loss.image_mim
+        w.update({k: getattr(loss, k) for k in ("itm", "mlm", "text_mlm", "image_mim") if k in spec.heads})
         self.loss_weights = {k: v for k, v in w.items() if v > 0}
+        self.spec = spec
         self.text_mlm_paired = loss.text_mlm_paired
         self.image_mim_paired = loss.image_mim_paired
         self.mim_ratio = loss.mim_ratio
@@ -167,31 +164,32 @@ class Objectives:
 
     # -- contrastive --------------------------------------------------------------------------
 
-    def contrastive_losses(self, model: VLModel, image_embeds, text_embeds, rows: Rows,
-                           row_losses: dict[str, RowLosses] | None = None) -> dict[str, torch.Tensor]:
+    def contrastive_losses(self, image_embeds, text_embeds, rows: Rows, logit_scale: torch.Tensor,
+                           logit_bias: torch.Tensor | None, row_losses: dict[str, RowLosses] | None = None
+                           ) -> dict[str, torch.Tensor]:
         out = {}
         rows = rows.present()
         itc, siglip = (itc_loss_ring, siglip_loss_ring) if self.ring else (itc_loss, siglip_loss)
         per_row: dict[str, list] = {k: [] for k in ("itc", "siglip")}
         if "itc" in self.loss_weights:
-            out["itc"] = itc(image_embeds, text_embeds, model.logit_scale, rows, per_row["itc"])
+            out["itc"] = itc(image_embeds, text_embeds, logit_scale, rows, per_row["itc"])
         if "siglip" in self.loss_weights:
-            out["siglip"] = siglip(image_embeds, text_embeds, model.logit_scale, model.logit_bias, rows,
-                                   per_row["siglip"])
+            out["siglip"] = siglip(image_embeds, text_embeds, logit_scale, logit_bias, rows, per_row["siglip"])
         if row_losses is not None:
             paired = rows.has_image & rows.has_text
             row_losses.update({k: RowLosses(v[0], paired) for k, v in per_row.items() if v})
         return out
 
-    def contrastive(self, model: VLModel, image_embeds, text_embeds, rows: Rows,
-                    row_losses: dict[str, RowLosses] | None = None) -> torch.Tensor:
-        """The weighted ITC + SigLIP term on given (e.g. cached, concatenated) embeddings."""
-        losses = self.contrastive_losses(model, image_embeds, text_embeds, rows, row_losses)
+    def contrastive(self, image_embeds, text_embeds, rows: Rows, logit_scale: torch.Tensor,
+                    logit_bias: torch.Tensor | None, row_losses: dict[str, RowLosses] | None = None) -> torch.Tensor:
+        """The weighted ITC + SigLIP term on given (e.g. cached, concatenated) embeddings, with the
+        model's ``logit_scale`` (and SigLIP's ``logit_bias``)."""
+        losses = self.contrastive_losses(image_embeds, text_embeds, rows, logit_scale, logit_bias, row_losses)
         return sum(self.loss_weights[k] * v for k, v in losses.items())
 
     # -- image-text matching ------------------------------------------------------------------
 
-    def itm_pairs(self, model: VLModel, enc: Encoded, inputs: ModelInputs) -> ITMPairs:
+    def itm_pairs(self, enc: Encoded, inputs: ModelInputs, logit_scale: torch.Tensor) -> ITMPairs:
         """Positives and hard negatives drawn from the similarity matrix of the row's group
         (``itm_negatives: group``), the rank's own batch (``local``) or the global batch (``global``).
 
@@ -209,7 +207,7 @@ class Objectives:
         text_tokens = pad_to(enc.text_tokens, (b, *cols.text_tokens.shape[1:]))
         attention_mask = pad_to(inputs.attention_mask, (b, cols.attention_mask.shape[1]))
         with torch.no_grad():
-            scale = scale_of(model.logit_scale)
+            scale = scale_of(logit_scale)
             sim_i2t = scale * enc.image_embeds.detach().float() @ cols.text_embeds.float().t()
             sim_t2i = scale * enc.text_embeds.detach().float() @ cols.image_embeds.float().t()
         neg_text, text_found = sample_negatives(sim_i2t, ids, cols.ids, text_ok, key.uniform(Stream.ITM_TEXT, ids, 1)[:, 0])
@@ -251,11 +249,10 @@ class Objectives:
         pairs = 1 + text_ok.any(dim=1).float() + image_ok.any(dim=1).float()
         return (weights * (inputs.has_image & inputs.has_text).float() * pairs).sum()
 
-    def _itm(self, model: VLModel, enc: Encoded, inputs: ModelInputs, row_losses: dict[str, RowLosses]
+    def _itm(self, passes: ModelPasses, enc: Encoded, inputs: ModelInputs, row_losses: dict[str, RowLosses]
              ) -> tuple[torch.Tensor, torch.Tensor]:
-        pairs = self.itm_pairs(model, enc, inputs)
-        logits = model.itm_head(model.fuse(pairs.text_tokens, pairs.attention_mask, pairs.image_tokens,
-                                           pairs.image_mask))
+        pairs = self.itm_pairs(enc, inputs, passes.logit_scale)
+        logits = passes.itm_logits(pairs.text_tokens, pairs.attention_mask, pairs.image_tokens, pairs.image_mask)
         w = pairs.pair_weights
         if inputs.row_weights is not None:
             w = w * inputs.row_weights.float().repeat(3)
@@ -268,7 +265,7 @@ class Objectives:
 
     # -- masked language modelling ------------------------------------------------------------
 
-    def _mask(self, model: VLModel, inputs: ModelInputs, applies: torch.Tensor, text_tower: bool = False
+    def _mask(self, inputs: ModelInputs, applies: torch.Tensor, text_tower: bool = False
               ) -> tuple[torch.Tensor, torch.Tensor]:
         """BERT masks keyed by (seed, step, sample id, token position): a caption gets the same
         mask in a step wherever it is and however wide its batch is padded."""
@@ -277,8 +274,8 @@ class Objectives:
                    else (Stream.MLM_PICK, Stream.MLM_HOW, Stream.MLM_TOKEN))
         width = inputs.input_ids.shape[1]
         masked, labels = mask_tokens(
-            inputs.input_ids, inputs.attention_mask, mask_id=model.mask_id, vocab_size=model.vocab_size,
-            pad_id=model.pad_id, probability=self.mlm_probability,
+            inputs.input_ids, inputs.attention_mask, mask_id=self.spec.mask_id, vocab_size=self.spec.vocab_size,
+            pad_id=self.spec.pad_id, probability=self.mlm_probability,
             draws=tuple(key.uniform(stream, inputs.ids, width) for stream in streams),
         )
         return masked, labels.masked_fill(~applies[:, None], -100)
@@ -289,33 +286,31 @@ class Objectives:
     def _mim_rows(self, inputs: ModelInputs) -> torch.Tensor:
         return inputs.has_image & (~inputs.has_text | self.image_mim_paired)
 
-    def _patch_mask(self, model: VLModel, inputs: ModelInputs, ids: torch.Tensor, grids: torch.Tensor | None
-                    ) -> torch.Tensor:
+    def _patch_mask(self, inputs: ModelInputs, ids: torch.Tensor, grids: torch.Tensor | None) -> torch.Tensor:
         """SimMIM's patch mask of these rows, keyed by (seed, step, sample id, patch); for images at
         their own shape (``grids``), of their real patches only."""
-        patches = model.vision.cfg.num_patches if grids is None else inputs.pixels.shape[1]
+        patches = self.spec.num_patches if grids is None else inputs.pixels.shape[1]
         mask = (inputs.key or UNKEYED).uniform(Stream.MIM_PATCH, ids, patches) < self.mim_ratio
         return mask if grids is None else mask & image_key_mask(grids, patches, patches)
 
-    def _mlm(self, model: VLModel, enc: Encoded, inputs: ModelInputs, row_losses: dict[str, RowLosses]
+    def _mlm(self, passes: ModelPasses, enc: Encoded, inputs: ModelInputs, row_losses: dict[str, RowLosses]
              ) -> torch.Tensor:
         """MLM through the fusion encoder, on image-text rows."""
         paired = inputs.has_image & inputs.has_text
-        masked, labels = self._mask(model, inputs, paired)
-        tokens = model.text_tokens(masked, inputs.attention_mask)
-        fused = model.fuse(tokens, inputs.attention_mask, enc.image_tokens, enc.image_mask)
+        masked, labels = self._mask(inputs, paired)
+        logits = passes.mlm_logits(masked, inputs.attention_mask, enc.image_tokens, enc.image_mask)
         per_row: list = []
-        loss = mlm_loss(model.mlm_head(fused), labels, inputs.row_weights, per_row, _denominator(inputs, "mlm"))
+        loss = mlm_loss(logits, labels, inputs.row_weights, per_row, _denominator(inputs, "mlm"))
         row_losses["mlm"] = RowLosses(per_row[0], paired & (labels != -100).any(dim=1))
         return loss
 
-    def _text_mlm(self, model: VLModel, inputs: ModelInputs, row_losses: dict[str, RowLosses]) -> torch.Tensor:
+    def _text_mlm(self, passes: ModelPasses, inputs: ModelInputs, row_losses: dict[str, RowLosses]) -> torch.Tensor:
         """MLM on the text tower alone, on text-only rows (and image-text rows with text_mlm_paired).
 
         The tower runs on those rows only, or on one dummy row whose labels are all ignored, so
         every rank runs the same modules whatever its batch holds."""
         applies = self._text_mlm_rows(inputs)
-        masked, labels = self._mask(model, inputs, applies, text_tower=True)
+        masked, labels = self._mask(inputs, applies, text_tower=True)
         index, n = _present_rows(applies)
         if n:
             masked, mask, labels = masked[index], inputs.attention_mask[index], labels[index]
@@ -323,13 +318,12 @@ class Objectives:
             masked, mask, labels = masked[:1], torch.ones_like(inputs.attention_mask[:1]), labels[:1]
         weights = None if inputs.row_weights is None else (inputs.row_weights[index] if n else inputs.row_weights[:1])
         per_row: list = []
-        loss = mlm_loss(model.text_mlm_head(model.text_tokens(masked, mask)), labels, weights, per_row,
-                        _denominator(inputs, "text_mlm"))
+        loss = mlm_loss(passes.text_mlm_logits(masked, mask), labels, weights, per_row, _denominator(inputs, "text_mlm"))
         picked = _scatter((labels != -100).any(dim=1).float(), index, n, len(inputs)) > 0
         row_losses["text_mlm"] = RowLosses(_scatter(per_row[0], index, n, len(inputs)), picked)
         return loss
 
-    def _image_mim(self, model: VLModel, inputs: ModelInputs, row_losses: dict[str, RowLosses]) -> torch.Tensor:
+    def _image_mim(self, passes: ModelPasses, inputs: ModelInputs, row_losses: dict[str, RowLosses]) -> torch.Tensor:
         """SimMIM on the vision tower, on image-only rows (and image-text rows with image_mim_paired):
         ``mim_ratio`` of each image's patches enter as the mask token and a linear head regresses
         their pixels. The encoder sees every patch position (masked or not), so its shapes do not
@@ -341,20 +335,20 @@ class Objectives:
         grids = inputs.grids  # images at their own shape come as patches already, padded
         if grids is not None:
             grids = grids.index_select(0, index) if n else torch.ones_like(grids[:1])
-        patch_mask = self._patch_mask(model, inputs, inputs.ids[index] if n else inputs.ids[:1], grids)
+        patch_mask = self._patch_mask(inputs, inputs.ids[index] if n else inputs.ids[:1], grids)
         if not n:
             patch_mask = torch.zeros_like(patch_mask)  # the dummy row: nothing to predict
-        prediction = model.mim_head(model.masked_patch_tokens(pixels, patch_mask, grids))
+        prediction = passes.mim_prediction(pixels, patch_mask, grids)
         weights = None if inputs.row_weights is None or not n else inputs.row_weights[index]
         per_row: list = []
-        target = pixels if grids is not None else patchify(pixels, model.vision.cfg.patch_size)
+        target = pixels if grids is not None else patchify(pixels, self.spec.patch_size)
         loss = mim_loss(prediction, target, patch_mask, weights, per_row, _denominator(inputs, "image_mim"))
         row_losses["image_mim"] = RowLosses(_scatter(per_row[0], index, n, len(inputs)), applies)
         return loss
 
     # -- a step's denominators -----------------------------------------------------------------
 
-    def local_totals(self, model: VLModel, micro: list[ModelInputs]) -> torch.Tensor:
+    def local_totals(self, micro: list[ModelInputs]) -> torch.Tensor:
         """What each of :attr:`averaged` divides by, summed over this rank's micro-batches of a step
         ([len(averaged)] fp32): weighted ITM pairs, MLM tokens, MIM patches. The trainer sums it
         over the ranks, so every objective is a mean over the global batch, whatever the split.
@@ -369,40 +363,45 @@ class Objectives:
                     total = total + self._itm_total(m, w)
                 elif name in ("mlm", "text_mlm"):
                     rows = m.has_image & m.has_text if name == "mlm" else self._text_mlm_rows(m)
-                    _, labels = self._mask(model, m, rows, text_tower=name == "text_mlm")
+                    _, labels = self._mask(m, rows, text_tower=name == "text_mlm")
                     total = total + ((labels != -100).float() * w[:, None]).sum()
                 else:
                     rows = self._mim_rows(m)
-                    patches = self._patch_mask(model, m, m.ids, m.grids).float().sum(dim=1)
+                    patches = self._patch_mask(m, m.ids, m.grids).float().sum(dim=1)
                     total = total + (patches * w * rows.float()).sum()
             totals.append(total)
         return torch.stack(totals) if totals else torch.zeros(0, device=micro[0].ids.device)
 
     # -- all of them --------------------------------------------------------------------------
 
-    def score(self, model: VLModel, enc: Encoded, inputs: ModelInputs, contrastive: bool = True) -> ObjectiveOutput:
-        """Every objective on one micro-batch; ``contrastive=False`` leaves out ITC and SigLIP (computed
-        elsewhere, over the cached global batch) but keeps their parameters in the graph."""
+    def score(self, passes: ModelPasses, enc: Encoded, inputs: ModelInputs, contrastive: bool = True
+              ) -> ObjectiveOutput:
+        """Every objective on one micro-batch, given what the model encoded and the passes it offers
+        (in this order: each pass runs where its objective is scored, so the graph, and the order
+        its gradients are summed in, is the same whichever objectives are on);
+        ``contrastive=False`` leaves out ITC and SigLIP (computed elsewhere, over the cached global
+        batch) but keeps their parameters in the graph."""
         anchor = enc.anchor
         inputs = inputs.present()
         losses: dict[str, torch.Tensor] = {}
         rows: dict[str, RowLosses] = {}
         if contrastive:
-            losses.update(self.contrastive_losses(model, enc.image_embeds, enc.text_embeds, inputs.rows(), rows))
+            losses.update(self.contrastive_losses(enc.image_embeds, enc.text_embeds, inputs.rows(), passes.logit_scale,
+                                                  passes.logit_bias, rows))
         else:
-            anchor = anchor + 0.0 * model.logit_scale
-            if model.logit_bias is not None:
-                anchor = anchor + 0.0 * model.logit_bias
+            anchor = anchor + 0.0 * passes.logit_scale
+            if passes.logit_bias is not None:
+                anchor = anchor + 0.0 * passes.logit_bias
         itm_logits = None
         if "itm" in self.loss_weights:
-            losses["itm"], itm_logits = self._itm(model, enc, inputs, rows)
+            losses["itm"], itm_logits = self._itm(passes, enc, inputs, rows)
         if "mlm" in self.loss_weights:
-            losses["mlm"] = self._mlm(model, enc, inputs, rows)
+            losses["mlm"] = self._mlm(passes, enc, inputs, rows)
         if "text_mlm" in self.loss_weights:
-            losses["text_mlm"] = self._text_mlm(model, inputs, rows)
+            losses["text_mlm"] = self._text_mlm(passes, inputs, rows)
         if "image_mim" in self.loss_weights:
-            losses["image_mim"] = self._image_mim(model, inputs, rows)
+            losses["image_mim"] = self._image_mim(passes, inputs, rows)
         total = anchor + sum(self.loss_weights[k] * v for k, v in losses.items())
         return ObjectiveOutput(
-            total, losses, enc.image_embeds, enc.text_embeds, scale_of(model.logit_scale).detach(), itm_logits, rows
+            total, losses, enc.image_embeds, enc.text_embeds, scale_of(passes.logit_scale).detach(), itm_logits, rows
         )

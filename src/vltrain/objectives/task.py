@@ -70,7 +70,8 @@ class ContrastiveCache:
         cached_img, cached_txt = self.image_embeds.detach(), self.text_embeds.detach()
         full_img = torch.cat([cached_img[:lo], img, cached_img[hi:]])
         full_txt = torch.cat([cached_txt[:lo], txt, cached_txt[hi:]])
-        return objectives.contrastive(model, full_img, full_txt, self.rows).float() * self.loss_scale
+        loss = objectives.contrastive(full_img, full_txt, self.rows, model.logit_scale, model.logit_bias)
+        return loss.float() * self.loss_scale
 
 
 class Task(nn.Module):
@@ -88,7 +89,10 @@ class Task(nn.Module):
             return self.model.encode(*args)
         if part == "contrastive":
             row_losses: dict = {}
-            return self.objectives.contrastive(self.model, *args, row_losses), row_losses
+            image_embeds, text_embeds, rows = args
+            loss = self.objectives.contrastive(image_embeds, text_embeds, rows, self.model.logit_scale,
+                                               self.model.logit_bias, row_losses)
+            return loss, row_losses
         if part == "replay":
             return self.replay(*args)
         if part == "itm":
@@ -100,7 +104,7 @@ class Task(nn.Module):
 
     def itm(self, text_tokens: torch.Tensor, attention_mask: torch.Tensor, image_tokens: torch.Tensor,
             image_mask: torch.Tensor | None = None) -> torch.Tensor:
-        return self.model.itm_head(self.model.fuse(text_tokens, attention_mask, image_tokens, image_mask))
+        return self.model.itm_logits(text_tokens, attention_mask, image_tokens, image_mask)
 
     def replay(self, inputs: ModelInputs, cache: ContrastiveCache, i: int, encode_rng: GeneratorState
                ) -> tuple[torch.Tensor, ObjectiveOutput]:

@@ -191,7 +191,7 @@ def decide_objectives(cfg: JobConfig) -> None:
 
 def build_task(cfg: JobConfig, model: VLModel) -> Task:
     """The model with the objectives of the decided ``model.loss`` (:func:`decide_objectives`)."""
-    return Task(model, Objectives(cfg.model.loss, model))
+    return Task(model, Objectives(cfg.model.loss, model.spec))
 
 
 ITM_GROUP_MAX = 64

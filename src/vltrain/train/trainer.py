@@ -347,7 +347,7 @@ class Trainer:
         names = self.objectives.averaged
         if not names:
             return inputs
-        totals = self.objectives.local_totals(self.model, inputs)
+        totals = self.objectives.local_totals(inputs)
         if self.world.world_size > 1:
             totals = all_reduce_sum(totals)
         share = totals / (self.world.world_size * len(inputs))

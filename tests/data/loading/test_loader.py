@@ -244,7 +244,7 @@ def _text_only_rank(rank, world_size, data_cfg):
     model = build_model(ModelConfig(preset="tiny-clip"), vocab_size=ds.tokenizer.vocab_size, pad_id=ds.tokenizer.pad_id,
                         mask_id=ds.tokenizer.mask_id, image_size=data_cfg.image_size,
                         max_text_length=data_cfg.max_text_length)
-    ddp = torch.nn.parallel.DistributedDataParallel(Task(model, Objectives(LossConfig(), model)))
+    ddp = torch.nn.parallel.DistributedDataParallel(Task(model, Objectives(LossConfig(), model.spec)))
     opt = torch.optim.SGD(ddp.parameters(), lr=0.01)
     sizes, text_only_batches = [], 0
     for _ in range(100):
