@@ -4,7 +4,8 @@
            -> export -> eval -> train.trainer | train.resolve -> demo -> cli
 
 A module may import its own layer and any layer below it, never one above; ``data`` and ``model``
-are side by side and import neither each other. ``docs/architecture.md`` says why each layer sits
+are side by side and import neither each other. ``objectives`` import no model class (only the
+model's loss config): they score tensors. ``docs/architecture.md`` says why each layer sits
 where it does.
 """
 
@@ -115,6 +116,39 @@ def test_the_schedule_rests_on_the_table_only():
         if name.startswith("data.schedule"):
             for target in imports(name, path, known):
                 assert target.startswith(allowed), f"vltrain.{name} imports vltrain.{target}"
+
+
+OBJECTIVES_MAY_READ_OF_THE_MODEL = ("model.config",)
+"""The objectives score tensors the model gives them (its passes reach them through
+``types.ModelPasses``); of ``vltrain.model`` they read only the loss section of its config, plain data."""
+
+
+def model_imports_of_the_objectives() -> list[str]:
+    known = modules()
+    return sorted(f"vltrain.{name} imports vltrain.{target}" for name, path in known.items()
+                  if name == "objectives" or name.startswith("objectives.")
+                  for target in imports(name, path, known)
+                  if (target == "model" or target.startswith("model.")) and target not in OBJECTIVES_MAY_READ_OF_THE_MODEL)
+
+
+def test_the_objectives_import_no_model_class():
+    """docs/architecture.md: objectives score the model's outputs; they run no tower and import none."""
+    assert model_imports_of_the_objectives() == []
+
+
+def test_a_model_import_of_the_objectives_is_caught(tmp_path, monkeypatch):
+    """The check itself: objectives that import the model class (at function level) are named."""
+    fake = tmp_path / "vltrain"
+    for package in ("objectives", "model"):
+        (fake / package).mkdir(parents=True)
+        (fake / package / "__init__.py").write_text("")
+    (fake / "__init__.py").write_text("")
+    (fake / "model" / "config.py").write_text("")
+    (fake / "model" / "model.py").write_text("")
+    (fake / "objectives" / "scoring.py").write_text(
+        "from vltrain.model.config import LossConfig\n\ndef f():\n    from vltrain.model.model import VLModel\n")
+    monkeypatch.setattr(__import__(__name__), "PACKAGE", fake)
+    assert model_imports_of_the_objectives() == ["vltrain.objectives.scoring imports vltrain.model.model"]
 
 
 def test_only_the_cli_parses_arguments():

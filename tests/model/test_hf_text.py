@@ -15,7 +15,7 @@ from vltrain.errors import UserError  # noqa: E402
 from vltrain.model import build_model, hf_tokenizer_file  # noqa: E402
 from vltrain.model.config import LossConfig, ModelConfig, TextConfig  # noqa: E402
 from vltrain.objectives.scoring import Objectives  # noqa: E402
-from vltrain.objectives.task import Task  # noqa: E402
+from vltrain.train.task import Task  # noqa: E402
 from vltrain.types import ModelInputs  # noqa: E402
 
 WORDS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "a", "red", "blue", "small", "large", "circle", "square"]

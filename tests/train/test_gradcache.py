@@ -10,9 +10,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from vltrain.objectives.task import Task
 from vltrain.train.gradcache import gradcache_backward
 from vltrain.train.step import plain_backward
+from vltrain.train.task import Task
 from vltrain.types import ModelInputs
 
 

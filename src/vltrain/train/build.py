@@ -22,8 +22,8 @@ from vltrain.model.config import LossConfig
 from vltrain.model.interop.pretrained import Pretrained, load_pretrained, open_pretrained
 from vltrain.model.presets import Architecture
 from vltrain.objectives.scoring import Objectives
-from vltrain.objectives.task import Task
 from vltrain.runtime.distributed import World
+from vltrain.train.task import Task
 
 
 def tokenizer_path(cfg: JobConfig) -> str:

@@ -9,7 +9,7 @@ gradient while keeping only one micro-batch's activations:
    its gradient with respect to the embeddings only;
 3. re-run each micro-batch with autograd and back-propagate ``sum(embedding * cached grad)``
    plus its non-contrastive objectives (ITM, MLM); the last micro-batch rebuilds the full loss
-   instead (:meth:`vltrain.objectives.task.ContrastiveCache.term`).
+   instead (:meth:`vltrain.train.task.ContrastiveCache.term`).
 
 Each micro-batch's RNG state is recorded before its encoding in step 1 and restored before
 its encoding in step 3, so any randomness in encoding repeats in both passes. The
@@ -24,9 +24,9 @@ from typing import Callable, ContextManager
 import torch
 from torch import nn
 
-from vltrain.objectives.task import ContrastiveCache, GeneratorState
 from vltrain.train.parallelize import gradient_sync
 from vltrain.train.step import StepLosses
+from vltrain.train.task import ContrastiveCache, GeneratorState
 from vltrain.types import ModelInputs, Rows
 
 

@@ -1,6 +1,6 @@
 """Data parallelism (DDP or FSDP2), activation checkpointing and compilation of a task's model.
 
-What gets wrapped is the :class:`vltrain.objectives.task.Task`: DDP and FSDP2 only see ``forward``, and every
+What gets wrapped is the :class:`vltrain.train.task.Task`: DDP and FSDP2 only see ``forward``, and every
 pass of a step (the whole step, or gradient caching's parts) goes through it by name.
 """
 
@@ -14,8 +14,8 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from vltrain.config.job import TrainConfig
-from vltrain.objectives.task import Task
 from vltrain.runtime.distributed import all_reduce_sum
+from vltrain.train.task import Task
 from vltrain.types import TrainableModel
 
 

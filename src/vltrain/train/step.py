@@ -42,7 +42,7 @@ def plain_backward(
 ) -> StepLosses:
     """Mean of the micro-batches' losses; each micro-batch's contrastive loss sees only itself.
 
-    ``wrapped`` is the (parallelized) :class:`vltrain.objectives.task.Task`. ``loss_scale`` multiplies the loss
+    ``wrapped`` is the (parallelized) :class:`vltrain.train.task.Task`. ``loss_scale`` multiplies the loss
     before backward (e.g. a fault-injection NaN).
     """
     n = len(micro)

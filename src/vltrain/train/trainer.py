@@ -60,6 +60,7 @@ from vltrain.train.parallelize import clip_grad_norm, parallelize, reduce_replic
 from vltrain.train.resolve import resolve_run
 from vltrain.train.source_metrics import SourceMeter
 from vltrain.train.step import StepLosses, apply_update, plain_backward
+from vltrain.train.task import Task
 from vltrain.types import ModelInputs
 
 log = logging.getLogger(__name__)

@@ -1,5 +1,8 @@
 """The task: a model and its objectives, composed into the one module that DDP and FSDP2 wrap.
 
+It lives in ``train/``, above both: the model encodes and offers its passes, the objectives score
+tensors and import no model class, and this is the one place that holds the two together.
+
 DDP prepares its gradient reduction in ``forward`` and FSDP2 gathers the root's parameters there,
 so every pass that leads to a backward goes through ``Task.forward``, named by its part:
 
