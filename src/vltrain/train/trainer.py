@@ -60,7 +60,6 @@ from vltrain.train.parallelize import clip_grad_norm, parallelize, reduce_replic
 from vltrain.train.resolve import resolve_run
 from vltrain.train.source_metrics import SourceMeter
 from vltrain.train.step import StepLosses, apply_update, plain_backward
-from vltrain.train.task import Task
 from vltrain.types import ModelInputs
 
 log = logging.getLogger(__name__)
@@ -80,12 +79,8 @@ class Trainer:
         self.device = self.world.device
         # the config, decided once and frozen: what config.yaml says is what the run uses
         self.resolved = resolve_run(cfg, self.world.world_size)
-        self.init_checkpoint = self.resolved.saved_init
-        self.itm_source = self.resolved.itm_source
+        self.init_checkpoint, self.itm_source = self.resolved.saved_init, self.resolved.itm_source
         self._prepare_run_dir()
-        if self.world.is_main:
-            self._say_init()
-            log.info(self.resolved.batch)
 
         self._build_model()
 
@@ -198,9 +193,11 @@ class Trainer:
 
     def _prepare_run_dir(self) -> None:
         """Rank 0: the run folder, its config.yaml (written once: the decided config), and no marker
-        of an earlier preemption."""
+        of an earlier preemption; what model.init gave and the global batch, said."""
         check_writable(self.run_dir)  # on every rank: each stops with the message, none waits
         if self.world.is_main:
+            self._say_init()
+            log.info(self.resolved.batch)
             self.run_dir.mkdir(parents=True, exist_ok=True)
             self.cfg.save(self.run_dir / "config.yaml")
             clear_marker(self.run_dir)
