@@ -12,10 +12,6 @@ TESTS = Path(__file__).resolve().parent
 SRC = str(TESTS.parent / "src")
 if SRC not in sys.path:
     sys.path.insert(0, SRC)
-# The shared helpers (modelkit, runkit, datafiles, s3kit, ...) import by name from any test folder.
-for kits in (TESTS, TESTS / "data"):
-    if str(kits) not in sys.path:
-        sys.path.insert(1, str(kits))
 os.environ["PYTHONPATH"] = SRC + (os.pathsep + os.environ["PYTHONPATH"] if os.environ.get("PYTHONPATH") else "")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 

@@ -12,8 +12,8 @@ import time
 from pathlib import Path
 
 import pytest
-from multiproc import free_port
-from runkit import overrides, session_shapes
+from kits.multiproc import free_port
+from kits.runkit import overrides, session_shapes
 
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "slurm" / "train.sbatch"
 STAND_INS = {

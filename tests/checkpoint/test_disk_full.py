@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Iterator
 
 import pytest
-from runkit import assert_resumed_exactly, finish, ok, overrides, session_shapes, start, train
+from kits.runkit import assert_resumed_exactly, finish, ok, overrides, session_shapes, start, train
 
 from vltrain.checkpoint.space import NO_SPACE_EXIT, QuietWrites, no_space, space_warning
 

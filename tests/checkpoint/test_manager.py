@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from multiproc import free_port
+from kits.multiproc import free_port
 from torch import nn
 
 from vltrain.checkpoint.manager import (

@@ -7,7 +7,7 @@ import shutil
 
 import numpy as np
 import pytest
-from runkit import overrides, session_shapes, train_here
+from kits.runkit import overrides, session_shapes, train_here
 
 from vltrain.checkpoint.paths import CHECKPOINT, EXPORT, HF, KINDS, OPENCLIP, RUN, find_checkpoint, locate
 from vltrain.config.job import load_config

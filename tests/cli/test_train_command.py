@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from runkit import make_shapes, overrides
+from kits.runkit import make_shapes, overrides
 
 from vltrain.checkpoint.storage import read_tensors
 from vltrain.cli.main import build_parser

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from datafiles import WORDS, distinct_image, save, tiny_tokenizer, write_csv, write_jsonl
+from kits.datafiles import WORDS, distinct_image, save, tiny_tokenizer, write_csv, write_jsonl
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch.utils.data import DataLoader, RandomSampler

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from sampler_fixtures import TableDataset, shapes_lengths, table
+from kits.sampler_fixtures import TableDataset, shapes_lengths, table
 
 from vltrain.data.config import DataConfig, ResolvedBatching
 from vltrain.data.loading.loader import build_train_loader

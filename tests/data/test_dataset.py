@@ -3,7 +3,7 @@ import time
 import numpy as np
 import pytest
 import torch
-from datafiles import caption, distinct_image, save, tiny_tokenizer, write_csv, write_jsonl
+from kits.datafiles import caption, distinct_image, save, tiny_tokenizer, write_csv, write_jsonl
 
 from vltrain.data.config import DataConfig, SourceSpec
 from vltrain.data.dataset import MAX_TRIES, build_dataset

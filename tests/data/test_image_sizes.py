@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pyarrow.parquet as pq
 import pytest
-from datafiles import tiny_tokenizer, write_jsonl
+from kits.datafiles import tiny_tokenizer, write_jsonl
 from PIL import Image
 
 from vltrain.data.config import DataConfig

@@ -1,7 +1,7 @@
 import json
 
 import pytest
-from datafiles import run_cli, tiny_tokenizer, write_jsonl
+from kits.datafiles import run_cli, tiny_tokenizer, write_jsonl
 
 from vltrain.data.tokenizers import load_tokenizer
 from vltrain.errors import UserError

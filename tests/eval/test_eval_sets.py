@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from runkit import make_shapes, overrides
+from kits.runkit import make_shapes, overrides
 
 
 def _karpathy(shapes, out):

@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.nn.functional as F
-from multiproc import run_world
+from kits.multiproc import run_world
 from PIL import Image
 
 from vltrain.data.config import DataConfig

@@ -11,9 +11,9 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from modelkit import small_model  # noqa: E402
-from pretrainedkit import TEXTS, image_file, make_clip, make_siglip, normalized  # noqa: E402
-from runkit import overrides, session_shapes, train_here  # noqa: E402
+from kits.modelkit import small_model  # noqa: E402
+from kits.pretrainedkit import TEXTS, image_file, make_clip, make_siglip, normalized  # noqa: E402
+from kits.runkit import overrides, session_shapes, train_here  # noqa: E402
 
 from vltrain.config.job import load_config  # noqa: E402
 from vltrain.errors import UserError  # noqa: E402

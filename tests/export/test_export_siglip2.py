@@ -15,8 +15,8 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from PIL import Image  # noqa: E402
-from pretrainedkit import make_clip, make_siglip2, normalized  # noqa: E402
-from runkit import overrides, session_shapes, train_here  # noqa: E402
+from kits.pretrainedkit import make_clip, make_siglip2, normalized  # noqa: E402
+from kits.runkit import overrides, session_shapes, train_here  # noqa: E402
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors  # noqa: E402
 
 from vltrain.config.job import load_config  # noqa: E402

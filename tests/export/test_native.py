@@ -7,7 +7,7 @@ import json
 import numpy as np
 import pytest
 import torch
-from runkit import overrides, session_shapes, train_here
+from kits.runkit import overrides, session_shapes, train_here
 
 from vltrain.config.job import load_config
 from vltrain.errors import UserError

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from modelkit import grads, make_batch, max_relative_error, rows, small_model, small_task
-from multiproc import run_world
+from kits.modelkit import grads, make_batch, max_relative_error, rows, small_model, small_task
+from kits.multiproc import run_world
 
 MIXES = {
     "image-text": ([1, 1, 1, 1], [1, 1, 1, 1]),

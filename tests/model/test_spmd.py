@@ -10,8 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-from modelkit import make_batch, small_task
-from multiproc import run_world
+from kits.modelkit import make_batch, small_task
+from kits.multiproc import run_world
 from torch.nn.parallel import DistributedDataParallel
 
 STEPS = 4

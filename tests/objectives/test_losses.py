@@ -7,8 +7,8 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from modelkit import grads, make_batch, max_relative_error, rows, small_task
-from multiproc import run_world
+from kits.modelkit import grads, make_batch, max_relative_error, rows, small_task
+from kits.multiproc import run_world
 
 from vltrain.objectives.keyed import StepKey
 from vltrain.objectives.losses import itc_loss, mask_tokens, mlm_loss, sample_negatives, siglip_loss

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from multiproc import run_world
+from kits.multiproc import run_world
 
 from vltrain.objectives.losses import itc_loss, siglip_loss
 from vltrain.objectives.ring import itc_loss_ring, siglip_loss_ring
@@ -96,7 +96,7 @@ def test_what_the_backward_keeps_does_not_depend_on_the_world_size():
 def _trainer_worker(rank: int, world: int, root: str, run_dir: str):
     from pathlib import Path
 
-    from spmd_fixtures import config, run_trainer
+    from kits.spmd_fixtures import config, run_trainer
 
     out = {}
     for objective in (["model.loss.itc=1"], ["model.loss.itc=0", "model.loss.siglip=1"]):
@@ -112,7 +112,7 @@ def _trainer_worker(rank: int, world: int, root: str, run_dir: str):
 @pytest.mark.slow
 def test_training_with_the_ring_follows_the_gathering_loss_curve(tmp_path):
     """Through the trainer on 2 ranks, budget batches of different sizes, gradcache over 2 micro-batches."""
-    from spmd_fixtures import make_mixed_shapes
+    from kits.spmd_fixtures import make_mixed_shapes
 
     root = make_mixed_shapes(tmp_path / "shapes")
     curves = run_world(_trainer_worker, (str(root), str(tmp_path)), timeout=240)[0]

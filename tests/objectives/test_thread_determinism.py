@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from modelkit import grads, make_batch, small_task
+from kits.modelkit import grads, make_batch, small_task
 
 
 @pytest.fixture

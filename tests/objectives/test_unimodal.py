@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from modelkit import grads, make_batch, max_relative_error, rows, small_task
-from multiproc import free_port
-from runkit import assert_identical, assert_resumed_exactly, final_state, ok, session_shapes, train
+from kits.modelkit import grads, make_batch, max_relative_error, rows, small_task
+from kits.multiproc import free_port
+from kits.runkit import assert_identical, assert_resumed_exactly, final_state, ok, session_shapes, train
 
 from vltrain.data.batch import Batch
 from vltrain.objectives.losses import mim_loss, mlm_loss

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from multiproc import run_world
+from kits.multiproc import run_world
 
 from vltrain.runtime.distributed import (
     all_gather_no_grad,

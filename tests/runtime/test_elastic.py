@@ -23,7 +23,7 @@ from pathlib import Path
 
 import psutil
 import pytest
-import runkit
+from kits import runkit
 
 from vltrain.train.metrics import read_jsonl
 

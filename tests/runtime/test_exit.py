@@ -15,8 +15,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from multiproc import free_port
-from runkit import finish, overrides, session_shapes, start
+from kits.multiproc import free_port
+from kits.runkit import finish, overrides, session_shapes, start
 
 HERE = Path(__file__).resolve().parent
 

@@ -14,7 +14,7 @@ import time
 import uuid
 
 import pytest
-import runkit
+from kits import runkit
 
 from vltrain.train.metrics import read_jsonl
 

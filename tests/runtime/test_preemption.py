@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from runkit import assert_identical, assert_resumed_exactly, final_state, ok, reference, session_shapes, train
+from kits.runkit import assert_identical, assert_resumed_exactly, final_state, ok, reference, session_shapes, train
 
 
 @pytest.mark.slow
@@ -34,7 +34,7 @@ def test_sigterm_to_the_agent_saves_the_current_step_and_resumes_exactly(tmp_pat
 def test_one_process_exits_75_with_a_checkpoint(tmp_path_factory, tmp_path, cli):
     import os
 
-    from runkit import overrides
+    from kits.runkit import overrides
 
     shapes = session_shapes(tmp_path_factory)
     os.environ["VLTRAIN_FAULT"] = "preempt:at=step:step=3"

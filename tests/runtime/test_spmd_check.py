@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from multiproc import run_world
-from spmd_fixtures import config, make_mixed_shapes, run_trainer
+from kits.multiproc import run_world
+from kits.spmd_fixtures import config, make_mixed_shapes, run_trainer
 
 
 def _ragged(rank: int) -> torch.Tensor:

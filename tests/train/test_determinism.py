@@ -8,7 +8,7 @@ cores), which cannot show an operation whose sum depends on how threads split it
 from __future__ import annotations
 
 import pytest
-from runkit import EVERY, assert_identical, assert_resumed_exactly, final_state, ok, train
+from kits.runkit import EVERY, assert_identical, assert_resumed_exactly, final_state, ok, train
 
 THREADS = 2
 

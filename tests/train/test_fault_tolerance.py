@@ -9,7 +9,7 @@ from __future__ import annotations
 import time
 
 import pytest
-from runkit import EVERY, assert_identical, assert_resumed_exactly, final_state, ok, reference, session_shapes, train
+from kits.runkit import EVERY, assert_identical, assert_resumed_exactly, final_state, ok, reference, session_shapes, train
 
 
 def killed_once_under_torchrun(tmp_path_factory, tmp_path, preset: str, fault: str):

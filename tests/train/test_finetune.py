@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from runkit import final_state, overrides, session_shapes, train_here
+from kits.runkit import final_state, overrides, session_shapes, train_here
 from safetensors.torch import load_file
 
 from vltrain.checkpoint.manager import INITIAL_FILE
@@ -59,7 +59,7 @@ def test_users_command_on_a_hugging_face_clip(tmp_path_factory, tmp_path, cli):
     """`vltrain train configs/finetune-clip.yaml model.init=HF_FOLDER data.train=...` (a tiny random
     CLIPModel): the pretrained weights are kept as init.safetensors, and --interpolate 0 exports them."""
     pytest.importorskip("transformers")
-    from pretrainedkit import make_clip
+    from kits.pretrainedkit import make_clip
 
     from vltrain.export.native import export_model
     from vltrain.train.build import build_model_for, build_tokenizer, resolve_init
@@ -85,7 +85,7 @@ def test_users_command_on_a_hugging_face_clip(tmp_path_factory, tmp_path, cli):
 
 
 def _fake_trainer(run_dir: Path, save_initial: str, init: str, main: bool = True, seed: int = 0):
-    from modelkit import small_model
+    from kits.modelkit import small_model
 
     cfg = load_config(None, [f"checkpoint.save_initial={save_initial}", f"model.init={init}"])
     return SimpleNamespace(cfg=cfg, world=SimpleNamespace(is_main=main), run_dir=run_dir, model=small_model(seed=seed),
@@ -177,7 +177,7 @@ def test_interpolate_refuses_without_initial_weights_or_outside_0_1(finetuned, t
 def test_fsdp_run_interpolates_from_its_consolidated_weights(tmp_path_factory, tmp_path):
     """Two FSDP2 ranks with layer decay and an unlocked block of the frozen vision tower: the initial
     weights are written whole before sharding, and export blends them with the consolidated shards."""
-    from runkit import ok, train
+    from kits.runkit import ok, train
 
     from vltrain.export.native import export_model
 
@@ -200,7 +200,7 @@ def test_fsdp_run_interpolates_from_its_consolidated_weights(tmp_path_factory, t
 def test_layer_decayed_run_resumes_exactly(tmp_path_factory, tmp_path):
     """The scaled parameter groups (lr, lr_scale) go through the checkpoint: stopped after step 5
     and resumed from step 4, the run ends bit-identical to one never stopped."""
-    from runkit import assert_identical, assert_resumed_exactly, ok, train
+    from kits.runkit import assert_identical, assert_resumed_exactly, ok, train
 
     shapes = session_shapes(tmp_path_factory)
     knobs = dict(nproc=1, train__max_steps=6, train__layer_decay=0.7, train__freeze="[vision]", train__unlock_last=1)

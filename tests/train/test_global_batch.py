@@ -10,8 +10,7 @@ from collections import defaultdict
 from pathlib import Path
 
 import pytest
-import torch
-from runkit import final_state, ok, session_shapes, train
+from kits.runkit import final_state, losses, metric_rows, model_distance, ok, session_shapes, train, worst
 
 STEPS = 20
 TOL = 1e-5
@@ -39,27 +38,6 @@ def run(shapes: Path, run_dir: Path, nproc: int, **extra):
                 "train__max_steps": STEPS, "train__log_every": 1}
     return train(shapes, run_dir, nproc=nproc, timeout=240, **{**settings, **extra})
 
-
-def metric_rows(run_dir: Path) -> list[dict]:
-    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.startswith("{")]
-    return [r for r in rows if "loss" in r]
-
-
-def losses(run_dir: Path) -> list[float]:
-    return [r["loss"] for r in metric_rows(run_dir)]
-
-
-def worst(curve: list[float], base: list[float]) -> float:
-    """The largest relative difference of two loss curves (a step of text-only rows has loss 0)."""
-    return max(abs(a - b) / max(abs(b), 1e-12) for a, b in zip(curve, base))
-
-
-def model_distance(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
-    """||a - b|| / ||b|| over every model parameter."""
-    keys = [k for k in b if k.startswith("model.")]
-    x = torch.cat([a[k].flatten().double() for k in keys])
-    y = torch.cat([b[k].flatten().double() for k in keys])
-    return float((x - y).norm() / y.norm())
 
 
 def step_ids(run_dir: Path, accumulation: int) -> dict[tuple[int, int], list[int]]:

@@ -12,8 +12,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from multiproc import run_world
-from spmd_fixtures import config, make_mixed_shapes
+from kits.multiproc import run_world
+from kits.spmd_fixtures import config, make_mixed_shapes
 
 from vltrain.runtime.host_sync import HostSyncCounter
 

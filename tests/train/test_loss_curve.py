@@ -7,7 +7,7 @@ vector kernels, so the reference is kept per CPU kind (vendor and torch's kernel
 kind it was recorded on the comparison is exact; on another kind it is within 1e-4 relative.
 
 To record the curves on a new CPU kind (only from code whose math is known good):
-``python tests/test_loss_curve.py --record``.
+``PYTHONPATH=src:tests python tests/train/test_loss_curve.py --record``.
 """
 
 from __future__ import annotations
@@ -99,7 +99,7 @@ def make_data(root: Path) -> Path:
 
 
 def run_case(name: str, data: Path, out: Path) -> list[dict]:
-    from multiproc import free_port
+    from kits.multiproc import free_port
 
     nproc, extra = CASES[name]
     overrides = {
@@ -149,7 +149,6 @@ def test_loss_curve_matches_the_recorded_one(name, data, tmp_path):
 if __name__ == "__main__" and "--record" in sys.argv:
     import tempfile
 
-    sys.path.insert(0, str(Path(__file__).parents[1]))  # tests/: the shared helpers
     with tempfile.TemporaryDirectory() as tmp:
         data_dir = make_data(Path(tmp) / "data")
         curves = {name: run_case(name, data_dir, Path(tmp)) for name in CASES}

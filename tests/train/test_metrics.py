@@ -111,7 +111,7 @@ def test_log_line_holds_what_a_slurm_log_reader_needs():
 
 
 def test_without_a_terminal_every_logged_step_prints_a_line_and_the_remainder_once(cli, tmp_path):
-    from runkit import make_shapes, overrides
+    from kits.runkit import make_shapes, overrides
 
     shapes = make_shapes(tmp_path / "shapes")
     args = overrides(shapes, tmp_path / "run", data__num_workers=0, train__log_every=2,
@@ -125,7 +125,7 @@ def test_without_a_terminal_every_logged_step_prints_a_line_and_the_remainder_on
 
 
 def test_wandb_offline_run_holds_the_logged_keys_and_resumes_the_same_run(cli, tmp_path, monkeypatch):
-    from runkit import make_shapes, overrides
+    from kits.runkit import make_shapes, overrides
 
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")

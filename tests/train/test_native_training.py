@@ -9,8 +9,10 @@ from pathlib import Path
 
 import pytest
 from PIL import Image
-from runkit import assert_identical, assert_resumed_exactly, final_state, ok, session_shapes, train
-from test_global_batch import losses, metric_rows, model_distance, worst
+from kits.runkit import (
+    assert_identical, assert_resumed_exactly, final_state, losses, metric_rows, model_distance, ok, session_shapes,
+    train, worst,
+)
 
 from vltrain.config.job import load_config
 from vltrain.data.ids import stable_uid
@@ -118,7 +120,7 @@ def test_packed_images_on_two_ranks_train_as_padded_ones_on_one(tmp_path_factory
     their own aspect ratio (keep_ratio: 96 x 96 to 384 x 96), in steps of at most 64 patches
     (data.patch_budget), packed several to a sequence on 2 ranks, against one image per sequence on
     1 rank with 2 micro-batches."""
-    from pretrainedkit import make_siglip2
+    from kits.pretrainedkit import make_siglip2
 
     shapes = native_shapes(tmp_path_factory)
     folder = tmp_path / "siglip2"

@@ -126,7 +126,7 @@ def lrs_by_name(model, opt) -> dict[str, float]:
 
 
 def test_layer_decay_scales_each_stack_from_its_own_depth():
-    from modelkit import small_model
+    from kits.modelkit import small_model
 
     # vision: 3 blocks (top layer 4); text: 3 blocks + 1 fusion block on top (top layer 5)
     model = small_model("tiny-albef", itm=1.0)
@@ -175,7 +175,7 @@ def test_layer_decay_puts_siglips_attention_pool_on_top():
 
 
 def test_scheduler_multiplies_each_scaled_groups_lr():
-    from modelkit import small_model
+    from kits.modelkit import small_model
 
     cfg = TrainConfig(lr=1.0, layer_decay=0.5, warmup_steps=4, max_steps=20)
     opt = build_optimizer(small_model("tiny-clip"), cfg)
@@ -189,7 +189,7 @@ def test_scheduler_multiplies_each_scaled_groups_lr():
 
 
 def test_layer_decay_one_keeps_the_two_plain_groups():
-    from modelkit import small_model
+    from kits.modelkit import small_model
 
     model = small_model("tiny-clip")
     plain = param_groups(model, 0.1)
@@ -207,7 +207,7 @@ def trainable(model) -> set[str]:
 
 
 def test_unlock_last_blocks_of_a_frozen_tower():
-    from modelkit import small_model
+    from kits.modelkit import small_model
 
     model = small_model("tiny-clip")
     freeze_towers(model, ["vision"], 2)
@@ -228,7 +228,7 @@ def test_unlock_last_blocks_of_a_frozen_tower():
 
 
 def test_unlock_more_blocks_than_a_tower_has_is_a_config_error():
-    from modelkit import small_model
+    from kits.modelkit import small_model
 
     with pytest.raises(ConfigError, match="last 4 blocks of 'vision', which has 3; give at most 3"):
         freeze_towers(small_model("tiny-clip"), ["vision"], 4)

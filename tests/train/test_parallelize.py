@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from modelkit import make_batch, small_model, small_task
+from kits.modelkit import make_batch, small_model, small_task
 
 from vltrain.config.job import TrainConfig
 from vltrain.train.optim import build_optimizer

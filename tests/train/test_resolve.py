@@ -4,7 +4,7 @@ config.yaml is the config the run used."""
 from __future__ import annotations
 
 import pytest
-from runkit import overrides, session_shapes, train_here
+from kits.runkit import overrides, session_shapes, train_here
 
 from vltrain.checkpoint.paths import latest_checkpoint
 from vltrain.config.job import load_config

@@ -12,7 +12,7 @@ import json
 import shutil
 
 import pytest
-from runkit import (
+from kits.runkit import (
     EVERY,
     STEPS,
     assert_identical,

@@ -12,8 +12,8 @@ import itertools
 from pathlib import Path
 
 import pytest
-from multiproc import run_world
-from spmd_fixtures import config, make_mixed_shapes, modality_counts, run_trainer
+from kits.multiproc import run_world
+from kits.spmd_fixtures import config, make_mixed_shapes, modality_counts, run_trainer
 
 STEPS = 4
 

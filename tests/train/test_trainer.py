@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from multiproc import free_port
+from kits.multiproc import free_port
 
 from vltrain.train.metrics import read_jsonl
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from datafiles import caption, distinct_image, save, sha, tiny_tokenizer, write_jsonl
+from kits.datafiles import caption, distinct_image, save, sha, tiny_tokenizer, write_jsonl
 
 from vltrain.data.index import build as index_build
 from vltrain.data.index import lengths as index_lengths
@@ -267,7 +267,7 @@ BEFORE = {
 def test_the_index_holds_what_it_held_before(tmp_path, monkeypatch):
     """Digests of indexes built before the bulk scans: the columns, problems.jsonl and the counts
     of meta.json are the same byte for byte, built in one part or in many (of few lines a parse)."""
-    from shardkit import odd_shards
+    from kits.shardkit import odd_shards
 
     csv_path = tmp_path / "m.csv"
     csv_path.write_text('id,image,text\n1,a.png,"two\nlines"\n2,,only text\n3,bad,row,extra\n4,b.png,\n5,,\n')

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from sampler_fixtures import TableDataset, collate, shapes_lengths, table
+from kits.sampler_fixtures import TableDataset, collate, shapes_lengths, table
 
 from vltrain.data.loading.audit import AuditLog, audit_run
 from vltrain.data.loading.loader import TrainLoader

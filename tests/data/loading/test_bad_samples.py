@@ -139,8 +139,8 @@ def launch_ranks(shapes, run, world, timeout=240, **extra):
     """``vltrain train`` as ``world`` processes joined by torchrun's environment variables (gloo on
     127.0.0.1), without torchrun: its agent stops the other ranks as soon as one exits, and a test
     of what each rank decides by itself must see each one's own exit code and message."""
-    from multiproc import free_port
-    from runkit import finish, overrides
+    from kits.multiproc import free_port
+    from kits.runkit import finish, overrides
 
     cmd = [sys.executable, "-m", "vltrain", "train", str(shapes / "base.yaml"), *overrides(shapes, run, **extra)]
     port = str(free_port())
@@ -170,7 +170,7 @@ step 7, while rank 0's own count is not yet (it would be by step 10)."""
 def test_every_rank_stops_after_the_same_step_with_the_same_message(tmp_path_factory, tmp_path):
     """Both ranks stop after step 7 on the world's counts, each with exit code 1 and one message,
     neither waiting for the other; one process reading the same steps stops there with the same."""
-    from runkit import session_shapes
+    from kits.runkit import session_shapes
 
     shapes = session_shapes(tmp_path_factory)
     manifest, run = rank0_bad_manifest(shapes, tmp_path), tmp_path / "two"
@@ -198,7 +198,7 @@ def test_every_rank_stops_after_the_same_step_with_the_same_message(tmp_path_fac
 def test_under_torchrun_the_stop_is_one_message_and_no_rank_waits(tmp_path_factory, tmp_path):
     """Under torchrun, whichever rank exits first ends the job: every message said is the same one,
     and no rank is left to fail on a lost peer."""
-    from runkit import session_shapes, train
+    from kits.runkit import session_shapes, train
 
     shapes = session_shapes(tmp_path_factory)
     done = train(shapes, tmp_path / "run", timeout=240, data__train=rank0_bad_manifest(shapes, tmp_path), **OVER)
@@ -213,7 +213,7 @@ def test_under_torchrun_the_stop_is_one_message_and_no_rank_waits(tmp_path_facto
 def test_one_rank_over_the_fraction_does_not_stop_a_world_under_it(tmp_path_factory, tmp_path):
     """The same data at 0.5: rank 0's own 61% would stop it by step 21, the world's 44% never does.
     The run ends, and its count of replaced samples is the world's."""
-    from runkit import session_shapes, train
+    from kits.runkit import session_shapes, train
 
     shapes = session_shapes(tmp_path_factory)
     run = tmp_path / "run"

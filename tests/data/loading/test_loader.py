@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
-from multiproc import run_world
-from sampler_fixtures import TableDataset, collate, fork_workers, open_data, shapes_lengths, synth_files, table, uid
+from kits.multiproc import run_world
+from kits.sampler_fixtures import TableDataset, collate, fork_workers, open_data, shapes_lengths, synth_files, table, uid
 
 from vltrain.data.config import DataConfig, SourceSpec
 from vltrain.data.loading.audit import AuditLog, audit_run

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from sampler_fixtures import shapes_lengths, table
+from kits.sampler_fixtures import shapes_lengths, table
 
 from vltrain.data.schedule import budget
 from vltrain.errors import UserError

@@ -6,7 +6,7 @@ import logging
 
 import numpy as np
 import pytest
-from sampler_fixtures import shapes_lengths, table
+from kits.sampler_fixtures import shapes_lengths, table
 
 from vltrain.data.schedule.sampler import DistributedBatchSampler, Schedule
 from vltrain.errors import UserError

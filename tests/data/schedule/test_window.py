@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from sampler_fixtures import TableDataset, collate, shapes_lengths, table
+from kits.sampler_fixtures import TableDataset, collate, shapes_lengths, table
 
 from vltrain.data.loading.audit import AuditLog, audit_run
 from vltrain.data.loading.loader import TrainLoader

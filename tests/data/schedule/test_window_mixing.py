@@ -7,7 +7,7 @@ from collections import Counter
 
 import numpy as np
 import pytest
-from sampler_fixtures import TableDataset, collate, shapes_lengths, table
+from kits.sampler_fixtures import TableDataset, collate, shapes_lengths, table
 
 from vltrain.data.loading.audit import AuditLog, audit_run
 from vltrain.data.loading.loader import TrainLoader

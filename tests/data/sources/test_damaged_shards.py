@@ -117,7 +117,7 @@ def test_the_index_records_the_damage_and_on_error_fail_refuses_it(shards):
 
 
 def test_validate_reports_the_damaged_shard_and_counts_the_good_rows(shards, capsys):
-    from datafiles import run_cli
+    from kits.datafiles import run_cli
 
     code, out, err = run_cli(capsys, "data", "validate", shards / PATTERN)
     assert code == 1 and "Traceback" not in err
@@ -162,7 +162,7 @@ def _batch(bad: int, good: int):
 @pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_two_ranks_train_on_img2dataset_shards_with_a_cut_one_and_resume_exactly(tmp_path_factory, shards, tmp_path):
-    from runkit import EVERY, assert_identical, assert_resumed_exactly, final_state, ok, session_shapes, train
+    from kits.runkit import EVERY, assert_identical, assert_resumed_exactly, final_state, ok, session_shapes, train
 
     shapes = session_shapes(tmp_path_factory)  # its tokenizer: the fixtures' captions are shapes captions
     pattern = shards / PATTERN
@@ -194,7 +194,7 @@ def one_process(shapes: Path, run_dir: Path, **extra):
     """``vltrain train`` without torchrun (which adds its own report of a failed worker)."""
     import sys
 
-    from runkit import finish, overrides, start
+    from kits.runkit import finish, overrides, start
 
     cmd = [sys.executable, "-m", "vltrain", "train", str(shapes / "base.yaml"),
            *overrides(shapes, run_dir, data__num_workers=0, **extra)]

@@ -1,5 +1,5 @@
 import pytest
-from datafiles import distinct_image, save, write_csv, write_jsonl
+from kits.datafiles import distinct_image, save, write_csv, write_jsonl
 
 from vltrain.data.config import CsvConfig
 from vltrain.data.sources.manifests import ManifestSource, refuse_malformed

@@ -1,7 +1,7 @@
 import numpy as np
 import pytest
-from parquetkit import hub_parquet, img2dataset_parquet, shapes
-from s3kit import evict_after_lookup, s3, s3_server  # noqa: F401  (fixtures)
+from kits.parquetkit import hub_parquet, img2dataset_parquet, shapes
+from kits.s3kit import evict_after_lookup, s3, s3_server  # noqa: F401  (fixtures)
 
 from vltrain.data.config import CsvConfig
 from vltrain.data.index.open import open_indexed
@@ -161,7 +161,7 @@ def test_the_data_tools_read_parquet(hub, capsys, tmp_path):
     import json
     import tarfile
 
-    from datafiles import run_cli
+    from kits.datafiles import run_cli
 
     root, pairs, _ = hub
     pattern = str(root / "data" / "train-{00000..00002}-of-00003.parquet")
@@ -186,7 +186,7 @@ def test_the_data_tools_read_parquet(hub, capsys, tmp_path):
 
 
 def test_validate_names_a_damaged_parquet_file(tmp_path, capsys):
-    from datafiles import run_cli
+    from kits.datafiles import run_cli
 
     (tmp_path / "t.parquet").write_bytes(b"PAR1 cut off")
     code, out, err = run_cli(capsys, "data", "validate", tmp_path / "t.parquet")

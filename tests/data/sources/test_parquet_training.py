@@ -4,8 +4,8 @@ img2dataset shards (one cut short) given as a list of strings: each resumes exac
 import json
 
 import pytest
-from parquetkit import hub_parquet
-from runkit import EVERY, assert_identical, assert_resumed_exactly, final_state, ok, session_shapes, train
+from kits.parquetkit import hub_parquet
+from kits.runkit import EVERY, assert_identical, assert_resumed_exactly, final_state, ok, session_shapes, train
 
 pytest.importorskip("datasets")
 

@@ -16,7 +16,7 @@ import pytest
 pytest.importorskip("s3fs")
 pytest.importorskip("moto.server")
 
-from s3kit import S3, s3, s3_server, tar_shard  # noqa: E402,F401  (fixtures)
+from kits.s3kit import S3, s3, s3_server, tar_shard  # noqa: E402,F401  (fixtures)
 
 from vltrain.config.job import load_config  # noqa: E402
 from vltrain.data.sources import remote  # noqa: E402

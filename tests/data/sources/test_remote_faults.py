@@ -17,8 +17,8 @@ import torch
 pytest.importorskip("s3fs")
 pytest.importorskip("moto.server")
 
-from multiproc import free_port  # noqa: E402
-from s3kit import S3, evict_after_lookup, s3, s3_server, tar_shard  # noqa: E402,F401  (fixtures)
+from kits.multiproc import free_port  # noqa: E402
+from kits.s3kit import S3, evict_after_lookup, s3, s3_server, tar_shard  # noqa: E402,F401  (fixtures)
 
 from vltrain.data.index.open import open_indexed  # noqa: E402
 from vltrain.data.schedule.sampler import LOOKAHEAD  # noqa: E402
@@ -280,8 +280,8 @@ def _train_through_an_outage(tmp_path_factory, tmp_path, monkeypatch, **extra):
     """A 2-rank run from 4 shards on a moto server, with room for 2.5 of them in the cache; the
     server is stopped at the run's first log line (step 5), so it soon needs a shard that is not
     on the disk. Bounded: refused connections fail in seconds, then at once (DOWN_S)."""
-    from runkit import finish, session_shapes, start, train_command
-    from test_remote_training import upload_shards
+    from kits.runkit import finish, session_shapes, start, train_command
+    from kits.s3kit import upload_shards
 
     shapes = session_shapes(tmp_path_factory)
     server = S3()
@@ -342,8 +342,8 @@ def test_a_run_whose_storage_comes_back_within_the_retries_loses_no_sample(tmp_p
     nothing is replaced (data.max_bad_fraction=0 would stop on the first) and the run ends."""
     import subprocess
 
-    from runkit import session_shapes, train_command
-    from test_remote_training import upload_shards
+    from kits.runkit import session_shapes, train_command
+    from kits.s3kit import upload_shards
 
     shapes = session_shapes(tmp_path_factory)
     server = S3()

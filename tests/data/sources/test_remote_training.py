@@ -12,25 +12,14 @@ import torch
 pytest.importorskip("s3fs")
 pytest.importorskip("moto.server")
 
-from multiproc import free_port  # noqa: E402
-from runkit import STEPS, assert_identical, final_state, ok, session_shapes, train  # noqa: E402
-from s3kit import s3, s3_server  # noqa: E402,F401  (fixtures)
+from kits.multiproc import free_port  # noqa: E402
+from kits.runkit import STEPS, assert_identical, final_state, ok, session_shapes, train  # noqa: E402
+from kits.s3kit import s3, s3_server, upload_shards  # noqa: E402,F401  (fixtures)
 
 from vltrain.data.config import DataConfig  # noqa: E402
 from vltrain.data.dataset import build_dataset  # noqa: E402
-from vltrain.data.sources.manifests import open_manifest  # noqa: E402
-from vltrain.data.sources.shards import write_shards  # noqa: E402
 from vltrain.data.tokenizers import load_tokenizer  # noqa: E402
 from vltrain.errors import DataError  # noqa: E402
-
-
-def upload_shards(s3, shapes: Path, tmp: Path) -> tuple[str, int]:
-    """The shapes rows as 4 tar shards in s3://bkt/shards/; the pattern and the largest shard's size."""
-    written, _ = write_shards(open_manifest(shapes / "train.jsonl"), tmp / "local-shards", 20)
-    s3.bucket("bkt")
-    for path in written:
-        s3.put(f"s3://bkt/shards/{path.name}", path.read_bytes())
-    return f"s3://bkt/shards/{{00000..{len(written) - 1:05d}}}.tar", max(p.stat().st_size for p in written)
 
 
 def data_cfg(shapes: Path, train: str, cache: Path, **kw) -> DataConfig:

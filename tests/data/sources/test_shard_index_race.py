@@ -5,7 +5,7 @@ import os
 import socket
 
 import pytest
-from shardkit import make_manifest
+from kits.shardkit import make_manifest
 
 from vltrain.data.sources import shards
 from vltrain.data.sources.manifests import ManifestSource

@@ -5,8 +5,8 @@ import tarfile
 from pathlib import Path
 
 import pytest
-from datafiles import distinct_image, run_cli, write_jsonl
-from shardkit import add, make_manifest, odd_shards, tar_of
+from kits.datafiles import distinct_image, run_cli, write_jsonl
+from kits.shardkit import add, make_manifest, odd_shards, tar_of
 
 from vltrain.data.sources.manifests import ManifestSource
 from vltrain.data.sources.shards import ShardSource, build_index, index_path, load_index, write_shards

@@ -88,7 +88,7 @@ def test_the_parquet_files_read_as_a_hub_dataset(tmp_path):
 
 
 def test_shard_cli_resizes_and_converts(tmp_path, capsys):
-    from datafiles import run_cli
+    from kits.datafiles import run_cli
 
     shutil.copy(FIXTURES / "00000.tar", tmp_path / "00000.tar")
     code, out, _ = run_cli(capsys, "data", "shard", tmp_path / "00000.tar", "--out", tmp_path / "small",

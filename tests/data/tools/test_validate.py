@@ -1,7 +1,7 @@
 import json
 
 import pytest
-from datafiles import distinct_image, run_cli, save, tiny_tokenizer, write_jsonl
+from kits.datafiles import distinct_image, run_cli, save, tiny_tokenizer, write_jsonl
 
 from vltrain.data.tools.validate import validate
 

@@ -9,7 +9,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from pretrainedkit import TEXTS, clip_tokenizer, make_clip, normalized  # noqa: E402
+from kits.pretrainedkit import TEXTS, clip_tokenizer, make_clip, normalized  # noqa: E402
 
 from vltrain.config.job import load_config  # noqa: E402
 from vltrain.errors import UserError  # noqa: E402

@@ -7,7 +7,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from pretrainedkit import TEXTS, image_file, make_clip, make_siglip, normalized  # noqa: E402
+from kits.pretrainedkit import TEXTS, image_file, make_clip, make_siglip, normalized  # noqa: E402
 
 from vltrain.config.job import load_config  # noqa: E402
 from vltrain.errors import UserError  # noqa: E402

@@ -10,7 +10,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from PIL import Image  # noqa: E402
-from pretrainedkit import TEXTS, make_siglip2, normalized  # noqa: E402
+from kits.pretrainedkit import TEXTS, make_siglip2, normalized  # noqa: E402
 
 from vltrain.config.job import load_config  # noqa: E402
 from vltrain.export.native import embed  # noqa: E402

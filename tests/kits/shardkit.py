@@ -5,7 +5,7 @@ import io
 import json
 import tarfile
 
-from datafiles import distinct_image, save, write_jsonl
+from kits.datafiles import distinct_image, save, write_jsonl
 
 
 def make_manifest(tmp_path, n=7):

@@ -7,6 +7,7 @@ each preset is made once per session and shared by every test that compares agai
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -14,7 +15,7 @@ import sys
 from pathlib import Path
 
 import torch
-from multiproc import free_port
+from kits.multiproc import free_port
 
 from vltrain.checkpoint.manager import find_checkpoint
 from vltrain.checkpoint.storage import read_tensors
@@ -143,3 +144,25 @@ def assert_identical(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> 
 
 def assert_resumed_exactly(proc: subprocess.CompletedProcess, run: Path, step: int) -> None:
     assert f"resumed from {run / 'checkpoints' / f'step-{step}'} at step {step} (exactly)" in proc.stderr, proc.stderr
+
+
+def metric_rows(run_dir: Path) -> list[dict]:
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.startswith("{")]
+    return [r for r in rows if "loss" in r]
+
+
+def losses(run_dir: Path) -> list[float]:
+    return [r["loss"] for r in metric_rows(run_dir)]
+
+
+def worst(curve: list[float], base: list[float]) -> float:
+    """The largest relative difference of two loss curves (a step of text-only rows has loss 0)."""
+    return max(abs(a - b) / max(abs(b), 1e-12) for a, b in zip(curve, base))
+
+
+def model_distance(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    """||a - b|| / ||b|| over every model parameter."""
+    keys = [k for k in b if k.startswith("model.")]
+    x = torch.cat([a[k].flatten().double() for k in keys])
+    y = torch.cat([b[k].flatten().double() for k in keys])
+    return float((x - y).norm() / y.norm())

@@ -11,8 +11,12 @@ import socket
 import tarfile
 import time
 import urllib.request
+from pathlib import Path
 
 import pytest
+
+from vltrain.data.sources.manifests import open_manifest
+from vltrain.data.sources.shards import write_shards
 
 
 def free_port() -> int:
@@ -116,3 +120,12 @@ def evict_after_lookup(cache, other, url: str, push: str) -> None:
         return found
 
     cache._fresh = fresh_then_evicted
+
+
+def upload_shards(s3, shapes: Path, tmp: Path) -> tuple[str, int]:
+    """The shapes rows as 4 tar shards in s3://bkt/shards/; the pattern and the largest shard's size."""
+    written, _ = write_shards(open_manifest(shapes / "train.jsonl"), tmp / "local-shards", 20)
+    s3.bucket("bkt")
+    for path in written:
+        s3.put(f"s3://bkt/shards/{path.name}", path.read_bytes())
+    return f"s3://bkt/shards/{{00000..{len(written) - 1:05d}}}.tar", max(p.stat().st_size for p in written)
