@@ -9,7 +9,6 @@ import pytest
 from vltrain.train.metrics import read_jsonl
 
 
-@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_demo_trains_to_a_falling_loss(cli, tmp_path):
     run = tmp_path / "run"

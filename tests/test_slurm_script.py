@@ -24,7 +24,6 @@ STAND_INS = {
 }
 
 
-@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_usr1_to_the_batch_script_checkpoints_and_requeues(tmp_path_factory, tmp_path):
     bin_dir = tmp_path / "bin"

@@ -289,7 +289,6 @@ def _two_rank_worker(rank: int, world: int, port: int, root: str) -> None:
         dist.destroy_process_group()
 
 
-@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_two_ranks_ddp_resume_reshard_and_fsdp(tmp_path):
     mp.start_processes(_two_rank_worker, args=(2, free_port(), str(tmp_path)), nprocs=2, start_method="spawn")

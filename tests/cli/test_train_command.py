@@ -53,7 +53,6 @@ def _bombed(shapes: Path, tmp_path: Path, every: int) -> Path:
     return path
 
 
-@pytest.mark.slow
 def test_bad_images_are_counted_in_the_record_not_warned_about(shapes, tmp_path, cli):
     train = _bombed(shapes, tmp_path, every=5)
     run = tmp_path / "run"
@@ -68,7 +67,6 @@ def test_bad_images_are_counted_in_the_record_not_warned_about(shapes, tmp_path,
     assert logged == sorted(logged) and logged[-1] == replaced
 
 
-@pytest.mark.slow
 def test_an_unreadable_set_stops_at_once_and_says_so_once(shapes, tmp_path, cli):
     train = _bombed(shapes, tmp_path, every=1)  # every image refused: text-only rows remain
     proc = cli("train", shapes / "base.yaml", *overrides(shapes, tmp_path / "run", data__train=train,
@@ -79,7 +77,6 @@ def test_an_unreadable_set_stops_at_once_and_says_so_once(shapes, tmp_path, cli)
     assert "failed at step" not in proc.stderr and "Traceback" not in proc.stderr
 
 
-@pytest.mark.slow
 def test_a_val_set_without_pairs_is_refused_at_start_up(shapes, tmp_path, cli):
     rows = [json.loads(line) for line in (shapes / "train.jsonl").read_text().splitlines()]
     val = tmp_path / "val.jsonl"
@@ -89,7 +86,6 @@ def test_a_val_set_without_pairs_is_refused_at_start_up(shapes, tmp_path, cli):
     assert f"data.val ({val}) holds no image-text pairs" in proc.stderr and "text-only, 0 image-only" in proc.stderr
 
 
-@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_ctrl_c_saves_the_step_exits_130_and_resumes_exactly(shapes, tmp_path):
     run = tmp_path / "run"
@@ -112,7 +108,6 @@ def test_ctrl_c_saves_the_step_exits_130_and_resumes_exactly(shapes, tmp_path):
     assert f"at step {step} (exactly)" in again.stderr
 
 
-@pytest.mark.slow
 def test_a_changed_batch_size_is_refused_with_a_way_forward_that_works(shapes, tmp_path, cli):
     first = tmp_path / "first"
     assert cli("train", shapes / "base.yaml", *overrides(shapes, first, train__max_steps=4)).returncode == 0

@@ -17,7 +17,6 @@ def _karpathy(shapes, out):
     return out
 
 
-@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_sets_are_evaluated_in_the_loop_and_by_the_eval_command(cli, tmp_path):
     shapes = make_shapes(tmp_path / "shapes")

@@ -95,7 +95,6 @@ def _rank_eval(rank, world, root, class_tokens):
     return _evaluate(root, load_tokenizer(str(root.parent / "tok.json")), class_tokens, rank, world)
 
 
-@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_two_ranks_give_the_one_process_result(tmp_path):
     tok, class_tokens = _write_set(tmp_path / "set", corrupt=True)

@@ -25,7 +25,6 @@ def trained(tmp_path_factory):
     return trainer, shapes
 
 
-@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_export_then_embed_gives_the_trainers_embeddings(trained, tmp_path, cli):
     from vltrain.data.dataset import build_dataset

@@ -155,7 +155,6 @@ def _itm_worker(rank, world):
     return batch.ids, draws
 
 
-@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_itm_negatives_never_share_the_id_across_ranks():
     seen = set()

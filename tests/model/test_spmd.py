@@ -55,7 +55,6 @@ def ddp_results():
     return run_world(_ddp_worker, timeout=60)
 
 
-@pytest.mark.slow
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("model_name", MODELS)
 def test_ddp_with_modalities_differing_by_rank(model_name, ddp_results):

@@ -179,7 +179,6 @@ def two_rank_results():
     return run_world(_equivalence_worker, timeout=90)
 
 
-@pytest.mark.slow
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("objective", LOSSES)
 def test_two_ranks_equal_one_process_with_the_global_batch(objective, two_rank_results):

@@ -71,7 +71,6 @@ def _world_worker(rank: int, world: int, rows_by_rank: list[int]):
     return out
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("rows_by_rank", [[5, 7], [4, 6, 5, 8]])
 def test_ranks_with_uneven_batches_equal_the_gathering_loss(rows_by_rank):
     results = run_world(_world_worker, (rows_by_rank,), world=len(rows_by_rank), timeout=120)
@@ -109,7 +108,6 @@ def _trainer_worker(rank: int, world: int, root: str, run_dir: str):
     return out
 
 
-@pytest.mark.slow
 def test_training_with_the_ring_follows_the_gathering_loss_curve(tmp_path):
     """Through the trainer on 2 ranks, budget batches of different sizes, gradcache over 2 micro-batches."""
     from kits.spmd_fixtures import make_mixed_shapes

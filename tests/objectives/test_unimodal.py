@@ -171,7 +171,6 @@ def _run(cfg: Path, shapes: Path, run_dir: Path, nproc: int, batch: int, *object
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if '"loss"' in line]
 
 
-@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_per_source_metrics_over_two_ranks_equal_one_process(tmp_path_factory, tmp_path):
     shapes = session_shapes(tmp_path_factory)
@@ -193,7 +192,6 @@ def test_per_source_metrics_over_two_ranks_equal_one_process(tmp_path_factory, t
     assert any("source/first/loss/text_mlm" in r for r in unimodal)
 
 
-@pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_unimodal_objectives_resume_bit_identical(tmp_path_factory, tmp_path):
     """The masking draws are part of the checkpointed generator state."""
@@ -207,7 +205,6 @@ def test_unimodal_objectives_resume_bit_identical(tmp_path_factory, tmp_path):
     assert_identical(final_state(ref), final_state(run))
 
 
-@pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_eval_reports_each_validation_source(tmp_path_factory, tmp_path):
     """With two sources in data.val, each gets its own recalls, equal to evaluating it alone."""

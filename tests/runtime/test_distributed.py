@@ -50,7 +50,6 @@ def _gather_worker(rank, world):
     return gathered.detach(), x.grad, all_gather_no_grad(torch.full((n,), rank))
 
 
-@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_gather_with_grad_unequal_sizes():
     results = run_world(_gather_worker, timeout=60)

@@ -143,7 +143,6 @@ def assert_same_curve(run_dir: Path, unchanged: dict[int, float]) -> None:
     assert worst < TOL, worst
 
 
-@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_a_node_lost_mid_run_and_the_other_goes_on_alone(tmp_path_factory, tmp_path, unchanged):
     # checkpoints every 5 steps and every 0.6 s: the resume is from the newer of the two
@@ -158,7 +157,6 @@ def test_a_node_lost_mid_run_and_the_other_goes_on_alone(tmp_path_factory, tmp_p
     assert_same_curve(tmp_path / "run", unchanged)
 
 
-@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_a_node_that_joins_mid_run_is_trained_on(tmp_path_factory, tmp_path, unchanged):
     # the first node alone stalls after step 10 until its agent, seeing the second node, stops it
@@ -181,7 +179,6 @@ def test_a_node_that_joins_mid_run_is_trained_on(tmp_path_factory, tmp_path, unc
     assert_same_curve(tmp_path / "run", unchanged)
 
 
-@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_a_hung_node_is_detected_within_the_timeout_and_the_run_goes_on(tmp_path_factory, tmp_path, unchanged):
     timeout_s = 8

@@ -28,7 +28,6 @@ CASES = {
 }
 
 
-@pytest.mark.slow
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("case", list(CASES))
 def test_a_finished_run_leaves_no_process_group_running(tmp_path_factory, tmp_path, case):

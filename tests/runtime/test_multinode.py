@@ -26,7 +26,6 @@ def _losses(run_dir) -> list[float]:
     return [r["loss"] for r in read_jsonl(run_dir / "metrics.jsonl") if "loss" in r]
 
 
-@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_two_nodes_train_like_one_node_with_two_processes(tmp_path_factory, tmp_path):
     shapes = runkit.session_shapes(tmp_path_factory)

@@ -9,7 +9,6 @@ import pytest
 from kits.runkit import assert_identical, assert_resumed_exactly, final_state, ok, reference, session_shapes, train
 
 
-@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_sigterm_to_the_agent_saves_the_current_step_and_resumes_exactly(tmp_path_factory, tmp_path):
     shapes, run = session_shapes(tmp_path_factory), tmp_path / "run"
@@ -30,7 +29,6 @@ def test_sigterm_to_the_agent_saves_the_current_step_and_resumes_exactly(tmp_pat
     assert_identical(final_state(reference(tmp_path_factory, "tiny-clip")), final_state(run))
 
 
-@pytest.mark.slow
 def test_one_process_exits_75_with_a_checkpoint(tmp_path_factory, tmp_path, cli):
     import os
 

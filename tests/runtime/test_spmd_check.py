@@ -36,7 +36,6 @@ def _gather_worker(rank: int, world: int, reduce_scatter: bool):
             "reduce_scatter_used": d.REDUCE_SCATTER}
 
 
-@pytest.mark.slow
 def test_gathers_pad_every_dimension_and_send_gradients_home():
     results = run_world(_gather_worker, (True,))
     parts = [_ragged(r) for r in range(2)]
@@ -52,7 +51,6 @@ def test_gathers_pad_every_dimension_and_send_gradients_home():
     assert results[0]["reduce_scatter_used"]  # gloo has reduce-scatter: the backward used it
 
 
-@pytest.mark.slow
 def test_reduce_scatter_backward_equals_the_all_reduce_fallback():
     scattered = run_world(_gather_worker, (True,))
     reduced = run_world(_gather_worker, (False,))
@@ -78,7 +76,6 @@ def _extra_collective_worker(rank: int, world: int):
     return None
 
 
-@pytest.mark.slow
 def test_debug_spmd_catches_a_collective_only_one_rank_issues():
     messages = run_world(_extra_collective_worker)
     assert messages[0] == messages[1] and messages[0] is not None
@@ -105,7 +102,6 @@ def _reverted_fix_worker(rank: int, world: int, root: str, run_dir: str):
     return None
 
 
-@pytest.mark.slow
 def test_debug_spmd_names_the_text_width_divergence_when_the_fix_is_reverted(tmp_path):
     root = make_mixed_shapes(tmp_path / "shapes")
     messages = run_world(_reverted_fix_worker, (str(root), str(tmp_path)), timeout=120)
@@ -120,7 +116,6 @@ def _fixed_worker(rank: int, world: int, root: str, run_dir: str, overrides: lis
     return run_trainer(cfg)
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("batching", ["budget", "fixed"])
 def test_fusion_model_trains_across_ranks_whose_text_widths_differ(tmp_path, batching):
     """The two runs of the bug report: budget batching, and fixed micro-batches on mostly text-only data."""

@@ -30,7 +30,6 @@ def _run(shapes, run, preset: str, **extra):
     return train(shapes, run, nproc=1, model__preset=preset, train__threads=THREADS, data__batch_size=32, **extra)
 
 
-@pytest.mark.slow
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("preset", ["tiny-clip", "tiny-albef"])
 def test_two_runs_and_a_resumed_one_are_bit_identical_at_two_threads(shapes, tmp_path, preset):
@@ -46,7 +45,6 @@ def test_two_runs_and_a_resumed_one_are_bit_identical_at_two_threads(shapes, tmp
     assert_identical(final_state(first), final_state(resumed))
 
 
-@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_deterministic_mode_trains_on_a_cpu(shapes, tmp_path):
     """``train.deterministic`` turns on torch's deterministic algorithms: every op of the step has one."""

@@ -24,13 +24,11 @@ def killed_once_under_torchrun(tmp_path_factory, tmp_path, preset: str, fault: s
     return run
 
 
-@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_sigkill_of_rank1_restarts_the_group_and_ends_identical(tmp_path_factory, tmp_path):
     killed_once_under_torchrun(tmp_path_factory, tmp_path, "tiny-clip", "kill:at=step:step=6:rank=1")
 
 
-@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_kill_during_a_checkpoint_write_resumes_from_the_previous_one(tmp_path_factory, tmp_path):
     # rank 1 dies while step 8's checkpoint is half written: its tensors are on disk, nothing committed
@@ -39,7 +37,6 @@ def test_kill_during_a_checkpoint_write_resumes_from_the_previous_one(tmp_path_f
     assert sorted(p.name for p in folder.iterdir()) == ["latest", "step-10", "step-4", "step-8"]  # partial removed
 
 
-@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_a_rank_raising_stops_every_rank_and_is_named(tmp_path_factory, tmp_path):
     start = time.monotonic()

@@ -172,7 +172,6 @@ def test_interpolate_refuses_without_initial_weights_or_outside_0_1(finetuned, t
     assert not (tmp_path / "y").exists()
 
 
-@pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_fsdp_run_interpolates_from_its_consolidated_weights(tmp_path_factory, tmp_path):
     """Two FSDP2 ranks with layer decay and an unlocked block of the frozen vision tower: the initial
@@ -195,7 +194,6 @@ def test_fsdp_run_interpolates_from_its_consolidated_weights(tmp_path_factory, t
         assert all(torch.equal(got[k], want[k]) for k in want), alpha
 
 
-@pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_layer_decayed_run_resumes_exactly(tmp_path_factory, tmp_path):
     """The scaled parameter groups (lr, lr_scale) go through the checkpoint: stopped after step 5

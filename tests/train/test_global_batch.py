@@ -71,7 +71,6 @@ def splits(request, tmp_path_factory):
     return shapes, done
 
 
-@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_one_global_batch_split_three_ways_trains_the_same_model(splits):
     _, done = splits
@@ -94,7 +93,6 @@ def test_one_global_batch_split_three_ways_trains_the_same_model(splits):
         assert model_distance(final_state(run_dir), final_state(ref)) < TOL
 
 
-@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_the_audit_shows_the_same_samples_in_every_step(splits):
     _, done = splits
@@ -108,7 +106,6 @@ def test_the_audit_shows_the_same_samples_in_every_step(splits):
     assert ids["1 rank, A=2 (gradcache)"] == first and ids["2 ranks, A=1"] == first
 
 
-@pytest.mark.slow
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("model", ["itc", "fusion", "budget"])
 def test_stopped_on_two_ranks_and_resumed_on_one_it_continues_the_same_trajectory(model, tmp_path_factory, tmp_path):

@@ -68,7 +68,6 @@ def _two_ranks(rank: int, world: int, root: str, run_dir: str, case: str) -> lis
     return count_per_step(Path(root), Path(run_dir), CASES[case])
 
 
-@pytest.mark.slow
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("case", ["clip", "fusion"])
 def test_on_two_ranks_too(tmp_path, case):

@@ -129,7 +129,6 @@ def data(tmp_path_factory) -> Path:
     return make_data(tmp_path_factory.mktemp("curve-data"))
 
 
-@pytest.mark.slow
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("name", list(CASES))
 def test_loss_curve_matches_the_recorded_one(name, data, tmp_path):

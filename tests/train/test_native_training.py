@@ -60,7 +60,6 @@ def run(shapes: Path, run_dir: Path, nproc: int, **extra):
     return train(shapes, run_dir, nproc=nproc, timeout=240, **{"data__train": shapes / "native.jsonl", **NATIVE, **extra})
 
 
-@pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_two_ranks_of_mixed_grids_train_as_one_and_resume_exactly(tmp_path_factory, tmp_path):
     shapes = native_shapes(tmp_path_factory)
@@ -78,7 +77,6 @@ def test_two_ranks_of_mixed_grids_train_as_one_and_resume_exactly(tmp_path_facto
     assert_identical(final_state(stopped), final_state(two))
 
 
-@pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_a_fusion_model_on_images_at_their_own_shape_trains_as_one_on_two_ranks(tmp_path_factory, tmp_path):
     """tiny-albef (ITC, ITM with hard negatives and MLM through the fusion encoder, and masked image
@@ -113,7 +111,6 @@ def step_patches(run_dir: Path, max_patches: int) -> list[int]:
     return [sum(patches[i] for i in ids) for ids in steps]
 
 
-@pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_packed_images_on_two_ranks_train_as_padded_ones_on_one(tmp_path_factory, tmp_path):
     """A tower without a class token (a tiny SigLIP 2 folder's), on img2dataset shards of images at

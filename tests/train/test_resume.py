@@ -25,7 +25,6 @@ from kits.runkit import (
 )
 
 
-@pytest.mark.slow
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("preset", ["tiny-clip", "tiny-albef"])
 def test_stop_mid_epoch_and_resume_is_bit_identical(tmp_path_factory, tmp_path, preset):
@@ -44,7 +43,6 @@ def test_stop_mid_epoch_and_resume_is_bit_identical(tmp_path_factory, tmp_path, 
         assert states[0][name] == states[1][name], name
 
 
-@pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_resume_on_another_world_size_continues_by_samples_seen(tmp_path_factory, tmp_path):
     ref = reference(tmp_path_factory, "tiny-clip")

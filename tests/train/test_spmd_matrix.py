@@ -11,7 +11,6 @@ from __future__ import annotations
 import itertools
 from pathlib import Path
 
-import pytest
 from kits.multiproc import run_world
 from kits.spmd_fixtures import config, make_mixed_shapes, modality_counts, run_trainer
 
@@ -43,7 +42,6 @@ def _matrix_worker(rank: int, world: int, root: str, run_dir: str):
     return out
 
 
-@pytest.mark.slow
 def test_every_combination_runs_on_two_ranks_whose_batches_differ(tmp_path):
     root = make_mixed_shapes(tmp_path / "shapes")
     counts = modality_counts(root)

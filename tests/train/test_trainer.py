@@ -71,7 +71,6 @@ def losses(rows: list[dict]) -> list[float]:
     return [r["loss"] for r in rows]
 
 
-@pytest.mark.slow
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("parallelism", ["ddp", "fsdp"])
 def test_two_ranks_match_one_process_with_the_global_batch(shapes, tmp_path, parallelism):
@@ -88,7 +87,6 @@ def test_two_ranks_match_one_process_with_the_global_batch(shapes, tmp_path, par
     assert evals[-1]["step"] == STEPS and evals[-1]["num_pairs"] == 64
 
 
-@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_nan_on_one_rank_skips_the_step_on_both(shapes, tmp_path):
     rows = train(shapes, tmp_path / "nan", nproc=2, **{
@@ -136,7 +134,6 @@ def test_nonfinite_steps_in_a_row_stop_with_a_clear_error(shapes, tmp_path):
         trainer.close()
 
 
-@pytest.mark.slow
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("nproc,parallelism", [(1, "ddp"), (2, "ddp"), (2, "fsdp")])
 def test_gradcache_accumulation_matches_the_big_batch(shapes, tmp_path, nproc, parallelism):
@@ -151,7 +148,6 @@ def test_gradcache_accumulation_matches_the_big_batch(shapes, tmp_path, nproc, p
     assert losses(big) == pytest.approx(losses(cached), abs=1e-5, rel=1e-5)
 
 
-@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_eval_command_reproduces_the_final_evaluation(shapes, tmp_path, cli):
     run = tmp_path / "ev"

@@ -165,7 +165,6 @@ OVER = dict(data__shuffle="false", data__max_bad_fraction=0.3, data__audit="true
 step 7, while rank 0's own count is not yet (it would be by step 10)."""
 
 
-@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_every_rank_stops_after_the_same_step_with_the_same_message(tmp_path_factory, tmp_path):
     """Both ranks stop after step 7 on the world's counts, each with exit code 1 and one message,
@@ -193,7 +192,6 @@ def test_every_rank_stops_after_the_same_step_with_the_same_message(tmp_path_fac
     assert said(one.stderr) == [first.replace(str(run), str(tmp_path / "one"))]
 
 
-@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_under_torchrun_the_stop_is_one_message_and_no_rank_waits(tmp_path_factory, tmp_path):
     """Under torchrun, whichever rank exits first ends the job: every message said is the same one,
@@ -208,7 +206,6 @@ def test_under_torchrun_the_stop_is_one_message_and_no_rank_waits(tmp_path_facto
     assert "stopped at step" not in done.stderr, done.stderr[-3000:]
 
 
-@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_one_rank_over_the_fraction_does_not_stop_a_world_under_it(tmp_path_factory, tmp_path):
     """The same data at 0.5: rank 0's own 61% would stop it by step 21, the world's 44% never does.

@@ -49,7 +49,6 @@ def _epoch_rank(rank, world_size, data_cfg, run_dir):
     return {"ids": [next(loader).ids.tolist() for _ in range(len(loader))], "padded": loader.sampler.plan().padded}
 
 
-@pytest.mark.slow
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("form", ["manifest", "shards"])
 def test_two_ranks_two_workers_consume_the_source_once(tmp_path, form):
@@ -217,7 +216,6 @@ def _budget_rank(rank, world_size, data_cfg):
     return stats
 
 
-@pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_budget_batching_on_two_ranks_equal_steps_within_budget_low_padding(tmp_path):
     per_rank = run_world(_budget_rank, (_skewed_shapes(tmp_path),), world=2, timeout=150)
@@ -259,7 +257,6 @@ def _text_only_rank(rank, world_size, data_cfg):
             "loss": float(out.loss)}
 
 
-@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_ninety_percent_text_only_budget_batching_trains_100_steps_without_hang(tmp_path):
     data_cfg, _ = synth_files(tmp_path, 80, text_only_fraction=0.9, batching="budget", batch_size=8,

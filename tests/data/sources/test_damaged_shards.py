@@ -159,7 +159,6 @@ def _batch(bad: int, good: int):
     return Fake()
 
 
-@pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_two_ranks_train_on_img2dataset_shards_with_a_cut_one_and_resume_exactly(tmp_path_factory, shards, tmp_path):
     from kits.runkit import EVERY, assert_identical, assert_resumed_exactly, final_state, ok, session_shapes, train

@@ -10,7 +10,6 @@ from kits.runkit import EVERY, assert_identical, assert_resumed_exactly, final_s
 pytest.importorskip("datasets")
 
 
-@pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_two_ranks_train_on_a_parquet_glob_and_resume_exactly(tmp_path_factory, tmp_path):
     from vltrain.data.loading.audit import audit_run
@@ -34,7 +33,6 @@ def test_two_ranks_train_on_a_parquet_glob_and_resume_exactly(tmp_path_factory, 
     assert report.samples > 0
 
 
-@pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_two_ranks_train_on_a_list_of_shards_and_a_parquet_glob_and_resume_exactly(tmp_path_factory, tmp_path):
     import shutil

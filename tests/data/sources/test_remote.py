@@ -122,7 +122,6 @@ def _fetch_in_child(c: ShardCache, url: str, start, out) -> None:
     out.put((c.stats.downloads - before, path.read_bytes() == tar_shard(200, seed=3)))
 
 
-@pytest.mark.slow
 def test_two_processes_asking_at_once_download_once(s3, tmp_path):
     s3.bucket("bkt")
     s3.put("bkt/00003.tar", tar_shard(200, seed=3))

@@ -304,7 +304,6 @@ def _errors(stderr: str) -> list[str]:
     return [x for x in stderr.splitlines() if x.startswith("vltrain") and ": error: " in x]
 
 
-@pytest.mark.slow
 def test_a_run_whose_storage_goes_away_replaces_and_counts_the_samples(tmp_path_factory, tmp_path, monkeypatch):
     """on_error: skip with room for them: every sample of a shard that cannot be fetched is
     replaced from the shards on the disk, logged with the URL and endpoint, and the run ends."""
@@ -319,7 +318,6 @@ def test_a_run_whose_storage_goes_away_replaces_and_counts_the_samples(tmp_path_
     assert f"bad samples: {len(bad)} replaced" in done.stdout, done.stdout[-2000:]  # every one counted
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("on_error", ["skip", "fail"])
 def test_a_run_whose_storage_goes_away_stops_with_one_message(tmp_path_factory, tmp_path, monkeypatch, on_error):
     """on_error: fail stops at the first shard that cannot be fetched; skip stops once the
@@ -335,7 +333,6 @@ def test_a_run_whose_storage_goes_away_stops_with_one_message(tmp_path_factory, 
     assert ("bad sample" if on_error == "fail" else "data.max_bad_fraction=0.01") in first, errors
 
 
-@pytest.mark.slow
 def test_a_run_whose_storage_comes_back_within_the_retries_loses_no_sample(tmp_path_factory, tmp_path, monkeypatch):
     """The server is stopped at the run's first log line and started again (same data) once a read
     has met the outage, within data.remote_retries=6 (about 32 s of waiting): that read succeeds,

@@ -64,7 +64,6 @@ def test_missing_objects_and_buckets_are_clear_errors(s3, tmp_path_factory, tmp_
         ds[45]
 
 
-@pytest.mark.slow
 def test_two_ranks_train_from_s3_resume_exactly_within_the_cache_limit(s3, tmp_path_factory, tmp_path):
     shapes = session_shapes(tmp_path_factory)
     pattern, largest = upload_shards(s3, shapes, tmp_path)

@@ -26,7 +26,6 @@ def _fresh_shards(tmp_path, n_rows=24, shard_size=3):
     return written
 
 
-@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_two_processes_racing_build_each_index_once(tmp_path):
     written = _fresh_shards(tmp_path)
