@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from vltrain.model import VLModel, build_model
@@ -61,3 +63,22 @@ def max_relative_error(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -
         err = (a[k] - b[k]).norm().item()
         worst = max(worst, err / denom if denom > 0 else err)
     return worst
+
+
+@contextlib.contextmanager
+def forward_calls(*modules: torch.nn.Module):
+    """Counts of each module's forward calls inside the block: under activation checkpointing a
+    block runs twice for one forward and backward (its recomputation in the backward), once without."""
+    counts = [0] * len(modules)
+
+    def count(i):
+        def hook(*_):
+            counts[i] += 1
+        return hook
+
+    handles = [m.register_forward_pre_hook(count(i)) for i, m in enumerate(modules)]
+    try:
+        yield counts
+    finally:
+        for h in handles:
+            h.remove()

@@ -6,6 +6,7 @@ from dataclasses import replace
 
 import pytest
 import torch
+from kits.modelkit import forward_calls
 
 from vltrain.config.job import load_config
 from vltrain.errors import ConfigError
@@ -75,9 +76,12 @@ def test_packed_tower_under_activation_checkpointing():
                           layout="packed")
     tower = TextTransformer(cfg).double()
     ids, mask = _batch(LENGTHS)
-    plain = torch.autograd.grad(tower(ids, mask)[1].square().sum(), list(tower.parameters()))
+    with forward_calls(*tower.blocks) as once:
+        plain = torch.autograd.grad(tower(ids, mask)[1].square().sum(), list(tower.parameters()))
     tower.checkpointing = True
-    again = torch.autograd.grad(tower(ids, mask)[1].square().sum(), list(tower.parameters()))
+    with forward_calls(*tower.blocks) as twice:  # each block recomputed in the backward
+        again = torch.autograd.grad(tower(ids, mask)[1].square().sum(), list(tower.parameters()))
+    assert once == [1, 1] and twice == [2, 2]
     for a, b in zip(plain, again):
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-14)
 
