@@ -7,8 +7,11 @@ cores), which cannot show an operation whose sum depends on how threads split it
 
 from __future__ import annotations
 
+import os
+
 import pytest
-from kits.runkit import EVERY, assert_identical, assert_resumed_exactly, final_state, ok, train
+import torch
+from kits.runkit import EVERY, assert_identical, assert_resumed_exactly, final_state, ok, overrides, train
 
 THREADS = 2
 
@@ -46,8 +49,23 @@ def test_two_runs_and_a_resumed_one_are_bit_identical_at_two_threads(shapes, tmp
 
 
 @pytest.mark.timeout(120)
-def test_deterministic_mode_trains_on_a_cpu(shapes, tmp_path):
-    """``train.deterministic`` turns on torch's deterministic algorithms: every op of the step has one."""
+def test_deterministic_mode_trains_on_a_cpu(shapes, tmp_path, monkeypatch):
+    """``train.deterministic`` turns on torch's deterministic algorithms (and leaves them off when
+    not asked): every op of the step has one."""
+    from vltrain.config.job import load_config
+    from vltrain.train.trainer import Trainer
+
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)  # restored after the test
+    assert not torch.are_deterministic_algorithms_enabled()
+    for asked in (False, True):
+        trainer = Trainer(load_config(None, overrides(shapes, tmp_path / f"here-{asked}", model__preset="tiny-albef",
+                                                      train__deterministic=asked, data__num_workers=0)))
+        try:
+            assert torch.are_deterministic_algorithms_enabled() is asked
+            assert ("CUBLAS_WORKSPACE_CONFIG" in os.environ) is asked
+        finally:
+            trainer.close()
+            torch.use_deterministic_algorithms(False)
     a, b = tmp_path / "a", tmp_path / "b"
     ok(_run(shapes, a, "tiny-albef", train__deterministic=True, train__max_steps=4))
     ok(_run(shapes, b, "tiny-albef", train__deterministic=True, train__max_steps=4))
