@@ -40,22 +40,40 @@ def test_step_count_fits_the_time_budget_within_bounds():
 
 
 @pytest.mark.slow
-def test_the_probe_times_the_demo_run_itself_and_leaves_nothing_behind(tmp_path, capsys):
+def test_the_probe_times_the_demo_run_itself_and_leaves_nothing_behind(tmp_path, capsys, monkeypatch):
     """The step count comes from a short run of the demo's own config on its own data (loader
-    worker included); it prints nothing, keeps no run folder, and a mistake in the config stops it
-    with the run's own error rather than a rate."""
-    import math
+    worker included): the rate is the samples of the timed steps, those after the warm-up, over the
+    time the run took for them. It prints nothing, keeps no run folder, and a mistake in the config
+    stops it with the run's own error rather than a rate."""
+    import time
 
     from vltrain.demo import prepare_data, probe_rate
     from vltrain.errors import UserError
+    from vltrain.train import metrics
 
     data = tmp_path / "shapes"
     tokenizer = prepare_data(data, num=200, val=20)
     capsys.readouterr()
     given = [f"data.train={data / 'train.jsonl'}", f"data.tokenizer={tokenizer}", "data.batch_size=16",
              "train.threads=1", f"run.dir={tmp_path / 'run'}"]
+    records = []
+
+    def read_jsonl(path):  # keeps the rows of the last read: the probe's, of its run's metrics.jsonl
+        rows = read_jsonl_as_written(path)
+        records[:] = [r for r in rows if "loss" in r]
+        return rows
+
+    read_jsonl_as_written = metrics.read_jsonl
+    monkeypatch.setattr(metrics, "read_jsonl", read_jsonl)
+    start = time.perf_counter()
     rate = probe_rate(given, steps=3, warmup=2)
-    assert math.isfinite(rate) and rate > 0
+    took = time.perf_counter() - start
+    assert [r["step"] for r in records] == [1, 2, 3, 4, 5]
+    timed = records[2:]
+    # the run's own clock: 3 steps of 16 samples between the log lines of steps 2 and 5
+    assert rate == pytest.approx(3 * 16 / (timed[-1]["time"] - records[1]["time"]), rel=0.1)
+    assert rate == pytest.approx(len(timed) / sum(1 / r["samples_per_s"] for r in timed), rel=1e-9)
+    assert rate > 3 * 16 / took  # the timed steps are a part of the call
     out = capsys.readouterr()
     assert out.out == "" and out.err == ""
     assert not (tmp_path / "run").exists()
