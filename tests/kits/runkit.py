@@ -166,3 +166,25 @@ def model_distance(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> fl
     x = torch.cat([a[k].flatten().double() for k in keys])
     y = torch.cat([b[k].flatten().double() for k in keys])
     return float((x - y).norm() / y.norm())
+
+
+def assert_recalls(metrics: dict, prefix: str, images: int, captions: int, rerank_k: int = 0) -> None:
+    """One retrieval set's recalls (``{prefix}i2t_r1`` ...) as the protocol of eval/retrieval.py makes
+    them: each a whole number of queries (images for image->text, captions for text->image), growing
+    with k; and, re-ranked by ITM (``itm_``), equal to the embedding recall at every k at or past the
+    re-ranking depth, since re-ranking only reorders each query's top ``rerank_k``."""
+    queries = {"i2t": images, "t2i": captions}
+    for kind in ("", "itm_") if rerank_k else ("",):
+        for d, n in queries.items():
+            r = [metrics[f"{prefix}{kind}{d}_r{k}"] for k in (1, 5, 10)]
+            assert r == sorted(r), f"{prefix}{kind}{d} recalls fall with k: {r}"
+            # eval.json keeps 6 decimals
+            assert all(abs(x * n - round(x * n)) <= n * 1e-6 for x in r), f"{prefix}{kind}{d}: {r} are not counts of {n}"
+    if rerank_k:
+        for d in queries:
+            past = [k for k in (1, 5, 10) if k >= rerank_k]
+            assert past, f"re-ranking depth {rerank_k} is past every recall"
+            for k in past:
+                assert metrics[f"{prefix}itm_{d}_r{k}"] == metrics[f"{prefix}{d}_r{k}"], (d, k, metrics)
+            # the re-ranked first candidate is one of the embedding's top rerank_k
+            assert metrics[f"{prefix}itm_{d}_r1"] <= metrics[f"{prefix}{d}_r{past[0]}"], (d, metrics)
