@@ -12,7 +12,7 @@ from transformers.models.siglip2.image_processing_pil_siglip2 import (
 )
 
 from vltrain.data.images import ImageError
-from vltrain.data.native import decode_native, native_grid, patchify
+from vltrain.data.native import decode_native, native_grid
 
 ASPECTS = [(1, 4), (1, 2), (1, 1), (2, 1), (4, 1)]  # height : width
 LONG_SIDES = [40, 300, 900]
@@ -119,20 +119,6 @@ def test_exif_rotated_jpeg_equals_transformers_on_the_upright_image():
     want, want_grid = hf_patches(Siglip2ImageProcessorPil(patch_size=16, max_num_patches=256), upright)
     assert grid == want_grid and grid[0] > grid[1]  # taller than wide, as displayed
     np.testing.assert_allclose(normalized_like_hf(patches, 16), want, rtol=0, atol=1e-6)
-
-
-def test_patches_are_in_the_order_of_a_patch_embedding_convolution():
-    torch.manual_seed(0)
-    chw = torch.randint(0, 256, (3, 32, 48), dtype=torch.uint8)
-    conv = torch.nn.Conv2d(3, 5, kernel_size=16, stride=16, bias=False).double()
-    by_conv = conv(chw.double()[None])[0].flatten(1).T  # [rows * cols, 5], row-major grid
-    by_patches = patchify(chw, 16).double() @ conv.weight.flatten(1).T
-    torch.testing.assert_close(by_patches, by_conv)
-
-
-def test_patchify_refuses_a_partial_patch():
-    with pytest.raises(ValueError, match="16-pixel patches"):
-        patchify(torch.zeros(3, 20, 32, dtype=torch.uint8), 16)
 
 
 def test_no_upscale_keeps_a_small_image_at_its_own_size():

@@ -24,6 +24,7 @@ from PIL import Image, ImageOps
 
 from vltrain.data.config import MAX_IMAGE_PIXELS
 from vltrain.data.images import DECODE_ERRORS, ImageError, open_image, to_rgb
+from vltrain.pixels import patchify
 
 # The bisection's stopping width, and its bounds on the scale: transformers' values, which the
 # equality of grids depends on.
@@ -158,13 +159,3 @@ def decode_native(
         raise ImageError(f"cannot decode image: its data is truncated or corrupt (the decoder said: {e})") from e
     hwc = torch.from_numpy(np.array(im))  # [H, W, 3], a writable copy of Pillow's pixels
     return patchify(hwc.permute(2, 0, 1), patch), (rows, cols)
-
-
-def patchify(chw_uint8: torch.Tensor, patch: int) -> torch.Tensor:
-    """[3, H, W] -> [H/p * W/p, 3 * p * p]: patches in row-major grid order, each flattened
-    (channel, y, x), the order of a patch-embedding convolution's ``weight.flatten(1)``."""
-    c, h, w = chw_uint8.shape
-    if h % patch or w % patch:
-        raise ValueError(f"image {h}x{w} is not a whole number of {patch}-pixel patches")
-    grid = chw_uint8.reshape(c, h // patch, patch, w // patch, patch)
-    return grid.permute(1, 3, 0, 2, 4).reshape((h // patch) * (w // patch), c * patch * patch)

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from vltrain.model.blocks import MLP, Block, LayerNorm, attention, block_flops, mlp_width, run_blocks
+from vltrain.pixels import patchify
 
 VISION_POOLINGS = ("cls", "mean", "map")
 
@@ -185,9 +186,7 @@ class VisionTransformer(nn.Module):
         """[B, 3, H, W] -> [B, patches, width]: the stride-p convolution written as one matmul over
         non-overlapping p x p patches: the same weights, without the convolution's slow CPU backward
         (``docs/benchmarks.md#trainer-step-throughput-fp32-vs-bf16-autocast-mfu``)."""
-        b, c, h, w = pixels.shape
-        p = self.cfg.patch_size
-        patches = pixels.reshape(b, c, h // p, p, w // p, p).permute(0, 2, 4, 1, 3, 5).reshape(b, -1, c * p * p)
+        patches = patchify(pixels, self.cfg.patch_size)
         return F.linear(patches, self.patch_embed.weight.flatten(1), self.patch_embed.bias)
 
     @property

@@ -30,6 +30,7 @@ from vltrain.runtime.distributed import (
     exchange_shapes,
     world_info,
 )
+from vltrain.pixels import patchify  # noqa: F401  (MIM's targets: objectives/scoring.py takes it from here)
 from vltrain.types import Rows
 
 MAX_LOGIT_SCALE = math.log(100.0)
@@ -243,13 +244,6 @@ def mlm_loss(logits: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor |
 
 # ---------------------------------------------------------------------------------------------
 # Masked image modelling
-
-
-def patchify(pixels: torch.Tensor, patch_size: int) -> torch.Tensor:
-    """[B, 3, H, W] -> [B, patches, 3 x p x p], in the order the vision tower embeds patches."""
-    b, c, h, w = pixels.shape
-    p = patch_size
-    return pixels.reshape(b, c, h // p, p, w // p, p).permute(0, 2, 4, 1, 3, 5).reshape(b, -1, c * p * p)
 
 
 MIM_BETA = 0.01

@@ -1,0 +1,39 @@
+"""The shared pixel conventions: one patch order for the loader, the tower and the MIM targets."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from vltrain.pixels import patchify
+
+
+def test_patches_are_in_the_order_of_a_patch_embedding_convolution():
+    torch.manual_seed(0)
+    chw = torch.randint(0, 256, (3, 32, 48), dtype=torch.uint8)
+    conv = torch.nn.Conv2d(3, 5, kernel_size=16, stride=16, bias=False).double()
+    by_conv = conv(chw.double()[None])[0].flatten(1).T  # [rows * cols, 5], row-major grid
+    by_patches = patchify(chw, 16).double() @ conv.weight.flatten(1).T
+    torch.testing.assert_close(by_patches, by_conv)
+
+
+def test_one_image_and_a_batch_are_cut_as_the_three_copies_cut_them():
+    """The formulas the loader (one [3, H, W] image) and the tower and MIM loss ([B, 3, H, W]) each
+    had: equal values, shape and strides, so what follows computes the same numbers."""
+    torch.manual_seed(0)
+    chw = torch.randint(0, 256, (3, 32, 48), dtype=torch.uint8)
+    c, h, w, p = 3, 32, 48, 16
+    loader = chw.reshape(c, h // p, p, w // p, p).permute(1, 3, 0, 2, 4).reshape((h // p) * (w // p), c * p * p)
+    got = patchify(chw, p)
+    assert torch.equal(got, loader) and got.stride() == loader.stride()
+    batch = torch.randn(4, 3, 32, 48)
+    b = 4
+    tower = batch.reshape(b, c, h // p, p, w // p, p).permute(0, 2, 4, 1, 3, 5).reshape(b, -1, c * p * p)
+    got = patchify(batch, p)
+    assert torch.equal(got, tower) and got.stride() == tower.stride()
+    assert torch.equal(got[1], patchify(batch[1], p))
+
+
+def test_patchify_refuses_a_partial_patch():
+    with pytest.raises(ValueError, match="16-pixel patches"):
+        patchify(torch.zeros(3, 20, 32, dtype=torch.uint8), 16)
