@@ -1,11 +1,13 @@
-"""The shared pixel conventions: one patch order for the loader, the tower and the MIM targets."""
+"""The shared pixel conventions: one patch order for the loader, the tower and the MIM targets, and
+one table of resampling filters for Pillow, ``data.interpolation`` and Hugging Face processors."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+from PIL import Image
 
-from vltrain.pixels import patchify
+from vltrain.pixels import INTERPOLATIONS, RESAMPLE, patchify, resample_code, resample_name
 
 
 def test_patches_are_in_the_order_of_a_patch_embedding_convolution():
@@ -37,3 +39,19 @@ def test_one_image_and_a_batch_are_cut_as_the_three_copies_cut_them():
 def test_patchify_refuses_a_partial_patch():
     with pytest.raises(ValueError, match="16-pixel patches"):
         patchify(torch.zeros(3, 20, 32, dtype=torch.uint8), 16)
+
+
+def test_the_filter_codes_are_pillows():
+    """Pillow's classic six (0-5, what transformers' processors take); newer Pillows add more."""
+    assert RESAMPLE == {m.name.lower(): int(m) for m in Image.Resampling if m <= 5}
+    assert set(INTERPOLATIONS) <= set(RESAMPLE)
+
+
+def test_a_filter_is_named_or_given_by_its_code():
+    assert resample_code("bicubic") == resample_code("BiCubic") == resample_code(3) == 3
+    assert resample_code("bilinear") == 2 and resample_code(0) == 0
+    for bad in ("cubic", 7, -1, True, 2.0, None):
+        with pytest.raises(ValueError, match="unknown resample"):
+            resample_code(bad)
+    assert [resample_name(c) for c in (2, 3, 1)] == ["bilinear", "bicubic", "lanczos"]
+    assert resample_name(9) is None and resample_name(True) is None and resample_name("2") is None

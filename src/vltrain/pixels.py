@@ -1,16 +1,40 @@
 """The pixel conventions the data and the model must share: the order an image is cut into patches
-(:func:`patchify`).
+(:func:`patchify`) and the names of the resampling filters (:data:`RESAMPLE`).
 
 The loader cuts native-shape images into patches (``data/native.py``), the vision tower cuts square
 images the same way before its patch embedding (``model/vision.py``), and masked image modelling
-regresses patches in that order (``objectives/losses.py``). The convention holds only if all of them
-use one definition. ``data/`` and ``model/`` import neither each other, so it sits below both, in the
-layer of ``types.py`` (what every layer passes on), and imports nothing of vltrain.
+regresses patches in that order (``objectives/losses.py``); an image's filter is named in
+``data.interpolation``, read from and written to Hugging Face image processors
+(``model/interop/hf_clip.py``, ``export/hf.py``) and handed to Pillow (``data/native.py``). Each
+convention holds only if all of them use one definition. ``data/`` and ``model/`` import neither
+each other, so it sits below both, in the layer of ``types.py`` (what every layer passes on), and
+imports nothing of vltrain; it needs no Pillow either, so the model does not load it.
 """
 
 from __future__ import annotations
 
 import torch
+
+RESAMPLE = {"nearest": 0, "lanczos": 1, "bilinear": 2, "bicubic": 3, "box": 4, "hamming": 5}
+"""Resampling filter names -> Pillow's codes (``PIL.Image.Resampling``), the integers Hugging Face
+image processors store as ``resample``."""
+INTERPOLATIONS = ("bicubic", "bilinear")
+"""The filters ``data.interpolation`` offers: torch's antialiased kernels resize square images, and
+only these two of Pillow's filters have one."""
+
+
+def resample_code(resample: str | int) -> int:
+    """Pillow's code for a filter's name ("bilinear", any case) or for a code itself (2)."""
+    if isinstance(resample, int) and not isinstance(resample, bool) and resample in RESAMPLE.values():
+        return resample
+    if isinstance(resample, str) and resample.lower() in RESAMPLE:
+        return RESAMPLE[resample.lower()]
+    raise ValueError(f"unknown resample {resample!r}: use one of {sorted(RESAMPLE)} or Pillow's codes 0-5")
+
+
+def resample_name(code: object) -> str | None:
+    """The name of Pillow's filter ``code`` (an image processor's ``resample``); None for no filter."""
+    return next((name for name, c in RESAMPLE.items() if c == code and not isinstance(code, bool)), None)
 
 
 def patchify(pixels: torch.Tensor, patch: int) -> torch.Tensor:

@@ -24,18 +24,12 @@ from PIL import Image, ImageOps
 
 from vltrain.data.config import MAX_IMAGE_PIXELS
 from vltrain.data.images import DECODE_ERRORS, ImageError, open_image, to_rgb
-from vltrain.pixels import patchify
+from vltrain.pixels import patchify, resample_code
 
 # The bisection's stopping width, and its bounds on the scale: transformers' values, which the
 # equality of grids depends on.
 SCALE_EPS = 1e-5
 SCALE_LOW, SCALE_HIGH = SCALE_EPS / 10, 100.0
-
-RESAMPLE = {
-    "nearest": Image.Resampling.NEAREST, "bilinear": Image.Resampling.BILINEAR,
-    "bicubic": Image.Resampling.BICUBIC, "lanczos": Image.Resampling.LANCZOS,
-    "box": Image.Resampling.BOX, "hamming": Image.Resampling.HAMMING,
-}
 
 
 def native_grid(
@@ -131,11 +125,7 @@ def _smallest_grid_reaching(height: int, width: int, patch: int, min_patches: in
 
 def resample_filter(resample: str | int) -> Image.Resampling:
     """Pillow's filter for a name ("bilinear") or Pillow's integer code (2), as HF configs store it."""
-    if isinstance(resample, int) and not isinstance(resample, bool) and 0 <= resample <= 5:
-        return Image.Resampling(resample)
-    if isinstance(resample, str) and resample.lower() in RESAMPLE:
-        return RESAMPLE[resample.lower()]
-    raise ValueError(f"unknown resample {resample!r}: use one of {sorted(RESAMPLE)} or Pillow's codes 0-5")
+    return Image.Resampling(resample_code(resample))
 
 
 def decode_native(

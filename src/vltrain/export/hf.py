@@ -29,9 +29,9 @@ from vltrain.model import VLModel
 from vltrain.model.interop.convert import convert_out
 from vltrain.model.presets import Architecture
 from vltrain.model.text import TextTransformer
+from vltrain.pixels import RESAMPLE
 
 HF_ACT = {"gelu": "gelu", "gelu_tanh": "gelu_pytorch_tanh", "quick_gelu": "quick_gelu"}
-RESAMPLE = {"bilinear": 2, "bicubic": 3}
 
 
 def architecture_of(model: VLModel) -> Architecture:

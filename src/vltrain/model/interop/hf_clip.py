@@ -25,6 +25,7 @@ from vltrain.model.interop.convert import OPENAI_MEAN, OPENAI_STD, Link, Preproc
 from vltrain.model.presets import Architecture
 from vltrain.model.text import TextTowerConfig
 from vltrain.model.vision import VisionConfig
+from vltrain.pixels import INTERPOLATIONS, RESAMPLE, resample_name
 
 _TOWER = {"hidden_size": 768, "intermediate_size": 3072, "num_hidden_layers": 12, "num_attention_heads": 12}
 DEFAULTS: dict[tuple[str, str], dict[str, Any]] = {
@@ -44,8 +45,6 @@ DEFAULTS[("siglip2", "vision")] = {**_TOWER, "num_patches": 256, "patch_size": 1
 """transformers' defaults for the values a saved config.json may omit."""
 ACTIVATIONS = {"gelu": "gelu", "quick_gelu": "quick_gelu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_tanh"}
 """transformers' hidden_act names -> ours; writing, ours -> the first of theirs."""
-RESAMPLE = {2: "bilinear", 3: "bicubic"}
-"""Pillow's resampling filters (an image processor's ``resample``) -> ``data.interpolation``."""
 FAMILIES = {"clip": "CLIPModel", "siglip": "SiglipModel", "siglip2": "Siglip2Model"}
 
 
@@ -158,11 +157,8 @@ def _native(pp: dict[str, Any], path: Path, arch: Architecture, notes: list[str]
     patch = pp.get("patch_size", arch.vision.patch_size)
     if patch != arch.vision.patch_size:
         raise UserError(f"{path}: patch_size {patch} differs from the model's {arch.vision.patch_size}")
-    resample = pp.get("resample", 2)
-    if resample not in RESAMPLE:
-        notes.append(f"{path.name}: resample {resample} is neither bilinear nor bicubic; bilinear is used")
     return {"resize": "native", "max_patches": int(pp.get("max_num_patches", 256)),
-            "interpolation": RESAMPLE.get(resample, "bilinear")}
+            "interpolation": _interpolation(pp, path, "bilinear", notes)}
 
 
 def preprocessing(folder: Path, config: dict[str, Any], arch: Architecture) -> Preprocessing:
@@ -189,10 +185,17 @@ def _square(pp: dict[str, Any], path: Path, arch: Architecture, family: str, not
     if side and side != arch.vision.image_size:
         notes.append(f"{path.name} prepares {side}-pixel images; the model's positions are for "
                      f"{arch.vision.image_size}, which is used")
-    resample = pp.get("resample", 3)
-    if resample not in RESAMPLE:
-        notes.append(f"{path.name}: resample {resample} is neither bilinear nor bicubic; bicubic is used")
-    return {"resize": "crop" if crop else "squash", "interpolation": RESAMPLE.get(resample, "bicubic")}
+    return {"resize": "crop" if crop else "squash", "interpolation": _interpolation(pp, path, "bicubic", notes)}
+
+
+def _interpolation(pp: dict[str, Any], path: Path, default: str, notes: list[str]) -> str:
+    """``data.interpolation`` for the processor's ``resample`` (Pillow's code; ``default``'s when absent)."""
+    resample = pp.get("resample", RESAMPLE[default])
+    name = resample_name(resample)
+    if name in INTERPOLATIONS:
+        return name
+    notes.append(f"{path.name}: resample {resample} is neither bilinear nor bicubic; {default} is used")
+    return default
 
 
 def _layer_links(ours: str, theirs: str) -> list[Link]:
