@@ -18,6 +18,7 @@ from vltrain.data.dataset import build_dataset
 from vltrain.data.index import sizes
 from vltrain.data.index.open import open_indexed
 from vltrain.data.index.sizes import SIZES_FILE, header_size, image_sizes
+from vltrain.data.native import decode_native, native_grid, patch_counts
 
 KEEP_RATIO = Path(__file__).parent / "fixtures" / "img2dataset-keep-ratio"
 """Shards img2dataset wrote with resize_mode keep_ratio (fixtures/make_img2dataset.py)."""
@@ -78,6 +79,21 @@ def test_a_header_gives_the_size_as_shown():
     assert header_size(jpeg_turned(60, 20, 3)) == (20, 60)  # upside down: the same sides
     assert header_size(b"not an image") == (0, 0)
     assert header_size(b"") == (0, 0)
+
+
+@pytest.mark.parametrize("turn", range(1, 9))
+def test_an_exif_turned_jpegs_planned_grid_is_its_decoded_grid(turn):
+    """The index plans from the header (``header_size`` -> ``patch_counts``) and the loader decodes
+    (``decode_native``); both read the orientation through ``images.orientation``, so a photo stored
+    96 wide and 24 high, turned a quarter (5-8, e.g. 6, a phone held upright), is planned and
+    decoded tall."""
+    data = jpeg_turned(96, 24, turn)
+    size = header_size(data)
+    assert size == ((96, 24) if turn >= 5 else (24, 96))
+    planned = patch_counts(np.array([size]), np.array([True]), 8, 24)
+    patches, grid = decode_native(data, 8, 24)
+    assert grid == native_grid(*size, 8, 24) and (grid[0] > grid[1]) == (turn >= 5)
+    assert planned.tolist() == [grid[0] * grid[1]] == [len(patches)]
 
 
 def test_planned_patches_are_the_grids_the_samples_get(tmp_path, tok):

@@ -76,6 +76,24 @@ def test_exif_orientation_is_applied():
     assert bottom[2] > 200 and bottom[0] < 60
 
 
+@pytest.mark.parametrize("turn", [0, 1, 2, 3, 4, 5, 6, 7, 8, 9])
+def test_one_orientation_rule_for_pillow_arrays_and_sizes(turn):
+    """``upright``, ``upright_pixels`` and ``shown_size`` agree with ImageOps.exif_transpose (what
+    the three decoders and the size reader each did before) for every orientation, and an
+    orientation outside 2-8 leaves the image as it is."""
+    rng = np.random.default_rng(turn)
+    im = Image.fromarray(rng.integers(0, 256, (6, 10, 3), dtype=np.uint8))  # 10 wide, 6 high
+    exif = Image.Exif()
+    exif[0x0112] = turn
+    opened = Image.open(io.BytesIO(encode(im, "PNG", exif=exif.tobytes())))
+    want = np.asarray(ImageOps.exif_transpose(opened))
+    assert images.orientation(opened) == (turn if 2 <= turn <= 8 else 1)
+    assert images.shown_size(opened) == want.shape[:2]
+    assert np.array_equal(np.asarray(images.upright(opened)), want)
+    stored = torch.from_numpy(np.array(opened.convert("RGB")))
+    assert np.array_equal(images.upright_pixels(stored, images.orientation(opened)).numpy(), want)
+
+
 def test_crop_keeps_the_center_and_squash_keeps_everything():
     # 30x10: red | green | blue thirds.
     im = Image.new("RGB", (30, 10), (255, 0, 0))

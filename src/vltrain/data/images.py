@@ -22,7 +22,7 @@ import zlib
 import numpy as np
 import torch
 import torch.nn.functional as F
-from PIL import ExifTags, Image, ImageOps, UnidentifiedImageError
+from PIL import ExifTags, Image, UnidentifiedImageError
 
 from vltrain.data.config import MAX_IMAGE_PIXELS
 
@@ -47,12 +47,18 @@ SIXTEEN_BIT_MODES = ("I;16", "I;16L", "I;16B", "I;16N")
 # (docs/benchmarks.md, "Data pipeline").
 JPEG_SCALES = (1, 2, 3, 4, 5, 8)
 JPEG_START = b"\xff\xd8"
-# EXIF orientation -> the flips/transposes that make an [H, W, C] array upright
-# (what ImageOps.exif_transpose does to a Pillow image).
-ORIENTATION_OPS = {
-    2: ("flip_x",), 3: ("flip_x", "flip_y"), 4: ("flip_y",), 5: ("transpose",),
-    6: ("transpose", "flip_x"), 7: ("transpose", "flip_x", "flip_y"), 8: ("transpose", "flip_y"),
+ORIENTATIONS = {
+    2: (Image.Transpose.FLIP_LEFT_RIGHT, ("flip_x",)),
+    3: (Image.Transpose.ROTATE_180, ("flip_x", "flip_y")),
+    4: (Image.Transpose.FLIP_TOP_BOTTOM, ("flip_y",)),
+    5: (Image.Transpose.TRANSPOSE, ("transpose",)),
+    6: (Image.Transpose.ROTATE_270, ("transpose", "flip_x")),
+    7: (Image.Transpose.TRANSVERSE, ("transpose", "flip_x", "flip_y")),
+    8: (Image.Transpose.ROTATE_90, ("transpose", "flip_y")),
 }
+"""EXIF orientation -> what makes the image upright: as one Pillow transpose (ImageOps.exif_transpose's
+own) and as the same flips and transpose of an [H, W, C] array, in order. Those with a transpose
+turn the image a quarter: its width and height trade places."""
 
 # What Pillow raises on broken input. A bug in our code (TypeError, ...) is not caught.
 DECODE_ERRORS = (OSError, ValueError, SyntaxError, EOFError, IndexError, struct.error, zlib.error)
@@ -112,7 +118,7 @@ def load_rgb(
     im = open_image(data, max_pixels)
     if im.format == "JPEG":
         im.draft(None, _draft_size(im.size, size * draft_ratio, resize))
-    return to_rgb(_oriented(im))
+    return to_rgb(upright(im))
 
 
 def open_image(data: bytes, max_pixels: int) -> Image.Image:
@@ -177,11 +183,8 @@ def load_jpeg(
         )
     except ValueError:
         return None
-    hwc = torch.from_numpy(rgb)
-    orientation = _orientation(Image.open(io.BytesIO(data))) if _may_be_rotated(data) else 1
-    for op in ORIENTATION_OPS.get(orientation, ()):
-        hwc = hwc.transpose(0, 1) if op == "transpose" else hwc.flip(1 if op == "flip_x" else 0)
-    return hwc
+    turn = orientation(Image.open(io.BytesIO(data))) if _may_be_rotated(data) else 1
+    return upright_pixels(torch.from_numpy(rgb), turn)
 
 
 def _may_be_rotated(data: bytes) -> bool:
@@ -201,13 +204,32 @@ def _may_be_rotated(data: bytes) -> bool:
     return True
 
 
-def _orientation(im: Image.Image) -> int:
-    """EXIF orientation from the header Pillow has read (no pixels decoded); 1 is upright."""
-    return im.getexif().get(ExifTags.Base.Orientation, 1)
+def orientation(im: Image.Image) -> int:
+    """The EXIF orientation (in EXIF or XMP) of the header Pillow has read, no pixels decoded; 1
+    (upright) for none or one outside 2-8. Every decoder and the size reader (``index/sizes.py``)
+    read it here, so the size a patch budget plans from is the size of the decoded image."""
+    turn = im.getexif().get(ExifTags.Base.Orientation, 1)
+    return turn if isinstance(turn, int) and turn in ORIENTATIONS else 1
 
 
-def _oriented(im: Image.Image) -> Image.Image:
-    return ImageOps.exif_transpose(im) if _orientation(im) in range(2, 9) else im
+def upright(im: Image.Image) -> Image.Image:
+    """The Pillow image as shown: one transpose (a copy), or the image itself when upright."""
+    turn = orientation(im)
+    return im if turn == 1 else im.transpose(ORIENTATIONS[turn][0])
+
+
+def upright_pixels(hwc: torch.Tensor, turn: int) -> torch.Tensor:
+    """[H, W, C] pixels of an image of orientation ``turn``, as shown: the pixels :func:`upright` gives."""
+    for op in ORIENTATIONS[turn][1] if turn in ORIENTATIONS else ():
+        hwc = hwc.transpose(0, 1) if op == "transpose" else hwc.flip(1 if op == "flip_x" else 0)
+    return hwc
+
+
+def shown_size(im: Image.Image) -> tuple[int, int]:
+    """(height, width) of the image as shown (its orientation applied), from its header."""
+    width, height = im.size
+    turn = orientation(im)
+    return (width, height) if turn in ORIENTATIONS and "transpose" in ORIENTATIONS[turn][1] else (height, width)
 
 
 def to_rgb(im: Image.Image) -> Image.Image:

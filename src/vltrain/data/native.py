@@ -20,10 +20,10 @@ import math
 
 import numpy as np
 import torch
-from PIL import Image, ImageOps
+from PIL import Image
 
 from vltrain.data.config import MAX_IMAGE_PIXELS
-from vltrain.data.images import DECODE_ERRORS, ImageError, open_image, to_rgb
+from vltrain.data.images import DECODE_ERRORS, ImageError, open_image, to_rgb, upright
 from vltrain.pixels import patchify, resample_code
 
 # The bisection's stopping width, and its bounds on the scale: transformers' values, which the
@@ -139,8 +139,7 @@ def decode_native(
     check_budget(min_patches, max_patches)  # here, so a bad setting is a ValueError, not an image's fault
     try:
         im = open_image(data, max_pixels)
-        ImageOps.exif_transpose(im, in_place=True)  # upright, as load_rgb; no copy when already upright
-        im = to_rgb(im)
+        im = to_rgb(upright(im))  # as load_rgb; no copy when already upright
         rows, cols = native_grid(im.height, im.width, patch, max_patches, min_patches, upscale)
         im = im.resize((cols * patch, rows * patch), filt)
     except ImageError:

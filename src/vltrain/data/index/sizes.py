@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image, UnidentifiedImageError
 
-from vltrain.data.images import DECODE_ERRORS
+from vltrain.data.images import DECODE_ERRORS, shown_size
 from vltrain.data.index.build import merge_parts, run_parts, save_part
 from vltrain.data.index.reader import IndexedSource
 from vltrain.data.sources.filelock import build_once
@@ -31,20 +31,16 @@ PART_ROWS = 20_000
 """Rows read per part of the pass (a part is the unit an interrupted pass resumes from)."""
 MIN_PARALLEL_ROWS = 100_000
 """Fewer rows are read in this process: starting processes costs seconds."""
-SWAPPED = (5, 6, 7, 8)
-"""EXIF orientations that turn the image a quarter: width and height trade places."""
 
 
 def header_size(data: bytes) -> tuple[int, int]:
     """(height, width) of an encoded image as shown (its EXIF orientation applied), from its header;
-    (0, 0) when the header cannot be read."""
+    (0, 0) when the header cannot be read. The orientation is the decoders' (``images.shown_size``)."""
     try:
         with Image.open(io.BytesIO(data)) as im:
-            width, height = im.size
-            orientation = im.getexif().get(0x0112, 1)
+            return shown_size(im)
     except (UnidentifiedImageError, Image.DecompressionBombError, *DECODE_ERRORS):
         return 0, 0
-    return (width, height) if orientation in SWAPPED else (height, width)
 
 
 def read_sizes(source: Source, lo: int, hi: int) -> np.ndarray:

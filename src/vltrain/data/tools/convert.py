@@ -11,8 +11,9 @@ import os
 from pathlib import Path
 from typing import Callable
 
-from PIL import Image, ImageOps
+from PIL import Image
 
+from vltrain.data.images import upright
 from vltrain.data.sources.manifests import Problem, Source
 from vltrain.data.sources.parquet import require_pyarrow
 from vltrain.errors import UserError
@@ -43,7 +44,7 @@ def resizer(size: int, quality: int = DEFAULT_QUALITY) -> Callable[[bytes, str],
         if scale >= 1:
             return data, name.rsplit(".", 1)[-1].lower() if "." in name else "png"
         im.draft("RGB", (max(1, round(w * scale)), max(1, round(h * scale))))  # a JPEG decodes smaller directly
-        im = ImageOps.exif_transpose(im)  # a rotated photo's sides swap
+        im = upright(im)  # as the decoders show it: a rotated photo's sides swap
         alpha = im.mode in ("RGBA", "LA", "PA") or "transparency" in im.info
         im = im.convert("RGBA" if alpha else "RGB")
         scale = size / min(im.size)
