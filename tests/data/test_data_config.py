@@ -1,10 +1,15 @@
-"""DataConfig.resolve: the padding multiple and the budgets, decided once for sampler and collator."""
+"""DataConfig.resolve: the padding multiple and the budgets, decided once for sampler and collator;
+the native-shape settings the data alone decides, checked once."""
 
 from __future__ import annotations
 
+import pytest
 from kits.sampler_fixtures import TableDataset, shapes_lengths, table
 
-from vltrain.data.config import DataConfig, ResolvedBatching
+from vltrain.data.config import DataConfig, ResolvedBatching, check_patch_budget
+from vltrain.data.image_input import decode_for
+from vltrain.data.native import native_grid
+from vltrain.errors import ConfigError
 from vltrain.data.loading.loader import build_train_loader
 
 
@@ -34,3 +39,30 @@ def test_the_train_loader_plans_and_pads_with_the_resolved_values():
         assert loader._loader.collate_fn.pad_multiple == resolved.pad_multiple
         widths = {next(loader).input_ids.shape[1] for _ in range(len(loader))}
         assert all(w % resolved.pad_multiple == 0 for w in widths)
+
+
+@pytest.mark.parametrize("min_patches, max_patches", [(300, 256), (0, 256), (1, 0), (2, 1)])
+def test_one_rule_refuses_a_patch_budget_no_grid_meets(min_patches, max_patches):
+    """The config (when read) and native_grid (called without a config) refuse the same budgets, as a
+    ConfigError, which is a ValueError: not an image's fault."""
+    with pytest.raises(ConfigError, match=r"data\.min_patches .* at most data\.max_patches"):
+        check_patch_budget(min_patches, max_patches)
+    with pytest.raises(ConfigError, match="data.min_patches"):
+        DataConfig(min_patches=min_patches, max_patches=max_patches).validate()
+    with pytest.raises(ValueError, match="min_patches"):
+        native_grid(100, 100, 16, max_patches, min_patches)
+
+
+def test_budgets_a_grid_meets_pass():
+    for low, high in ((1, 1), (1, 256), (256, 256)):
+        check_patch_budget(low, high)
+        DataConfig(min_patches=low, max_patches=high).validate()
+
+
+def test_data_code_reads_the_patch_side_only_once_it_is_decided():
+    undecided = DataConfig(resize="native")
+    with pytest.raises(ConfigError, match="data.patch_size is not resolved.*fit_native"):
+        undecided.native_patch()
+    with pytest.raises(ConfigError, match="data.patch_size is not resolved"):
+        decode_for(b"any bytes: the setting is refused before the image is read", undecided)
+    assert DataConfig(resize="native", patch_size=14).native_patch() == 14

@@ -24,6 +24,15 @@ default of ``data.max_image_pixels``. Here rather than in ``vltrain.data.images`
 a config (an index build's worker processes do) does not import torch."""
 
 
+def check_patch_budget(min_patches: int, max_patches: int) -> None:
+    """The patch budget's one rule: a grid of at least one patch, within ``max_patches``, reaching
+    ``min_patches``. ``DataConfig.validate`` applies it to a config when it is read;
+    ``vltrain.data.native.native_grid`` to its own arguments, which a caller may pass without one."""
+    if not 1 <= min_patches <= max_patches:
+        raise ConfigError(f"data.min_patches ({min_patches}) must be >= 1 and at most data.max_patches "
+                          f"({max_patches})")
+
+
 @dataclass
 class SourceSpec(Settings):
     """One source of a mixture: a manifest (.jsonl/.csv/.tsv) or a shard pattern, with a weight."""
@@ -147,8 +156,8 @@ class DataConfig(Settings):
     kept inside each image, instead of padding every image to max_patches (a tower with a class token
     adds one position per image; docs/formats.md#images-at-their-own-shape)."""
     patch_size: int = 0
-    """resize native: the side of the patches images are cut into; 0: the model's (filled in when the
-    model is built)."""
+    """resize native: the side of the patches images are cut into; 0: the model's (filled in by the
+    config pass, before anything is built)."""
     mean: list[float] = field(default_factory=lambda: [0.485, 0.456, 0.406])
     """Per-channel normalization mean, applied once per batch on the device."""
     std: list[float] = field(default_factory=lambda: [0.229, 0.224, 0.225])
@@ -253,6 +262,26 @@ class DataConfig(Settings):
     def __post_init__(self) -> None:
         self.train, self.val = as_specs(self.train), as_specs(self.val)
 
+    def _validate_patches(self) -> None:
+        """What the data alone decides of images at their own shape. What needs the architecture (the
+        patch side) or may come from ``model.init`` (``resize``) is checked once the config pass has
+        both: ``vltrain.train.build.fit_native``."""
+        check_patch_budget(self.min_patches, self.max_patches)
+        if self.patch_budget and self.batching != "budget":
+            raise ConfigError("data.patch_budget plans batches by patch count, which budget batching does: set "
+                              "data.batching budget, or data.patch_budget 0")
+        if 0 < self.patch_budget < self.max_patches:
+            raise ConfigError(f"data.patch_budget {self.patch_budget} is smaller than one image of data.max_patches "
+                              f"({self.max_patches} patches): raise it to at least {self.max_patches}")
+
+    def native_patch(self) -> int:
+        """resize native: the side images are cut into, once the config pass has made it the model's
+        (``vltrain.train.build.fit_native``); data code reads it here, never from a model."""
+        if self.patch_size < 1:
+            raise ConfigError("data.patch_size is not resolved: it is the model's patch size, which the config "
+                              "pass sets before any image is read (vltrain.train.build.fit_native)")
+        return self.patch_size
+
     def resolve(self) -> ResolvedBatching:
         """``pad_multiple``, ``token_budget`` and ``image_budget`` with 0 resolved for this config.
 
@@ -274,9 +303,6 @@ class DataConfig(Settings):
                               "or use data.batch_size")
         if self.image_size < 8:
             raise ConfigError(f"data.image_size must be >= 8, got {self.image_size}")
-        if not 1 <= self.min_patches <= self.max_patches:
-            raise ConfigError(f"data.min_patches ({self.min_patches}) must be >= 1 and at most data.max_patches "
-                              f"({self.max_patches})")
         if len(self.mean) != 3 or len(self.std) != 3:
             raise ConfigError("data.mean and data.std must each hold 3 numbers (R, G, B)")
         if any(s <= 0 for s in self.std):
@@ -300,12 +326,7 @@ class DataConfig(Settings):
         for key in ("token_budget", "image_budget", "patch_budget", "epoch_size", "pad_multiple"):
             if getattr(self, key) < 0:
                 raise ConfigError(f"data.{key} must be >= 0 (0: the default), got {getattr(self, key)}")
-        if self.patch_budget and self.batching != "budget":
-            raise ConfigError("data.patch_budget plans batches by patch count, which budget batching does: set "
-                              "data.batching budget, or data.patch_budget 0")
-        if 0 < self.patch_budget < self.max_patches:
-            raise ConfigError(f"data.patch_budget {self.patch_budget} is smaller than one image of data.max_patches "
-                              f"({self.max_patches} patches): raise it to at least {self.max_patches}")
+        self._validate_patches()
         if not isinstance(self.train, str) and any(s.weight < 0 or s.loss_weight < 0 for s in self.train):
             raise ConfigError("data.train: source weight and loss_weight must be >= 0")
         for split in ("train", "val"):

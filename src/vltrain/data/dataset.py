@@ -262,12 +262,11 @@ class ImageTextDataset(torch.utils.data.Dataset):
             return None
 
         def count() -> np.ndarray:
-            if cfg.patch_size < 1:
-                raise ValueError("data.patch_size is not set: it comes from the model, built before the plan")
+            patch = cfg.native_patch()
             workers = os.cpu_count() or 1
             sizes = np.concatenate([image_sizes(s, workers=workers) for s in self.sources])
             has_image = np.concatenate([np.asarray(s.has_image()) for s in self.sources])
-            return patch_counts(sizes, has_image, cfg.patch_size, cfg.max_patches, cfg.min_patches, cfg.upscale)
+            return patch_counts(sizes, has_image, patch, cfg.max_patches, cfg.min_patches, cfg.upscale)
 
         return count
 

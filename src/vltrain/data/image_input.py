@@ -18,7 +18,5 @@ def decode_for(data: bytes, cfg: DataConfig) -> tuple[torch.Tensor, tuple[int, i
     if cfg.resize != "native":
         return decode_image(data, cfg.image_size, cfg.resize, cfg.max_image_pixels, cfg.jpeg_draft_ratio,
                             cfg.interpolation, cfg.jpeg_decoder), None
-    if not cfg.patch_size:
-        raise ValueError("data.patch_size is not resolved: build the model first (build_model_for fills it in)")
-    return decode_native(data, cfg.patch_size, cfg.max_patches, min_patches=cfg.min_patches, upscale=cfg.upscale,
+    return decode_native(data, cfg.native_patch(), cfg.max_patches, min_patches=cfg.min_patches, upscale=cfg.upscale,
                          resample=cfg.interpolation, max_pixels=cfg.max_image_pixels)

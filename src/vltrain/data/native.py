@@ -22,8 +22,9 @@ import numpy as np
 import torch
 from PIL import Image
 
-from vltrain.data.config import MAX_IMAGE_PIXELS
+from vltrain.data.config import MAX_IMAGE_PIXELS, check_patch_budget
 from vltrain.data.images import DECODE_ERRORS, ImageError, open_image, to_rgb, upright
+from vltrain.errors import ConfigError
 from vltrain.pixels import patchify, resample_code
 
 # The bisection's stopping width, and its bounds on the scale: transformers' values, which the
@@ -42,7 +43,7 @@ def native_grid(
     whole patches, unless that is under ``min_patches``; it is then enlarged to the smallest grid
     reaching ``min_patches``, or, where none lies within ``max_patches`` (a square image has only
     k x k grids), to the largest grid within it."""
-    check_budget(min_patches, max_patches)
+    check_patch_budget(min_patches, max_patches)
     if upscale:
         return _largest_grid(height, width, patch, max_patches)
     rows, cols = _grid_at(1.0, height, width, patch)
@@ -66,14 +67,6 @@ def patch_counts(sizes: np.ndarray, has_image: np.ndarray, patch: int, max_patch
                                                                                     min_patches, upscale))
                        for h, w in distinct.tolist()], dtype=np.int32)
     return np.where(np.asarray(has_image, dtype=bool), counts[inverse.reshape(-1)], 0).astype(np.int32)
-
-
-def check_budget(min_patches: int, max_patches: int) -> None:
-    """Refuse a patch budget no grid can meet."""
-    if min_patches < 1 or max_patches < 1:
-        raise ValueError(f"patch budget must be at least 1 (got min_patches={min_patches}, max_patches={max_patches})")
-    if min_patches > max_patches:
-        raise ValueError(f"min_patches ({min_patches}) is larger than max_patches ({max_patches}): lower min_patches")
 
 
 def _grid_at(scale: float, height: int, width: int, patch: int) -> tuple[int, int]:
@@ -136,13 +129,12 @@ def decode_native(
     [rows * cols, 3 * patch * patch] in row-major grid order, channel-first within a patch, and
     the grid (rows, cols). Raises ImageError, with the reason, for an image that cannot be used."""
     filt = resample_filter(resample)
-    check_budget(min_patches, max_patches)  # here, so a bad setting is a ValueError, not an image's fault
     try:
         im = open_image(data, max_pixels)
         im = to_rgb(upright(im))  # as load_rgb; no copy when already upright
         rows, cols = native_grid(im.height, im.width, patch, max_patches, min_patches, upscale)
         im = im.resize((cols * patch, rows * patch), filt)
-    except ImageError:
+    except (ImageError, ConfigError):  # a bad budget is the setting's fault, not the image's
         raise
     except DECODE_ERRORS as e:
         raise ImageError(f"cannot decode image: its data is truncated or corrupt (the decoder said: {e})") from e

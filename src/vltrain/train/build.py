@@ -124,9 +124,6 @@ def build_model_for(cfg: JobConfig, tokenizer: Tokenizer, device: torch.device |
         cfg.model, vocab_size=vocab_size, pad_id=tokenizer.pad_id, mask_id=tokenizer.mask_id,
         image_size=cfg.data.image_size, max_text_length=max_text_length,
     )
-    if cfg.data.resize == "native" and cfg.data.patch_size != model.vision.cfg.patch_size:
-        raise ConfigError(f"data.patch_size {cfg.data.patch_size} is not the model's patch size "
-                          f"{model.vision.cfg.patch_size}: decide the config first (vltrain.train.build.fit_native)")
     if cfg.model.init and load_init:
         source = open_pretrained(cfg.model.init, quick_gelu=cfg.model.quick_gelu)
         source.arch = arch  # the resolved one (with model.preset's head counts)
@@ -137,7 +134,10 @@ def build_model_for(cfg: JobConfig, tokenizer: Tokenizer, device: torch.device |
 
 def fit_native(cfg: JobConfig) -> None:
     """``data.resize: native``: the patch side the data cuts images into is the architecture's (so
-    data code needs no model); refuse what does not read images at their own shape yet."""
+    data code needs no model); refuse what does not read images at their own shape yet. The native
+    settings that need the architecture, or a ``resize`` that ``model.init`` may give, are checked
+    here and nowhere else; those the data alone decides, when the config is read
+    (``DataConfig.validate``)."""
     data, loss = cfg.data, cfg.model.loss
     if data.resize != "native":
         if data.pack_images or data.patch_budget:
