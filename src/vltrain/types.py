@@ -1,7 +1,8 @@
 """What every layer passes on: one micro-batch as the model takes it (:class:`ModelInputs`), the rows
-the objectives weigh (:class:`Rows`), what the model's ``encode`` returns (:class:`Encoded`), what the
-objectives know of a model (:class:`ModelSpec`) and the passes they ask of it (:class:`ModelPasses`),
-and what the trainer asks of a model besides encoding (:class:`TrainableModel`).
+the objectives weigh (:class:`Rows`), what the model's ``encode`` returns (:class:`Encoded`; image
+tokens as :class:`Tokens`, with their mask), what the objectives know of a model
+(:class:`ModelSpec`) and the passes they ask of it (:class:`ModelPasses`), and what the trainer
+asks of a model besides encoding (:class:`TrainableModel`).
 
 They sit below the code that makes them (the loader, the model) so that a consumer (the objectives,
 the step, gradient caching) never imports a producer.
@@ -93,29 +94,72 @@ class Rows:
 
 
 @dataclass
+class Tokens:
+    """A tower's tokens and which of them are real, made once by the tower that knows it (the
+    vision tower from each image's grid) and carried together from there: the objectives, the
+    fusion encoder and evaluation read the same mask and never work it out again.
+
+    ``real`` is None when every token is real (square images): :attr:`mask` is then all true, and
+    attention takes :attr:`key_mask`, None, so the square path runs without a mask, as fast as it
+    would with no mask at all. Indexing, :meth:`cat` and :meth:`gathered` keep that form."""
+
+    values: torch.Tensor
+    """[B, N, W]"""
+    real: torch.Tensor | None = None
+    """bool [B, N]: the real tokens, where some are not (images at their own shape, padded)."""
+
+    @property
+    def mask(self) -> torch.Tensor:
+        """bool [B, N]: which tokens are real; never None."""
+        if self.real is not None:
+            return self.real
+        return torch.ones(self.values.shape[:2], dtype=torch.bool, device=self.values.device)
+
+    @property
+    def key_mask(self) -> torch.Tensor | None:
+        """What attention over these tokens takes: the mask, or None when every token is real."""
+        return self.real
+
+    def __len__(self) -> int:
+        return int(self.values.shape[0])
+
+    def __getitem__(self, rows) -> "Tokens":
+        """The tokens of some rows (an index, a bool mask or a slice over dim 0)."""
+        return Tokens(self.values[rows], None if self.real is None else self.real[rows])
+
+    def index_select(self, index: torch.Tensor) -> "Tokens":
+        return Tokens(self.values.index_select(0, index), None if self.real is None else self.real.index_select(0, index))
+
+    @staticmethod
+    def cat(parts: list["Tokens"]) -> "Tokens":
+        """Row-wise concatenation; all-real only when every part is."""
+        values = torch.cat([p.values for p in parts])
+        if all(p.real is None for p in parts):
+            return Tokens(values)
+        return Tokens(values, torch.cat([p.mask for p in parts]))
+
+
+@dataclass
 class Encoded:
     image_embeds: torch.Tensor
     """[B, D] L2-normalized; zero rows where there is no image."""
     text_embeds: torch.Tensor
     """[B, D] L2-normalized; zero rows where there is no text."""
-    image_tokens: torch.Tensor | None
-    """[B, N, Wv] the vision tower's tokens (fusion models only); zeros where there is no image."""
+    image_tokens: Tokens | None
+    """[B, N, Wv] the vision tower's tokens and which are real (fusion models only); zeros where there
+    is no image, and there only the first token counts as real (attention needs one key)."""
     text_tokens: torch.Tensor | None
     """[B, L, Wt] the text tower's tokens (fusion models only); zeros where there is no text."""
     anchor: torch.Tensor
     """A zero scalar connected to every parameter ``encode`` used."""
-    image_mask: torch.Tensor | None = None
-    """[B, N] (bool) which of ``image_tokens`` are real, for images at their own shape padded to a
-    common length (what the fusion encoder may read); None: all of them."""
 
 
-def image_key_mask(grids: torch.Tensor, tokens: int, patches: int) -> torch.Tensor:
-    """[B, tokens] (bool): which of a padded batch's image tokens are real, for images at their own
-    shape: the tower's ``tokens - patches`` prefix tokens (its class token) and each image's first
-    rows x cols patch tokens of ``grids`` [B, 2] (``ModelInputs.grids``). What the fusion encoder's
-    cross-attention may read, and the patches masked image modelling may mask."""
-    position = torch.arange(tokens, device=grids.device) - (tokens - patches)
-    return position[None, :] < (grids[:, 0] * grids[:, 1])[:, None]
+def real_patches(grids: torch.Tensor, length: int) -> torch.Tensor:
+    """[B, length] (bool): which of a padded batch's patch positions hold a patch, for images at their
+    own shape: each image's first rows x cols of ``grids`` [B, 2] (``ModelInputs.grids``). The vision
+    tower's mask of real tokens starts from it; masked image modelling draws its mask among them
+    before the tower runs."""
+    return torch.arange(length, device=grids.device) < (grids[:, 0] * grids[:, 1])[:, None]
 
 
 @dataclass(frozen=True)
@@ -155,12 +199,11 @@ class ModelPasses(Protocol):
     logit_bias: torch.Tensor | None
     """SigLIP's learnable bias (None: no SigLIP bias)."""
 
-    def itm_logits(self, text_tokens: torch.Tensor, attention_mask: torch.Tensor, image_tokens: torch.Tensor,
-                   image_mask: torch.Tensor | None = None) -> torch.Tensor:
-        """[B, 2] ITM logits of fused (caption, image) pairs; ``image_mask`` [B, M]: real image tokens."""
+    def itm_logits(self, text_tokens: torch.Tensor, attention_mask: torch.Tensor, image_tokens: Tokens
+                   ) -> torch.Tensor:
+        """[B, 2] ITM logits of fused (caption, image) pairs; the fusion reads the real image tokens."""
 
-    def mlm_logits(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, image_tokens: torch.Tensor,
-                   image_mask: torch.Tensor | None = None) -> torch.Tensor:
+    def mlm_logits(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, image_tokens: Tokens) -> torch.Tensor:
         """[B, L, V] MLM logits of (masked) captions re-encoded and fused with their images' tokens."""
 
     def text_mlm_logits(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:

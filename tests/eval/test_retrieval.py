@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from vltrain.eval.captions import open_captions
 from vltrain.eval.embedding import Embedded
 from vltrain.eval.retrieval import itm_rerank, multi_caption_recall, recall_with_rerank
+from vltrain.types import Tokens
 
 
 def test_multi_caption_protocol_on_a_hand_worked_case():
@@ -35,10 +36,11 @@ class MatchingHead(torch.nn.Module):
         super().__init__()
         self.calls = 0
 
-    def forward(self, part, text_tokens, attention_mask, image_tokens, image_mask=None):
-        assert part == "itm" and attention_mask.shape[1] == text_tokens.shape[1] and image_mask is None  # square
+    def forward(self, part, text_tokens, attention_mask, image_tokens):
+        assert part == "itm" and attention_mask.shape[1] == text_tokens.shape[1]
+        assert image_tokens.key_mask is None  # square images: every token real
         self.calls += 1
-        match = (text_tokens[:, 0, 0] == image_tokens[:, 0, 0]).float() * 4 - 2
+        match = (text_tokens[:, 0, 0] == image_tokens.values[:, 0, 0]).float() * 4 - 2
         return torch.stack([-match, match], dim=1)
 
 
@@ -47,7 +49,7 @@ def _noisy_set(n: int = 12, seed: int = 0):
     img = F.normalize(torch.randn(n, 8, generator=g), dim=-1)
     txt = F.normalize(img + 0.9 * torch.randn(n, 8, generator=g), dim=-1)
     ids = torch.arange(n, dtype=torch.float32)
-    images = Embedded(img, torch.ones(n, dtype=torch.bool), ids.view(n, 1, 1).expand(n, 2, 3).clone())
+    images = Embedded(img, torch.ones(n, dtype=torch.bool), Tokens(ids.view(n, 1, 1).expand(n, 2, 3).clone()))
     texts = Embedded(txt, torch.ones(n, dtype=torch.bool), ids.view(n, 1, 1).expand(n, 5, 3).clone(),
                      torch.ones(n, 5, dtype=torch.long))
     return images, texts

@@ -148,7 +148,7 @@ def test_the_fusion_encoder_reads_only_an_images_real_tokens():
     the padding holds and however long the batch is padded; only the key mask makes it so."""
     from vltrain.model import build_model
     from vltrain.model.config import ModelConfig
-    from vltrain.types import image_key_mask
+    from vltrain.types import Tokens
 
     torch.manual_seed(0)
     model = build_model(ModelConfig(preset="tiny-albef"), vocab_size=64, pad_id=0, mask_id=1, image_size=32,
@@ -163,12 +163,13 @@ def test_the_fusion_encoder_reads_only_an_images_real_tokens():
     def itm(pixels: torch.Tensor, keyed: bool = True) -> torch.Tensor:
         with torch.no_grad():
             tokens, _ = model.vision(pixels, grids=grids)
-            key = image_key_mask(grids, tokens.shape[1], pixels.shape[1]) if keyed else None
-            return model.itm_head(model.fuse(model.text_tokens(ids, mask), mask, tokens, key))
+            tokens = tokens if keyed else Tokens(tokens.values)  # every token taken as real
+            return model.itm_head(model.fuse(model.text_tokens(ids, mask), mask, tokens))
 
     base = itm(x)
-    assert image_key_mask(grids, 5, 4).tolist() == [[True, True, True, False, False], [True, True, True, False, False],
-                                                     [True, True, False, False, False]]
+    with torch.no_grad():  # the tower's mask: its class token and each image's real patches
+        assert model.vision(x, grids=grids)[0].mask.tolist() == [
+            [True, True, True, False, False], [True, True, True, False, False], [True, True, False, False, False]]
     garbage = x + 5.0 * (torch.arange(4) >= grids.prod(-1)[:, None])[..., None]  # the padding holds noise
     longer = torch.cat([x, torch.randn(3, 5, 3 * p * p)], dim=1)  # padded to 9 patches, not 4
     torch.testing.assert_close(itm(garbage), base, atol=1e-6, rtol=0)

@@ -236,14 +236,14 @@ def test_eval_reports_each_validation_source(tmp_path_factory, tmp_path):
 def test_masked_image_modelling_of_images_at_their_own_shape_reads_and_predicts_real_patches_only():
     """image_mim on padded native patches: the keyed mask falls on real patches only, the target is
     the patches themselves, and noise in the padding changes neither the loss nor its gradients."""
-    from vltrain.types import image_key_mask
+    from vltrain.types import real_patches
 
     task = small_task(image_mim=1.0, image_mim_paired=True)
     model, objectives = task.model, task.objectives
     p, n = model.vision.cfg.patch_size, 6
     grids = torch.tensor([[1, 2], [2, 3], [1, 1], [3, 2]])
     batch = make_batch(len(grids), seed=3)
-    real = image_key_mask(grids, n, n)
+    real = real_patches(grids, n)
     pixels = torch.randn(len(grids), n, 3 * p * p, generator=torch.Generator().manual_seed(4)) * real[..., None]
     inputs = replace(batch, pixels=pixels, grids=grids, counts=None)
     masked = objectives._patch_mask(inputs, inputs.ids, grids)

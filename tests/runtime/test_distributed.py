@@ -47,7 +47,8 @@ def _gather_worker(rank, world):
     # every rank's loss weights the gathered rows differently: the backward must sum them over ranks
     coef = torch.arange(gathered.shape[0], dtype=torch.float64)[:, None] * (rank + 1)
     (gathered * coef).sum().backward()
-    return gathered.detach(), x.grad, all_gather_no_grad(torch.full((n,), rank))
+    flags = all_gather_no_grad(torch.arange(n) % 2 == rank)  # bool, which gloo does not gather itself
+    return gathered.detach(), x.grad, all_gather_no_grad(torch.full((n,), rank)), flags
 
 
 @pytest.mark.timeout(120)
@@ -55,11 +56,12 @@ def test_gather_with_grad_unequal_sizes():
     results = run_world(_gather_worker, timeout=60)
     expected = torch.cat([torch.arange(4.0).view(2, 2), torch.arange(6.0).view(3, 2) + 100]).double()
     summed_coef = torch.arange(5, dtype=torch.float64)[:, None].expand(5, 2) * (1 + 2)
-    for rank, (gathered, grad, ranks) in enumerate(results):
+    for rank, (gathered, grad, ranks, flags) in enumerate(results):
         assert torch.equal(gathered, expected)
         start, n = (0, 2) if rank == 0 else (2, 3)
         assert torch.equal(grad, summed_coef[start : start + n])
         assert ranks.tolist() == [0, 0, 1, 1, 1]
+        assert flags.dtype == torch.bool and flags.tolist() == [True, False, False, True, False]
 
 
 _ALLOCATE_AND_FREE = """

@@ -21,6 +21,7 @@ from vltrain.data.loading.loader import EvalLoader, build_eval_loader
 from vltrain.data.tokenizers import Tokenizer
 from vltrain.eval.labeled import TextListDataset
 from vltrain.runtime.distributed import all_gather_no_grad, pad_to
+from vltrain.types import Tokens
 
 
 @dataclass(frozen=True)
@@ -42,11 +43,11 @@ class Embedded:
     """float32 [n, D], L2-normalized; zero rows where ``present`` is false."""
     present: torch.Tensor
     """bool [n]: the row's image could be read (always true for texts)."""
-    tokens: torch.Tensor | None = None
-    """[n, T, W] the tower's tokens (kept for ITM re-ranking only)."""
+    tokens: torch.Tensor | Tokens | None = None
+    """The tower's tokens (kept for ITM re-ranking only): an image list's as :class:`Tokens` (with
+    the mask of real ones), a text list's [n, L, W] with their attention mask in ``mask``."""
     mask: torch.Tensor | None = None
-    """int64 [n, L] the texts' attention mask (text lists with tokens only); for images at their own
-    shape, which of their tokens are real (``image_key_mask``)."""
+    """int64 [n, L] the texts' attention mask (text lists with tokens only)."""
     errors: list[tuple[str, str]] = dataclasses.field(default_factory=list)
     """(path, reason) of this rank's unreadable images."""
 
@@ -55,12 +56,12 @@ class Embedded:
         def gather(x):
             if x is None:
                 return None
-            # gloo gathers neither bool nor bfloat16: widen, gather, narrow
-            wide = x.to(torch.uint8) if x.dtype == torch.bool else x.float() if x.dtype == torch.bfloat16 else x
-            return all_gather_no_grad(wide).to(x.dtype)
+            # gloo gathers no bfloat16: widen, gather, narrow (all_gather_no_grad does bool)
+            return all_gather_no_grad(x.float() if x.dtype == torch.bfloat16 else x).to(x.dtype)
 
-        return Embedded(gather(self.embeds), gather(self.present), gather(self.tokens), gather(self.mask),
-                        self.errors)
+        tokens = self.tokens
+        tokens = Tokens(gather(tokens.values), gather(tokens.real)) if isinstance(tokens, Tokens) else gather(tokens)
+        return Embedded(gather(self.embeds), gather(self.present), tokens, gather(self.mask), self.errors)
 
 
 def text_loader(texts: list[str], tokenizer: Tokenizer, data_cfg: DataConfig, rank: int, world_size: int,
@@ -71,8 +72,10 @@ def text_loader(texts: list[str], tokenizer: Tokenizer, data_cfg: DataConfig, ra
                              world_size=world_size, batch_size=batch_size, pad_id=tokenizer.pad_id)
 
 
-def cat_padded(parts: list[torch.Tensor]) -> torch.Tensor:
+def cat_padded(parts: list) -> torch.Tensor | Tokens:
     """Row-wise concatenation of batches whose second dimension (text width) may differ."""
+    if isinstance(parts[0], Tokens):  # images: one width
+        return Tokens.cat(parts)
     if parts[0].dim() < 2:
         return torch.cat(parts)
     width = max(p.shape[1] for p in parts)
@@ -94,13 +97,11 @@ def embed_list(encoder: Encoder, loader: EvalLoader, side: str, keep_tokens: boo
             tokens.append(enc.image_tokens if image else enc.text_tokens)
             if not image:
                 masks.append(inputs.attention_mask)
-            elif enc.image_mask is not None:  # images at their own shape: which tokens are real
-                masks.append(enc.image_mask.long())
         errors.update(dict(batch.errors))  # a padding row repeats the last row's error
     n = loader.num_samples
     out = Embedded(torch.cat(embeds)[:n], torch.cat(present)[:n], errors=list(errors.items()))
     if keep_tokens:
-        out.tokens = (cat_padded(tokens) if side == "text" else torch.cat(tokens))[:n]
+        out.tokens = cat_padded(tokens)[:n]
         out.mask = cat_padded(masks)[:n] if masks else None
     return out
 

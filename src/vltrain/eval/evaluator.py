@@ -106,7 +106,6 @@ def embed_pairs(encoder: Encoder, loader, keep_tokens: bool = False) -> Pairs:
         texts = Embedded(enc.text_embeds[keep].float(), keep[keep])
         if keep_tokens:
             images.tokens, texts.tokens, texts.mask = enc.image_tokens[keep], enc.text_tokens[keep], inputs.attention_mask[keep]
-            images.mask = None if enc.image_mask is None else enc.image_mask[keep].long()
         parts.append(Pairs(images, texts, inputs.ids[keep], inputs.source[keep]))
     return _cat_pairs(parts)
 

@@ -103,8 +103,7 @@ def itm_scores(wrapped: nn.Module, pair_image: torch.Tensor, pair_text: torch.Te
         mask = texts.mask[txt]
         width = max(int(mask.sum(dim=1).max()), 1)  # one host sync per batch: drop all-padding columns
         with autocast():
-            image_mask = None if images.mask is None else images.mask[img].bool()  # images at their own shape
-            logits = wrapped("itm", texts.tokens[txt, :width], mask[:, :width], images.tokens[img], image_mask)
+            logits = wrapped("itm", texts.tokens[txt, :width], mask[:, :width], images.tokens[img])
         out.append((logits[:, 1] - logits[:, 0]).float()[: max(b - a, 0)])
     return all_gather_no_grad(torch.cat(out))
 

@@ -22,7 +22,7 @@ from torch import nn
 from vltrain.model.fusion import FusionEncoder
 from vltrain.model.heads import ITMHead, MIMHead, MLMHead, Projection
 from vltrain.model.weight_decay import default_no_weight_decay
-from vltrain.types import Encoded, ModelInputs, ModelSpec, image_key_mask
+from vltrain.types import Encoded, ModelInputs, ModelSpec, Tokens
 
 
 class VLModel(nn.Module):
@@ -68,26 +68,30 @@ class VLModel(nn.Module):
 
     # -- encoding -----------------------------------------------------------------------------
 
-    def _vision(self, pixels: torch.Tensor, grids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def _vision(self, pixels: torch.Tensor, grids: torch.Tensor | None = None):
+        """(tokens, their mask of real ones or None: all real, embeddings) of images."""
         tokens, pooled = self.vision(pixels, grids=grids)
-        return tokens, self.image_proj(pooled)
+        return tokens.values, tokens.real, self.image_proj(pooled)
 
-    def _packed_images(self, inputs: ModelInputs) -> tuple[None, torch.Tensor, torch.Tensor]:
+    def _packed_images(self, inputs: ModelInputs):
         """Packed images (``data.pack_images``): the tower runs on every packed sequence (one of padding
         when the batch has no image); rows without an image get zero embeddings, no gradient."""
         tokens, pooled = self.vision(inputs.pixels, grids=inputs.grids, segments=inputs.segments,
                                      patch_index=inputs.patch_index, image_slots=inputs.image_slots)
         embeds = self.image_proj(pooled)
-        anchor = 0.0 * (tokens.float().mean() + embeds.float().mean())
-        return None, torch.where(inputs.has_image[:, None], embeds, torch.zeros_like(embeds)), anchor
+        anchor = 0.0 * (tokens.values.float().mean() + embeds.float().mean())
+        return None, None, torch.where(inputs.has_image[:, None], embeds, torch.zeros_like(embeds)), anchor
 
-    def _text(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _text(self, input_ids: torch.Tensor, attention_mask: torch.Tensor):
+        """(tokens, None, embeddings) of captions: their mask is ``attention_mask``, which the caller has."""
         tokens, pooled = self.text(input_ids, attention_mask)
-        return tokens, self.text_proj(pooled)
+        return tokens, None, self.text_proj(pooled)
 
     def _encode_present(self, fn, inputs: tuple, dummy: tuple, present: torch.Tensor, n: int | None):
         """Run ``fn`` on the rows where ``present`` (or on ``dummy`` when there is none); scatter the
-        results back to the full batch with zero rows elsewhere. Returns (tokens | None, embeds, anchor).
+        results back to the full batch with zero rows elsewhere. Returns (tokens | None, real | None,
+        embeds, anchor): ``real`` the tower's mask of real tokens on its rows (None: all real), and on
+        rows without the modality only the first (zero) token, so that attention over them has a key.
 
         ``n``, the number of present rows, comes from the host when the collator counted it: the
         rows are then found by a sort on the device, with no wait for it (``nonzero`` waits).
@@ -100,41 +104,44 @@ class VLModel(nn.Module):
             # the present rows first, in order (a stable sort): the indices nonzero would give
             index = torch.sort((~present).to(torch.uint8), stable=True).indices[:n]
         if n == b:
-            tokens, embeds = fn(*inputs)
+            tokens, real, embeds = fn(*inputs)
         else:
-            tokens, embeds = fn(*(dummy if n == 0 else (x.index_select(0, index) for x in inputs)))
+            tokens, real, embeds = fn(*(dummy if n == 0 else (x.index_select(0, index) for x in inputs)))
         anchor = 0.0 * (tokens.float().mean() + embeds.float().mean())
-        keep = self.fusion is not None
+        if self.fusion is None:
+            tokens = real = None
         if n == b:
-            return (tokens if keep else None), embeds, anchor
+            return tokens, real, embeds, anchor
         if n == 0:
             # zeros that stay in the graph: a later gather-with-grad must run its backward on every rank
             full_embeds = (0.0 * embeds[:1]).expand(b, -1)
-            full_tokens = (0.0 * tokens[:1]).expand(b, *tokens.shape[1:]) if keep else None
-            return full_tokens, full_embeds, anchor
-        full_embeds = embeds.new_zeros(b, embeds.shape[1]).index_copy(0, index, embeds)
-        full_tokens = tokens.new_zeros((b, *tokens.shape[1:])).index_copy(0, index, tokens) if keep else None
-        return full_tokens, full_embeds, anchor
+            full_tokens = None if tokens is None else (0.0 * tokens[:1]).expand(b, *tokens.shape[1:])
+        else:
+            full_embeds = embeds.new_zeros(b, embeds.shape[1]).index_copy(0, index, embeds)
+            full_tokens = None if tokens is None else tokens.new_zeros((b, *tokens.shape[1:])).index_copy(0, index, tokens)
+        if real is not None:
+            first = real.new_zeros(b, real.shape[1])
+            first[:, 0] = True
+            real = first if n == 0 else first.index_copy(0, index, real)
+        return full_tokens, real, full_embeds, anchor
 
     def encode(self, inputs: ModelInputs) -> Encoded:
         pixels, input_ids, attention_mask = inputs.pixels, inputs.input_ids, inputs.attention_mask
         if inputs.segments is not None:
-            image_tokens, image_embeds, a_img = self._packed_images(inputs)
+            image_tokens, real, image_embeds, a_img = self._packed_images(inputs)
         else:
             images, dummy = (pixels,), (torch.zeros_like(pixels[:1]),)
             if inputs.grids is not None:  # images at their own shape; the dummy is one patch
                 images, dummy = (pixels, inputs.grids), (*dummy, torch.ones_like(inputs.grids[:1]))
-            image_tokens, image_embeds, a_img = self._encode_present(
+            image_tokens, real, image_embeds, a_img = self._encode_present(
                 self._vision, images, dummy, inputs.has_image, None if inputs.counts is None else inputs.counts[0],
             )
-        text_tokens, text_embeds, a_txt = self._encode_present(
+        text_tokens, _, text_embeds, a_txt = self._encode_present(
             self._text, (input_ids, attention_mask), (input_ids[:1], torch.ones_like(attention_mask[:1])),
             inputs.has_text, None if inputs.counts is None else inputs.counts[1],
         )
-        image_mask = None
-        if image_tokens is not None and inputs.grids is not None:  # padded images at their own shape
-            image_mask = image_key_mask(inputs.grids, image_tokens.shape[1], pixels.shape[1])
-        return Encoded(image_embeds, text_embeds, image_tokens, text_tokens, a_img + a_txt, image_mask)
+        image_tokens = None if image_tokens is None else Tokens(image_tokens, real)
+        return Encoded(image_embeds, text_embeds, image_tokens, text_tokens, a_img + a_txt)
 
     def text_tokens(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         """The text tower's tokens of (e.g. masked) captions, for MLM."""
@@ -146,13 +153,11 @@ class VLModel(nn.Module):
         """The vision tower's patch tokens [B, patches, W] with the masked patches replaced by the MIM
         mask token (image_mim only); ``grids`` for images at their own shape, padded."""
         tokens, _ = self.vision(pixels, patch_mask, self.mim_head.mask_token, grids=grids)
-        return tokens[:, self.vision.num_prefix:]
+        return tokens.values[:, self.vision.num_prefix:]
 
-    def fuse(self, text_tokens: torch.Tensor, attention_mask: torch.Tensor, image_tokens: torch.Tensor,
-             image_mask: torch.Tensor | None = None) -> torch.Tensor:
-        """Text tokens attending to image tokens through the fusion encoder (fusion models only);
-        ``image_mask`` [B, M]: the real image tokens of images at their own shape (``image_key_mask``)."""
-        return self.fusion(text_tokens, attention_mask, image_tokens, image_mask)
+    def fuse(self, text_tokens: torch.Tensor, attention_mask: torch.Tensor, image_tokens: Tokens) -> torch.Tensor:
+        """Text tokens attending to the real image tokens through the fusion encoder (fusion models only)."""
+        return self.fusion(text_tokens, attention_mask, image_tokens.values, image_tokens.key_mask)
 
     # -- the passes the objectives run (vltrain.types.ModelPasses) -----------------------------------
 
@@ -163,16 +168,14 @@ class VLModel(nn.Module):
         return ModelSpec(frozenset(k for k, head in heads.items() if head is not None), self.vocab_size, self.pad_id,
                          self.mask_id, self.vision.cfg.patch_size, self.vision.cfg.num_patches)
 
-    def itm_logits(self, text_tokens: torch.Tensor, attention_mask: torch.Tensor, image_tokens: torch.Tensor,
-                   image_mask: torch.Tensor | None = None) -> torch.Tensor:
+    def itm_logits(self, text_tokens: torch.Tensor, attention_mask: torch.Tensor, image_tokens: Tokens) -> torch.Tensor:
         """[B, 2] ITM logits of fused pairs (training's positives and negatives, evaluation's re-ranking)."""
-        return self.itm_head(self.fuse(text_tokens, attention_mask, image_tokens, image_mask))
+        return self.itm_head(self.fuse(text_tokens, attention_mask, image_tokens))
 
-    def mlm_logits(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, image_tokens: torch.Tensor,
-                   image_mask: torch.Tensor | None = None) -> torch.Tensor:
+    def mlm_logits(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, image_tokens: Tokens) -> torch.Tensor:
         """[B, L, V] MLM logits: the (masked) captions re-encoded by the text tower and fused with their images."""
         tokens = self.text_tokens(input_ids, attention_mask)
-        return self.mlm_head(self.fuse(tokens, attention_mask, image_tokens, image_mask))
+        return self.mlm_head(self.fuse(tokens, attention_mask, image_tokens))
 
     def text_mlm_logits(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         """[B, L, V] MLM logits of the text tower alone (text_mlm)."""

@@ -15,6 +15,7 @@ from torch import nn
 
 from vltrain.model.blocks import MLP, Block, LayerNorm, attention, block_flops, mlp_width, run_blocks
 from vltrain.pixels import patchify
+from vltrain.types import Tokens, real_patches
 
 VISION_POOLINGS = ("cls", "mean", "map")
 
@@ -46,8 +47,9 @@ class VisionConfig:
 class VisionTransformer(nn.Module):
     """Patches -> [class token, patch tokens] + positions -> norm -> blocks -> norm.
 
-    Returns every token (for the fusion encoder's cross-attention) and the pooled vector (for the
-    contrastive embedding).
+    Returns every token with the mask of the real ones (:class:`vltrain.types.Tokens`, for the fusion
+    encoder's cross-attention) and the pooled vector (for the contrastive embedding). The mask is
+    made here, where the layout is known, and nowhere else.
     """
 
     def __init__(self, cfg: VisionConfig):
@@ -75,7 +77,7 @@ class VisionTransformer(nn.Module):
         self, pixels: torch.Tensor, patch_mask: torch.Tensor | None = None, mask_token: torch.Tensor | None = None,
         grids: torch.Tensor | None = None, segments: torch.Tensor | None = None,
         patch_index: torch.Tensor | None = None, image_slots: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    ) -> tuple[Tokens, torch.Tensor]:
         """``patch_mask`` [B, patches] (bool): those patches enter as ``mask_token`` (masked image modelling).
 
         With ``grids`` [B, 2], ``pixels`` are the patches of images at their own shape, one image per
@@ -95,10 +97,10 @@ class VisionTransformer(nn.Module):
             x = self.norm_pre(x)
         x = run_blocks(self.blocks, x, checkpointing=self.checkpointing)
         x = self.norm(x)
-        return x, self.pool(x)
+        return Tokens(x), self.pool(x)
 
     def forward_grids(self, patches: torch.Tensor, grids: torch.Tensor, patch_mask: torch.Tensor | None = None,
-                      mask_token: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                      mask_token: torch.Tensor | None = None) -> tuple[Tokens, torch.Tensor]:
         """Images at their own shape: ``patches`` [B, N, 3 * p * p], image i's first rows x cols of
         them real (``grids[i]``), row by row, the rest padding; ``patch_mask`` [B, N] as in ``forward``.
 
@@ -110,7 +112,7 @@ class VisionTransformer(nn.Module):
         if patch_mask is not None:
             x = torch.where(patch_mask[..., None], mask_token.to(x.dtype), x)
         n = x.shape[1]
-        real = torch.arange(n, device=x.device) < (grids[:, 0] * grids[:, 1])[:, None]
+        real = real_patches(grids, n)
         table = self.pos_embed[self.num_prefix:]
         x = x + resize_positions(table, self.cfg.image_size // self.cfg.patch_size, grids, n).to(x.dtype)
         if self.cls_token is not None:
@@ -121,17 +123,18 @@ class VisionTransformer(nn.Module):
             x = self.norm_pre(x)
         x = run_blocks(self.blocks, x, real[:, None, None, :], checkpointing=self.checkpointing)
         x = self.norm(x)
-        return x, self.pool(x, real)
+        return Tokens(x, real), self.pool(x, real)
 
     def forward_packed(self, patches: torch.Tensor, grids: torch.Tensor, segments: torch.Tensor,
                        patch_index: torch.Tensor, image_slots: torch.Tensor | None = None,
-                       ) -> tuple[torch.Tensor, torch.Tensor]:
+                       ) -> tuple[Tokens, torch.Tensor]:
         """Images packed several to a sequence: ``patches`` [S, N, 3 * p * p], ``segments`` [S, N] the
         row (of ``grids`` [B, 2]) whose image each position holds (-1: padding), ``patch_index`` which
         of its patches. With a class token, ``image_slots`` [S, K] (the rows each sequence holds) gives
         the K positions put before each sequence's patches, one class token per image. Attention stays
         inside each image (padding attends to padding), so each embedding is the one the image gets
-        alone. Returns the packed tokens [S, K + N, W] (K = 0 without a class token) and the pooled
+        alone. Returns the packed tokens [S, K + N, W] (K = 0 without a class token; real: the
+        positions that hold an image's token) and the pooled
         vectors [B, W] (a row without an image pools its sequence's padding: finite, unused)."""
         x = F.linear(patches, self.patch_embed.weight.flatten(1), self.patch_embed.bias)
         positions = resize_positions(self.pos_embed[self.num_prefix:], self.cfg.image_size // self.cfg.patch_size,
@@ -150,7 +153,7 @@ class VisionTransformer(nn.Module):
         x = run_blocks(self.blocks, x, (segments[:, :, None] == segments[:, None, :])[:, None],
                        checkpointing=self.checkpointing)
         x = self.norm(x)
-        return x, self.pool_packed(x, segments, grids.shape[0], slots)
+        return Tokens(x, segments >= 0), self.pool_packed(x, segments, grids.shape[0], slots)
 
     def pool_packed(self, x: torch.Tensor, segments: torch.Tensor, rows: int, slots: int = 0) -> torch.Tensor:
         """[rows, W]: each row's image pooled over its own positions; the first ``slots`` positions of

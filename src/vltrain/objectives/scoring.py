@@ -48,7 +48,7 @@ from vltrain.objectives.losses import (
 )
 from vltrain.objectives.ring import itc_loss_ring, siglip_loss_ring
 from vltrain.runtime.distributed import all_gather_no_grad, all_gather_with_grad, exchange_shapes, pad_to
-from vltrain.types import Encoded, ModelInputs, ModelPasses, ModelSpec, Rows, image_key_mask
+from vltrain.types import Encoded, ModelInputs, ModelPasses, ModelSpec, Rows, Tokens, real_patches
 
 
 @dataclass
@@ -92,20 +92,18 @@ class ITMPairs:
 
     text_tokens: torch.Tensor
     attention_mask: torch.Tensor
-    image_tokens: torch.Tensor
+    image_tokens: Tokens
     labels: torch.Tensor
     pair_weights: torch.Tensor
     negative_text_ids: torch.Tensor
     negative_image_ids: torch.Tensor
-    image_mask: torch.Tensor | None = None
-    """[3B, M] (bool) the real image tokens, for images at their own shape; None: all."""
 
 
 @dataclass
 class _Columns:
     """What ITM draws its negatives from: this rank's batch, or every rank's (rank order)."""
 
-    image_tokens: torch.Tensor
+    image_tokens: Tokens
     text_tokens: torch.Tensor
     attention_mask: torch.Tensor
     image_embeds: torch.Tensor
@@ -113,23 +111,22 @@ class _Columns:
     ids: torch.Tensor
     has_image: torch.Tensor
     has_text: torch.Tensor
-    image_mask: torch.Tensor | None = None
-    """[n, M] the columns' real image tokens, for images at their own shape."""
 
     @staticmethod
     def gather(enc: Encoded, inputs: ModelInputs, global_: bool) -> "_Columns":
         meta = torch.stack([inputs.ids, inputs.has_image.long(), inputs.has_text.long()], dim=1)
-        parts = (enc.image_tokens, enc.text_tokens, inputs.attention_mask, enc.image_embeds, enc.text_embeds, meta)
-        if enc.image_mask is not None:
-            parts += (enc.image_mask.long(),)
+        image = enc.image_tokens
+        parts = (image.values, enc.text_tokens, inputs.attention_mask, enc.image_embeds, enc.text_embeds, meta)
+        if image.real is not None:  # every rank alike: the layout is the config's
+            parts += (image.real,)
         if global_:
             shapes = exchange_shapes(*parts)  # one exchange; text widths differ between ranks
             grad = (True, True, False, False, False, False, False)
             parts = tuple((all_gather_with_grad if g else all_gather_no_grad)(x, s)
                           for x, s, g in zip(parts, shapes, grad))
-        *tensors, meta = parts[:6]
-        image_mask = parts[6].bool() if len(parts) > 6 else None
-        return _Columns(*tensors, meta[:, 0], meta[:, 1].bool(), meta[:, 2].bool(), image_mask)
+        values, *tensors, meta = parts[:6]
+        image = Tokens(values, parts[6] if len(parts) > 6 else None)
+        return _Columns(image, *tensors, meta[:, 0], meta[:, 1].bool(), meta[:, 2].bool())
 
 
 def _denominator(inputs: ModelInputs, name: str) -> torch.Tensor | None:
@@ -214,18 +211,14 @@ class Objectives:
         neg_image, image_found = sample_negatives(sim_t2i, ids, cols.ids, image_ok,
                                                   key.uniform(Stream.ITM_IMAGE, ids, 1)[:, 0])
         valid = (inputs.has_image & inputs.has_text).float()
-        image_mask = None
-        if enc.image_mask is not None:  # images at their own shape: the fusion reads only real tokens
-            image_mask = torch.cat([enc.image_mask, enc.image_mask, cols.image_mask.index_select(0, neg_image)])
         return ITMPairs(
             text_tokens=torch.cat([text_tokens, cols.text_tokens.index_select(0, neg_text), text_tokens]),
             attention_mask=torch.cat([attention_mask, cols.attention_mask[neg_text], attention_mask]),
-            image_tokens=torch.cat([enc.image_tokens, enc.image_tokens, cols.image_tokens.index_select(0, neg_image)]),
+            image_tokens=Tokens.cat([enc.image_tokens, enc.image_tokens, cols.image_tokens.index_select(neg_image)]),
             labels=torch.cat([torch.ones(b, dtype=torch.long, device=ids.device), ids.new_zeros(2 * b)]),
             pair_weights=torch.cat([valid, valid * text_found, valid * image_found]),
             negative_text_ids=cols.ids[neg_text],
             negative_image_ids=cols.ids[neg_image],
-            image_mask=image_mask,
         )
 
     def _itm_allowed(self, ids: torch.Tensor, col_ids: torch.Tensor, col_image: torch.Tensor, col_text: torch.Tensor
@@ -252,7 +245,7 @@ class Objectives:
     def _itm(self, passes: ModelPasses, enc: Encoded, inputs: ModelInputs, row_losses: dict[str, RowLosses]
              ) -> tuple[torch.Tensor, torch.Tensor]:
         pairs = self.itm_pairs(enc, inputs, passes.logit_scale)
-        logits = passes.itm_logits(pairs.text_tokens, pairs.attention_mask, pairs.image_tokens, pairs.image_mask)
+        logits = passes.itm_logits(pairs.text_tokens, pairs.attention_mask, pairs.image_tokens)
         w = pairs.pair_weights
         if inputs.row_weights is not None:
             w = w * inputs.row_weights.float().repeat(3)
@@ -291,14 +284,14 @@ class Objectives:
         their own shape (``grids``), of their real patches only."""
         patches = self.spec.num_patches if grids is None else inputs.pixels.shape[1]
         mask = (inputs.key or UNKEYED).uniform(Stream.MIM_PATCH, ids, patches) < self.mim_ratio
-        return mask if grids is None else mask & image_key_mask(grids, patches, patches)
+        return mask if grids is None else mask & real_patches(grids, patches)
 
     def _mlm(self, passes: ModelPasses, enc: Encoded, inputs: ModelInputs, row_losses: dict[str, RowLosses]
              ) -> torch.Tensor:
         """MLM through the fusion encoder, on image-text rows."""
         paired = inputs.has_image & inputs.has_text
         masked, labels = self._mask(inputs, paired)
-        logits = passes.mlm_logits(masked, inputs.attention_mask, enc.image_tokens, enc.image_mask)
+        logits = passes.mlm_logits(masked, inputs.attention_mask, enc.image_tokens)
         per_row: list = []
         loss = mlm_loss(logits, labels, inputs.row_weights, per_row, _denominator(inputs, "mlm"))
         row_losses["mlm"] = RowLosses(per_row[0], paired & (labels != -100).any(dim=1))

@@ -220,6 +220,8 @@ def all_gather_no_grad(x: torch.Tensor, shapes: list[tuple[int, ...]] | None = N
     """
     if world_info()[1] == 1:
         return x.detach()
+    if x.dtype == torch.bool:  # gloo gathers no bool: widen, gather, narrow
+        return all_gather_no_grad(x.to(torch.uint8), shapes, pad_value).bool()
     shapes = _shapes_of(x, shapes)
     with torch.no_grad():
         return _gather_padded(x.detach(), shapes, pad_value)

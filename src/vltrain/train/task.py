@@ -12,7 +12,7 @@ so every pass that leads to a backward goes through ``Task.forward``, named by i
   embeddings, and its per-row losses (gradient caching's loss over the cached global batch);
 - ``task("replay", inputs, cache, i, encode_rng)``: gradient caching's second pass
   over micro-batch ``i`` (see :mod:`vltrain.train.gradcache`);
-- ``task("itm", text_tokens, attention_mask, image_tokens[, image_mask])``: ITM logits [B, 2] of fused pairs
+- ``task("itm", text_tokens, attention_mask, image_tokens)``: ITM logits [B, 2] of fused pairs
   (evaluation's re-ranking: under FSDP2 the fusion encoder and the head are gathered only here).
 """
 
@@ -26,7 +26,7 @@ from torch import nn
 
 from vltrain.model.model import VLModel
 from vltrain.objectives.scoring import ObjectiveOutput, Objectives
-from vltrain.types import ModelInputs, Rows
+from vltrain.types import ModelInputs, Rows, Tokens
 
 
 class GeneratorState:
@@ -105,9 +105,8 @@ class Task(nn.Module):
     def all(self, inputs: ModelInputs) -> ObjectiveOutput:
         return self.objectives.score(self.model, self.model.encode(inputs), inputs)
 
-    def itm(self, text_tokens: torch.Tensor, attention_mask: torch.Tensor, image_tokens: torch.Tensor,
-            image_mask: torch.Tensor | None = None) -> torch.Tensor:
-        return self.model.itm_logits(text_tokens, attention_mask, image_tokens, image_mask)
+    def itm(self, text_tokens: torch.Tensor, attention_mask: torch.Tensor, image_tokens: Tokens) -> torch.Tensor:
+        return self.model.itm_logits(text_tokens, attention_mask, image_tokens)
 
     def replay(self, inputs: ModelInputs, cache: ContrastiveCache, i: int, encode_rng: GeneratorState
                ) -> tuple[torch.Tensor, ObjectiveOutput]:

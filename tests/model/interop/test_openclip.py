@@ -81,7 +81,7 @@ def _embeddings(init, *overrides):
     model = build_model_for(cfg, tokenizer).eval()
     pixels = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(5))
     with torch.no_grad():
-        images = model._vision(pixels)[1].numpy()
+        images = model._vision(pixels)[-1].numpy()
     return embed(model, tokenizer, cfg, [], TEXTS), images, pixels, tokenizer, cfg
 
 

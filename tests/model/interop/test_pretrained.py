@@ -61,7 +61,7 @@ def test_clip_image_embeddings_are_transformers(clip, tmp_path):
     folder, hf, (model, tokenizer, cfg) = clip
     pixels = torch.randn(3, 3, 32, 32, generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
-        ours = model._vision(pixels)[1].numpy()
+        ours = model._vision(pixels)[-1].numpy()
         want = normalized(hf.get_image_features(pixel_values=pixels))
     torch.testing.assert_close(torch.from_numpy(ours), torch.from_numpy(want), atol=1e-5, rtol=0)
 
@@ -100,7 +100,7 @@ def test_siglip_embeddings_are_transformers(siglip, tmp_path):
     pixels = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
         want = normalized(hf.get_text_features(input_ids=ids))
-        ours = model._vision(pixels)[1].numpy()
+        ours = model._vision(pixels)[-1].numpy()
         want_images = normalized(hf.get_image_features(pixel_values=pixels))
         assert float(model.logit_bias) == pytest.approx(float(hf.logit_bias))
     torch.testing.assert_close(torch.from_numpy(got), torch.from_numpy(want), atol=1e-5, rtol=0)
