@@ -78,31 +78,48 @@ class VisionTransformer(nn.Module):
         grids: torch.Tensor | None = None, segments: torch.Tensor | None = None,
         patch_index: torch.Tensor | None = None, image_slots: torch.Tensor | None = None,
     ) -> tuple[Tokens, torch.Tensor]:
-        """``patch_mask`` [B, patches] (bool): those patches enter as ``mask_token`` (masked image modelling).
+        """One forward for every layout: embed (the only step that depends on it), then the pre-norm,
+        the blocks and the norm, attending within each image, then pooling.
 
-        With ``grids`` [B, 2], ``pixels`` are the patches of images at their own shape, one image per
-        row (:meth:`forward_grids`) or packed (with ``segments``, :meth:`forward_packed`)."""
+        ``pixels`` [B, 3, H, W] are square images: every token is real and nothing is masked (the
+        fast path: no mask is made or read). With ``grids`` [B, 2] they are the patches of images at
+        their own shape, one image per row (:meth:`embed_grids`) or packed (with ``segments``,
+        :meth:`embed_packed`). ``patch_mask`` [B, patches] (bool): those patches enter as
+        ``mask_token`` (masked image modelling; not packed)."""
+        slots = 0
         if segments is not None:
-            return self.forward_packed(pixels, grids, segments, patch_index, image_slots)
-        if grids is not None:
-            return self.forward_grids(pixels, grids, patch_mask, mask_token)
+            x, segments, slots = self.embed_packed(pixels, grids, segments, patch_index, image_slots)
+            real = segments >= 0
+            attend = (segments[:, :, None] == segments[:, None, :])[:, None]  # padding attends to padding
+        elif grids is not None:
+            x, real = self.embed_grids(pixels, grids, patch_mask, mask_token)
+            attend = real[:, None, None, :]
+        else:
+            x, real, attend = self.embed_square(pixels, patch_mask, mask_token), None, None
+        if self.norm_pre is not None:
+            x = self.norm_pre(x)
+        x = run_blocks(self.blocks, x, attend, checkpointing=self.checkpointing)
+        x = self.norm(x)
+        if segments is not None:
+            return Tokens(x, real), self.pool_packed(x, segments, grids.shape[0], slots)
+        return Tokens(x, real), self.pool(x, real)
+
+    def embed_square(self, pixels: torch.Tensor, patch_mask: torch.Tensor | None = None,
+                     mask_token: torch.Tensor | None = None) -> torch.Tensor:
+        """[B, 1 + patches, W] (no class token: [B, patches, W]): square images' tokens with positions."""
         x = self.embed_patches(pixels)
         if patch_mask is not None:
             x = torch.where(patch_mask[..., None], mask_token.to(x.dtype), x)
         if self.cls_token is not None:
             cls = self.cls_token.to(x.dtype).expand(x.shape[0], 1, -1)
             x = torch.cat([cls, x], dim=1)
-        x = x + self.pos_embed.to(x.dtype)
-        if self.norm_pre is not None:
-            x = self.norm_pre(x)
-        x = run_blocks(self.blocks, x, checkpointing=self.checkpointing)
-        x = self.norm(x)
-        return Tokens(x), self.pool(x)
+        return x + self.pos_embed.to(x.dtype)
 
-    def forward_grids(self, patches: torch.Tensor, grids: torch.Tensor, patch_mask: torch.Tensor | None = None,
-                      mask_token: torch.Tensor | None = None) -> tuple[Tokens, torch.Tensor]:
+    def embed_grids(self, patches: torch.Tensor, grids: torch.Tensor, patch_mask: torch.Tensor | None = None,
+                    mask_token: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Images at their own shape: ``patches`` [B, N, 3 * p * p], image i's first rows x cols of
-        them real (``grids[i]``), row by row, the rest padding; ``patch_mask`` [B, N] as in ``forward``.
+        them real (``grids[i]``), row by row, the rest padding. Returns their tokens and which are
+        real (the class token and each image's patches).
 
         Each image's positions are the table resized to its grid (:func:`resize_positions`), and
         every token attends only to its own image's real patches (and class token): what an image
@@ -119,41 +136,28 @@ class VisionTransformer(nn.Module):
             cls = (self.cls_token + self.pos_embed[0]).to(x.dtype).expand(x.shape[0], 1, -1)
             x = torch.cat([cls, x], dim=1)
             real = torch.cat([real.new_ones(x.shape[0], 1), real], dim=1)
-        if self.norm_pre is not None:
-            x = self.norm_pre(x)
-        x = run_blocks(self.blocks, x, real[:, None, None, :], checkpointing=self.checkpointing)
-        x = self.norm(x)
-        return Tokens(x, real), self.pool(x, real)
+        return x, real
 
-    def forward_packed(self, patches: torch.Tensor, grids: torch.Tensor, segments: torch.Tensor,
-                       patch_index: torch.Tensor, image_slots: torch.Tensor | None = None,
-                       ) -> tuple[Tokens, torch.Tensor]:
+    def embed_packed(self, patches: torch.Tensor, grids: torch.Tensor, segments: torch.Tensor,
+                     patch_index: torch.Tensor, image_slots: torch.Tensor | None = None,
+                     ) -> tuple[torch.Tensor, torch.Tensor, int]:
         """Images packed several to a sequence: ``patches`` [S, N, 3 * p * p], ``segments`` [S, N] the
         row (of ``grids`` [B, 2]) whose image each position holds (-1: padding), ``patch_index`` which
         of its patches. With a class token, ``image_slots`` [S, K] (the rows each sequence holds) gives
-        the K positions put before each sequence's patches, one class token per image. Attention stays
-        inside each image (padding attends to padding), so each embedding is the one the image gets
-        alone. Returns the packed tokens [S, K + N, W] (K = 0 without a class token; real: the
-        positions that hold an image's token) and the pooled
-        vectors [B, W] (a row without an image pools its sequence's padding: finite, unused)."""
+        the K positions put before each sequence's patches, one class token per image. Returns the
+        tokens [S, K + N, W], the row of each position [S, K + N] and K (0 without a class token).
+        Attention stays inside each image, so each embedding is the one the image gets alone; a row
+        without an image pools its sequence's padding (finite, unused)."""
         x = F.linear(patches, self.patch_embed.weight.flatten(1), self.patch_embed.bias)
         positions = resize_positions(self.pos_embed[self.num_prefix:], self.cfg.image_size // self.cfg.patch_size,
                                      grids, x.shape[1])
         x = x + positions[segments.clamp(min=0), patch_index].to(x.dtype)
-        slots = 0
-        if self.cls_token is not None:
-            if image_slots is None:
-                raise ValueError("packed images through a tower with a class token need image_slots")
-            slots = image_slots.shape[1]
-            cls = (self.cls_token + self.pos_embed[0]).to(x.dtype).expand(*image_slots.shape, -1)
-            x = torch.cat([cls, x], dim=1)
-            segments = torch.cat([image_slots, segments], dim=1)
-        if self.norm_pre is not None:
-            x = self.norm_pre(x)
-        x = run_blocks(self.blocks, x, (segments[:, :, None] == segments[:, None, :])[:, None],
-                       checkpointing=self.checkpointing)
-        x = self.norm(x)
-        return Tokens(x, segments >= 0), self.pool_packed(x, segments, grids.shape[0], slots)
+        if self.cls_token is None:
+            return x, segments, 0
+        if image_slots is None:
+            raise ValueError("packed images through a tower with a class token need image_slots")
+        cls = (self.cls_token + self.pos_embed[0]).to(x.dtype).expand(*image_slots.shape, -1)
+        return torch.cat([cls, x], dim=1), torch.cat([image_slots, segments], dim=1), image_slots.shape[1]
 
     def pool_packed(self, x: torch.Tensor, segments: torch.Tensor, rows: int, slots: int = 0) -> torch.Tensor:
         """[rows, W]: each row's image pooled over its own positions; the first ``slots`` positions of
