@@ -128,7 +128,8 @@ class Tokens:
         return Tokens(self.values[rows], None if self.real is None else self.real[rows])
 
     def index_select(self, index: torch.Tensor) -> "Tokens":
-        return Tokens(self.values.index_select(0, index), None if self.real is None else self.real.index_select(0, index))
+        real = None if self.real is None else self.real.index_select(0, index)
+        return Tokens(self.values.index_select(0, index), real)
 
     @staticmethod
     def cat(parts: list["Tokens"]) -> "Tokens":
@@ -147,7 +148,7 @@ class Encoded:
     """[B, D] L2-normalized; zero rows where there is no text."""
     image_tokens: Tokens | None
     """[B, N, Wv] the vision tower's tokens and which are real (fusion models only); zeros where there
-    is no image, and there only the first token counts as real (attention needs one key)."""
+    is no image (with a mask, only the first of them counts as real: attention needs one key)."""
     text_tokens: torch.Tensor | None
     """[B, L, Wt] the text tower's tokens (fusion models only); zeros where there is no text."""
     anchor: torch.Tensor

@@ -68,7 +68,8 @@ class VLModel(nn.Module):
 
     # -- encoding -----------------------------------------------------------------------------
 
-    def _vision(self, pixels: torch.Tensor, grids: torch.Tensor | None = None):
+    def _vision(self, pixels: torch.Tensor, grids: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
         """(tokens, their mask of real ones or None: all real, embeddings) of images."""
         tokens, pooled = self.vision(pixels, grids=grids)
         return tokens.values, tokens.real, self.image_proj(pooled)
@@ -82,7 +83,7 @@ class VLModel(nn.Module):
         anchor = 0.0 * (tokens.values.float().mean() + embeds.float().mean())
         return None, None, torch.where(inputs.has_image[:, None], embeds, torch.zeros_like(embeds)), anchor
 
-    def _text(self, input_ids: torch.Tensor, attention_mask: torch.Tensor):
+    def _text(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> tuple[torch.Tensor, None, torch.Tensor]:
         """(tokens, None, embeddings) of captions: their mask is ``attention_mask``, which the caller has."""
         tokens, pooled = self.text(input_ids, attention_mask)
         return tokens, None, self.text_proj(pooled)
@@ -118,7 +119,8 @@ class VLModel(nn.Module):
             full_tokens = None if tokens is None else (0.0 * tokens[:1]).expand(b, *tokens.shape[1:])
         else:
             full_embeds = embeds.new_zeros(b, embeds.shape[1]).index_copy(0, index, embeds)
-            full_tokens = None if tokens is None else tokens.new_zeros((b, *tokens.shape[1:])).index_copy(0, index, tokens)
+            full_tokens = (None if tokens is None
+                           else tokens.new_zeros((b, *tokens.shape[1:])).index_copy(0, index, tokens))
         if real is not None:
             first = real.new_zeros(b, real.shape[1])
             first[:, 0] = True
