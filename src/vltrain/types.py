@@ -52,6 +52,10 @@ class ModelInputs:
     """A ``vltrain.objectives.keyed.StepKey`` (typed loosely: the objectives sit above this layer): the
     step's seed, number and objective denominators, what the objectives' random draws are keyed by
     and what their losses are divided by (None: fixed draws, local denominators)."""
+    masks: Any = None
+    """A ``vltrain.objectives.scoring.Masks`` (typed loosely, as ``key``): this micro-batch's MLM and
+    MIM masks, drawn once a step and both counted for the denominators and scored (None: drawn
+    when scored)."""
 
     def __len__(self) -> int:
         return int(self.ids.shape[0])

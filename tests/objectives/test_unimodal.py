@@ -246,12 +246,13 @@ def test_masked_image_modelling_of_images_at_their_own_shape_reads_and_predicts_
     real = real_patches(grids, n)
     pixels = torch.randn(len(grids), n, 3 * p * p, generator=torch.Generator().manual_seed(4)) * real[..., None]
     inputs = replace(batch, pixels=pixels, grids=grids, counts=None)
-    masked = objectives._patch_mask(inputs, inputs.ids, grids)
+    masks = objectives.draw(inputs)
+    masked = masks.image_mim
     assert masked.shape == (4, n) and not (masked & ~real).any() and masked.any()
 
     def loss_and_grads(x):
         model.zero_grad(set_to_none=True)
-        loss = objectives._image_mim(model, replace(inputs, pixels=x), {})
+        loss = objectives._image_mim(model, replace(inputs, pixels=x), masks, {})
         loss.backward()
         return loss.detach(), {k: v.grad.clone() for k, v in model.vision.named_parameters() if v.grad is not None}
 

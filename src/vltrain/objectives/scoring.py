@@ -25,6 +25,8 @@ Nothing here depends on how a step is split among ranks and micro-batches
   rows of the global batch that no split cuts through;
 - ITM, MLM and MIM are weighted means over the whole step: the trainer sums every micro-batch's
   denominator over the ranks first (:meth:`Objectives.local_totals`) and hands it in with the key.
+  The masks it counts are the masks scored: drawn once per micro-batch (:meth:`Objectives.draw`) and
+  carried on the inputs (``ModelInputs.masks``).
 """
 
 from __future__ import annotations
@@ -64,6 +66,19 @@ class ObjectiveOutput:
     itm_logits: torch.Tensor | None = None
     rows: dict[str, "RowLosses"] = field(default_factory=dict)
     """Each objective's unweighted loss per row, for per-source metrics."""
+
+
+@dataclass
+class Masks:
+    """One micro-batch's keyed masks (:meth:`Objectives.draw`): drawn once a step, counted for the
+    step's denominators and scored with; None where the objective is off."""
+
+    mlm: tuple[torch.Tensor, torch.Tensor] | None = None
+    """(masked ids, labels) for MLM through the fusion encoder; labels -100 off the image-text rows."""
+    text_mlm: tuple[torch.Tensor, torch.Tensor] | None = None
+    """(masked ids, labels) for text MLM; labels -100 off the rows it applies to."""
+    image_mim: torch.Tensor | None = None
+    """[B, patches] (bool) SimMIM's patch mask of every row; the rows it applies to pick from it."""
 
 
 @dataclass
@@ -286,24 +301,25 @@ class Objectives:
         mask = (inputs.key or UNKEYED).uniform(Stream.MIM_PATCH, ids, patches) < self.mim_ratio
         return mask if grids is None else mask & real_patches(grids, patches)
 
-    def _mlm(self, passes: ModelPasses, enc: Encoded, inputs: ModelInputs, row_losses: dict[str, RowLosses]
-             ) -> torch.Tensor:
+    def _mlm(self, passes: ModelPasses, enc: Encoded, inputs: ModelInputs, masks: Masks,
+             row_losses: dict[str, RowLosses]) -> torch.Tensor:
         """MLM through the fusion encoder, on image-text rows."""
         paired = inputs.has_image & inputs.has_text
-        masked, labels = self._mask(inputs, paired)
+        masked, labels = masks.mlm
         logits = passes.mlm_logits(masked, inputs.attention_mask, enc.image_tokens)
         per_row: list = []
         loss = mlm_loss(logits, labels, inputs.row_weights, per_row, _denominator(inputs, "mlm"))
         row_losses["mlm"] = RowLosses(per_row[0], paired & (labels != -100).any(dim=1))
         return loss
 
-    def _text_mlm(self, passes: ModelPasses, inputs: ModelInputs, row_losses: dict[str, RowLosses]) -> torch.Tensor:
+    def _text_mlm(self, passes: ModelPasses, inputs: ModelInputs, masks: Masks, row_losses: dict[str, RowLosses]
+                  ) -> torch.Tensor:
         """MLM on the text tower alone, on text-only rows (and image-text rows with text_mlm_paired).
 
         The tower runs on those rows only, or on one dummy row whose labels are all ignored, so
         every rank runs the same modules whatever its batch holds."""
         applies = self._text_mlm_rows(inputs)
-        masked, labels = self._mask(inputs, applies, text_tower=True)
+        masked, labels = masks.text_mlm
         index, n = _present_rows(applies)
         if n:
             masked, mask, labels = masked[index], inputs.attention_mask[index], labels[index]
@@ -316,7 +332,8 @@ class Objectives:
         row_losses["text_mlm"] = RowLosses(_scatter(per_row[0], index, n, len(inputs)), picked)
         return loss
 
-    def _image_mim(self, passes: ModelPasses, inputs: ModelInputs, row_losses: dict[str, RowLosses]) -> torch.Tensor:
+    def _image_mim(self, passes: ModelPasses, inputs: ModelInputs, masks: Masks, row_losses: dict[str, RowLosses]
+                   ) -> torch.Tensor:
         """SimMIM on the vision tower, on image-only rows (and image-text rows with image_mim_paired):
         ``mim_ratio`` of each image's patches enter as the mask token and a linear head regresses
         their pixels. The encoder sees every patch position (masked or not), so its shapes do not
@@ -328,9 +345,8 @@ class Objectives:
         grids = inputs.grids  # images at their own shape come as patches already, padded
         if grids is not None:
             grids = grids.index_select(0, index) if n else torch.ones_like(grids[:1])
-        patch_mask = self._patch_mask(inputs, inputs.ids[index] if n else inputs.ids[:1], grids)
-        if not n:
-            patch_mask = torch.zeros_like(patch_mask)  # the dummy row: nothing to predict
+        # the dummy row: nothing to predict
+        patch_mask = masks.image_mim.index_select(0, index) if n else torch.zeros_like(masks.image_mim[:1])
         prediction = passes.mim_prediction(pixels, patch_mask, grids)
         weights = None if inputs.row_weights is None or not n else inputs.row_weights[index]
         per_row: list = []
@@ -341,27 +357,37 @@ class Objectives:
 
     # -- a step's denominators -----------------------------------------------------------------
 
+    def draw(self, inputs: ModelInputs) -> Masks:
+        """The keyed MLM, text MLM and MIM masks of one micro-batch (of its present rows), for the
+        objectives that are on: what :meth:`local_totals` counts and :meth:`score` scores with."""
+        inputs = inputs.present()
+        on = self.loss_weights
+        return Masks(
+            mlm=self._mask(inputs, inputs.has_image & inputs.has_text) if "mlm" in on else None,
+            text_mlm=self._mask(inputs, self._text_mlm_rows(inputs), text_tower=True) if "text_mlm" in on else None,
+            image_mim=self._patch_mask(inputs, inputs.ids, inputs.grids) if "image_mim" in on else None,
+        )
+
     def local_totals(self, micro: list[ModelInputs]) -> torch.Tensor:
         """What each of :attr:`averaged` divides by, summed over this rank's micro-batches of a step
         ([len(averaged)] fp32): weighted ITM pairs, MLM tokens, MIM patches. The trainer sums it
         over the ranks, so every objective is a mean over the global batch, whatever the split.
-        Draws the same keyed masks the objectives then draw."""
+        Counts the masks the micro-batches carry (:meth:`draw`), the ones they are scored with."""
         totals = []
         for name in self.averaged:
             total = torch.zeros((), device=micro[0].ids.device)
             for m in micro:
+                masks = m.masks if m.masks is not None else self.draw(m)
                 m = m.present()
                 w = torch.ones_like(m.ids, dtype=torch.float32) if m.row_weights is None else m.row_weights.float()
                 if name == "itm":
                     total = total + self._itm_total(m, w)
                 elif name in ("mlm", "text_mlm"):
-                    rows = m.has_image & m.has_text if name == "mlm" else self._text_mlm_rows(m)
-                    _, labels = self._mask(m, rows, text_tower=name == "text_mlm")
+                    _, labels = masks.mlm if name == "mlm" else masks.text_mlm
                     total = total + ((labels != -100).float() * w[:, None]).sum()
                 else:
-                    rows = self._mim_rows(m)
-                    patches = self._patch_mask(m, m.ids, m.grids).float().sum(dim=1)
-                    total = total + (patches * w * rows.float()).sum()
+                    patches = masks.image_mim.float().sum(dim=1)
+                    total = total + (patches * w * self._mim_rows(m).float()).sum()
             totals.append(total)
         return torch.stack(totals) if totals else torch.zeros(0, device=micro[0].ids.device)
 
@@ -376,6 +402,7 @@ class Objectives:
         batch) but keeps their parameters in the graph."""
         anchor = enc.anchor
         inputs = inputs.present()
+        masks = inputs.masks if inputs.masks is not None else self.draw(inputs)
         losses: dict[str, torch.Tensor] = {}
         rows: dict[str, RowLosses] = {}
         if contrastive:
@@ -389,11 +416,11 @@ class Objectives:
         if "itm" in self.loss_weights:
             losses["itm"], itm_logits = self._itm(passes, enc, inputs, rows)
         if "mlm" in self.loss_weights:
-            losses["mlm"] = self._mlm(passes, enc, inputs, rows)
+            losses["mlm"] = self._mlm(passes, enc, inputs, masks, rows)
         if "text_mlm" in self.loss_weights:
-            losses["text_mlm"] = self._text_mlm(passes, inputs, rows)
+            losses["text_mlm"] = self._text_mlm(passes, inputs, masks, rows)
         if "image_mim" in self.loss_weights:
-            losses["image_mim"] = self._image_mim(passes, inputs, rows)
+            losses["image_mim"] = self._image_mim(passes, inputs, masks, rows)
         total = anchor + sum(self.loss_weights[k] * v for k, v in losses.items())
         return ObjectiveOutput(
             total, losses, enc.image_embeds, enc.text_embeds, scale_of(passes.logit_scale).detach(), itm_logits, rows

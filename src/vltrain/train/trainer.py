@@ -338,13 +338,15 @@ class Trainer:
 
     def _keyed(self, inputs: list[ModelInputs]) -> list[ModelInputs]:
         """The step's key on each micro-batch: the objectives' draws keyed by (seed, step, sample),
-        and the averaged objectives' denominators summed over every rank and micro-batch (one small
-        all-reduce), shared out so that the ranks' mean of the micro-batches' mean is the global mean."""
+        its masks drawn once, and the averaged objectives' denominators (those masks counted) summed
+        over every rank and micro-batch (one small all-reduce), shared out so that the ranks' mean of
+        the micro-batches' mean is the global mean."""
         key = StepKey(self.cfg.train.seed, self.step)
         inputs = [replace(m, key=key) for m in inputs]
         names = self.objectives.averaged
         if not names:
             return inputs
+        inputs = [replace(m, masks=self.objectives.draw(m)) for m in inputs]
         totals = self.objectives.local_totals(inputs)
         if self.world.world_size > 1:
             totals = all_reduce_sum(totals)
