@@ -28,7 +28,7 @@ def worker(mode: str, global_batch: int, micro: int, precision: str) -> None:
 
     from vltrain.runtime.precision import Precision
     from vltrain.runtime.world import keep_freed_memory
-    from vltrain.train.gradcache import gradcache_backward
+    from vltrain.train.step import gradcache_backward
     from vltrain.train.optim import build_optimizer
     from vltrain.train.step import plain_backward
 

@@ -10,8 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from vltrain.train.gradcache import gradcache_backward
-from vltrain.train.step import plain_backward
+from vltrain.train.step import gradcache_backward, plain_backward
 from vltrain.train.task import Task
 from vltrain.types import ModelInputs
 

@@ -1,20 +1,55 @@
-"""One optimizer step's forward and backward passes over its micro-batches.
+"""One optimizer step, in one place: what :meth:`Step.__call__` does, in order.
 
-Plain accumulation lives here; exact contrastive accumulation in :mod:`vltrain.train.gradcache`.
-Both return the step's losses (already averaged the way they were optimised) and leave the
-gradients of the whole step in ``.grad``, reduced across ranks by the last backward.
+1. **Key the micro-batches** (:meth:`Step.keyed`): the step's key, each micro-batch's masks drawn once,
+   and the averaged objectives' denominators (those masks counted) summed over every rank.
+2. **Forward and backward** over the micro-batches: plain accumulation (:func:`plain_backward`), each
+   micro-batch's contrastive loss seeing only itself, or exact contrastive accumulation
+   (:func:`gradcache_backward`). Both leave the gradient of the whole step in ``.grad``, reduced
+   across ranks by the last backward, and return the step's losses averaged the way they were
+   optimised.
+3. **The gradient**: replicated gradients reduced, unscaled, clipped.
+4. **One all-reduce of one packet** (:class:`Agreed`): whether some rank's loss or gradient norm is
+   not finite, the samples, the losses; read by name.
+5. **The update or its skip** (:func:`apply_update`), the scaler, the schedule (a skipped step still
+   consumed its data: the schedule follows the step count).
+
+Nothing here waits for the device (``tests/train/test_host_sync.py``): the skip is decided on the
+device, and the trainer reads what the host needs of it when it settles.
+
+Gradient caching. A contrastive loss couples every pair of the global batch, so accumulating
+per-micro-batch losses optimises a different (weaker, fewer negatives) objective. Caching computes
+the real gradient while keeping only one micro-batch's activations:
+
+a. embed every micro-batch without autograd, keep the embeddings (small);
+b. compute the contrastive loss over all cached embeddings, gathered across ranks, and take its
+   gradient with respect to the embeddings only;
+c. re-run each micro-batch with autograd and back-propagate ``sum(embedding * cached grad)`` plus
+   its non-contrastive objectives (ITM, MLM); the last micro-batch rebuilds the full loss instead
+   (:meth:`vltrain.train.task.ContrastiveCache.term`).
+
+Each micro-batch's RNG state is recorded before its encoding in (a) and restored before its encoding
+in (c), so any randomness in encoding repeats in both passes. The non-contrastive objectives (ITM
+negatives, MLM masks) run only in (c); their draws are keyed by the step and the sample ids, so they
+do not depend on the generators at all.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import math
+from dataclasses import dataclass, field, replace
 from typing import Callable, ContextManager
 
 import torch
 from torch import nn
 
-from vltrain.train.parallelize import gradient_sync
-from vltrain.types import ModelInputs
+from vltrain.config.job import TrainConfig
+from vltrain.objectives.keyed import StepKey
+from vltrain.objectives.scoring import Objectives
+from vltrain.runtime.distributed import World, all_reduce_sum
+from vltrain.runtime.precision import Precision
+from vltrain.train.parallelize import clip_grad_norm, gradient_sync, reduce_replicated_grads
+from vltrain.train.task import ContrastiveCache, GeneratorState
+from vltrain.types import ModelInputs, Rows
 
 
 @dataclass
@@ -31,6 +66,104 @@ class StepLosses:
         for k, v in new.items():
             v = v.detach().float() * scale
             self.losses[k] = self.losses[k] + v if k in self.losses else v
+
+
+@dataclass
+class Agreed:
+    """What every rank knows of a step after one all-reduce of one packet (0-dim, on the device)."""
+
+    skip: torch.Tensor
+    """bool: some rank's loss (or, without a gradient scaler, gradient norm) is not finite."""
+    samples: torch.Tensor
+    """The step's rows, over every rank."""
+    loss: torch.Tensor
+    """The optimised total, the ranks' mean."""
+    losses: dict[str, torch.Tensor]
+    """Each objective's loss, the ranks' mean."""
+
+    @staticmethod
+    def reduce(nonfinite: torch.Tensor, samples: torch.Tensor, result: StepLosses, world_size: int) -> "Agreed":
+        """The packet ``[nonfinite, samples, loss, *losses by name]`` summed over the ranks, the
+        losses then divided by the world size: the one place that knows its layout."""
+        names = sorted(result.losses)
+        packet = torch.cat([nonfinite.float().reshape(1), samples, result.loss.float().reshape(1),
+                            *[result.losses[k].float().reshape(1) for k in names]])
+        if world_size > 1:
+            packet = all_reduce_sum(packet)
+            packet[2:] /= world_size
+        return Agreed(skip=packet[0] > 0, samples=packet[1], loss=packet[2],
+                      losses={k: packet[3 + i] for i, k in enumerate(names)})
+
+
+@dataclass
+class StepResult:
+    """A step as the loop logs and counts it; tensors stay on the device until a log step."""
+
+    agreed: Agreed
+    grad_norm: torch.Tensor
+    lr: float
+    """The rate this step used (logged), not the next one's."""
+    rows: list[tuple[torch.Tensor | None, dict]]
+    """This rank's per-row losses (:attr:`StepLosses.rows`)."""
+
+
+class Step:
+    """One optimizer step over a step's micro-batches, given the parts it updates.
+
+    ``train`` is read at each step (``debug_nan_step`` and the like), not copied."""
+
+    def __init__(self, wrapped: nn.Module, objectives: Objectives, params: list[torch.Tensor],
+                 optimizer: torch.optim.Optimizer, scheduler, scaler: torch.amp.GradScaler,
+                 precision: Precision, train: TrainConfig, world: World):
+        self.wrapped, self.objectives, self.params = wrapped, objectives, params
+        self.optimizer, self.scheduler, self.scaler = optimizer, scheduler, scaler
+        self.precision, self.train = precision, train
+        self.world_size, self.rank = world.world_size, world.rank
+
+    def __call__(self, micro: list[ModelInputs], step: int) -> StepResult:
+        """Step ``step`` (0-based: the steps done before it) over this rank's micro-batches."""
+        tc = self.train
+        inputs = self.keyed(micro, step)
+        poison = step == tc.debug_nan_step and tc.debug_nan_rank in (-1, self.rank)
+        backward_fn = gradcache_backward if tc.contrastive_accumulation == "gradcache" else plain_backward
+        self.optimizer.zero_grad(set_to_none=True)
+        result = backward_fn(
+            self.wrapped, inputs, self.precision.autocast,
+            backward=lambda loss: self.scaler.scale(loss).backward(),
+            loss_scale=math.nan if poison else 1.0,
+        )
+        reduce_replicated_grads(self.wrapped)
+        self.scaler.unscale_(self.optimizer)
+        grad_norm = clip_grad_norm(self.params, tc.grad_clip)
+
+        nonfinite = ~torch.isfinite(result.loss)
+        if not self.scaler.is_enabled():
+            nonfinite = nonfinite | ~torch.isfinite(grad_norm)
+        samples = torch.tensor([float(sum(len(m) for m in micro))]).to(micro[0].ids.device, non_blocking=True)
+        agreed = Agreed.reduce(nonfinite, samples, result, self.world_size)
+        apply_update(self.optimizer, self.scaler, agreed.skip)
+        self.scaler.update()
+        lr = self.scheduler.get_last_lr()[0]
+        self.scheduler.step()
+        return StepResult(agreed, grad_norm, lr, result.rows)
+
+    def keyed(self, micro: list[ModelInputs], step: int) -> list[ModelInputs]:
+        """The step's key on each micro-batch: the objectives' draws keyed by (seed, step, sample),
+        its masks drawn once, and the averaged objectives' denominators (those masks counted) summed
+        over every rank and micro-batch (one small all-reduce), shared out so that the ranks' mean of
+        the micro-batches' mean is the global mean."""
+        key = StepKey(self.train.seed, step)
+        inputs = [replace(m, key=key) for m in micro]
+        names = self.objectives.averaged
+        if not names:
+            return inputs
+        inputs = [replace(m, masks=self.objectives.draw(m)) for m in inputs]
+        totals = self.objectives.local_totals(inputs)
+        if self.world_size > 1:
+            totals = all_reduce_sum(totals)
+        share = totals / (self.world_size * len(inputs))
+        key = StepKey(key.seed, key.step, {name: share[i] for i, name in enumerate(names)})
+        return [replace(m, key=key) for m in inputs]
 
 
 def plain_backward(
@@ -56,6 +189,60 @@ def plain_backward(
         result.loss += loss.detach()
         result.add(out.losses, 1.0 / n)
         result.rows.append((m.source, out.rows))
+    return result
+
+
+def _cache(wrapped: nn.Module, micro: list[ModelInputs], autocast, loss_scale: float
+           ) -> tuple[ContrastiveCache, torch.Tensor, dict, list[GeneratorState]]:
+    """Gradient caching's (a) and (b): the cache, the contrastive loss and its per-row losses, and
+    each micro-batch's RNG state before its encoding."""
+    device = micro[0].pixels.device
+    states, img_cache, txt_cache = [], [], []
+    with torch.no_grad():
+        for m in micro:
+            states.append(GeneratorState(device))
+            with autocast():
+                enc = wrapped("encode", m)
+            img_cache.append(enc.image_embeds.float())
+            txt_cache.append(enc.text_embeds.float())
+
+    img_all = torch.cat(img_cache).requires_grad_(True)
+    txt_all = torch.cat(txt_cache).requires_grad_(True)
+    rows = Rows.cat([m.rows() for m in micro])
+    # gradients to the embeddings only; no parameter gradient is touched or reduced here
+    with gradient_sync(wrapped, False):
+        with autocast():
+            closs, row_losses = wrapped("contrastive", img_all, txt_all, rows)
+        g_img, g_txt = torch.autograd.grad(closs.float() * loss_scale, [img_all, txt_all])
+    bounds = [0]
+    for m in micro:
+        bounds.append(bounds[-1] + len(m))
+    cache = ContrastiveCache(img_all, txt_all, g_img, g_txt, rows, bounds, loss_scale)
+    return cache, closs, row_losses, states
+
+
+def gradcache_backward(
+    wrapped: nn.Module,
+    micro: list[ModelInputs],
+    autocast: Callable[[], ContextManager],
+    backward: Callable[[torch.Tensor], None],
+    loss_scale: float = 1.0,
+) -> StepLosses:
+    """Leave in ``.grad`` the gradient of (contrastive loss over the global batch + mean of the
+    micro-batches' other objectives); return those losses. Gradient caching's (c) after :func:`_cache`."""
+    n = len(micro)
+    cache, closs, row_losses, states = _cache(wrapped, micro, autocast, loss_scale)
+    result = StepLosses(closs.detach().float() * loss_scale, {"contrastive": closs.detach().float()})
+    result.rows.append((cache.rows.source, row_losses))
+    for i, m in enumerate(micro):
+        with gradient_sync(wrapped, i == n - 1):
+            with autocast():
+                contrastive, other = wrapped("replay", m, cache, i, states[i])
+            other_loss = other.loss.float() * loss_scale / n
+            backward(contrastive + other_loss)
+        result.loss += other_loss.detach()
+        result.add(other.losses, 1.0 / n)
+        result.rows.append((m.source, other.rows))
     return result
 
 

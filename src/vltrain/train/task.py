@@ -11,7 +11,7 @@ so every pass that leads to a backward goes through ``Task.forward``, named by i
 - ``task("contrastive", image_embeds, text_embeds, rows)``: the weighted ITC + SigLIP term on given
   embeddings, and its per-row losses (gradient caching's loss over the cached global batch);
 - ``task("replay", inputs, cache, i, encode_rng)``: gradient caching's second pass
-  over micro-batch ``i`` (see :mod:`vltrain.train.gradcache`);
+  over micro-batch ``i`` (see :mod:`vltrain.train.step`);
 - ``task("itm", text_tokens, attention_mask, image_tokens)``: ITM logits [B, 2] of fused pairs
   (evaluation's re-ranking: under FSDP2 the fusion encoder and the head are gathered only here).
 """

@@ -8,11 +8,9 @@ Set-up: distributed -> model -> parallelize -> optimizer -> scheduler -> data ->
 from __future__ import annotations
 
 import logging
-import math
 import random
 import signal
 import time
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -33,8 +31,7 @@ from vltrain.data.batch import Batch
 from vltrain.data.dataset import source_specs
 from vltrain.errors import UserError
 from vltrain.eval.evaluator import Evaluator, append_eval, check_early_stop_metric, format_metrics
-from vltrain.objectives.keyed import StepKey
-from vltrain.runtime.distributed import all_gather_object, all_reduce_sum, host_sums, release_mesh
+from vltrain.runtime.distributed import all_gather_object, host_sums, release_mesh
 from vltrain.runtime.faults import maybe_fail
 from vltrain.runtime.precision import Precision
 from vltrain.runtime.preemption import EXIT_CODE as PREEMPTED_EXIT
@@ -51,23 +48,18 @@ from vltrain.train.build import (
     build_train_loader_for,
     describe_preprocessing,
 )
-from vltrain.train.gradcache import gradcache_backward
 from vltrain.train.metrics import (GpuUtilization, MetricsLogger, Throughput, memory_bytes, peak_flops,
                                    peak_memory_bytes, plot_curves, restart_cost)
 from vltrain.train.nonfinite import NonFiniteGuard
 from vltrain.train.optim import build_optimizer, build_scheduler, freeze_towers
-from vltrain.train.parallelize import clip_grad_norm, parallelize, reduce_replicated_grads
+from vltrain.train.parallelize import parallelize
 from vltrain.train.resolve import resolve_run
 from vltrain.train.source_metrics import SourceMeter
-from vltrain.train.step import StepLosses, apply_update, plain_backward
-from vltrain.types import ModelInputs
+from vltrain.train.step import Step, StepResult
 
 log = logging.getLogger(__name__)
 
 class Trainer:
-    _samples_pending: torch.Tensor | None = None
-    """Samples of the steps since the last settle, on the device (read on log steps)."""
-
     def __init__(self, cfg: JobConfig):
         self.cfg = cfg
         tc = cfg.train
@@ -88,12 +80,13 @@ class Trainer:
         task = build_task(cfg, self.model)
         self.objectives = task.objectives
         self.wrapped = parallelize(task, tc, self.device)
-        self.params = [p for p in self.model.parameters() if p.requires_grad]
 
-        # optimizer, scheduler, gradient scaler, guard
+        # optimizer, scheduler, gradient scaler; the step that uses them; the guard
         self.optimizer = build_optimizer(self.model, tc)
         self.scheduler = build_scheduler(self.optimizer, tc)
         self.scaler = self.precision.grad_scaler()
+        self.stepper = Step(self.wrapped, self.objectives, [p for p in self.model.parameters() if p.requires_grad],
+                            self.optimizer, self.scheduler, self.scaler, self.precision, tc, self.world)
         self.guard = NonFiniteGuard(tc.max_nonfinite_steps)
         self.preemption, self.preempt_agreed, self.save_due = PreemptionWatch(), False, False
 
@@ -107,10 +100,9 @@ class Trainer:
         self.global_batch = cfg.data.batch_size * tc.accumulation * self.world.world_size
         self.evaluator = Evaluator(cfg, self.tokenizer, self.world, self.run_dir)
 
-        # counters (Stateful through this object)
-        self.step, self.samples_seen, self.bad_samples = 0, 0, 0
-        self.best_metric: float | None = None
-        self.evals_without_improvement = 0
+        # counters (Stateful through this object); the samples of the steps since the last settle, on the device
+        self.step, self.samples_seen, self.bad_samples, self.samples_pending = 0, 0, 0, None
+        self.best_metric, self.evals_without_improvement = None, 0
 
         # throughput: measuring the CPU's peak draws random numbers, so it comes before the resume
         self.throughput = Throughput(peak_flops(self.device, self.precision.dtype), measured=self.device.type != "cuda")
@@ -118,10 +110,9 @@ class Trainer:
 
         # checkpointer: collects self.stateful(); resumes last of all, so that the generators it
         # restores are exactly those the next step draws from
-        self.checkpointer = Checkpointer(
-            cfg.checkpoint, self.run_dir, self.stateful(), {"rng": self.rng}, config_yaml=cfg.to_yaml(),
-            files={"tokenizer.json": self.tokenizer.path} if self.tokenizer.path else None,
-        )
+        files = {"tokenizer.json": self.tokenizer.path} if self.tokenizer.path else None
+        self.checkpointer = Checkpointer(cfg.checkpoint, self.run_dir, self.stateful(), {"rng": self.rng},
+                                         config_yaml=cfg.to_yaml(), files=files)
         cost = self._resume()
 
         self.metrics = MetricsLogger(self.run_dir, enabled=self.world.is_main, total_steps=tc.max_steps,
@@ -255,14 +246,14 @@ class Trainer:
         while self.step < tc.max_steps:
             micro, wait = self._next_micro_batches()
             RECORDER.begin(f"in step {self.step + 1}")
-            result, grad_norm = self.train_step(micro)
+            result = self.train_step(micro)
             RECORDER.end(self.device)
             self.step += 1
             self._stop_on_bad_samples()
             self.throughput.add(0, wait, self._flops(micro))
             self.metrics.advance()
             if self.step % tc.log_every == 0 or self.step == tc.max_steps:
-                self._log(result, grad_norm)
+                self._log(result)
             if self.cfg.eval.every and self.step % self.cfg.eval.every == 0 and self.evaluator:
                 last_eval, evaluated_at = self.run_eval(), self.step
                 if self._should_stop(last_eval):
@@ -284,82 +275,37 @@ class Trainer:
         micro = [next(self.loader) for _ in range(self.cfg.train.accumulation)]
         return micro, time.perf_counter() - start
 
-    def train_step(self, micro: list[Batch]) -> tuple[StepLosses, torch.Tensor]:
-        """Forward/backward over the micro-batches, agree on finiteness, step or skip.
+    def train_step(self, micro: list[Batch]) -> StepResult:
+        """One step over the micro-batches (:class:`vltrain.train.step.Step`: forward and backward,
+        the ranks' agreement, the update or its skip), then what the loop keeps of it.
 
-        Returns the losses averaged over ranks and the gradient norm, on the device: nothing in
-        a step waits for the device (``tests/train/test_host_sync.py``). The skip is decided
-        there too; what the host needs of it (samples, skipped steps) it reads in :meth:`settle`.
+        Nothing in a step waits for the device (``tests/train/test_host_sync.py``): the samples and
+        the skip stay there, and the host reads them in :meth:`settle`.
         """
-        tc = self.cfg.train
         data = self.cfg.data
         loss_weights = [s.loss_weight for s in self.sources]
-        inputs = self._keyed([b.to_model_inputs(self.device, data.mean, data.std, data.modality_weights, loss_weights)
-                              for b in micro])
-        poison = self.step == tc.debug_nan_step and tc.debug_nan_rank in (-1, self.world.rank)
-        backward_fn = gradcache_backward if tc.contrastive_accumulation == "gradcache" else plain_backward
-        self.optimizer.zero_grad(set_to_none=True)
-        result = backward_fn(
-            self.wrapped, inputs, self.precision.autocast,
-            backward=lambda loss: self.scaler.scale(loss).backward(),
-            loss_scale=math.nan if poison else 1.0,
-        )
-        reduce_replicated_grads(self.wrapped)
-        self.scaler.unscale_(self.optimizer)
-        grad_norm = clip_grad_norm(self.params, tc.grad_clip)
-
-        # one all-reduce: [non-finite flag, samples, loss, per-objective losses]
-        names = sorted(result.losses)
-        bad = ~torch.isfinite(result.loss)
-        if not self.scaler.is_enabled():
-            bad = bad | ~torch.isfinite(grad_norm)
-        samples = torch.tensor([float(sum(len(b) for b in micro))]).to(self.device, non_blocking=True)
-        packet = torch.cat([bad.float().reshape(1), samples, result.loss.float().reshape(1),
-                            *[result.losses[k].float().reshape(1) for k in names]])
-        if self.world.world_size > 1:
-            packet = all_reduce_sum(packet)
-            packet[2:] /= self.world.world_size
-        skip = packet[0] > 0
-        apply_update(self.optimizer, self.scaler, skip)
-        self.scaler.update()
-        self.step_lr = self.scheduler.get_last_lr()[0]  # the rate this step used (logged), not the next one's
-        # a skipped step still consumed its data: the schedule follows the step count
-        self.scheduler.step()
-        self.guard.record_on_device(skip)
-        self._samples_pending = packet[1] if self._samples_pending is None else self._samples_pending + packet[1]
-        self._meter_sources(inputs, result, ~skip)
+        inputs = [b.to_model_inputs(self.device, data.mean, data.std, data.modality_weights, loss_weights)
+                  for b in micro]
+        result = self.stepper(inputs, self.step)
+        agreed = result.agreed
+        self.guard.record_on_device(agreed.skip)
+        pending = self.samples_pending
+        self.samples_pending = agreed.samples if pending is None else pending + agreed.samples
+        self._meter_sources(inputs, result.rows, ~agreed.skip)
         # the preemption flag, a timed save's clock and the bad samples the loader replaced live on
         # the host: agreed over host memory, every step, in one exchange
         preempt, due, bad, tried = host_sums(self.preemption.requested, self.checkpointer.due(),
                                              *self.loader.bad_log.take())
         self.preempt_agreed, self.save_due = preempt > 0, due > 0
         self.loader.bad_log.add(bad, tried)
-        return StepLosses(packet[2], {k: packet[3 + i] for i, k in enumerate(names)}), grad_norm
-
-    def _keyed(self, inputs: list[ModelInputs]) -> list[ModelInputs]:
-        """The step's key on each micro-batch: the objectives' draws keyed by (seed, step, sample),
-        its masks drawn once, and the averaged objectives' denominators (those masks counted) summed
-        over every rank and micro-batch (one small all-reduce), shared out so that the ranks' mean of
-        the micro-batches' mean is the global mean."""
-        key = StepKey(self.cfg.train.seed, self.step)
-        inputs = [replace(m, key=key) for m in inputs]
-        names = self.objectives.averaged
-        if not names:
-            return inputs
-        inputs = [replace(m, masks=self.objectives.draw(m)) for m in inputs]
-        totals = self.objectives.local_totals(inputs)
-        if self.world.world_size > 1:
-            totals = all_reduce_sum(totals)
-        share = totals / (self.world.world_size * len(inputs))
-        key = StepKey(key.seed, key.step, {name: share[i] for i, name in enumerate(names)})
-        return [replace(m, key=key) for m in inputs]
+        return result
 
     def settle(self) -> int:
         """Bring the steps' device-side counts to the host (a log step, a checkpoint): samples seen,
         skipped steps (the guard may stop the run here). Returns the steps skipped since the last."""
-        if self._samples_pending is not None:
-            samples = int(self._samples_pending)
-            self._samples_pending = None
+        if self.samples_pending is not None:
+            samples = int(self.samples_pending)
+            self.samples_pending = None
             self.samples_seen += samples
             self.throughput.add(samples, 0.0)
         return self.guard.settle(self.step)
@@ -368,11 +314,11 @@ class Trainer:
         """Model FLOPs of this rank's forward + backward (``flops_per_sample`` counts both)."""
         return float(sum(len(b) * self.model.flops_per_sample(b.input_ids.shape[1]) for b in micro))
 
-    def _meter_sources(self, inputs: list, result: StepLosses, applied: torch.Tensor) -> None:
+    def _meter_sources(self, inputs: list, rows: list, applied: torch.Tensor) -> None:
         """Count each source's samples, and (if the step was applied: a device bool) its per-row losses."""
         for m in inputs:
             self.source_meter.count(m.source)
-        for source, row_losses in result.rows:
+        for source, row_losses in rows:
             self.source_meter.add(source, row_losses, applied)
 
     def _stop_on_bad_samples(self) -> None:
@@ -385,13 +331,13 @@ class Trainer:
         last = next((x for x in all_gather_object(log.last) if x is not None), None)
         raise log.error(self.step, last)
 
-    def _log(self, result: StepLosses, grad_norm: torch.Tensor) -> None:
+    def _log(self, result: StepResult) -> None:
         skipped = self.settle()
         values: dict[str, Any] = {
-            "loss": float(result.loss),
-            **{f"loss/{k}": float(v) for k, v in result.losses.items()},
-            "lr": self.step_lr,
-            "grad_norm": float(grad_norm),
+            "loss": float(result.agreed.loss),
+            **{f"loss/{k}": float(v) for k, v in result.agreed.losses.items()},
+            "lr": result.lr,
+            "grad_norm": float(result.grad_norm),
             "skipped": skipped > 0,  # a step since the last log line (log_every 1: this step)
             "skipped_total": self.guard.total,
             "samples_seen": self.samples_seen,
@@ -463,7 +409,7 @@ class Trainer:
         raise Preempted(f"{name} at step {self.step}: checkpoint {path} written; run the same "
                         f"command again to resume (exit code {code})", exit_code=code)
 
-    HOLD_GROUPS = ("wrapped", "model", "objectives", "params", "optimizer", "scheduler", "scaler", "checkpointer",
+    HOLD_GROUPS = ("wrapped", "model", "objectives", "stepper", "optimizer", "scheduler", "scaler", "checkpointer",
                    "evaluator")
     """What holds a process group in a distributed run: DDP, FSDP2's modules and shards, the optimizer's
     state, the checkpointer's group for async saves."""
