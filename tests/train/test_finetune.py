@@ -100,10 +100,11 @@ def test_initial_weights_written_when_asked(tmp_path, save_initial, init, main, 
     from vltrain.train.trainer import Trainer
 
     trainer = _fake_trainer(tmp_path, save_initial, init, main)
-    Trainer._save_initial(trainer)
+    Trainer._save_initial(trainer, trainer.model)
     assert (tmp_path / INITIAL_FILE).is_file() == written
     if written:  # a resumed run keeps its first start's weights
-        Trainer._save_initial(_fake_trainer(tmp_path, save_initial, init, main, seed=1))
+        later = _fake_trainer(tmp_path, save_initial, init, main, seed=1)
+        Trainer._save_initial(later, later.model)
         saved = load_file(str(tmp_path / INITIAL_FILE))
         assert all(torch.equal(saved[k], v) for k, v in trainer.model.state_dict().items())
         assert not list(tmp_path.glob("*.part"))

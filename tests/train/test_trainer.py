@@ -158,3 +158,29 @@ def test_eval_command_reproduces_the_final_evaluation(shapes, tmp_path, cli):
     final = json.loads((run / "eval.json").read_text())[-1]
     assert printed["t2i_r1"] == final["t2i_r1"] and printed["num_pairs"] == final["num_pairs"] == 64
     assert cli("eval", tmp_path / "missing").returncode != 0
+
+
+@pytest.mark.parametrize("module,name", [("trainer", "Trainer"), ("step", "Step")])
+def test_attributes_are_set_in_init_and_only_updated_elsewhere(module, name):
+    """A reader finds every attribute of the Trainer (and of its Step) in ``__init__``: a helper may
+    return values for ``__init__`` to assign, or update an attribute, but never create one."""
+    import ast
+
+    source = Path(__file__).resolve().parents[2] / "src" / "vltrain" / "train" / f"{module}.py"
+    cls = next(n for n in ast.parse(source.read_text()).body if isinstance(n, ast.ClassDef) and n.name == name)
+
+    def assigned(fn: ast.FunctionDef) -> set[str]:
+        names = set()
+        for node in ast.walk(fn):
+            targets = node.targets if isinstance(node, ast.Assign) else (
+                [node.target] if isinstance(node, (ast.AnnAssign, ast.AugAssign)) else [])
+            for target in targets:
+                for t in ast.walk(target):
+                    if isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name) and t.value.id == "self":
+                        names.add(t.attr)
+        return names
+
+    methods = [n for n in cls.body if isinstance(n, ast.FunctionDef)]
+    init = assigned(next(m for m in methods if m.name == "__init__"))
+    created = {m.name: sorted(assigned(m) - init) for m in methods if m.name != "__init__"}
+    assert {k: v for k, v in created.items() if v} == {}

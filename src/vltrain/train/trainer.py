@@ -21,6 +21,7 @@ from vltrain.checkpoint.manager import (
     Checkpointer,
     ModelState,
     OptimizerState,
+    Restored,
     save_initial_weights,
 )
 from vltrain.checkpoint.opening import load_weights
@@ -29,8 +30,10 @@ from vltrain.checkpoint.space import QuietWrites, check_writable
 from vltrain.config.job import JobConfig
 from vltrain.data.batch import Batch
 from vltrain.data.dataset import source_specs
+from vltrain.data.tokenizers import Tokenizer
 from vltrain.errors import UserError
 from vltrain.eval.evaluator import Evaluator, append_eval, check_early_stop_metric, format_metrics
+from vltrain.model import VLModel
 from vltrain.runtime.distributed import all_gather_object, host_sums, release_mesh
 from vltrain.runtime.faults import maybe_fail
 from vltrain.runtime.precision import Precision
@@ -74,7 +77,7 @@ class Trainer:
         self.init_checkpoint, self.itm_source = self.resolved.saved_init, self.resolved.itm_source
         self._prepare_run_dir()
 
-        self._build_model()
+        self.tokenizer, self.model, self.precision = self._build_model()  # the same weights on every rank
 
         # the objectives, and the parallelized task
         task = build_task(cfg, self.model)
@@ -113,35 +116,36 @@ class Trainer:
         files = {"tokenizer.json": self.tokenizer.path} if self.tokenizer.path else None
         self.checkpointer = Checkpointer(cfg.checkpoint, self.run_dir, self.stateful(), {"rng": self.rng},
                                          config_yaml=cfg.to_yaml(), files=files)
-        cost = self._resume()
+        self.restored, cost = self._resume()
 
         self.metrics = MetricsLogger(self.run_dir, enabled=self.world.is_main, total_steps=tc.max_steps,
                                      progress=tc.progress, start_step=self.step, wandb=cfg.metrics, config=cfg.to_dict())
         if self.restored is not None:
             self._say_resumed(cost)
 
-    def _resume(self) -> str:
-        """Restore the checkpoint ``train.resume`` names, if any; what the restart cost, read from
-        ``metrics.jsonl`` before the metrics logger drops the records past the checkpoint."""
-        self.restored = self.checkpointer.resume(self.cfg.train.resume)
+    def _resume(self) -> tuple[Restored | None, str]:
+        """Restore the checkpoint ``train.resume`` names, if any; it, and what the restart cost, read
+        from ``metrics.jsonl`` before the metrics logger drops the records past the checkpoint."""
+        restored = self.checkpointer.resume(self.cfg.train.resume)
         said = describe_itm(self.objectives, bool(self.cfg.data.global_batch_size), self.itm_source)
         if said and self.world.is_main:  # what ITM does, the checkpoint's group size included
             log.info(said)
-        if self.restored is None or not self.world.is_main:
-            return ""
-        return restart_cost(self.run_dir / "metrics.jsonl", self.step)
+        if restored is None or not self.world.is_main:
+            return restored, ""
+        return restored, restart_cost(self.run_dir / "metrics.jsonl", self.step)
 
-    def _build_model(self) -> None:
-        """The tokenizer, and the model with the same initial weights on every rank."""
+    def _build_model(self) -> tuple[Tokenizer, VLModel, Precision]:
+        """The tokenizer, the model with the same initial weights on every rank (kept by rank 0 when
+        ``checkpoint.save_initial`` asks), and the precision it trains in."""
         tc = self.cfg.train
         torch.manual_seed(tc.seed)
-        self.tokenizer = build_tokenizer(self.cfg)
-        self.model = build_model_for(self.cfg, self.tokenizer, self.device)
+        tokenizer = build_tokenizer(self.cfg)
+        model = build_model_for(self.cfg, tokenizer, self.device)
         if self.init_checkpoint is not None:
-            load_weights(self.init_checkpoint, self.model)
-        freeze_towers(self.model, tc.freeze, tc.unlock_last)
-        self._save_initial()
-        self.precision = Precision(tc.precision, self.device)
+            load_weights(self.init_checkpoint, model)
+        freeze_towers(model, tc.freeze, tc.unlock_last)
+        self._save_initial(model)
+        return tokenizer, model, Precision(tc.precision, self.device)
 
     @staticmethod
     def _seed_rank(seed: int) -> RngState:
@@ -165,13 +169,13 @@ class Trainer:
             "by samples seen (not bit-exact)")
         self.metrics.write(f"resumed from {self.restored.path} at step {self.step} ({how}){cost}")
 
-    def _save_initial(self) -> None:
+    def _save_initial(self, model: VLModel) -> None:
         """Rank 0 keeps the weights the run starts from (``checkpoint.save_initial``), before
         parallelize shards them: ``vltrain export --interpolate`` blends them with the trained ones."""
         when = self.cfg.checkpoint.save_initial
         started_from = self.cfg.model.init or self.init_checkpoint
         if self.world.is_main and (when == "always" or (when == "auto" and started_from)):
-            save_initial_weights(self.run_dir, self.model)
+            save_initial_weights(self.run_dir, model)
 
     def _say_init(self) -> None:
         """What ``model.init`` gave the run (rank 0): a vltrain run, checkpoint or export its model
