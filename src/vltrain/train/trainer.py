@@ -1,8 +1,10 @@
-"""The Trainer: one class whose set-up reads in order and whose step reads straight through.
+"""The Trainer: one class whose set-up reads in order and whose loop reads straight through.
 
 Set-up: distributed -> model -> parallelize -> optimizer -> scheduler -> data -> checkpointer
--> metrics. Everything that a resumed run must restore is Stateful (``state_dict`` /
-``load_state_dict``) and listed by :meth:`Trainer.stateful`, so a checkpointer only collects.
+-> metrics; every attribute is assigned in ``__init__``. Everything that a resumed run must restore
+is Stateful (``state_dict`` / ``load_state_dict``) and listed by :meth:`Trainer.stateful`, so a
+checkpointer only collects. What one step does is in :mod:`vltrain.train.step`; the loop here feeds
+it, logs, evaluates and checkpoints.
 """
 
 from __future__ import annotations
