@@ -30,7 +30,6 @@ from vltrain.runtime.distributed import (
     exchange_shapes,
     world_info,
 )
-from vltrain.pixels import patchify  # noqa: F401  (MIM's targets: objectives/scoring.py takes it from here)
 from vltrain.types import Rows
 
 MAX_LOGIT_SCALE = math.log(100.0)

@@ -43,12 +43,12 @@ from vltrain.objectives.losses import (
     mask_tokens,
     mim_loss,
     mlm_loss,
-    patchify,
     sample_negatives,
     scale_of,
     siglip_loss,
 )
 from vltrain.objectives.ring import itc_loss_ring, siglip_loss_ring
+from vltrain.pixels import patchify
 from vltrain.runtime.distributed import all_gather_no_grad, all_gather_with_grad, exchange_shapes, pad_to
 from vltrain.types import Encoded, ModelInputs, ModelPasses, ModelSpec, Rows, Tokens, real_patches
 
