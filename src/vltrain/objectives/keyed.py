@@ -50,7 +50,7 @@ def mix32(x):
 @dataclass(frozen=True)
 class StepKey:
     """What an optimizer step's draws are keyed by; ``totals`` carries the step's objective
-    denominators summed over every rank and micro-batch (see ``Objectives.totals``)."""
+    denominators summed over every rank and micro-batch (see ``Objectives.local_totals``)."""
 
     seed: int
     step: int
