@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from vltrain.errors import ConfigError, UserError
-from vltrain.model.config import ModelConfig
+from vltrain.model.config import LossConfig, ModelConfig
 from vltrain.model.fusion import FusionEncoder
 from vltrain.model.heads import ITMHead, MIMHead, MLMHead, Projection
 from vltrain.model.model import VLModel
@@ -45,6 +45,12 @@ def _text_tower(model_cfg: ModelConfig, arch: Architecture, vocab_size: int, max
     return text
 
 
+def has_fusion(arch: Architecture, loss: LossConfig) -> bool:
+    """Whether a model of ``arch`` trained on ``loss`` gets its fusion encoder: the architecture has
+    one and ITM or MLM is on."""
+    return arch.fusion is not None and (loss.itm > 0 or loss.mlm > 0)
+
+
 def build_model(
     model_cfg: ModelConfig,
     *,
@@ -70,7 +76,7 @@ def build_model(
             f"{arch.vision.patch_size}"
         )
     loss = model_cfg.loss
-    fused = arch.fusion is not None and (loss.itm > 0 or loss.mlm > 0)
+    fused = has_fusion(arch, loss)
     for key, on in (("mlm", fused and loss.mlm > 0), ("text_mlm", loss.text_mlm > 0)):
         if on and mask_id is None:
             raise UserError(f"model.loss.{key} > 0 needs a tokenizer with a mask token; set model.loss.{key}=0 or use one")

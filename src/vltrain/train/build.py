@@ -18,6 +18,7 @@ from vltrain.data.schedule import budget
 from vltrain.data.tokenizers import Tokenizer, load_tokenizer
 from vltrain.errors import ConfigError
 from vltrain.model import VLModel, build_model, hf_tokenizer_file
+from vltrain.model.builder import has_fusion
 from vltrain.model.config import LossConfig
 from vltrain.model.interop.pretrained import Pretrained, load_pretrained, open_pretrained
 from vltrain.model.presets import Architecture
@@ -151,7 +152,7 @@ def fit_native(cfg: JobConfig) -> None:
         raise ConfigError(f"data.patch_size {data.patch_size} differs from the model's patch size {patch}; "
                           "leave it 0")
     data.patch_size = patch
-    fused = arch.fusion is not None and (loss.itm > 0 or loss.mlm > 0)
+    fused = has_fusion(arch, loss)
     if data.pack_images and (fused or loss.image_mim > 0):
         what = "the fusion encoder (model.loss.itm, model.loss.mlm)" if fused else "model.loss.image_mim"
         raise ConfigError(f"data.pack_images: {what} reads each image's tokens in a row of its own; set "
