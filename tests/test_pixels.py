@@ -7,7 +7,8 @@ import pytest
 import torch
 from PIL import Image
 
-from vltrain.pixels import INTERPOLATIONS, RESAMPLE, patchify, resample_code, resample_name
+from vltrain.data.loading.packing import layout
+from vltrain.pixels import INTERPOLATIONS, RESAMPLE, packed_places, patchify, resample_code, resample_name, unpack
 
 
 def test_patches_are_in_the_order_of_a_patch_embedding_convolution():
@@ -55,3 +56,21 @@ def test_a_filter_is_named_or_given_by_its_code():
             resample_code(bad)
     assert [resample_name(c) for c in (2, 3, 1)] == ["bilinear", "bicubic", "lanczos"]
     assert resample_name(9) is None and resample_name(True) is None and resample_name("2") is None
+
+
+def test_a_packed_batch_unpacks_to_each_images_patches_in_order():
+    sizes = [6, 0, 3, 7, 2, 5]  # row 1 has no image
+    length = 8
+    padded = torch.zeros(len(sizes), length, 2)
+    for i, n in enumerate(sizes):
+        padded[i, :n, 0], padded[i, :n, 1] = i, torch.arange(n)  # (row, patch)
+    places, segments, patch_index = layout(sizes, length)
+    packed = torch.full((segments.shape[0], length, 2), -1.0)
+    for i, (seq, offset) in enumerate(places):
+        packed[seq, offset:offset + sizes[i]] = padded[i, :sizes[i]]
+    assert segments.shape[0] == 3  # 7 | 6 + 2 | 5 + 3: really packed
+    out = unpack(packed, packed_places(segments, patch_index, len(sizes)))
+    assert out.shape == padded.shape
+    real = torch.arange(length) < torch.tensor(sizes)[:, None]
+    assert torch.equal(out[real], padded[real])
+    assert (out[~real] >= 0).all()  # past a row's patches: some image's patch, never the packing's padding

@@ -1,9 +1,11 @@
 """The pixel conventions the data and the model must share: the order an image is cut into patches
-(:func:`patchify`) and the names of the resampling filters (:data:`RESAMPLE`).
+(:func:`patchify`), where a packed image's patches lie (:func:`packed_places`, :func:`unpack`) and
+the names of the resampling filters (:data:`RESAMPLE`).
 
 The loader cuts native-shape images into patches (``data/native.py``), the vision tower cuts square
 images the same way before its patch embedding (``model/vision.py``), and masked image modelling
-regresses patches in that order (``objectives/losses.py``); an image's filter is named in
+regresses patches in that order (``objectives/losses.py``); the vision tower lays packed images'
+tokens out one image per row, and masked image modelling their patches, by one rule; an image's filter is named in
 ``data.interpolation``, read from and written to Hugging Face image processors
 (``model/interop/hf_clip.py``, ``export/hf.py``) and handed to Pillow (``data/native.py``). Each
 convention holds only if all of them use one definition. ``data/`` and ``model/`` import neither
@@ -47,3 +49,23 @@ def patchify(pixels: torch.Tensor, patch: int) -> torch.Tensor:
     grid = pixels.reshape(*lead, c, h // patch, patch, w // patch, patch)
     grid = grid.permute(*range(n), n + 1, n + 3, n, n + 2, n + 4)
     return grid.reshape(*lead, (h // patch) * (w // patch), c * patch * patch)
+
+
+def packed_places(segments: torch.Tensor, patch_index: torch.Tensor, rows: int) -> torch.Tensor:
+    """[rows, N]: where each row's patches lie in a packed batch (``segments`` and ``patch_index``
+    [S, N], ``ModelInputs``' packed layout), as flat positions over its S x N: row i's patch j at
+    ``[i, j]``, in the order of the padded layout. Positions past a row's last patch (and every
+    position of a row without an image) say 0: a real position of some image, which readers of the
+    padded layout never read (its mask says so). Found on the device with no host synchronization."""
+    sequences, length = segments.shape
+    flat = torch.arange(sequences * length, device=segments.device)
+    # each packed position's place in the padded layout; padding goes to one spare slot, dropped
+    target = torch.where(segments >= 0, segments * length + patch_index, rows * length).flatten()
+    places = torch.zeros(rows * length + 1, dtype=torch.int64, device=segments.device)
+    return places.scatter_(0, target, flat)[:-1].view(rows, length)
+
+
+def unpack(values: torch.Tensor, places: torch.Tensor) -> torch.Tensor:
+    """[S, N, ...] packed -> [rows, N, ...] padded: one row per image, its patches first
+    (``places`` from :func:`packed_places`)."""
+    return values.flatten(0, 1)[places]

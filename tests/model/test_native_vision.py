@@ -105,9 +105,15 @@ def test_packed_and_padded_give_the_same_embeddings(pooling, class_token):
     pixels, layout = packed(x, grids)
     assert layout["segments"].shape[0] < len(grids) and layout["image_slots"].shape[1] > 1  # really packed
     with torch.no_grad():
-        _, padded = vit(x, grids=grids)
-        _, together = vit(pixels, grids=grids, **layout)
+        padded_tokens, padded = vit(x, grids=grids)
+        tokens, together = vit(pixels, grids=grids, **layout)
     torch.testing.assert_close(together, padded, atol=1e-6, rtol=0)
+    # the tokens come out one image per row, as padded ones do, with the same mask (what the fusion
+    # encoder, masked image modelling and evaluation read)
+    assert tokens.values.shape == padded_tokens.values.shape and torch.equal(tokens.real, padded_tokens.real)
+    real = tokens.real
+    assert real.sum() == grids.prod(-1).sum() + class_token * len(grids)
+    torch.testing.assert_close(tokens.values[real], padded_tokens.values[real], atol=1e-5, rtol=0)
 
 
 @pytest.mark.parametrize("pooling,class_token", [("map", False), ("cls", True)])

@@ -52,6 +52,11 @@ CASES: dict[str, tuple[int, dict[str, object]]] = {
         "model.loss.image_mim": 0.5, "data.train": "native.jsonl", "data.resize": "native",
         "data.max_patches": 8,
     }),
+    "albef-native-packed-itm-mlm-mim": (1, {
+        "model.preset": "tiny-albef", "model.loss.itm": 0.5, "model.loss.mlm": 0.3,
+        "model.loss.image_mim": 0.5, "data.train": "native.jsonl", "data.resize": "native",
+        "data.max_patches": 8, "data.pack_images": True,
+    }),
 }
 NATIVE_SIZES = [(64, 16), (16, 64), (32, 32), (48, 24), (24, 48), (40, 8), (8, 40), (96, 32)]
 """(width, height) of native.jsonl's images, in turn."""

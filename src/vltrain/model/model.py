@@ -76,12 +76,21 @@ class VLModel(nn.Module):
 
     def _packed_images(self, inputs: ModelInputs):
         """Packed images (``data.pack_images``): the tower runs on every packed sequence (one of padding
-        when the batch has no image); rows without an image get zero embeddings, no gradient."""
+        when the batch has no image) and gives each row's tokens in a row of its own, as the padded
+        layout does. Rows without an image get zero embeddings (no gradient) and, for the fusion
+        encoder, zero tokens of which only the first is real, as :meth:`_encode_present` gives them."""
         tokens, pooled = self.vision(inputs.pixels, grids=inputs.grids, segments=inputs.segments,
                                      patch_index=inputs.patch_index, image_slots=inputs.image_slots)
         embeds = self.image_proj(pooled)
         anchor = 0.0 * (tokens.values.float().mean() + embeds.float().mean())
-        return None, None, torch.where(inputs.has_image[:, None], embeds, torch.zeros_like(embeds)), anchor
+        has = inputs.has_image
+        embeds = torch.where(has[:, None], embeds, torch.zeros_like(embeds))
+        if self.fusion is None:
+            return None, None, embeds, anchor
+        first = torch.zeros_like(tokens.real)
+        first[:, 0] = True
+        values = torch.where(has[:, None, None], tokens.values, torch.zeros_like(tokens.values))
+        return values, torch.where(has[:, None], tokens.real, first), embeds, anchor
 
     def _text(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> tuple[torch.Tensor, None, torch.Tensor]:
         """(tokens, None, embeddings) of captions: their mask is ``attention_mask``, which the caller has."""

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from vltrain.model.blocks import MLP, Block, LayerNorm, attention, block_flops, mlp_width, run_blocks
-from vltrain.pixels import patchify
+from vltrain.pixels import packed_places, patchify, unpack
 from vltrain.types import Tokens, real_patches
 
 VISION_POOLINGS = ("cls", "mean", "map")
@@ -79,18 +79,19 @@ class VisionTransformer(nn.Module):
         patch_index: torch.Tensor | None = None, image_slots: torch.Tensor | None = None,
     ) -> tuple[Tokens, torch.Tensor]:
         """One forward for every layout: embed (the only step that depends on it), then the pre-norm,
-        the blocks and the norm, attending within each image, then pooling.
+        the blocks and the norm, attending within each image, then one pooling over each image's
+        tokens.
 
         ``pixels`` [B, 3, H, W] are square images: every token is real and nothing is masked (the
         fast path: no mask is made or read). With ``grids`` [B, 2] they are the patches of images at
         their own shape, one image per row (:meth:`embed_grids`) or packed (with ``segments``,
-        :meth:`embed_packed`). ``patch_mask`` [B, patches] (bool): those patches enter as
-        ``mask_token`` (masked image modelling; not packed)."""
-        slots = 0
+        :meth:`embed_packed`). Whatever the layout in, the tokens come out one image per row, as
+        the padded layout has them (packed ones unpacked, :meth:`unpack`): the fusion encoder, the
+        pooling and evaluation read one layout. ``patch_mask`` [B, patches] (bool): those patches
+        enter as ``mask_token`` (masked image modelling; not packed)."""
         if segments is not None:
-            x, segments, slots = self.embed_packed(pixels, grids, segments, patch_index, image_slots)
-            real = segments >= 0
-            attend = (segments[:, :, None] == segments[:, None, :])[:, None]  # padding attends to padding
+            x, positions, slots = self.embed_packed(pixels, grids, segments, patch_index, image_slots)
+            attend = (positions[:, :, None] == positions[:, None, :])[:, None]  # padding attends to padding
         elif grids is not None:
             x, real = self.embed_grids(pixels, grids, patch_mask, mask_token)
             attend = real[:, None, None, :]
@@ -101,7 +102,7 @@ class VisionTransformer(nn.Module):
         x = run_blocks(self.blocks, x, attend, checkpointing=self.checkpointing)
         x = self.norm(x)
         if segments is not None:
-            return Tokens(x, real), self.pool_packed(x, segments, grids.shape[0], slots)
+            x, real = self.unpack(x, grids, segments, patch_index, image_slots if slots else None)
         return Tokens(x, real), self.pool(x, real)
 
     def embed_square(self, pixels: torch.Tensor, patch_mask: torch.Tensor | None = None,
@@ -146,8 +147,7 @@ class VisionTransformer(nn.Module):
         of its patches. With a class token, ``image_slots`` [S, K] (the rows each sequence holds) gives
         the K positions put before each sequence's patches, one class token per image. Returns the
         tokens [S, K + N, W], the row of each position [S, K + N] and K (0 without a class token).
-        Attention stays inside each image, so each embedding is the one the image gets alone; a row
-        without an image pools its sequence's padding (finite, unused)."""
+        Attention stays inside each image, so each image's tokens are the ones it gets alone."""
         x = F.linear(patches, self.patch_embed.weight.flatten(1), self.patch_embed.bias)
         positions = resize_positions(self.pos_embed[self.num_prefix:], self.cfg.image_size // self.cfg.patch_size,
                                      grids, x.shape[1])
@@ -159,24 +159,24 @@ class VisionTransformer(nn.Module):
         cls = (self.cls_token + self.pos_embed[0]).to(x.dtype).expand(*image_slots.shape, -1)
         return torch.cat([cls, x], dim=1), torch.cat([image_slots, segments], dim=1), image_slots.shape[1]
 
-    def pool_packed(self, x: torch.Tensor, segments: torch.Tensor, rows: int, slots: int = 0) -> torch.Tensor:
-        """[rows, W]: each row's image pooled over its own positions; the first ``slots`` positions of
-        each sequence hold class tokens (cls pooling reads its image's; mean pooling skips them)."""
-        if self.cfg.pooling == "cls":  # each row's class token: where its slot is (0: no image, never read)
-            place = torch.arange(segments.shape[0] * slots, device=x.device).view(-1, slots)
-            at = segments.new_zeros(rows + 1).scatter_(0, (segments[:, :slots] + 1).flatten(), place.flatten())[1:]
-            return x[:, :slots].flatten(0, 1)[at]
-        row = torch.arange(rows, device=x.device)
-        # the sequence holding each row's image (0: none); padding (-1) lands in a slot of its own
-        sequence = torch.arange(segments.shape[0], device=x.device)[:, None].expand_as(segments)
-        seq = segments.new_zeros(rows + 1).scatter_(0, (segments + 1).flatten(), sequence.flatten())[1:]
-        real = segments[seq] == row[:, None]
-        real |= ~real.any(dim=1, keepdim=True)  # no image: all of sequence 0, never read
-        if self.cfg.pooling == "mean":
-            keep = real[..., None].to(x.dtype)
-            keep[:, :slots] = 0
-            return (x[seq] * keep).sum(dim=1) / keep.sum(dim=1).clamp(min=1)
-        return self.head(x[seq], real)
+    def unpack(self, x: torch.Tensor, grids: torch.Tensor, segments: torch.Tensor, patch_index: torch.Tensor,
+               image_slots: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The tokens of packed sequences [S, K + N, W] (K class-token slots, :meth:`embed_packed`)
+        laid out one image per row, as :meth:`embed_grids` lays them: [B, prefix + N, W], its class
+        token first, then its patches, then tokens no reader reads; and which are real. A row
+        without an image (its grid 1 x 1) reads some other position, finite and unread.
+        ``image_slots``: None without class tokens."""
+        rows, length = grids.shape[0], segments.shape[1]
+        slots = 0 if image_slots is None else image_slots.shape[1]
+        tokens = unpack(x[:, slots:], packed_places(segments, patch_index, rows))
+        real = real_patches(grids, length)
+        if not slots:
+            return tokens, real
+        # each row's class token: where its slot is (a row without an image reads slot 0, unread)
+        place = torch.arange(image_slots.numel(), device=x.device)
+        at = image_slots.new_zeros(rows + 1).scatter_(0, (image_slots + 1).flatten(), place)[1:]
+        tokens = torch.cat([x[:, :slots].flatten(0, 1)[at][:, None], tokens], dim=1)
+        return tokens, torch.cat([real.new_ones(rows, 1), real], dim=1)
 
     def pool(self, x: torch.Tensor, real: torch.Tensor | None = None) -> torch.Tensor:
         """The image's vector; ``real`` [B, tokens] (bool): the tokens pooling may read (None: all)."""

@@ -48,7 +48,7 @@ from vltrain.objectives.losses import (
     siglip_loss,
 )
 from vltrain.objectives.ring import itc_loss_ring, siglip_loss_ring
-from vltrain.pixels import patchify
+from vltrain.pixels import packed_places, patchify, unpack
 from vltrain.runtime.distributed import all_gather_no_grad, all_gather_with_grad, exchange_shapes, pad_to
 from vltrain.types import Encoded, ModelInputs, ModelPasses, ModelSpec, Rows, Tokens, real_patches
 
@@ -341,8 +341,12 @@ class Objectives:
         would save compute but make the vision tower's token count a per-row, per-rank variable."""
         applies = self._mim_rows(inputs)
         index, n = _present_rows(applies)
-        pixels = inputs.pixels.index_select(0, index) if n else torch.zeros_like(inputs.pixels[:1])
-        grids = inputs.grids  # images at their own shape come as patches already, padded
+        pixels = inputs.pixels  # images at their own shape come as patches already
+        if inputs.segments is not None:  # packed: one image per row, zeros past its patches, as padded
+            pixels = unpack(pixels, packed_places(inputs.segments, inputs.patch_index, len(inputs)))
+            pixels = pixels.masked_fill(~real_patches(inputs.grids, pixels.shape[1])[..., None], 0)
+        pixels = pixels.index_select(0, index) if n else torch.zeros_like(pixels[:1])
+        grids = inputs.grids
         if grids is not None:
             grids = grids.index_select(0, index) if n else torch.ones_like(grids[:1])
         # the dummy row: nothing to predict

@@ -18,7 +18,6 @@ from vltrain.data.schedule import budget
 from vltrain.data.tokenizers import Tokenizer, load_tokenizer
 from vltrain.errors import ConfigError
 from vltrain.model import VLModel, build_model, hf_tokenizer_file
-from vltrain.model.builder import has_fusion
 from vltrain.model.config import LossConfig
 from vltrain.model.interop.pretrained import Pretrained, load_pretrained, open_pretrained
 from vltrain.model.presets import Architecture
@@ -135,11 +134,10 @@ def build_model_for(cfg: JobConfig, tokenizer: Tokenizer, device: torch.device |
 
 def fit_native(cfg: JobConfig) -> None:
     """``data.resize: native``: the patch side the data cuts images into is the architecture's (so
-    data code needs no model); refuse what does not read images at their own shape yet. The native
-    settings that need the architecture, or a ``resize`` that ``model.init`` may give, are checked
+    data code needs no model). The native settings that need the architecture, or a ``resize`` that ``model.init`` may give, are checked
     here and nowhere else; those the data alone decides, when the config is read
     (``DataConfig.validate``)."""
-    data, loss = cfg.data, cfg.model.loss
+    data = cfg.data
     if data.resize != "native":
         if data.pack_images or data.patch_budget:
             key = "data.pack_images packs" if data.pack_images else "data.patch_budget counts the patches of"
@@ -152,11 +150,6 @@ def fit_native(cfg: JobConfig) -> None:
         raise ConfigError(f"data.patch_size {data.patch_size} differs from the model's patch size {patch}; "
                           "leave it 0")
     data.patch_size = patch
-    fused = has_fusion(arch, loss)
-    if data.pack_images and (fused or loss.image_mim > 0):
-        what = "the fusion encoder (model.loss.itm, model.loss.mlm)" if fused else "model.loss.image_mim"
-        raise ConfigError(f"data.pack_images: {what} reads each image's tokens in a row of its own; set "
-                          "data.pack_images false (images are then padded, and only their real patches are read)")
 
 
 def _check_fits_init(cfg: JobConfig, tokenizer: Tokenizer, arch: Architecture) -> tuple[int, int]:
