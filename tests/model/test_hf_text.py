@@ -75,7 +75,6 @@ def test_hf_text_tower_checkpointing_is_exact(bert_folder):
     for enabled in (False, True):
         torch.manual_seed(0)
         model = build_model(cfg, vocab_size=len(WORDS), pad_id=0, mask_id=4, image_size=32, max_text_length=8)
-        model.train()  # transformers checkpoints only in training mode (see the xfail below)
         model.set_activation_checkpointing(enabled)
         # transformers checkpoints a layer's forward, inside the layer's hooks: count its first part
         with forward_calls(*(block.attention for block in model.text.blocks)) as counts:
@@ -86,14 +85,11 @@ def test_hf_text_tower_checkpointing_is_exact(bert_folder):
     torch.testing.assert_close(results[0], results[1])
 
 
-@pytest.mark.xfail(strict=True, reason="AutoModel.from_pretrained returns the encoder in eval mode and nothing "
-                   "sets it back before training: dropout and activation checkpointing are off in the text tower "
-                   "until the first evaluation's eval_mode() restores train(True) (src/vltrain/model/text.py)")
 def test_a_built_hf_text_tower_trains_in_training_mode(bert_folder):
     cfg = ModelConfig(preset="tiny-clip", text=TextConfig(hf_path=str(bert_folder)))
     model = build_model(cfg, vocab_size=len(WORDS), pad_id=0, mask_id=4, image_size=32, max_text_length=8)
     assert model.training
-    assert all(m.training for m in model.modules())
+    assert all(m.training for m in model.modules())  # transformers checkpoints activations only in training mode
 
 
 def test_hf_path_errors_are_user_errors(tmp_path, bert_folder):

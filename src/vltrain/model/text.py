@@ -181,7 +181,9 @@ class HFTextEncoder(nn.Module):
             raise UserError("model.text.hf_path needs the transformers package: pip install 'vltrain[hf]'") from None
         if not Path(path, "config.json").is_file():
             raise UserError(f"model.text.hf_path {path}: no config.json there; give a saved Hugging Face model folder")
-        self.model = AutoModel.from_pretrained(str(path))
+        # from_pretrained returns the encoder in eval mode; a tower is built for training (transformers
+        # checkpoints activations only in training mode), and evaluation switches modes itself
+        self.model = AutoModel.from_pretrained(str(path)).train()
         if getattr(self.model, "pooler", None) is not None:
             self.model.pooler = None
         for m in self.model.modules():
