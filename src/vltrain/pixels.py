@@ -5,8 +5,8 @@ the names of the resampling filters (:data:`RESAMPLE`).
 The loader cuts native-shape images into patches (``data/native.py``), the vision tower cuts square
 images the same way before its patch embedding (``model/vision.py``), and masked image modelling
 regresses patches in that order (``objectives/losses.py``); the vision tower lays packed images'
-tokens out one image per row, and masked image modelling their patches, by one rule; an image's filter is named in
-``data.interpolation``, read from and written to Hugging Face image processors
+tokens out one image per row, and masked image modelling their patches, by one rule; an image's
+filter is named in ``data.interpolation``, read from and written to Hugging Face image processors
 (``model/interop/hf_clip.py``, ``export/hf.py``) and handed to Pillow (``data/native.py``). Each
 convention holds only if all of them use one definition. ``data/`` and ``model/`` import neither
 each other, so it sits below both, in the layer of ``types.py`` (what every layer passes on), and

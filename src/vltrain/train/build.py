@@ -134,9 +134,9 @@ def build_model_for(cfg: JobConfig, tokenizer: Tokenizer, device: torch.device |
 
 def fit_native(cfg: JobConfig) -> None:
     """``data.resize: native``: the patch side the data cuts images into is the architecture's (so
-    data code needs no model). The native settings that need the architecture, or a ``resize`` that ``model.init`` may give, are checked
-    here and nowhere else; those the data alone decides, when the config is read
-    (``DataConfig.validate``)."""
+    data code needs no model). The native settings that need the architecture, or a ``resize`` that
+    ``model.init`` may give, are checked here and nowhere else; those the data alone decides, when
+    the config is read (``DataConfig.validate``)."""
     data = cfg.data
     if data.resize != "native":
         if data.pack_images or data.patch_budget:
