@@ -61,6 +61,7 @@ def overrides(shapes: Path, run_dir: Path, **extra) -> list[str]:
         "train.timeout_s": 60,
         "checkpoint.every": EVERY,
         "checkpoint.keep": 0,
+        "metrics.curves": False,  # a second of matplotlib per run, over a hundred runs
     }
     base.update({k.replace("__", "."): v for k, v in extra.items()})
     return [f"{k}={v}" for k, v in base.items()]

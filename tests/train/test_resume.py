@@ -51,8 +51,10 @@ def test_resume_on_another_world_size_continues_by_samples_seen(tmp_path_factory
     shutil.copytree(ref / "checkpoints", run / "checkpoints")
     saved = json.loads((run / "checkpoints" / f"step-{STEPS}" / "state.json").read_text())["states"]["loader"]
 
-    proc = ok(train(shapes, run, nproc=1, train__max_steps=STEPS + 2))
+    proc = ok(train(shapes, run, nproc=1, train__max_steps=STEPS + 2, metrics__curves=True))
     assert f"at step {STEPS} (from world size 2: model and optimizer resharded" in proc.stderr
+    # metrics.curves: drawn when on (the default), not when off, as in the reference run
+    assert (run / "curves.png").stat().st_size > 0 and not (ref / "curves.png").exists()
     loader = json.loads((run / "checkpoints" / f"step-{STEPS + 2}" / "state.json").read_text())["states"]["loader"]
     # one rank takes half the samples per step of two: the same samples seen is twice the steps
     assert loader["sampler"]["world_size"] == 1

@@ -232,6 +232,9 @@ class CheckpointConfig(Settings):
 
 @dataclass
 class MetricsConfig(Settings):
+    curves: bool = True
+    """Draw RUN_DIR/curves.png (loss, lr, throughput, evaluations) when the run ends, on rank 0.
+    Off for many short runs (sweeps, tests): drawing costs about a second of matplotlib per run."""
     wandb: bool = False
     """Log the same scalars and evaluations as TensorBoard, and the resolved config, to Weights &
     Biases (rank 0; needs the optional `wandb` package). The W&B run id is kept in RUN_DIR/wandb_id,

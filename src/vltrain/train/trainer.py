@@ -422,7 +422,7 @@ class Trainer:
 
     def close(self, clean: bool = True) -> None:
         """Flush the sinks, leave the process group (``clean``: after a run that did not fail),
-        draw curves.png.
+        draw curves.png (``metrics.curves``).
 
         A distributed run lets go of the model, the optimizer and the checkpointer first, so that
         leaving frees the groups and joins their threads (``World.close``): the counters, the
@@ -436,5 +436,5 @@ class Trainer:
             for name in self.HOLD_GROUPS:
                 setattr(self, name, None)
         self.world.close(clean)
-        if self.world.is_main:
+        if self.world.is_main and self.cfg.metrics.curves:
             quiet.run("curves.png", lambda: plot_curves(self.run_dir))
