@@ -60,15 +60,23 @@ LOSSES = {"itc": {}, "siglip": {"model__loss__itc": 0, "model__loss__siglip": 1}
           "budget": BUDGET}
 
 
+_RUNS: dict[tuple[str, str], tuple[Path, object]] = {}
+
+
+def split_run(tmp_path_factory, loss: str, name: str):
+    """The run of ``LOSSES[loss]`` on split ``name``, made once per session: the split tests and
+    the resume test (whose uninterrupted reference is the 2-rank run) read the same one."""
+    key = (loss, name)
+    if key not in _RUNS:
+        nproc, extra = SPLITS[name]
+        run_dir = tmp_path_factory.mktemp(f"global-batch-{loss}") / name.replace(" ", "_")
+        _RUNS[key] = (run_dir, ok(run(mixed(tmp_path_factory), run_dir, nproc, **LOSSES[loss], **extra)))
+    return _RUNS[key]
+
+
 @pytest.fixture(scope="module", params=list(LOSSES))
 def splits(request, tmp_path_factory):
-    shapes = mixed(tmp_path_factory)
-    root = tmp_path_factory.mktemp(f"global-batch-{request.param}")
-    done = {}
-    for name, (nproc, extra) in SPLITS.items():
-        proc = ok(run(shapes, root / name.replace(" ", "_"), nproc, **LOSSES[request.param], **extra))
-        done[name] = (root / name.replace(" ", "_"), proc)
-    return shapes, done
+    return mixed(tmp_path_factory), {name: split_run(tmp_path_factory, request.param, name) for name in SPLITS}
 
 
 @pytest.mark.timeout(600)
@@ -110,8 +118,7 @@ def test_the_audit_shows_the_same_samples_in_every_step(splits):
 @pytest.mark.parametrize("model", ["itc", "fusion", "budget"])
 def test_stopped_on_two_ranks_and_resumed_on_one_it_continues_the_same_trajectory(model, tmp_path_factory, tmp_path):
     shapes = mixed(tmp_path_factory)
-    unstopped = tmp_path / "unstopped"
-    ok(run(shapes, unstopped, 2, **LOSSES[model]))
+    unstopped, _ = split_run(tmp_path_factory, model, "2 ranks, A=1")
     run_dir = tmp_path / "run"
     assert run(shapes, run_dir, 2, fault="kill:at=step:step=10", **LOSSES[model]).returncode != 0
     resumed = ok(run(shapes, run_dir, 1, data__micro_batch_size=G // 2, **LOSSES[model]))
