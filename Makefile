@@ -27,11 +27,13 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(VENV)/bin/vltrain demo
 
+# -n auto: one pytest-xdist worker per core; --dist loadfile keeps a file's tests (and the runs its
+# module fixtures share) on one worker. A single test still runs with plain `pytest`.
 test: $(STAMP)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n auto --dist loadfile
 
 test-fast: $(STAMP)
-	$(PY) -m pytest -q -m 'not slow'
+	$(PY) -m pytest -q -n auto --dist loadfile -m 'not slow'
 
 clean:
 	rm -rf $(VENV) build src/*.egg-info .pytest_cache

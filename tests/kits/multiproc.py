@@ -16,10 +16,35 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 
+PORTS = range(20000, 32000)
+"""Ports tests hand out: below Linux's ephemeral range (32768-60999), where the kernel places the
+sockets a run opens itself (gloo's pairs, clients), so none of those can take a port before its
+launcher binds it."""
+_next = {"at": None}
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port to give a launcher (torchrun's store, a gloo init, a server). Each pytest-xdist worker
+    has its own block of ``PORTS`` and takes its ports in turn, from a random start (two suites at
+    once), skipping any that something already holds: no two tests running side by side are handed
+    the same port, which the kernel's ``bind(0)`` cannot promise once the probe socket is closed."""
+    import random
+
+    worker = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0")[2:] or 0)
+    block = len(PORTS) // 8
+    first = PORTS.start + (worker % 8) * block
+    if _next["at"] is None:
+        _next["at"] = random.randrange(block)
+    for _ in range(block):
+        port = first + _next["at"]
+        _next["at"] = (_next["at"] + 1) % block
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        return port
+    raise RuntimeError(f"no free port in {first}-{first + block - 1}")
 
 
 def _worker(rank: int, world: int, port: int, fn, args, out_dir: str) -> None:

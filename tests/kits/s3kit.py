@@ -7,22 +7,16 @@ test and empties it first. Objects are written with s3fs, as a user's upload too
 from __future__ import annotations
 
 import io
-import socket
 import tarfile
 import time
 import urllib.request
 from pathlib import Path
 
 import pytest
+from kits.multiproc import free_port
 
 from vltrain.data.sources.manifests import open_manifest
 from vltrain.data.sources.shards import write_shards
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class S3:
