@@ -48,6 +48,10 @@ class ModelInputs:
     image_slots: torch.Tensor | None = None
     """int64 [S, K] with packed images: the rows whose images each sequence holds, in order (-1: none),
     where a tower with a class token puts their class tokens."""
+    patch_keep: torch.Tensor | None = None
+    """int64 [B, K], ascending: patch dropout in a training step, the patches each image keeps (of
+    its ``data.image_size`` grid, or of the N positions of ``grids``); drawn keyed by the step and
+    the sample (``Objectives.patch_keep``). None: every patch."""
     key: Any = None
     """A ``vltrain.objectives.keyed.StepKey`` (typed loosely: the objectives sit above this layer): the
     step's seed, number and objective denominators, what the objectives' random draws are keyed by

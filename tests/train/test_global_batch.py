@@ -50,10 +50,14 @@ def step_ids(run_dir: Path, accumulation: int) -> dict[tuple[int, int], list[int
     return {k: sorted(v) for k, v in out.items()}
 
 
-FUSION = {"model__preset": "tiny-albef", "model__loss__itm": 1, "model__loss__mlm": 0.5, "model__loss__text_mlm": 0.3}
-"""ITM's groups are the global batch's default (3 of 12 rows): no key ties them to a split."""
-UNIMODAL = {"model__loss__text_mlm": 0.3, "model__loss__image_mim": 0.3}
-"""What text-only and image-only rows train: keyed MLM and MIM masks, means over the step."""
+FUSION = {"model__preset": "tiny-albef", "model__loss__itm": 1, "model__loss__mlm": 0.5, "model__loss__text_mlm": 0.3,
+          "model__vision__patch_dropout": 0.5, "model__vision__patch_dropout_until": 10}
+"""ITM's groups are the global batch's default (3 of 12 rows): no key ties them to a split. Patch
+dropout in steps 1 to 10, so the fusion encoder reads only kept image tokens, then every patch:
+the resume below (from step 8) crosses the switch."""
+UNIMODAL = {"model__loss__text_mlm": 0.3, "model__loss__image_mim": 0.3, "model__vision__patch_dropout": 0.25}
+"""What text-only and image-only rows train: keyed MLM and MIM masks, means over the step; with
+patch dropout on every step (MIM's own pass keeps every position)."""
 BUDGET = {"data__batching": "budget"}
 """Budget steps: 3 to 12 rows under 96 text positions and 12 images per step (the defaults)."""
 LOSSES = {"itc": {}, "siglip": {"model__loss__itc": 0, "model__loss__siglip": 1}, "fusion": FUSION, "unimodal": UNIMODAL,
@@ -92,6 +96,9 @@ def test_one_global_batch_split_three_ways_trains_the_same_model(splits):
             assert ("ITM negatives from groups of 3 consecutive rows of the global batch (the default for a global "
                     "batch of 12: the same on any number of ranks)") in split.stderr
         assert all(set(r) >= {"loss/itm", "loss/mlm"} for r in metric_rows(ref))
+    if "patch_dropout" in " ".join(proc.args):
+        until = "steps 1 to 10" if "tiny-albef" in str(proc.args) else "every step"
+        assert "patch dropout: each image drops" in proc.stderr and until in proc.stderr
     base = losses(ref)
     assert len(base) == STEPS
     for run_dir, _ in others:

@@ -24,6 +24,27 @@ class TextConfig(Settings):
 
 
 @dataclass
+class VisionSettings(Settings):
+    patch_dropout: float = 0.0
+    """Patch dropout (FLIP): the fraction of each image's patches dropped in a training step, in
+    [0, 1); the tower runs on the rest. Drawn per sample and step (the same on any number of ranks
+    and after a resume); evaluation, embed and export see every patch. Square images and images at
+    their own shape, padded (not ``data.pack_images`` yet). Masked image modelling's own pass keeps
+    every position."""
+    patch_dropout_until: int = 0
+    """The last step that drops patches; every patch from the next one on (FLIP's unmasked tuning).
+    0: patch dropout on every step."""
+
+    def validate(self) -> None:
+        if not 0.0 <= self.patch_dropout < 1.0:
+            raise ConfigError(f"model.vision.patch_dropout must be in [0, 1) (the fraction of patches "
+                              f"dropped), got {self.patch_dropout}")
+        if self.patch_dropout_until < 0:
+            raise ConfigError(f"model.vision.patch_dropout_until must be >= 0 (0: every step), "
+                              f"got {self.patch_dropout_until}")
+
+
+@dataclass
 class LossConfig(Settings):
     """Per-objective weights. An objective the model has no head for (ITM or MLM on a dual encoder)
     is ignored, so one loss section serves every preset."""
@@ -90,6 +111,7 @@ class ModelConfig(Settings):
     """A name from ``vltrain.model.list_presets()`` (tiny-clip, tiny-albef, clip-vit-b32, ...); empty
     in a run's saved config when model.init gave the architecture (model.arch)."""
     text: TextConfig = field(default_factory=TextConfig)
+    vision: VisionSettings = field(default_factory=VisionSettings)
     loss: LossConfig = field(default_factory=LossConfig)
     embed_dim: int = 0
     """0: the preset's."""

@@ -68,10 +68,11 @@ class VLModel(nn.Module):
 
     # -- encoding -----------------------------------------------------------------------------
 
-    def _vision(self, pixels: torch.Tensor, grids: torch.Tensor | None = None
+    def _vision(self, pixels: torch.Tensor, grids: torch.Tensor | None = None, keep: torch.Tensor | None = None
                 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
-        """(tokens, their mask of real ones or None: all real, embeddings) of images."""
-        tokens, pooled = self.vision(pixels, grids=grids)
+        """(tokens, their mask of real ones or None: all real, embeddings) of images; ``keep``: the
+        patches each keeps (patch dropout)."""
+        tokens, pooled = self.vision(pixels, grids=grids, keep=keep)
         return tokens.values, tokens.real, self.image_proj(pooled)
 
     def _packed_images(self, inputs: ModelInputs):
@@ -116,7 +117,8 @@ class VLModel(nn.Module):
         if n == b:
             tokens, real, embeds = fn(*inputs)
         else:
-            tokens, real, embeds = fn(*(dummy if n == 0 else (x.index_select(0, index) for x in inputs)))
+            rows = (None if x is None else x.index_select(0, index) for x in inputs)
+            tokens, real, embeds = fn(*(dummy if n == 0 else rows))
         anchor = 0.0 * (tokens.float().mean() + embeds.float().mean())
         if self.fusion is None:
             tokens = real = None
@@ -141,9 +143,10 @@ class VLModel(nn.Module):
         if inputs.segments is not None:
             image_tokens, real, image_embeds, a_img = self._packed_images(inputs)
         else:
-            images, dummy = (pixels,), (torch.zeros_like(pixels[:1]),)
-            if inputs.grids is not None:  # images at their own shape; the dummy is one patch
-                images, dummy = (pixels, inputs.grids), (*dummy, torch.ones_like(inputs.grids[:1]))
+            grids, keep = inputs.grids, inputs.patch_keep
+            images = (pixels, grids, keep)
+            dummy = (torch.zeros_like(pixels[:1]),  # at its own shape, the dummy image is one patch
+                     None if grids is None else torch.ones_like(grids[:1]), None if keep is None else keep[:1])
             image_tokens, real, image_embeds, a_img = self._encode_present(
                 self._vision, images, dummy, inputs.has_image, None if inputs.counts is None else inputs.counts[0],
             )

@@ -77,6 +77,7 @@ class VisionTransformer(nn.Module):
         self, pixels: torch.Tensor, patch_mask: torch.Tensor | None = None, mask_token: torch.Tensor | None = None,
         grids: torch.Tensor | None = None, segments: torch.Tensor | None = None,
         patch_index: torch.Tensor | None = None, image_slots: torch.Tensor | None = None,
+        keep: torch.Tensor | None = None,
     ) -> tuple[Tokens, torch.Tensor]:
         """One forward for every layout: embed (the only step that depends on it), then the pre-norm,
         the blocks and the norm, attending within each image, then one pooling over each image's
@@ -88,15 +89,20 @@ class VisionTransformer(nn.Module):
         :meth:`embed_packed`). Whatever the layout in, the tokens come out one image per row, as
         the padded layout has them (packed ones unpacked, :meth:`unpack`): the fusion encoder, the
         pooling and evaluation read one layout. ``patch_mask`` [B, patches] (bool): those patches
-        enter as ``mask_token`` (masked image modelling; not packed)."""
+        enter as ``mask_token`` (masked image modelling; not packed). ``keep`` [B, K] (int64, ascending):
+        patch dropout, the only patches each image keeps after its positions are added (square and
+        padded; see ``vltrain.objectives.scoring.kept_patches``): the blocks run on K tokens (and the
+        class token), and the tokens come out K (and the class token) per row."""
         if segments is not None:
             x, positions, slots = self.embed_packed(pixels, grids, segments, patch_index, image_slots)
             attend = (positions[:, :, None] == positions[:, None, :])[:, None]  # padding attends to padding
         elif grids is not None:
             x, real = self.embed_grids(pixels, grids, patch_mask, mask_token)
+            if keep is not None:
+                x, real = self.kept(x, keep), self.kept(real, keep)
             attend = real[:, None, None, :]
         else:
-            x, real, attend = self.embed_square(pixels, patch_mask, mask_token), None, None
+            x, real, attend = self.embed_square(pixels, patch_mask, mask_token, keep), None, None
         if self.norm_pre is not None:
             x = self.norm_pre(x)
         x = run_blocks(self.blocks, x, attend, checkpointing=self.checkpointing)
@@ -106,11 +112,18 @@ class VisionTransformer(nn.Module):
         return Tokens(x, real), self.pool(x, real)
 
     def embed_square(self, pixels: torch.Tensor, patch_mask: torch.Tensor | None = None,
-                     mask_token: torch.Tensor | None = None) -> torch.Tensor:
-        """[B, 1 + patches, W] (no class token: [B, patches, W]): square images' tokens with positions."""
+                     mask_token: torch.Tensor | None = None, keep: torch.Tensor | None = None) -> torch.Tensor:
+        """[B, 1 + patches, W] (no class token: [B, patches, W]): square images' tokens with positions;
+        with ``keep`` [B, K], only the kept patches: [B, 1 + K, W]."""
         x = self.embed_patches(pixels)
         if patch_mask is not None:
             x = torch.where(patch_mask[..., None], mask_token.to(x.dtype), x)
+        if keep is not None:
+            x = x + self.pos_embed[self.num_prefix:].to(x.dtype)
+            if self.cls_token is None:
+                return self.kept(x, keep, prefix=0)
+            cls = (self.cls_token + self.pos_embed[0]).to(x.dtype).expand(x.shape[0], 1, -1)
+            return self.kept(torch.cat([cls, x], dim=1), keep)
         if self.cls_token is not None:
             cls = self.cls_token.to(x.dtype).expand(x.shape[0], 1, -1)
             x = torch.cat([cls, x], dim=1)
@@ -138,6 +151,13 @@ class VisionTransformer(nn.Module):
             x = torch.cat([cls, x], dim=1)
             real = torch.cat([real.new_ones(x.shape[0], 1), real], dim=1)
         return x, real
+
+    def kept(self, x: torch.Tensor, keep: torch.Tensor, prefix: int | None = None) -> torch.Tensor:
+        """The class token (``prefix`` positions, the tower's by default) and the kept patches of each
+        row of ``x`` [B, prefix + N, ...] (tokens or their mask): [B, prefix + K, ...]."""
+        prefix = self.num_prefix if prefix is None else prefix
+        index = keep.view(*keep.shape, *(1,) * (x.dim() - 2)).expand(-1, -1, *x.shape[2:])
+        return torch.cat([x[:, :prefix], x[:, prefix:].gather(1, index)], dim=1)
 
     def embed_packed(self, patches: torch.Tensor, grids: torch.Tensor, segments: torch.Tensor,
                      patch_index: torch.Tensor, image_slots: torch.Tensor | None = None,

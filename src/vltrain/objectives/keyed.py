@@ -29,6 +29,7 @@ class Stream:
     TEXT_MLM_PICK, TEXT_MLM_HOW, TEXT_MLM_TOKEN = 4, 5, 6
     MIM_PATCH = 7
     ITM_TEXT, ITM_IMAGE = 8, 9
+    PATCH_KEEP = 10
 
 
 def _mul32(x: torch.Tensor | int, c: int) -> torch.Tensor | int:

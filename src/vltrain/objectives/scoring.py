@@ -31,11 +31,12 @@ Nothing here depends on how a step is split among ranks and micro-batches
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
 
-from vltrain.model.config import LossConfig
+from vltrain.model.config import LossConfig, VisionSettings
 from vltrain.objectives.keyed import UNKEYED, Stream
 from vltrain.objectives.losses import (
     itc_loss,
@@ -154,7 +155,7 @@ class Objectives:
     """The weighted objectives of one model (``spec``, e.g. ``VLModel.spec``): ``loss_weights`` holds
     those with weight > 0 that the model has heads for."""
 
-    def __init__(self, loss: LossConfig, spec: ModelSpec):
+    def __init__(self, loss: LossConfig, spec: ModelSpec, vision: VisionSettings | None = None):
         w = {"itc": loss.itc, "siglip": loss.siglip}
         w.update({k: getattr(loss, k) for k in ("itm", "mlm", "text_mlm", "image_mim") if k in spec.heads})
         self.loss_weights = {k: v for k, v in w.items() if v > 0}
@@ -167,6 +168,8 @@ class Objectives:
         self.itm_group_size = loss.itm_group_size
         """Rows per ITM group (``itm_negatives: group``); 0: the whole micro-batch."""
         self.ring = loss.contrastive_impl == "ring"
+        vision = vision or VisionSettings()
+        self.patch_dropout, self.patch_dropout_until = vision.patch_dropout, vision.patch_dropout_until
 
     @property
     def averaged(self) -> list[str]:
@@ -372,6 +375,18 @@ class Objectives:
             image_mim=self._patch_mask(inputs, inputs.ids, inputs.grids) if "image_mim" in on else None,
         )
 
+    def patch_keep(self, inputs: ModelInputs) -> torch.Tensor | None:
+        """Patch dropout's kept patches of each row in a training step (``inputs.key``), keyed by
+        (seed, step, sample id, patch): :func:`kept_patches`. None outside training, with the
+        dropout off, and after ``patch_dropout_until``."""
+        key = inputs.key
+        if key is None or not self.patch_dropout or 0 < self.patch_dropout_until <= key.step:
+            return None
+        grids = inputs.grids
+        patches = self.spec.num_patches if grids is None else inputs.pixels.shape[1]
+        draw = key.uniform(Stream.PATCH_KEEP, inputs.ids, patches)
+        return kept_patches(draw, None if grids is None else real_patches(grids, patches), self.patch_dropout)
+
     def local_totals(self, micro: list[ModelInputs]) -> torch.Tensor:
         """What each of :attr:`averaged` divides by, summed over this rank's micro-batches of a step
         ([len(averaged)] fp32): weighted ITM pairs, MLM tokens, MIM patches. The trainer sums it
@@ -429,3 +444,26 @@ class Objectives:
         return ObjectiveOutput(
             total, losses, enc.image_embeds, enc.text_embeds, scale_of(passes.logit_scale).detach(), itm_logits, rows
         )
+
+
+def kept_patches(draw: torch.Tensor, real: torch.Tensor | None, fraction: float) -> torch.Tensor:
+    """The patches each row keeps under patch dropout: int64 [B, K], ascending, K = N - floor(fraction
+    * N) for ``draw`` [B, N] (uniform numbers, one per position).
+
+    Each image keeps the ``r - floor(fraction * r)`` of its ``r`` real patches (``real`` [B, N]; None:
+    all N are) with the smallest draws. An image with fewer real patches fills the rest of its K with
+    padding positions, which stay masked: there are always enough, since r - floor(fraction * r)
+    grows by at most one with r. Stable sorts: ties fall to the lower position, on any device."""
+    n = draw.shape[1]
+    width = n - math.floor(fraction * n)
+    if real is None:
+        order = torch.argsort(draw, dim=1, stable=True)
+    else:
+        count = real.sum(dim=1)
+        keeps = count - torch.floor(fraction * count.double()).long()
+        ranked = torch.where(real, draw, 2.0)
+        rank = torch.argsort(torch.argsort(ranked, dim=1, stable=True), dim=1, stable=True)
+        kept = real & (rank < keeps[:, None])
+        # kept real patches first, then padding (masked), then the dropped real ones
+        order = torch.argsort(torch.where(kept, draw, torch.where(real, 3.0, 2.0)), dim=1, stable=True)
+    return torch.sort(order[:, :width], dim=1).values

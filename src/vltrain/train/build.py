@@ -150,6 +150,9 @@ def fit_native(cfg: JobConfig) -> None:
         raise ConfigError(f"data.patch_size {data.patch_size} differs from the model's patch size {patch}; "
                           "leave it 0")
     data.patch_size = patch
+    if data.pack_images and cfg.model.vision.patch_dropout:
+        raise ConfigError("model.vision.patch_dropout drops patches of square or padded images, not packed ones "
+                          "yet: set data.pack_images false, or model.vision.patch_dropout 0")
 
 
 def _check_fits_init(cfg: JobConfig, tokenizer: Tokenizer, arch: Architecture) -> tuple[int, int]:
@@ -185,7 +188,7 @@ def decide_objectives(cfg: JobConfig) -> None:
 
 def build_task(cfg: JobConfig, model: VLModel) -> Task:
     """The model with the objectives of the decided ``model.loss`` (:func:`decide_objectives`)."""
-    return Task(model, Objectives(cfg.model.loss, model.spec))
+    return Task(model, Objectives(cfg.model.loss, model.spec, cfg.model.vision))
 
 
 ITM_GROUP_MAX = 64

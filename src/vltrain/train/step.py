@@ -154,6 +154,7 @@ class Step:
         the micro-batches' mean is the global mean."""
         key = StepKey(self.train.seed, step)
         inputs = [replace(m, key=key) for m in micro]
+        inputs = [replace(m, patch_keep=self.objectives.patch_keep(m)) for m in inputs]
         names = self.objectives.averaged
         if not names:
             return inputs

@@ -132,6 +132,11 @@ class Trainer:
         said = describe_itm(self.objectives, bool(self.cfg.data.global_batch_size), self.itm_source)
         if said and self.world.is_main:  # what ITM does, the checkpoint's group size included
             log.info(said)
+        vision = self.cfg.model.vision
+        if vision.patch_dropout and self.world.is_main:
+            until = f"steps 1 to {vision.patch_dropout_until}" if vision.patch_dropout_until else "every step"
+            log.info(f"patch dropout: each image drops {vision.patch_dropout:g} of its patches in {until}, "
+                     "drawn per sample and step")
         if restored is None or not self.world.is_main:
             return restored, ""
         return restored, restart_cost(self.run_dir / "metrics.jsonl", self.step)
