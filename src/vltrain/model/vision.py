@@ -118,16 +118,14 @@ class VisionTransformer(nn.Module):
         x = self.embed_patches(pixels)
         if patch_mask is not None:
             x = torch.where(patch_mask[..., None], mask_token.to(x.dtype), x)
+        pos = self.pos_embed.to(x.dtype)
+        x = x + pos[self.num_prefix:]
         if keep is not None:
-            x = x + self.pos_embed[self.num_prefix:].to(x.dtype)
-            if self.cls_token is None:
-                return self.kept(x, keep, prefix=0)
-            cls = (self.cls_token + self.pos_embed[0]).to(x.dtype).expand(x.shape[0], 1, -1)
-            return self.kept(torch.cat([cls, x], dim=1), keep)
+            x = self.kept(x, keep, prefix=0)
         if self.cls_token is not None:
-            cls = self.cls_token.to(x.dtype).expand(x.shape[0], 1, -1)
+            cls = (self.cls_token.to(x.dtype) + pos[0]).expand(x.shape[0], 1, -1)
             x = torch.cat([cls, x], dim=1)
-        return x + self.pos_embed.to(x.dtype)
+        return x
 
     def embed_grids(self, patches: torch.Tensor, grids: torch.Tensor, patch_mask: torch.Tensor | None = None,
                     mask_token: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
