@@ -23,7 +23,7 @@ MFU >= 40%, data wait <= 5%.
 the time the loader alone takes per batch, i.e. a step consuming 80% of what the workers
 supply), at 40 and at 4 batches per epoch (``_loop_sim.py``).
 
-    PYTHONPATH=src python benchmarks/gpu_clip.py [--images 2000] [--steps 40] [--workers 12]
+    PYTHONPATH=src python benchmarks/gpu_clip.py [--images 2000] [--steps 40] [--workers 12] [--patch-dropout 0.5]
     PYTHONPATH=src python benchmarks/gpu_clip.py --device cpu --tiny      # a smoke run, no figures
     PYTHONPATH=src python benchmarks/gpu_clip.py --device cpu --simulate-step-ms 0 --workers 2
 """
@@ -89,7 +89,7 @@ def job_overrides(args, data: Path, run_dir: Path, batch: int, compiled: bool) -
         "train.progress=false",
         "train.resume=never",
         f"train.threads={args.threads}",
-    ]
+    ] + ([f"model.vision.patch_dropout={args.patch_dropout}"] if args.patch_dropout else [])
 
 
 def sync(device: torch.device) -> None:
@@ -102,7 +102,7 @@ def run_steps(trainer: Trainer, steps: int) -> None:
     for _ in range(steps):
         micro, wait = trainer._next_micro_batches()
         trainer.train_step(micro)
-        trainer.throughput.add(0, wait, trainer._flops(micro))
+        trainer.throughput.add(0, wait, trainer._flops(micro, trainer.step))
     trainer.settle()
 
 
@@ -213,6 +213,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--checkpointing", action="store_true", help="activation checkpointing (bigger batches fit)")
     p.add_argument("--compile", default="off,on", help="compile settings to measure: off, on or off,on")
     p.add_argument("--threads", type=int, default=0)
+    p.add_argument("--patch-dropout", type=float, default=0.0,
+                   help="model.vision.patch_dropout: the fraction of image patches each step drops (FLIP)")
     p.add_argument("--simulate-step-ms", type=float, default=None,
                    help="no model: the loader feeds a step sleeping this long (0: at 80%% of the loader's supply)")
     p.add_argument("--sleep-per-sample-ms", type=float, default=0.0,
@@ -240,6 +242,7 @@ def print_results(args, results: list[Result], device: torch.device) -> None:
     model = "tiny-clip 64x64" if args.tiny else "clip-vit-b16 224x224"
     print(f"\n{model}, {args.precision}, {name}, torch {torch.__version__}, {args.workers} loader workers, "
           f"{args.batches_per_epoch} batches per epoch, {args.steps} measured steps after {args.warmup}, "
+          f"patch dropout {args.patch_dropout}, "
           f"{time.strftime('%Y-%m-%d')}")
     print("| compile | micro-batch | step alone ms | whole loop ms | samples/s | MFU | loader alone ms/batch "
           "| data wait | peak GiB | warm-up s |")

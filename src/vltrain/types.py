@@ -226,8 +226,9 @@ class ModelPasses(Protocol):
 
 @runtime_checkable
 class TrainableModel(Protocol):
-    def flops_per_sample(self, text_len: int | None = None) -> float:
-        """Training FLOPs (forward + backward) of one sample whose caption has ``text_len`` tokens."""
+    def flops_per_sample(self, text_len: int | None = None, kept_patches: int | None = None) -> float:
+        """Training FLOPs (forward + backward) of one sample whose caption has ``text_len`` tokens,
+        its image seen through ``kept_patches`` patches (patch dropout; None: all)."""
 
     def blocks_for_sharding(self) -> list[nn.Module]:
         """Transformer blocks in forward order: FSDP2 shards (and ``train.compile`` then compiles) each."""

@@ -58,6 +58,23 @@ def test_the_draw_follows_the_sample_and_the_step_and_stops_after_its_last_step(
     assert keyed(batch, 2) is not None and keyed(batch, 3) is None  # steps 1 to 3 drop (0-based 0 to 2)
     assert drop.patch_keep(batch) is None  # no key: evaluation sees every patch
     assert objectives().patch_keep(type(batch)(**{**vars(batch), "key": StepKey(7, 0)})) is None  # off
+    # what the throughput meter counts: the blocks see K tokens while the dropout lasts
+    n = small_model().spec.num_patches
+    assert [drop.kept_patch_count(s) for s in range(4)] == [n // 2, n // 2, n // 2, None]
+    assert objectives(patch_dropout=0.3).kept_patch_count(10**6) == n - int(0.3 * n)
+
+
+def test_model_flops_count_the_patches_the_blocks_see():
+    clip, albef = small_model("tiny-clip"), small_model("tiny-albef", itm=1.0, mlm=1.0)
+    for model in (clip, albef):
+        n = model.vision.cfg.num_patches
+        assert model.flops_per_sample(8, n) == model.flops_per_sample(8)
+        assert model.flops_per_sample(8, n // 4) < model.flops_per_sample(8, n // 2) < model.flops_per_sample(8)
+    # the blocks' share scales with the tokens; the patch embedding is paid for every patch
+    v = clip.vision
+    embed = 2 * v.cfg.num_patches * 3 * v.cfg.patch_size**2 * v.cfg.width
+    full, half = v.flops() - embed, v.flops(v.cfg.num_patches // 2) - embed
+    assert 0.4 < half / full < 0.6
 
 
 @pytest.mark.parametrize("pooling,class_token", [("map", False), ("mean", False), ("cls", True), ("map", True)])

@@ -244,17 +244,18 @@ class VLModel(nn.Module):
                     layers.update({id(p): (0, top) for p in tower.parameters() if id(p) not in layers and id(p) not in skip})
         return {n: layers[id(p)] for n, p in self.named_parameters() if id(p) in layers}
 
-    def flops_per_sample(self, text_len: int | None = None) -> float:
+    def flops_per_sample(self, text_len: int | None = None, kept_patches: int | None = None) -> float:
         """Training FLOPs of one image-text sample: 3 x the forward matmul FLOPs (backward ~ 2x forward).
+        ``kept_patches``: the patches the vision tower sees under patch dropout (None: all).
 
         The contrastive logits (2 x D per sample per global-batch column) are left out: they are
         negligible next to the towers at any batch size that fits in memory.
         """
         length = text_len or self.max_text_length
-        f = self.vision.flops() + self.text.flops(length)
+        f = self.vision.flops(kept_patches) + self.text.flops(length)
         f += 2 * (self.vision.width + self.text.width) * self.embed_dim
         if self.fusion is not None:
-            n = self.vision.num_tokens
+            n = self.vision.num_tokens if kept_patches is None else kept_patches + self.vision.num_prefix
             if self.itm_head is not None:
                 f += 3 * (self.fusion.flops(length, n) + 2 * self.fusion.width * 2)
             if self.mlm_head is not None:

@@ -218,17 +218,19 @@ class VisionTransformer(nn.Module):
     def num_tokens(self) -> int:
         return self.cfg.num_patches + self.num_prefix
 
-    def flops(self) -> float:
-        """Forward matmul FLOPs for one image."""
+    def flops(self, kept: int | None = None) -> float:
+        """Forward matmul FLOPs for one image whose blocks see ``kept`` of its patches (patch
+        dropout; None: all). Every patch is embedded either way."""
         c = self.cfg
+        tokens = self.num_tokens if kept is None else kept + self.num_prefix
         patch = 2 * c.num_patches * 3 * c.patch_size**2 * c.width
-        return patch + c.depth * block_flops(self.num_tokens, c.width, c.mlp_ratio) + self._head_flops()
+        return patch + c.depth * block_flops(tokens, c.width, c.mlp_ratio) + self._head_flops(tokens)
 
-    def _head_flops(self) -> float:
-        """The attention-pool head: one query (q, out, MLP) over every token's keys and values."""
+    def _head_flops(self, n: int) -> float:
+        """The attention-pool head: one query (q, out, MLP) over the ``n`` tokens' keys and values."""
         if self.head is None:
             return 0.0
-        c, n = self.cfg, self.num_tokens
+        c = self.cfg
         hidden = mlp_width(c.width, c.mlp_ratio)
         return 2.0 * (2 * c.width**2 + 2 * n * c.width**2 + 2 * n * c.width + 2 * c.width * hidden)
 

@@ -380,12 +380,21 @@ class Objectives:
         (seed, step, sample id, patch): :func:`kept_patches`. None outside training, with the
         dropout off, and after ``patch_dropout_until``."""
         key = inputs.key
-        if key is None or not self.patch_dropout or 0 < self.patch_dropout_until <= key.step:
+        if key is None or self.kept_patch_count(key.step) is None:
             return None
         grids = inputs.grids
         patches = self.spec.num_patches if grids is None else inputs.pixels.shape[1]
         draw = key.uniform(Stream.PATCH_KEEP, inputs.ids, patches)
         return kept_patches(draw, None if grids is None else real_patches(grids, patches), self.patch_dropout)
+
+    def kept_patch_count(self, step: int) -> int | None:
+        """How many of a square image's patches the tower sees in training step ``step`` (0-based)
+        under patch dropout: N - floor(fraction * N). None: every patch (dropout off, or past
+        ``patch_dropout_until``)."""
+        if not self.patch_dropout or 0 < self.patch_dropout_until <= step:
+            return None
+        n = self.spec.num_patches
+        return n - math.floor(self.patch_dropout * n)
 
     def local_totals(self, micro: list[ModelInputs]) -> torch.Tensor:
         """What each of :attr:`averaged` divides by, summed over this rank's micro-batches of a step

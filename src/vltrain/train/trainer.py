@@ -261,7 +261,7 @@ class Trainer:
             RECORDER.end(self.device)
             self.step += 1
             self._stop_on_bad_samples()
-            self.throughput.add(0, wait, self._flops(micro))
+            self.throughput.add(0, wait, self._flops(micro, self.step - 1))
             self.metrics.advance()
             if self.step % tc.log_every == 0 or self.step == tc.max_steps:
                 self._log(result)
@@ -321,9 +321,12 @@ class Trainer:
             self.throughput.add(samples, 0.0)
         return self.guard.settle(self.step)
 
-    def _flops(self, micro: list[Batch]) -> float:
-        """Model FLOPs of this rank's forward + backward (``flops_per_sample`` counts both)."""
-        return float(sum(len(b) * self.model.flops_per_sample(b.input_ids.shape[1]) for b in micro))
+    def _flops(self, micro: list[Batch], step: int) -> float:
+        """Model FLOPs of this rank's forward + backward in step ``step`` (0-based): the patches its
+        images keep under patch dropout, each caption at its batch's width (``flops_per_sample``
+        counts both passes)."""
+        kept = self.objectives.kept_patch_count(step)
+        return float(sum(len(b) * self.model.flops_per_sample(b.input_ids.shape[1], kept) for b in micro))
 
     def _meter_sources(self, inputs: list, rows: list, applied: torch.Tensor) -> None:
         """Count each source's samples, and (if the step was applied: a device bool) its per-row losses."""
