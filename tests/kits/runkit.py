@@ -161,9 +161,10 @@ def worst(curve: list[float], base: list[float]) -> float:
     return max(abs(a - b) / max(abs(b), 1e-12) for a, b in zip(curve, base))
 
 
-def model_distance(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
-    """||a - b|| / ||b|| over every model parameter."""
-    keys = [k for k in b if k.startswith("model.")]
+def model_distance(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], prefix: str = "model.") -> float:
+    """||a - b|| / ||b|| over every model parameter (``prefix`` "ema.weights.": over the EMA's)."""
+    keys = [k for k in b if k.startswith(prefix)]
+    assert keys, f"no {prefix} tensors"
     x = torch.cat([a[k].flatten().double() for k in keys])
     y = torch.cat([b[k].flatten().double() for k in keys])
     return float((x - y).norm() / y.norm())

@@ -60,7 +60,9 @@ UNIMODAL = {"model__loss__text_mlm": 0.3, "model__loss__image_mim": 0.3, "model_
 patch dropout on every step (MIM's own pass keeps every position)."""
 BUDGET = {"data__batching": "budget"}
 """Budget steps: 3 to 12 rows under 96 text positions and 12 images per step (the defaults)."""
-LOSSES = {"itc": {}, "siglip": {"model__loss__itc": 0, "model__loss__siglip": 1}, "fusion": FUSION, "unimodal": UNIMODAL,
+EMA = {"train__ema__decay": 0.8, "train__ema__warmup": "true"}
+"""ITC with the weight EMA: the averages agree on every split, and after the resume on 1 rank."""
+LOSSES = {"itc": EMA, "siglip": {"model__loss__itc": 0, "model__loss__siglip": 1}, "fusion": FUSION, "unimodal": UNIMODAL,
           "budget": BUDGET}
 
 
@@ -106,6 +108,8 @@ def test_one_global_batch_split_three_ways_trains_the_same_model(splits):
         assert len(curve) == STEPS
         assert worst(curve, base) < TOL, (run_dir.name, curve, base)
         assert model_distance(final_state(run_dir), final_state(ref)) < TOL
+        if "ema.decay" in " ".join(proc.args):
+            assert model_distance(final_state(run_dir), final_state(ref), "ema.weights.") < TOL
 
 
 @pytest.mark.timeout(600)
@@ -136,6 +140,8 @@ def test_stopped_on_two_ranks_and_resumed_on_one_it_continues_the_same_trajector
     curve, base = losses(run_dir), losses(unstopped)
     assert len(curve) == STEPS and worst(curve, base) < TOL
     assert model_distance(final_state(run_dir), final_state(unstopped)) < TOL
+    if model == "itc":  # the EMA resharded from 2 ranks to 1 with the model
+        assert model_distance(final_state(run_dir), final_state(unstopped), "ema.weights.") < TOL
     refused = run(shapes, tmp_path / "run", 1, data__global_batch_size=G // 2, train__max_steps=STEPS + 2,
                   **LOSSES[model])
     assert refused.returncode != 0 and f"resume with data.global_batch_size={G}" in refused.stderr

@@ -157,8 +157,9 @@ def _read_fitting(path: Path, targets: dict[str, torch.Tensor], saved_keys: list
 # Model weights (the folders are read by vltrain.checkpoint.paths)
 
 
-def load_model_weights(ckpt: Path, model: torch.nn.Module) -> None:
-    """Load only the model's tensors, in one process, into a plain (unwrapped) model.
+def load_model_weights(ckpt: Path, model: torch.nn.Module, ema: bool = False) -> None:
+    """Load only the model's tensors, in one process, into a plain (unwrapped) model; ``ema``: then
+    its trainable parameters' EMA (``train.ema``) over them.
 
     DCP reassembles the full tensors from whatever sharding wrote them, so this also consolidates
     FSDP2 checkpoints (for export and evaluation).
@@ -168,6 +169,14 @@ def load_model_weights(ckpt: Path, model: torch.nn.Module) -> None:
         raise UserError(f"checkpoint {ckpt} holds no model state")
     targets = {f"model.{k}": v for k, v in model.state_dict().items()}
     _read_fitting(ckpt, targets, tensor_keys(state["states"]["model"]), no_dist=True)
+    if not ema:
+        return
+    if "ema" not in state["states"]:
+        raise UserError(f"checkpoint {ckpt} holds no EMA weights: its run trained without train.ema "
+                        "(drop --ema to use its trained weights)")
+    saved = tensor_keys(state["states"]["ema"])
+    params = {f"ema.weights.{n}": p.detach() for n, p in model.named_parameters()}
+    _read_fitting(ckpt, {k: params[k] for k in saved if k in params}, saved, no_dist=True)
 
 
 def save_initial_weights(run_dir: Path, model: torch.nn.Module) -> None:
@@ -417,6 +426,9 @@ class Checkpointer:
                             f"{FORMAT_VERSION}")
         saved = state["states"]
         missing = [name for name in self.states if name not in saved]
+        said = getattr(self.states[missing[0]], "missing", None) if missing else None
+        if said is not None:  # a state that names the setting behind its absence
+            raise UserError(said(path))
         if missing:
             raise UserError(f"checkpoint {path} has no {', '.join(missing)} state (it holds {', '.join(saved)})")
         if state["world_size"] != self.world_size:

@@ -31,6 +31,7 @@ from vltrain.checkpoint.paths import EXPORT, IMPORTED, Located, locate
 from vltrain.config.job import JobConfig, load_config
 from vltrain.data.config import DataConfig
 from vltrain.data.tokenizers import Tokenizer
+from vltrain.errors import UserError
 from vltrain.model import VLModel
 from vltrain.train.build import build_model_for, build_tokenizer, fit_native, resolve_init
 
@@ -74,24 +75,30 @@ def open_tokenizer(found: Located, cfg: JobConfig) -> Tokenizer:
 
 
 def open_model(path: str | Path | Located, overrides: list[str] | None = None, device: str | torch.device = "cpu",
-               cfg: JobConfig | None = None) -> Opened:
+               cfg: JobConfig | None = None, ema: bool = False) -> Opened:
     """Open whatever ``path`` is (:func:`~vltrain.checkpoint.paths.locate`); ``cfg``: the config
-    :func:`model_config` gave, when the caller has set more in it (``overrides`` then apply no more)."""
+    :func:`model_config` gave, when the caller has set more in it (``overrides`` then apply no more);
+    ``ema``: a run's or checkpoint's EMA weights (``train.ema``) instead of its trained ones."""
     found = path if isinstance(path, Located) else locate(path)
+    if ema and (found.kind in IMPORTED or found.kind == EXPORT):
+        raise UserError(f"--ema reads the EMA weights (train.ema) a vltrain run keeps in its checkpoints; "
+                        f"{found.path} is {'an export' if found.kind == EXPORT else 'an imported checkpoint'}, "
+                        "which holds one set of weights: drop --ema (an export made with --ema holds the EMA's)")
     cfg = cfg if cfg is not None else model_config(found, overrides)
     tokenizer = open_tokenizer(found, cfg)
     model = build_model_for(cfg, tokenizer, load_init=found.kind in IMPORTED)
-    load_weights(found, model)
+    load_weights(found, model, ema=ema)
     return Opened(model.to(device).eval(), tokenizer, cfg, found)
 
 
-def load_weights(found: Located, model: torch.nn.Module) -> None:
+def load_weights(found: Located, model: torch.nn.Module, ema: bool = False) -> None:
     """Fill ``model`` (on the CPU, built for the saved config) with the weights vltrain saved at
-    ``found``; an imported checkpoint's were loaded as the model was built."""
+    ``found`` (``ema``: a checkpoint's EMA of them); an imported checkpoint's were loaded as the
+    model was built."""
     if found.kind in IMPORTED:
         return
     if found.kind != EXPORT:
-        load_model_weights(found.weights, model)
+        load_model_weights(found.weights, model, ema=ema)
         return
     from safetensors import safe_open
     from safetensors.torch import load_file

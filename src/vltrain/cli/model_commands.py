@@ -49,6 +49,7 @@ def add_parsers(sub) -> None:
     e.add_argument("--retrieval", default=None, metavar="FILE", help="COCO-style caption JSON (Karpathy split or annotations)")
     e.add_argument("--split", default="test", help="the Karpathy split to evaluate (default test)")
     e.add_argument("--json", action="store_true", help="print the metrics as JSON instead of a table")
+    e.add_argument("--ema", action="store_true", help="a run's EMA weights (train.ema) instead of its trained ones")
     _add_overrides(e)
     e.set_defaults(func=evaluate)
 
@@ -60,6 +61,8 @@ def add_parsers(sub) -> None:
                    help="native (vltrain's, the default) or hf (a folder transformers' CLIPModel/SiglipModel loads)")
     x.add_argument("--interpolate", type=float, default=None, metavar="ALPHA",
                    help="WiSE-FT: (1-ALPHA) x the run's initial weights + ALPHA x the trained ones (0..1)")
+    x.add_argument("--ema", action="store_true",
+                   help="the run's EMA weights (train.ema) instead of its trained ones (with --interpolate: blended)")
     x.set_defaults(func=export)
 
     m = sub.add_parser("embed", help="normalized embeddings of images and texts from any model vltrain opens")
@@ -183,19 +186,22 @@ def evaluate(args: argparse.Namespace) -> int:
     if only_sets:
         overrides += [] if args.zeroshot else ["eval.zeroshot=[]"]
         overrides += [] if args.retrieval else ["eval.retrieval=[]"]
-    metrics = evaluate_run(Path(args.path), data=args.data, overrides=overrides, val=args.data is not None or not only_sets)
+    metrics = evaluate_run(Path(args.path), data=args.data, overrides=overrides, val=args.data is not None or not only_sets,
+                           ema=args.ema)
     if os.environ.get("RANK", "0") == "0":
         print(json.dumps(rounded(metrics), indent=1) if args.json else format_table(metrics))
     return 0
 
 
 def export(args: argparse.Namespace) -> int:
-    """``vltrain export RUN_DIR --out DIR [--interpolate ALPHA]``."""
+    """``vltrain export RUN_DIR --out DIR [--interpolate ALPHA] [--ema]``."""
     from vltrain.export.native import export_model
 
     alpha = args.interpolate
-    out = export_model(args.run_dir, args.out, interpolate=alpha, fmt=args.format)
-    blend = "" if alpha is None else f" (weights: {1 - alpha:g} x initial + {alpha:g} x fine-tuned)"
+    out = export_model(args.run_dir, args.out, interpolate=alpha, fmt=args.format, ema=args.ema)
+    trained = "EMA" if args.ema else "fine-tuned"
+    blend = f" (weights: {1 - alpha:g} x initial + {alpha:g} x {trained})" if alpha is not None else (
+        " (the EMA weights)" if args.ema else "")
     files = ", ".join(sorted(p.name for p in out.iterdir() if p.is_file()))
     print(f"exported to {out} ({args.format}): {files}{blend}")
     return 0

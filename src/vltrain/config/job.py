@@ -30,6 +30,28 @@ class RunConfig(Settings):
 
 
 @dataclass
+class EmaSettings(Settings):
+    """An exponential moving average of the trainable weights, kept in fp32 beside them (sharded
+    like them under FSDP2), saved in every checkpoint, evaluated beside the trained weights, and
+    what ``vltrain export --ema`` and ``vltrain eval --ema`` read (``vltrain.train.ema``)."""
+
+    decay: float = 0.0
+    """Each update: ema = decay x ema + (1 - decay) x weights. 0: no EMA. 0.999 averages over about
+    the last 1,000 updates, 0.9999 over 10,000."""
+    warmup: bool = False
+    """Start with a short memory that grows to train.ema.decay: update t uses min(decay, 1 - (1 + t)^(-2/3))
+    (timm's ModelEmaV3 warm-up), so early weights, far from the trained ones, fade quickly."""
+    every: int = 1
+    """Update every N optimizer steps (the decay applies per update: N x more steps of memory)."""
+
+    def validate(self) -> None:
+        if not 0.0 <= self.decay < 1.0:
+            raise ConfigError(f"train.ema.decay must be in [0, 1) (0: no EMA; 0.999 is usual), got {self.decay}")
+        if self.every < 1:
+            raise ConfigError(f"train.ema.every must be >= 1 (update every N steps), got {self.every}")
+
+
+@dataclass
 class TrainConfig(Settings):
     max_steps: int = 1000
     """Optimizer steps of the run."""
@@ -95,6 +117,8 @@ class TrainConfig(Settings):
     """Fault injection: multiply the loss by NaN at this step (-1: never), to see the guard work."""
     debug_nan_rank: int = -1
     """The rank whose loss debug_nan_step poisons (-1: every rank)."""
+    ema: EmaSettings = field(default_factory=EmaSettings)
+    """Weight EMA (off by default)."""
     debug_spmd: bool = False
     """Before each of vltrain's collectives, the ranks compare what they are about to issue (op,
     dtype, shape, and a fingerprint of the step's collectives so far); a divergence stops every
@@ -121,6 +145,7 @@ class TrainConfig(Settings):
             raise ConfigError(f"train.layer_decay must be in (0, 1] (1.0: off; fine-tuning uses ~0.65-0.75), "
                               f"got {self.layer_decay}")
         self._validate_unlock()
+        self.ema.validate()
 
     def _validate_unlock(self) -> None:
         counts = self.unlock_last if isinstance(self.unlock_last, dict) else {t: self.unlock_last for t in self.freeze}

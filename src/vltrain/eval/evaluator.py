@@ -214,6 +214,9 @@ def format_metrics(m: dict[str, float]) -> str:
             images = m.get(f"{k.rsplit('/', 1)[0]}/num_images")
             parts.append(f"{k}={v:.3f}" + ("" if images is None or k.endswith("/itm_t2i_r1")
                                            else f" [{int(images):,} images]"))
+    averaged = {k[len("ema/"):]: v for k, v in m.items() if k.startswith("ema/")}
+    if averaged:  # train.ema: the averaged weights on the same sets
+        parts.append(f"| ema: {format_metrics(averaged)}")
     return "  ".join(parts)
 
 
@@ -236,10 +239,11 @@ def format_table(m: dict[str, float]) -> str:
 
 
 def evaluate_run(path: Path, data: str | None = None, overrides: list[str] | None = None,
-                 val: bool = True) -> dict[str, float]:
+                 val: bool = True, ema: bool = False) -> dict[str, float]:
     """Metrics of any model vltrain opens (``vltrain eval``: a run's latest checkpoint, a checkpoint,
     an export, a Hugging Face folder or an OpenCLIP file; :mod:`vltrain.checkpoint.opening`): its
-    ``data.val`` (unless ``val`` is false) and its ``eval.zeroshot`` and ``eval.retrieval`` sets."""
+    ``data.val`` (unless ``val`` is false) and its ``eval.zeroshot`` and ``eval.retrieval`` sets;
+    ``ema``: a run's EMA weights (``train.ema``)."""
     found = locate(path)
     cfg = model_config(found, list(overrides or []) + ([f"data.val={data}"] if data else []))
     if not val:
@@ -251,13 +255,14 @@ def evaluate_run(path: Path, data: str | None = None, overrides: list[str] | Non
                         tf32=cfg.train.tf32)
     clean = False
     try:
-        opened = open_model(found, device=world.device, cfg=cfg)
+        opened = open_model(found, device=world.device, cfg=cfg, ema=ema)
         evaluator = Evaluator(cfg, opened.tokenizer, world)
         precision = Precision(cfg.train.precision, world.device)
         if world.is_main:
             why = ("an imported checkpoint: fp32 unless train.precision says otherwise" if found.kind in IMPORTED
                    else "the run's train.precision")
-            log.info(f"evaluating {path} in {cfg.train.precision} ({why}) on {world.world_size} rank(s)")
+            log.info(f"evaluating {path}{' (its EMA weights)' if ema else ''} in {cfg.train.precision} ({why}) "
+                     f"on {world.world_size} rank(s)")
         metrics = evaluator.run(build_task(cfg, opened.model), opened.model, world.device, precision.autocast)
         clean = True
         return metrics

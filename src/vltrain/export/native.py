@@ -36,18 +36,20 @@ from vltrain.export.hf import hf_family, write_hf
 log = logging.getLogger("vltrain")
 
 
-def export_model(source: str | Path, out: str | Path, interpolate: float | None = None, fmt: str = "native") -> Path:
+def export_model(source: str | Path, out: str | Path, interpolate: float | None = None, fmt: str = "native",
+                 ema: bool = False) -> Path:
     """Write ``out``/{model.safetensors, tokenizer.json, config.yaml} from any model vltrain opens (a run,
     a checkpoint, an export, an imported checkpoint); ``interpolate``: blend a run's trained weights with
     its initial ones (:func:`interpolate_weights`); ``fmt`` "hf": a Hugging Face CLIPModel / SiglipModel /
-    Siglip2Model folder instead (:mod:`vltrain.export.hf`)."""
+    Siglip2Model folder instead (:mod:`vltrain.export.hf`); ``ema``: a run's EMA weights (``train.ema``)
+    instead of its trained ones (interpolated with the initial ones when both are asked)."""
     if interpolate is not None and not 0.0 <= interpolate <= 1.0:
         raise UserError(f"--interpolate must be in [0, 1] (0: the initial weights, 1: the fine-tuned ones), "
                         f"got {interpolate}")
-    opened = open_model(source)
+    opened = open_model(source, ema=ema)
     model, tokenizer, cfg, found = opened.model, opened.tokenizer, opened.cfg, opened.located
     family = hf_family(model, tokenizer, str(found.weights), cfg) if fmt == "hf" else ""
-    metadata = {"format": "pt", "checkpoint": found.weights.name}
+    metadata = {"format": "pt", "checkpoint": found.weights.name, **({"ema": "true"} if ema else {})}
     if interpolate is not None:
         interpolate_weights(model, _initial_weights_of(found), interpolate)
         metadata["interpolate"] = repr(interpolate)

@@ -53,6 +53,7 @@ from vltrain.train.build import (
     build_train_loader_for,
     describe_preprocessing,
 )
+from vltrain.train.ema import WeightAverage
 from vltrain.train.metrics import (GpuUtilization, MetricsLogger, Throughput, memory_bytes, peak_flops,
                                    peak_memory_bytes, plot_curves, restart_cost)
 from vltrain.train.nonfinite import NonFiniteGuard
@@ -93,6 +94,7 @@ class Trainer:
         self.stepper = Step(self.wrapped, self.objectives, [p for p in self.model.parameters() if p.requires_grad],
                             self.optimizer, self.scheduler, self.scaler, self.precision, tc, self.world)
         self.guard = NonFiniteGuard(tc.max_nonfinite_steps)
+        self.ema = WeightAverage(tc.ema, self.model) if tc.ema.decay else None  # of the parallelized parameters
         self.preemption, self.preempt_agreed, self.save_due = PreemptionWatch(), False, False
 
         # each rank's generators (the objectives' draws are keyed by step and sample instead)
@@ -216,6 +218,7 @@ class Trainer:
         return {
             "model": ModelState(self.model),
             "optimizer": OptimizerState(self.model, self.optimizer),
+            **({"ema": self.ema} if self.ema is not None else {}),
             "scheduler": self.scheduler,
             "scaler": self.scaler,
             "loader": self.loader,
@@ -298,6 +301,8 @@ class Trainer:
         inputs = [b.to_model_inputs(self.device, data.mean, data.std, data.modality_weights, loss_weights)
                   for b in micro]
         result = self.stepper(inputs, self.step)
+        if self.ema is not None:
+            self.ema.after_step(self.step + 1)
         agreed = result.agreed
         self.guard.record_on_device(agreed.skip)
         pending = self.samples_pending
@@ -382,6 +387,11 @@ class Trainer:
         start = time.perf_counter()
         RECORDER.begin(f"in the evaluation after step {self.step}")
         metrics = self.evaluator.run(self.wrapped, self.model, self.device, self.precision.autocast)
+        if self.ema is not None:  # the averaged weights on the same sets, as ema/KEY
+            with self.ema.applied():
+                averaged = self.evaluator.run(self.wrapped, self.model, self.device, self.precision.autocast)
+            metrics.update({f"ema/{k}": v for k, v in averaged.items() if not k.endswith("num_pairs")
+                            and not k.endswith("num_images")})
         RECORDER.end(self.device)
         if self.world.is_main:
             append_eval(self.run_dir, self.step, metrics)
@@ -423,8 +433,8 @@ class Trainer:
         raise Preempted(f"{name} at step {self.step}: checkpoint {path} written; run the same "
                         f"command again to resume (exit code {code})", exit_code=code)
 
-    HOLD_GROUPS = ("wrapped", "model", "objectives", "stepper", "optimizer", "scheduler", "scaler", "checkpointer",
-                   "evaluator")
+    HOLD_GROUPS = ("wrapped", "model", "objectives", "stepper", "optimizer", "ema", "scheduler", "scaler",
+                   "checkpointer", "evaluator")
     """What holds a process group in a distributed run: DDP, FSDP2's modules and shards, the optimizer's
     state, the checkpointer's group for async saves."""
 
