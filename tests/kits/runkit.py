@@ -69,7 +69,12 @@ def overrides(shapes: Path, run_dir: Path, **extra) -> list[str]:
 
 def train(shapes: Path, run_dir: Path, *, nproc: int = 2, max_restarts: int = 0, fault: str = "",
           timeout: float = 120, **extra) -> subprocess.CompletedProcess:
-    """``vltrain train`` under torchrun (gloo on 127.0.0.1); ``fault`` sets VLTRAIN_FAULT."""
+    """``vltrain train`` under torchrun (gloo on 127.0.0.1); ``fault`` sets VLTRAIN_FAULT. One process
+    with no restarts runs as a user starts it, ``python -m vltrain train`` with no launcher: the
+    same run, without the two CPU-seconds of torchrun's agent."""
+    if nproc == 1 and not max_restarts:
+        cmd = [sys.executable, "-m", "vltrain", "train", str(shapes / "base.yaml"), *overrides(shapes, run_dir, **extra)]
+        return finish(start(cmd, fault), timeout)
     launch = ["--nproc-per-node", str(nproc), "--max-restarts", str(max_restarts),
               "--master-addr", "127.0.0.1", "--master-port", str(free_port())]
     return finish(start(train_command(shapes, run_dir, launch, **extra), fault), timeout)

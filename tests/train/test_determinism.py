@@ -1,5 +1,6 @@
 """Bit-identical at the default thread count: a one-process run uses every core (two threads on a
-2-core machine), and two such runs, or a run stopped and resumed, end with the same tensors.
+2-core machine), and a run stopped and resumed ends with the tensors of one that was not: a new
+process repeats the steps before the stop, so this also shows two runs agreeing.
 
 The ranks of the other resume tests run one thread each (the default under ``torchrun`` on 2
 cores), which cannot show an operation whose sum depends on how threads split it; these runs can.
@@ -35,12 +36,9 @@ def _run(shapes, run, preset: str, **extra):
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("preset", ["tiny-clip", "tiny-albef"])
-def test_two_runs_and_a_resumed_one_are_bit_identical_at_two_threads(shapes, tmp_path, preset):
-    first, second, resumed = tmp_path / "first", tmp_path / "second", tmp_path / "resumed"
+def test_a_run_and_a_stopped_and_resumed_one_are_bit_identical_at_two_threads(shapes, tmp_path, preset):
+    first, resumed = tmp_path / "first", tmp_path / "resumed"
     ok(_run(shapes, first, preset))
-    ok(_run(shapes, second, preset))
-    assert_identical(final_state(first), final_state(second))
-
     stopped = _run(shapes, resumed, preset, fault="kill:at=step:step=6")
     assert stopped.returncode != 0
     proc = ok(_run(shapes, resumed, preset))

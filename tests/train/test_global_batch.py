@@ -142,9 +142,10 @@ def test_stopped_on_two_ranks_and_resumed_on_one_it_continues_the_same_trajector
     assert model_distance(final_state(run_dir), final_state(unstopped)) < TOL
     if model == "itc":  # the EMA resharded from 2 ranks to 1 with the model
         assert model_distance(final_state(run_dir), final_state(unstopped), "ema.weights.") < TOL
-    refused = run(shapes, tmp_path / "run", 1, data__global_batch_size=G // 2, train__max_steps=STEPS + 2,
-                  **LOSSES[model])
-    assert refused.returncode != 0 and f"resume with data.global_batch_size={G}" in refused.stderr
+    if model == "itc":  # the checkpoint's global batch against the config's: one model kind shows it
+        refused = run(shapes, tmp_path / "run", 1, data__global_batch_size=G // 2, train__max_steps=STEPS + 2,
+                      **LOSSES[model])
+        assert refused.returncode != 0 and f"resume with data.global_batch_size={G}" in refused.stderr
 
 
 def test_indivisible_splits_are_refused_naming_what_works():

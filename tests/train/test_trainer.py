@@ -71,10 +71,21 @@ def losses(rows: list[dict]) -> list[float]:
     return [r["loss"] for r in rows]
 
 
+_ONE_PROCESS: dict[str, tuple[Path, list[dict]]] = {}
+
+
+def one_process(shapes: Path, tmp_path_factory, name: str, **extra) -> tuple[Path, list[dict]]:
+    """A one-process reference run, made once for the tests of this module that compare with it."""
+    if name not in _ONE_PROCESS:
+        run_dir = tmp_path_factory.mktemp(name)
+        _ONE_PROCESS[name] = run_dir, train(shapes, run_dir, **extra)
+    return _ONE_PROCESS[name]
+
+
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("parallelism", ["ddp", "fsdp"])
-def test_two_ranks_match_one_process_with_the_global_batch(shapes, tmp_path, parallelism):
-    one = train(shapes, tmp_path / "one", nproc=1, **{"data.batch_size": 16, "eval.every": 0})
+def test_two_ranks_match_one_process_with_the_global_batch(shapes, tmp_path, tmp_path_factory, parallelism):
+    _, one = one_process(shapes, tmp_path_factory, "one", **{"data.batch_size": 16, "eval.every": 0})
     two = train(shapes, tmp_path / "two", nproc=2, **{"data.batch_size": 8, "train.parallelism": parallelism})
     assert len(one) == len(two) == STEPS
     assert [r["samples_seen"] for r in one] == [r["samples_seen"] for r in two]
@@ -136,11 +147,11 @@ def test_nonfinite_steps_in_a_row_stop_with_a_clear_error(shapes, tmp_path):
 
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("nproc,parallelism", [(1, "ddp"), (2, "ddp"), (2, "fsdp")])
-def test_gradcache_accumulation_matches_the_big_batch(shapes, tmp_path, nproc, parallelism):
+def test_gradcache_accumulation_matches_the_big_batch(shapes, tmp_path, tmp_path_factory, nproc, parallelism):
     """Cached micro-batches (two per rank) train like one batch of 16 in one process: same loss
     curve (fp32), because the contrastive loss of every step sees all 16 rows."""
     common = {"train.max_steps": 6, "eval.every": 0, "data.val": ""}
-    big = train(shapes, tmp_path / "big", **{"data.batch_size": 16, **common})
+    _, big = one_process(shapes, tmp_path_factory, "big", **{"data.batch_size": 16, **common})
     cached = train(shapes, tmp_path / "gc", nproc=nproc, **{
         "data.batch_size": 8 // nproc, "train.accumulation": 2, "train.contrastive_accumulation": "gradcache",
         "train.parallelism": parallelism, **common,
