@@ -90,6 +90,32 @@ def test_cpu_peak_and_memory_are_positive():
     assert peak_memory_bytes(torch.device("cpu")) > 0
 
 
+def test_the_cpu_peak_is_measured_once_per_machine_and_read_after(tmp_path, monkeypatch):
+    from vltrain.train import metrics
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setattr(metrics, "_CPU_PEAK", {})
+    timed = []
+    monkeypatch.setattr(metrics, "measure_cpu_peak", lambda dtype: timed.append(dtype) or 123e9)
+    state = torch.random.get_rng_state()
+    assert metrics.peak_flops(torch.device("cpu"), torch.bfloat16) == 123e9 and timed == [torch.bfloat16]
+    table = json.loads((tmp_path / "vltrain" / "cpu-peak.json").read_text())
+    assert table == {metrics.cpu_key(torch.bfloat16): 123e9}
+    assert "threads torch.bfloat16 torch " in metrics.cpu_key(torch.bfloat16)
+    monkeypatch.setattr(metrics, "_CPU_PEAK", {})  # a new process on the same machine
+    assert metrics.peak_flops(torch.device("cpu"), torch.bfloat16) == 123e9 and timed == [torch.bfloat16]
+    assert metrics.peak_flops(torch.device("cpu"), torch.float32) == 123e9 and timed[-1] == torch.float32
+    assert len(json.loads((tmp_path / "vltrain" / "cpu-peak.json").read_text())) == 2
+    (tmp_path / "vltrain" / "cpu-peak.json").write_text("{not json")  # a broken cache: measured again
+    monkeypatch.setattr(metrics, "_CPU_PEAK", {})
+    assert metrics.peak_flops(torch.device("cpu"), torch.float32) == 123e9 and len(timed) == 3
+    assert torch.equal(torch.random.get_rng_state(), state)
+    monkeypatch.undo()
+    state = torch.random.get_rng_state()
+    metrics.measure_cpu_peak(torch.float64, n=64, seconds=0.01)  # its matrices come from a generator of its own
+    assert torch.equal(torch.random.get_rng_state(), state)
+
+
 def test_current_memory_follows_what_the_process_holds():
     from vltrain.train.metrics import memory_bytes
 

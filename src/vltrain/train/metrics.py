@@ -2,7 +2,8 @@
 
 Only rank 0 writes. Throughput and data-wait are measured between log steps from wall time
 around the loader and the step; MFU is model FLOPs per second over the device's peak, taken
-from a table for known GPUs or measured once on CPU with a large matmul in the run's dtype.
+from a table for known GPUs or measured once per CPU with a large matmul in the run's dtype (and
+kept in the user cache: ``cached_cpu_peak``).
 """
 
 from __future__ import annotations
@@ -43,8 +44,9 @@ def measure_cpu_peak(dtype: torch.dtype = torch.bfloat16, n: int = 1024, seconds
     another rank) slows some of them. :class:`Throughput` raises it further if a step beats it."""
     if dtype in _CPU_PEAK:
         return _CPU_PEAK[dtype]
-    a = torch.randn(n, n).to(dtype)
-    b = torch.randn(n, n).to(dtype)
+    draw = torch.Generator().manual_seed(0)  # the run's own generators are left as they are
+    a = torch.randn(n, n, generator=draw).to(dtype)
+    b = torch.randn(n, n, generator=draw).to(dtype)
     a @ b  # warm-up (oneDNN picks its kernel on first use)
     best = 0.0
     for _ in range(windows):
@@ -57,6 +59,54 @@ def measure_cpu_peak(dtype: torch.dtype = torch.bfloat16, n: int = 1024, seconds
     return best
 
 
+CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile")
+"""The instructions a CPU matmul's speed depends on; with the model name they key the cached peak."""
+
+
+def peak_cache_path() -> Path:
+    """The user cache's table of measured CPU peaks (beside the shard index's)."""
+    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "vltrain" / "cpu-peak.json"
+
+
+def cpu_key(dtype: torch.dtype) -> str:
+    """This machine's CPU (model name and matmul instructions), threads, dtype and torch version."""
+    name, flags = "unknown CPU", set()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                name = line.split(":", 1)[1].strip()
+            elif line.startswith("flags"):
+                flags = set(line.split(":", 1)[1].split())
+                break
+    except OSError:
+        pass
+    have = "+".join(f for f in CPU_FLAGS if f in flags) or "-"
+    return f"{name} [{have}] {torch.get_num_threads()} threads {dtype} torch {torch.__version__}"
+
+
+def cached_cpu_peak(dtype: torch.dtype) -> float:
+    """:func:`measure_cpu_peak`, measured once per machine rather than once per run: the first run
+    on a CPU (by :func:`cpu_key`) times it and keeps it in the user cache, later ones read it (half
+    a second per process, two on a CPU that emulates bf16). A cache that cannot be read or written
+    only means measuring again."""
+    key, path = cpu_key(dtype), peak_cache_path()
+    try:
+        table = json.loads(path.read_text())
+    except (OSError, ValueError):
+        table = {}
+    if isinstance(table.get(key), (int, float)) and table[key] > 0:
+        return _CPU_PEAK.setdefault(dtype, float(table[key]))
+    peak = measure_cpu_peak(dtype)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}")
+        tmp.write_text(json.dumps({**table, key: peak}, indent=1) + "\n")
+        os.replace(tmp, path)  # whole or not at all, with another process writing beside this one
+    except OSError:
+        pass
+    return peak
+
+
 def peak_flops(device: torch.device, dtype: torch.dtype) -> float:
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)
@@ -64,7 +114,7 @@ def peak_flops(device: torch.device, dtype: torch.dtype) -> float:
             if key in name:
                 return flops if dtype != torch.float32 else flops / 2  # tf32 peaks are half
         return float("nan")
-    return measure_cpu_peak(dtype)
+    return cached_cpu_peak(dtype)
 
 
 def memory_bytes(device: torch.device) -> int:
