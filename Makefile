@@ -28,12 +28,13 @@ demo: $(STAMP)
 	$(VENV)/bin/vltrain demo
 
 # -n auto: one pytest-xdist worker per core; --dist loadfile keeps a file's tests (and the runs its
-# module fixtures share) on one worker. A single test still runs with plain `pytest`.
+# module fixtures share) on one worker; --no-loadscope-reorder hands out the files in the order
+# tests/conftest.py gives them, longest first. A single test still runs with plain `pytest`.
 test: $(STAMP)
-	$(PY) -m pytest -q -n auto --dist loadfile
+	$(PY) -m pytest -q -n auto --dist loadfile --no-loadscope-reorder
 
 test-fast: $(STAMP)
-	$(PY) -m pytest -q -n auto --dist loadfile -m 'not slow'
+	$(PY) -m pytest -q -n auto --dist loadfile --no-loadscope-reorder -m 'not slow'
 
 clean:
 	rm -rf $(VENV) build src/*.egg-info .pytest_cache
