@@ -43,6 +43,8 @@ class WeightAverage:
         self.params = [p for _, p in named]
         with torch.no_grad():
             self.weights = [p.detach().to(torch.float32, copy=True) for p in self.params]
+        self.shards = [_local(w) for w in self.weights]
+        """This rank's part of each average (a view: loading a checkpoint into the weights fills it)."""
         self.updates = 0
 
     def decay(self, update: int) -> float:
@@ -58,8 +60,7 @@ class WeightAverage:
             return
         self.updates += 1
         weight = 1.0 - self.decay(self.updates)
-        current = [_local(p) if p.dtype == torch.float32 else _local(p).float() for p in self.params]
-        torch._foreach_lerp_([_local(w) for w in self.weights], current, weight)
+        torch._foreach_lerp_(self.shards, [_local(p).float() for p in self.params], weight)
 
     @contextmanager
     def applied(self) -> Iterator[None]:
@@ -67,8 +68,8 @@ class WeightAverage:
         bit for bit, after it."""
         with torch.no_grad():
             kept = [_local(p).clone() for p in self.params]
-            for p, w in zip(self.params, self.weights):
-                _local(p).copy_(_local(w))
+            for p, w in zip(self.params, self.shards):
+                _local(p).copy_(w)
         try:
             yield
         finally:

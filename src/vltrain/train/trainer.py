@@ -390,8 +390,8 @@ class Trainer:
         if self.ema is not None:  # the averaged weights on the same sets, as ema/KEY
             with self.ema.applied():
                 averaged = self.evaluator.run(self.wrapped, self.model, self.device, self.precision.autocast)
-            metrics.update({f"ema/{k}": v for k, v in averaged.items() if not k.endswith("num_pairs")
-                            and not k.endswith("num_images")})
+            counts = ("num_pairs", "num_images")
+            metrics.update({f"ema/{k}": v for k, v in averaged.items() if not k.endswith(counts)})
         RECORDER.end(self.device)
         if self.world.is_main:
             append_eval(self.run_dir, self.step, metrics)
