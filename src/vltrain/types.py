@@ -60,12 +60,18 @@ class ModelInputs:
     """A ``vltrain.objectives.scoring.Masks`` (typed loosely, as ``key``): this micro-batch's MLM and
     MIM masks, drawn once a step and both counted for the denominators and scored (None: drawn
     when scored)."""
+    teacher_view: "TeacherView | None" = None
+    """The same rows as the teacher of distillation takes them (its image size, statistics and
+    tokenizer), for a teacher that runs in training; None otherwise."""
+    teacher: "TeacherEmbeds | None" = None
+    """The teacher's embeddings of these rows: read from stored ones by the loader, or computed from
+    ``teacher_view`` before the step's forward. None: no distillation."""
 
     def __len__(self) -> int:
         return int(self.ids.shape[0])
 
     def rows(self) -> "Rows":
-        return Rows(self.has_image, self.has_text, self.ids, self.row_weights, self.source)
+        return Rows(self.has_image, self.has_text, self.ids, self.row_weights, self.source, self.teacher)
 
     def present(self) -> "ModelInputs":
         """Rows of weight 0 as if they had neither side: no objective sees them, not even as a negative."""
@@ -83,6 +89,8 @@ class Rows:
     ids: torch.Tensor
     row_weights: torch.Tensor | None = None
     source: torch.Tensor | None = None
+    teacher: "TeacherEmbeds | None" = None
+    """The teacher's embeddings of these rows (distillation, ``model.teacher``); None: no teacher."""
 
     def present(self) -> "Rows":
         """Rows of weight 0 as if they had neither side."""
@@ -98,7 +106,40 @@ class Rows:
             first = getattr(parts[0], name)
             return None if first is None else torch.cat([getattr(p, name) for p in parts])
 
-        return Rows(cat("has_image"), cat("has_text"), cat("ids"), cat("row_weights"), cat("source"))
+        teacher = None if parts[0].teacher is None else TeacherEmbeds.cat([p.teacher for p in parts])
+        return Rows(cat("has_image"), cat("has_text"), cat("ids"), cat("row_weights"), cat("source"), teacher)
+
+
+@dataclass
+class TeacherView:
+    """A micro-batch as a distillation teacher takes it: square images at its own size, normalized
+    with its statistics, and captions in its tokenizer's ids (zeros and padding where a row lacks a side)."""
+
+    pixels: torch.Tensor
+    """float [B, 3, T, T]"""
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+
+
+@dataclass
+class TeacherEmbeds:
+    """What distillation needs of a teacher for a batch's rows: its embeddings, run live or read from
+    the ones ``vltrain data teacher-embed`` stored, and its temperature (and SigLIP bias)."""
+
+    image: torch.Tensor
+    """[B, Dt] fp32, L2-normalized; zeros where the row has no image. Dt need not be the student's D."""
+    text: torch.Tensor
+    """[B, Dt] fp32, L2-normalized; zeros where the row has no text."""
+    scale: torch.Tensor
+    """0-dim fp32: the teacher's inverse temperature, exp(logit_scale) (not its log)."""
+    bias: torch.Tensor | None = None
+    """0-dim fp32: the teacher's SigLIP logit bias, if it has one."""
+
+    @staticmethod
+    def cat(parts: list["TeacherEmbeds"]) -> "TeacherEmbeds":
+        first = parts[0]
+        return TeacherEmbeds(torch.cat([p.image for p in parts]), torch.cat([p.text for p in parts]),
+                             first.scale, first.bias)
 
 
 @dataclass
