@@ -27,7 +27,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("checkpoint",),
     ("export",),
     ("eval",),
-    ("train.trainer", "train.resolve"),
+    ("train.trainer", "train.resolve", "train.teacher", "train.teacher_embed"),
     ("demo",),
     ("cli", "__main__", ""),
 ]

@@ -23,8 +23,10 @@ def test_bad_model_config_names_the_key(override, message):
 
 
 def test_itc_and_siglip_cannot_both_be_off():
-    with pytest.raises(errors.ConfigError, match="itc or siglip"):
+    with pytest.raises(errors.ConfigError, match="set itc, siglip, distill or distill_sigmoid > 0"):
         config.load_config(None, ["model.loss.itc=0"])
+    only_distillation = config.load_config(None, ["model.loss.itc=0", "model.loss.distill=1", "model.teacher.path=t"])
+    assert only_distillation.model.loss.distill == 1
 
 
 def test_presets_load():

@@ -1,6 +1,7 @@
 """data.global_batch_size: the same samples in every step and the same math whatever the split,
-so a run continues its own trajectory on another number of ranks: the dual encoder (ITC, SigLIP)
-and the fusion model (ITC + ITM + MLM), with text-only and image-only rows in the data. Real
+so a run continues its own trajectory on another number of ranks: the dual encoder (ITC, SigLIP,
+distillation from a teacher) and the fusion model (ITC + ITM + MLM), with text-only and image-only
+rows in the data. Real
 processes: torchrun, gloo, 1 and 2 ranks."""
 
 from __future__ import annotations
@@ -36,6 +37,8 @@ def mixed(tmp_path_factory) -> Path:
 def run(shapes: Path, run_dir: Path, nproc: int, **extra):
     settings = {"data__train": shapes / "mixed.jsonl", "data__global_batch_size": G, "data__audit": "true",
                 "train__max_steps": STEPS, "train__log_every": 1}
+    if extra.get("model__teacher__path") == TEACHER:
+        extra["model__teacher__path"] = teacher(shapes.parent)
     return train(shapes, run_dir, nproc=nproc, timeout=240, **{**settings, **extra})
 
 
@@ -62,8 +65,22 @@ BUDGET = {"data__batching": "budget"}
 """Budget steps: 3 to 12 rows under 96 text positions and 12 images per step (the defaults)."""
 EMA = {"train__ema__decay": 0.8, "train__ema__warmup": "true"}
 """ITC with the weight EMA: the averages agree on every split, and after the resume on 1 rank."""
+TEACHER = "hf-clip-teacher"
+DISTILL = {"model__loss__distill": 1, "model__loss__distill_sigmoid": 0.5, "model__teacher__path": TEACHER}
+"""ITC with both distillation losses from a live teacher (a Hugging Face CLIP folder of another
+image size, other statistics and its own tokenizer), its embeddings gathered across ranks."""
 LOSSES = {"itc": EMA, "siglip": {"model__loss__itc": 0, "model__loss__siglip": 1}, "fusion": FUSION, "unimodal": UNIMODAL,
-          "budget": BUDGET}
+          "budget": BUDGET, "distill": DISTILL}
+
+
+def teacher(root: Path) -> Path:
+    """The tiny random Hugging Face CLIP teacher of the distill case, made once per session."""
+    from kits.pretrainedkit import make_clip
+
+    folder = root / TEACHER
+    if not (folder / "config.json").exists():
+        make_clip(folder, seed=0)
+    return folder
 
 
 _RUNS: dict[tuple[str, str], tuple[Path, object]] = {}
@@ -126,7 +143,7 @@ def test_the_audit_shows_the_same_samples_in_every_step(splits):
 
 
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("model", ["itc", "fusion", "budget"])
+@pytest.mark.parametrize("model", ["itc", "fusion", "budget", "distill"])
 def test_stopped_on_two_ranks_and_resumed_on_one_it_continues_the_same_trajectory(model, tmp_path_factory, tmp_path):
     shapes = mixed(tmp_path_factory)
     unstopped, _ = split_run(tmp_path_factory, model, "2 ranks, A=1")

@@ -12,19 +12,7 @@ import time
 
 def add_parsers(data: argparse.ArgumentParser, tokenizer: argparse.ArgumentParser) -> None:
     dsub = data.add_subparsers(dest="data_command", required=True, metavar="DATA_COMMAND")
-    s = dsub.add_parser("synth", help="write the synthetic 'shapes' dataset (images + JSONL manifests)")
-    s.add_argument("--out", default=None, help="where the image-text pairs go")
-    s.add_argument("--classify", default=None, metavar="OUT",
-                   help="also (or only) write a class-per-folder set: one shape per image, class = shape kind")
-    s.add_argument("--per-class", type=int, default=50, help="images per class of --classify (default 50)")
-    s.add_argument("--num", type=int, default=10000, help="training rows")
-    s.add_argument("--val", type=int, default=1000, help="validation rows (image-text pairs)")
-    s.add_argument("--text-only-fraction", type=float, default=0.0, help="training rows without an image")
-    s.add_argument("--image-only-fraction", type=float, default=0.0, help="training rows without a caption")
-    s.add_argument("--image-size", type=int, default=48)
-    s.add_argument("--seed", type=int, default=0)
-    s.add_argument("--workers", type=int, default=0, help="processes (0: all cores)")
-    s.set_defaults(func=synth)
+    _add_synth_parser(dsub)
 
     v = dsub.add_parser("validate", help="check every row; exit 0 clean, 1 problems found, 2 usage error")
     v.add_argument("sources", nargs="+", help="manifests (.jsonl/.csv/.tsv), shard patterns or .parquet files")
@@ -53,6 +41,8 @@ def add_parsers(data: argparse.ArgumentParser, tokenizer: argparse.ArgumentParse
 
     _add_shard_parser(dsub)
 
+    _add_teacher_embed_parser(dsub)
+
     a = dsub.add_parser("audit", help="check a run's consumed-id records: no duplicates, nothing lost")
     a.add_argument("run_dir")
     a.set_defaults(func=audit)
@@ -69,6 +59,41 @@ def add_parsers(data: argparse.ArgumentParser, tokenizer: argparse.ArgumentParse
                     help="its bpe_simple_vocab_16e6.txt.gz (default: the one of an installed open_clip)")
     to.add_argument("--out", required=True, help="tokenizer.json to write")
     to.set_defaults(func=openclip_tokenizer)
+
+
+def _add_synth_parser(dsub) -> None:
+    s = dsub.add_parser("synth", help="write the synthetic 'shapes' dataset (images + JSONL manifests)")
+    s.add_argument("--out", default=None, help="where the image-text pairs go")
+    s.add_argument("--classify", default=None, metavar="OUT",
+                   help="also (or only) write a class-per-folder set: one shape per image, class = shape kind")
+    s.add_argument("--per-class", type=int, default=50, help="images per class of --classify (default 50)")
+    s.add_argument("--num", type=int, default=10000, help="training rows")
+    s.add_argument("--val", type=int, default=1000, help="validation rows (image-text pairs)")
+    s.add_argument("--text-only-fraction", type=float, default=0.0, help="training rows without an image")
+    s.add_argument("--image-only-fraction", type=float, default=0.0, help="training rows without a caption")
+    s.add_argument("--image-size", type=int, default=48)
+    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--workers", type=int, default=0, help="processes (0: all cores)")
+    s.set_defaults(func=synth)
+
+
+def _add_teacher_embed_parser(dsub) -> None:
+    te = dsub.add_parser("teacher-embed", help="store a distillation teacher's embeddings of every row beside "
+                         "each source's sample index (model.teacher.precomputed reads them); resumable, splits "
+                         "over torchrun ranks")
+    te.add_argument("teacher", help="anything vltrain opens: a run, checkpoint, export, Hugging Face folder or "
+                    "OpenCLIP file")
+    te.add_argument("sources", nargs="*", help="manifests, shard patterns or parquet files (default: the "
+                    "config's data.train)")
+    te.add_argument("--config", default=None, help="the training config: its sources, decoding limits and cache")
+    te.add_argument("--batch-size", type=int, default=64)
+    te.add_argument("--workers", type=int, default=2, help="loader processes decoding images (default 2)")
+    te.add_argument("--precision", choices=["fp32", "bf16", "fp16"], default=None,
+                    help="the teacher's precision (default: the config's train.precision, else fp32)")
+    te.add_argument("--dtype", choices=["float16", "float32"], default="float16",
+                    help="how the embeddings are stored (float16 rounds less than bf16 does; default)")
+    te.add_argument("--device", default="auto", help="auto, cpu or cuda")
+    te.set_defaults(func=teacher_embed)
 
 
 def _add_shard_parser(dsub) -> None:
@@ -291,6 +316,32 @@ def audit(args: argparse.Namespace) -> int:
     print("OK: no duplicates, nothing lost beyond the documented drop, ranks disjoint" if report.ok
           else f"FAILED: {len(report.problems)} problem(s)")
     return 0 if report.ok else 1
+
+
+def teacher_embed(args: argparse.Namespace) -> int:
+    """``vltrain data teacher-embed TEACHER [SOURCES...] [--config C]``: this rank's share of every
+    source's teacher embeddings; one line per source (rank 0)."""
+    from vltrain.config.job import load_config
+    from vltrain.data.dataset import source_specs
+    from vltrain.errors import UsageError
+    from vltrain.train.teacher_embed import teacher_embed as embed
+
+    cfg = load_config(args.config) if args.config else None
+    sources = args.sources or ([s.path for s in source_specs(cfg.data.train)] if cfg is not None else [])
+    if not sources:
+        raise UsageError("give the sources to embed, or --config with data.train")
+    precision = args.precision or (cfg.train.precision if cfg is not None else "fp32")
+    passes = embed(args.teacher, sources, cfg, precision=precision, device=args.device, batch_size=args.batch_size,
+                   workers=args.workers, dtype=args.dtype)
+    if int(os.environ.get("RANK", "0")) == 0:
+        for p in passes:
+            rate = p.rows_now / max(p.seconds, 1e-9)
+            print(f"{p.source}: {p.rows:,} rows in {p.chunks} chunks; rank 0 embedded {p.done_now} chunk(s) "
+                  f"({p.rows_now:,} rows, {p.done_before} chunk(s) done before) in {p.seconds:.1f} s ({rate:,.0f} "
+                  "rows/s); "
+                  f"{p.unreadable} unreadable image(s) stored as zeros (training replaces those samples)\n"
+                  f"  {p.folder}")
+    return 0
 
 
 def train_tokenizer(args: argparse.Namespace) -> int:

@@ -8,7 +8,8 @@ from dataclasses import dataclass, field, fields
 import torch
 
 from vltrain.data.config import ModalityWeights
-from vltrain.types import ModelInputs
+from vltrain.data.teacher_store import TeacherInputs
+from vltrain.types import ModelInputs, TeacherEmbeds, TeacherView
 
 
 @dataclass
@@ -31,6 +32,11 @@ class Batch:
     segments: torch.Tensor | None = None  # int64 [S, N], packed: the row whose patch each position holds (-1: none)
     patch_index: torch.Tensor | None = None  # int64 [S, N], packed: which of that row's patches it is
     image_slots: torch.Tensor | None = None  # int64 [S, K], packed: the rows each sequence holds (-1: none)
+    teacher_pixel_values: torch.Tensor | None = None  # uint8 [B, 3, T, T], a teacher that runs: its view
+    teacher_input_ids: torch.Tensor | None = None  # int64 [B, Lt], the captions in the teacher's tokenizer
+    teacher_attention_mask: torch.Tensor | None = None  # int64 [B, Lt]
+    teacher_image_embeds: torch.Tensor | None = None  # float32 [B, Dt], stored teacher embeddings
+    teacher_text_embeds: torch.Tensor | None = None  # float32 [B, Dt]
     num_truncated: int = 0
     counts: tuple[int, int] | None = None
     """Rows with an image, rows with text: counted by the collator, so the step need not ask the device."""
@@ -77,9 +83,12 @@ class Batch:
         std: list[float],
         modality_weights: ModalityWeights | None = None,
         source_loss_weights: list[float] | None = None,
+        teacher: TeacherInputs | None = None,
     ) -> "ModelInputs":
         """The batch on ``device`` with normalized pixels. Per-row weights, unless all are 1: the
-        modality's weight (``data.modality_weights``) times the source's ``loss_weight``."""
+        modality's weight (``data.modality_weights``) times the source's ``loss_weight``. With a
+        distillation ``teacher``: its view of the rows (normalized with its statistics), or its
+        stored embeddings."""
         batch = self.to(device, non_blocking=True)  # pinned by the loader on CUDA
         row_weights = None
         w = modality_weights or ModalityWeights()
@@ -95,7 +104,19 @@ class Batch:
             has_image=batch.has_image, has_text=batch.has_text, ids=batch.ids, row_weights=row_weights,
             source=batch.source, counts=self.counts, grids=batch.grids, segments=batch.segments,
             patch_index=batch.patch_index, image_slots=batch.image_slots,
+            **batch._teacher_inputs(teacher),
         )
+
+    def _teacher_inputs(self, teacher: TeacherInputs | None) -> dict:
+        """``ModelInputs``' teacher_view or teacher (stored embeddings), for ``to_model_inputs``."""
+        if teacher is None:
+            return {}
+        if self.teacher_image_embeds is not None:
+            scale, bias = teacher.constants(self.teacher_image_embeds.device)
+            return {"teacher": TeacherEmbeds(self.teacher_image_embeds, self.teacher_text_embeds, scale, bias)}
+        d = teacher.data
+        return {"teacher_view": TeacherView(normalize_pixels(self.teacher_pixel_values, d.mean, d.std),
+                                            self.teacher_input_ids, self.teacher_attention_mask)}
 
 
 def _rebuild(tensors: dict, rest: dict) -> Batch:

@@ -35,6 +35,7 @@ from vltrain.data.index.sizes import image_sizes
 from vltrain.data.native import patch_counts
 from vltrain.data.sources.manifests import Row, Source, refuse_malformed
 from vltrain.data.table import SampleTable
+from vltrain.data.teacher_store import TeacherInputs
 from vltrain.data.tokenizers import Tokenizer
 from vltrain.errors import DataError
 
@@ -61,6 +62,12 @@ class Sample:
     errors: list[tuple[str, str]] = field(default_factory=list)
     grid: tuple[int, int] | None = None
     """The image's rows and columns of patches, at its own shape."""
+    teacher_image: torch.Tensor | None = None
+    """uint8 [3, T, T]: the same decoded image as a distillation teacher that runs takes it."""
+    teacher_ids: list[int] = field(default_factory=list)
+    """The caption in the teacher's tokenizer (empty without text)."""
+    teacher_embeds: tuple | None = None
+    """(image, text) float32 [D] arrays (None for a side the row lacks): stored teacher embeddings."""
 
 
 class ImageTextDataset(torch.utils.data.Dataset):
@@ -78,6 +85,7 @@ class ImageTextDataset(torch.utils.data.Dataset):
         weights: list[float] | None = None,
         *,
         plan_aware: bool = False,
+        teacher: TeacherInputs | None = None,
     ):
         if not sources:
             raise DataError("no data sources given")
@@ -95,6 +103,8 @@ class ImageTextDataset(torch.utils.data.Dataset):
         self._table: SampleTable | None = None
         self.plan_aware = plan_aware
         """Replacements fit the sampler's plan (the sample table); off where nothing plans batches."""
+        self.teacher = teacher
+        """What each sample carries for a distillation teacher (None: no teacher)."""
 
     def __len__(self) -> int:
         return self._starts[-1]
@@ -199,13 +209,35 @@ class ImageTextDataset(torch.utils.data.Dataset):
         return out
 
     def _load(self, source: Source, s: int, j: int, row: Row, errors: list) -> Sample:
-        image, grid = None, None
+        image, grid, data = None, None, None
         if row.image is not None:
-            image, grid = decode_for(source.read_image(j), self.cfg)
+            data = source.read_image(j)
+            image, grid = decode_for(data, self.cfg)
         ids, truncated = [], False
         if row.text is not None:
             ids, truncated = self.tokenizer.encode(row.text, self.max_text_length)
-        return Sample(stable_uid(row.key), row.key, image, ids, truncated, s, errors, grid)
+        sample = Sample(stable_uid(row.key), row.key, image, ids, truncated, s, errors, grid)
+        if self.teacher is not None:
+            self._for_teacher(sample, s, j, row, data)
+        return sample
+
+    def _for_teacher(self, sample: Sample, s: int, j: int, row: Row, data: bytes | None) -> None:
+        """The teacher's part of a sample: its stored embeddings of the row, or its own view of the
+        same image bytes (decoded at its size, with its resize) and of the caption (its tokenizer)."""
+        t = self.teacher
+        if t.stores is not None:
+            sample.teacher_embeds = t.stores[s].row(j, sample.uid, row.image is not None, row.text is not None,
+                                                    f"row {j} of {self.sources[s].name} ({row.where})")
+            return
+        if data is not None:
+            sample.teacher_image, _ = decode_for(data, t.data)
+        if row.text is not None:
+            try:
+                sample.teacher_ids = t.tokenizer.encode(row.text, t.data.max_text_length)[0]
+            except Exception as e:  # the tokenizers library raises a bare Exception (e.g. no unknown token)
+                raise DataError(f"row {j} of {self.sources[s].name} ({row.where}): the teacher's tokenizer "
+                                f"{t.tokenizer.path} cannot read its caption ({e}); model.teacher needs a "
+                                "tokenizer that reads every caption of the data (one with an unknown token)") from None
 
     def prefetch(self, rows: np.ndarray) -> None:
         """Start fetching what rows about to be loaded need (remote shards), in the background."""
@@ -287,7 +319,7 @@ def source_specs(spec: str | list) -> list[SourceSpec]:
 
 def build_dataset(
     data_cfg: DataConfig, split: str, tokenizer: Tokenizer, run_dir: str | Path | None = None, *,
-    plan_aware: bool = False,
+    plan_aware: bool = False, teacher: TeacherInputs | None = None,
 ) -> ImageTextDataset:
     """The dataset of ``data.train`` or ``data.val``; ``plan_aware`` for the training loader's.
 
@@ -321,4 +353,5 @@ def build_dataset(
         if source.error_count() > 5:
             log.warning("%s: %d malformed rows skipped in all", source.name, source.error_count())
         sources.append(source)
-    return ImageTextDataset(sources, tokenizer, data_cfg, [s.weight for s in specs], plan_aware=plan_aware)
+    return ImageTextDataset(sources, tokenizer, data_cfg, [s.weight for s in specs], plan_aware=plan_aware,
+                            teacher=teacher)

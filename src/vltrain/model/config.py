@@ -45,6 +45,18 @@ class VisionSettings(Settings):
 
 
 @dataclass
+class TeacherSettings(Settings):
+    path: str = ""
+    """Distil from this model: anything ``vltrain eval`` opens (a vltrain run, checkpoint or export, a
+    Hugging Face CLIP, SigLIP or SigLIP 2 folder, an OpenCLIP file). Frozen, in eval mode, run without
+    autograd under train.precision, on its own preprocessing of the same decoded image and its own
+    tokenizer. Empty: no teacher. Its losses: model.loss.distill and model.loss.distill_sigmoid."""
+    precomputed: bool = False
+    """Read the teacher's embeddings that ``vltrain data teacher-embed`` stored beside each training
+    source's sample index, instead of running the teacher: no teacher runs in training."""
+
+
+@dataclass
 class LossConfig(Settings):
     """Per-objective weights. An objective the model has no head for (ITM or MLM on a dual encoder)
     is ignored, so one loss section serves every preset."""
@@ -86,13 +98,23 @@ class LossConfig(Settings):
     """image_mim on image-text rows too (by default only image-only rows)."""
     mim_ratio: float = 0.6
     """The share of an image's patches image_mim masks."""
+    distill: float = 0.0
+    """Weight of distillation from model.teacher (OpenCLIP's DistillClipLoss): the cross-entropy of the
+    student's image-to-text and text-to-image softmaxes over the global batch against the teacher's."""
+    distill_sigmoid: float = 0.0
+    """Weight of sigmoid distillation from model.teacher, for SigLIP students: each pair's sigmoid
+    cross-entropy against the teacher's probability of a match (vltrain.objectives.distill)."""
 
     def validate(self) -> None:
-        for name in ("itc", "siglip", "itm", "mlm", "text_mlm", "image_mim"):
+        for name in ("itc", "siglip", "itm", "mlm", "text_mlm", "image_mim", "distill", "distill_sigmoid"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"model.loss.{name} must be >= 0, got {getattr(self, name)}")
-        if self.itc == 0 and self.siglip == 0:
-            raise ConfigError("model.loss: set itc or siglip > 0 (a model needs a contrastive objective)")
+        if self.itc == 0 and self.siglip == 0 and self.distill == 0 and self.distill_sigmoid == 0:
+            raise ConfigError("model.loss: set itc, siglip, distill or distill_sigmoid > 0 (a model needs a "
+                              "contrastive objective)")
+        if (self.distill or self.distill_sigmoid) and self.contrastive_impl == "ring":
+            raise ConfigError("model.loss.distill and distill_sigmoid gather the global batch: use "
+                              "model.loss.contrastive_impl: gather")
         if self.contrastive_impl not in ("gather", "ring"):
             raise ConfigError(f"model.loss.contrastive_impl must be gather or ring, got {self.contrastive_impl!r}")
         if self.itm_negatives not in ("auto", "group", "local", "global"):
@@ -113,6 +135,7 @@ class ModelConfig(Settings):
     text: TextConfig = field(default_factory=TextConfig)
     vision: VisionSettings = field(default_factory=VisionSettings)
     loss: LossConfig = field(default_factory=LossConfig)
+    teacher: TeacherSettings = field(default_factory=TeacherSettings)
     embed_dim: int = 0
     """0: the preset's."""
     init: str = ""
@@ -140,3 +163,10 @@ class ModelConfig(Settings):
             raise ConfigError(f"model.text.layout must be {', '.join(TEXT_LAYOUTS)}, got {self.text.layout!r}")
         if self.embed_dim < 0:
             raise ConfigError(f"model.embed_dim must be >= 0, got {self.embed_dim}")
+        distilling = self.loss.distill or self.loss.distill_sigmoid
+        if distilling and not self.teacher.path:
+            raise ConfigError("model.loss.distill and distill_sigmoid need a teacher: set model.teacher.path to a "
+                              "run, checkpoint, export, Hugging Face folder or OpenCLIP file")
+        if self.teacher.path and not distilling:
+            raise ConfigError(f"model.teacher.path {self.teacher.path} is set but no loss uses it: set "
+                              "model.loss.distill (or distill_sigmoid, for a SigLIP student) > 0, or drop the teacher")

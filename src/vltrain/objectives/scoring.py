@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 import torch
 
 from vltrain.model.config import LossConfig, VisionSettings
+from vltrain.objectives.distill import distill_loss, distill_sigmoid_loss
 from vltrain.objectives.keyed import UNKEYED, Stream
 from vltrain.objectives.losses import (
     itc_loss,
@@ -156,7 +157,7 @@ class Objectives:
     those with weight > 0 that the model has heads for."""
 
     def __init__(self, loss: LossConfig, spec: ModelSpec, vision: VisionSettings | None = None):
-        w = {"itc": loss.itc, "siglip": loss.siglip}
+        w = {"itc": loss.itc, "siglip": loss.siglip, "distill": loss.distill, "distill_sigmoid": loss.distill_sigmoid}
         w.update({k: getattr(loss, k) for k in ("itm", "mlm", "text_mlm", "image_mim") if k in spec.heads})
         self.loss_weights = {k: v for k, v in w.items() if v > 0}
         self.spec = spec
@@ -170,6 +171,14 @@ class Objectives:
         self.ring = loss.contrastive_impl == "ring"
         vision = vision or VisionSettings()
         self.patch_dropout, self.patch_dropout_until = vision.patch_dropout, vision.patch_dropout_until
+
+    CONTRASTIVE = ("itc", "siglip", "distill", "distill_sigmoid")
+    """The objectives over the global batch's embeddings (gradient caching computes them over the cache)."""
+
+    @property
+    def distilling(self) -> bool:
+        """Whether an objective reads a teacher's embeddings (``Rows.teacher``)."""
+        return "distill" in self.loss_weights or "distill_sigmoid" in self.loss_weights
 
     @property
     def averaged(self) -> list[str]:
@@ -185,11 +194,18 @@ class Objectives:
         out = {}
         rows = rows.present()
         itc, siglip = (itc_loss_ring, siglip_loss_ring) if self.ring else (itc_loss, siglip_loss)
-        per_row: dict[str, list] = {k: [] for k in ("itc", "siglip")}
+        per_row: dict[str, list] = {k: [] for k in self.CONTRASTIVE}
         if "itc" in self.loss_weights:
             out["itc"] = itc(image_embeds, text_embeds, logit_scale, rows, per_row["itc"])
         if "siglip" in self.loss_weights:
             out["siglip"] = siglip(image_embeds, text_embeds, logit_scale, logit_bias, rows, per_row["siglip"])
+        if ("distill" in self.loss_weights or "distill_sigmoid" in self.loss_weights) and rows.teacher is None:
+            raise ValueError("distillation needs the teacher's embeddings on the rows (Rows.teacher)")
+        if "distill" in self.loss_weights:
+            out["distill"] = distill_loss(image_embeds, text_embeds, logit_scale, rows, per_row["distill"])
+        if "distill_sigmoid" in self.loss_weights:
+            out["distill_sigmoid"] = distill_sigmoid_loss(image_embeds, text_embeds, logit_scale, logit_bias, rows,
+                                                          per_row["distill_sigmoid"])
         if row_losses is not None:
             paired = rows.has_image & rows.has_text
             row_losses.update({k: RowLosses(v[0], paired) for k, v in per_row.items() if v})
@@ -197,8 +213,8 @@ class Objectives:
 
     def contrastive(self, image_embeds, text_embeds, rows: Rows, logit_scale: torch.Tensor,
                     logit_bias: torch.Tensor | None, row_losses: dict[str, RowLosses] | None = None) -> torch.Tensor:
-        """The weighted ITC + SigLIP term on given (e.g. cached, concatenated) embeddings, with the
-        model's ``logit_scale`` (and SigLIP's ``logit_bias``)."""
+        """The weighted ITC + SigLIP (+ distillation) term on given (e.g. cached, concatenated)
+        embeddings, with the model's ``logit_scale`` (and SigLIP's ``logit_bias``)."""
         losses = self.contrastive_losses(image_embeds, text_embeds, rows, logit_scale, logit_bias, row_losses)
         return sum(self.loss_weights[k] * v for k, v in losses.items())
 

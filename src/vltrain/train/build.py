@@ -296,12 +296,18 @@ def resolve_global_batch(cfg: JobConfig, world_size: int) -> str:
             f"{resolved.image_budget} images{patches}")
 
 
-def build_train_loader_for(cfg: JobConfig, tokenizer: Tokenizer, world: World, run_dir: Path) -> TrainLoader:
+def build_train_loader_for(cfg: JobConfig, tokenizer: Tokenizer, world: World, run_dir: Path,
+                           teacher=None) -> TrainLoader:
+    """``teacher``: a :class:`vltrain.data.teacher_store.TeacherInputs`, or a function of the opened sources
+    that makes one (stored embeddings are found beside each source's index)."""
     dataset = build_dataset(cfg.data, "train", tokenizer, run_dir=run_dir, plan_aware=True)
-    return build_train_loader(
+    dataset.teacher = teacher(dataset.sources) if callable(teacher) else teacher
+    loader = build_train_loader(
         cfg.data, dataset, rank=world.rank, world_size=world.world_size, seed=cfg.train.seed,
         run_dir=run_dir, pad_id=tokenizer.pad_id,
     )
+    loader.teacher = dataset.teacher  # what to_model_inputs reads the teacher's part of a batch with
+    return loader
 
 
 def build_val_loader(cfg: JobConfig, tokenizer: Tokenizer, world: World, run_dir: Path | None = None):

@@ -14,6 +14,8 @@ The pass, in order:
 4. The objectives: those the architecture has no head for are set to 0, ``itm_negatives: auto``
    becomes group or local, and the ITM group size is chosen (the config's, else the checkpoint the
    run resumes from, else the default).
+5. The distillation teacher (``model.teacher``): found, and its preprocessing read
+   (:func:`~vltrain.train.teacher.plan_teacher`), before any model is built.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from vltrain.errors import UserError
 from vltrain.model.interop.pretrained import Pretrained
 from vltrain.train.build import (decide_objectives, fit_native, itm_group, resolve_global_batch,
                                  resolve_init)
+from vltrain.train.teacher import TeacherPlan, plan_teacher
 from vltrain.types import freeze
 
 
@@ -46,6 +49,8 @@ class Resolved:
     """``model.init`` that vltrain wrote: its weights are loaded once the model is built."""
     imported_init: Pretrained | None = None
     """``model.init`` of a Hugging Face folder or an OpenCLIP file, opened."""
+    teacher: TeacherPlan | None = None
+    """``model.teacher``, located, with its preprocessing."""
 
 
 def resolve_run(cfg: JobConfig, world_size: int) -> Resolved:
@@ -62,8 +67,9 @@ def resolve_run(cfg: JobConfig, world_size: int) -> Resolved:
     size, itm_source = itm_group(cfg.model.loss, cfg.data.batch_size, cfg.data.global_batch_size,
                                  _resumed_itm_group(cfg) if cfg.model.loss.itm_negatives == "group" else 0)
     cfg.model.loss.itm_group_size = size
+    teacher = plan_teacher(cfg)
     freeze(cfg)
-    return Resolved(cfg, batch, itm_source, saved_init, imported_init)
+    return Resolved(cfg, batch, itm_source, saved_init, imported_init, teacher)
 
 
 def _resumed_itm_group(cfg: JobConfig) -> int:

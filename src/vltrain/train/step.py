@@ -1,7 +1,8 @@
 """One optimizer step, in one place: what :meth:`Step.__call__` does, in order.
 
 1. **Key the micro-batches** (:meth:`Step.keyed`): the step's key, each micro-batch's masks drawn once,
-   and the averaged objectives' denominators (those masks counted) summed over every rank.
+   and the averaged objectives' denominators (those masks counted) summed over every rank; a
+   distillation teacher that runs embeds each micro-batch here, without autograd.
 2. **Forward and backward** over the micro-batches: plain accumulation (:func:`plain_backward`), each
    micro-batch's contrastive loss seeing only itself, or exact contrastive accumulation
    (:func:`gradcache_backward`). Both leave the gradient of the whole step in ``.grad``, reduced
@@ -114,8 +115,11 @@ class Step:
 
     def __init__(self, wrapped: nn.Module, objectives: Objectives, params: list[torch.Tensor],
                  optimizer: torch.optim.Optimizer, scheduler, scaler: torch.amp.GradScaler,
-                 precision: Precision, train: TrainConfig, world: World):
+                 precision: Precision, train: TrainConfig, world: World, teacher=None):
+        """``teacher``: a :class:`vltrain.train.teacher.Teacher` that embeds each micro-batch (None: no
+        teacher runs; stored teacher embeddings come with the micro-batches)."""
         self.wrapped, self.objectives, self.params = wrapped, objectives, params
+        self.teacher = teacher
         self.optimizer, self.scheduler, self.scaler = optimizer, scheduler, scaler
         self.precision, self.train = precision, train
         self.world_size, self.rank = world.world_size, world.rank
@@ -153,6 +157,8 @@ class Step:
         over every rank and micro-batch (one small all-reduce), shared out so that the ranks' mean of
         the micro-batches' mean is the global mean."""
         key = StepKey(self.train.seed, step)
+        if self.teacher is not None:
+            micro = [replace(m, teacher=self.teacher.embed(m)) for m in micro]
         inputs = [replace(m, key=key) for m in micro]
         inputs = [replace(m, patch_keep=self.objectives.patch_keep(m)) for m in inputs]
         names = self.objectives.averaged

@@ -62,6 +62,7 @@ from vltrain.train.parallelize import parallelize
 from vltrain.train.resolve import resolve_run
 from vltrain.train.source_metrics import SourceMeter
 from vltrain.train.step import Step, StepResult
+from vltrain.train.teacher import Teacher, describe as describe_teacher, stored_inputs
 
 log = logging.getLogger(__name__)
 
@@ -83,16 +84,16 @@ class Trainer:
         self.tokenizer, self.model, self.precision = self._build_model()  # the same weights on every rank
 
         # the objectives, and the parallelized task
-        task = build_task(cfg, self.model)
-        self.objectives = task.objectives
+        self.objectives = (task := build_task(cfg, self.model)).objectives
         self.wrapped = parallelize(task, tc, self.device)
+        self.teacher, self.teacher_inputs = self._build_teacher()  # distillation's, if any; replicated or sharded
 
         # optimizer, scheduler, gradient scaler; the step that uses them; the guard
         self.optimizer = build_optimizer(self.model, tc)
         self.scheduler = build_scheduler(self.optimizer, tc)
         self.scaler = self.precision.grad_scaler()
         self.stepper = Step(self.wrapped, self.objectives, [p for p in self.model.parameters() if p.requires_grad],
-                            self.optimizer, self.scheduler, self.scaler, self.precision, tc, self.world)
+                            self.optimizer, self.scheduler, self.scaler, self.precision, tc, self.world, self.teacher)
         self.guard = NonFiniteGuard(tc.max_nonfinite_steps)
         self.ema = WeightAverage(tc.ema, self.model) if tc.ema.decay else None  # of the parallelized parameters
         self.preemption, self.preempt_agreed, self.save_due = PreemptionWatch(), False, False
@@ -102,7 +103,7 @@ class Trainer:
         self.sources = source_specs(cfg.data.train)
         self.source_meter = SourceMeter([s.display_name() for s in self.sources], list(self.objectives.loss_weights),
                                         self.device)
-        self.loader = build_train_loader_for(cfg, self.tokenizer, self.world, self.run_dir)
+        self.loader = build_train_loader_for(cfg, self.tokenizer, self.world, self.run_dir, self.teacher_inputs)
         self.loader.elastic = bool(cfg.data.global_batch_size)
         self.global_batch = cfg.data.batch_size * tc.accumulation * self.world.world_size
         self.evaluator = Evaluator(cfg, self.tokenizer, self.world, self.run_dir)
@@ -155,6 +156,23 @@ class Trainer:
         freeze_towers(model, tc.freeze, tc.unlock_last)
         self._save_initial(model)
         return tokenizer, model, Precision(tc.precision, self.device)
+
+    def _build_teacher(self):
+        """The distillation teacher (``model.teacher``), opened and sharded like the student, and what
+        the loader makes for it; or, with stored embeddings, no teacher and a function that finds them
+        beside the training sources' indexes. (None, None) without a teacher."""
+        plan = self.resolved.teacher
+        if plan is None:
+            return None, None
+        if self.world.is_main:
+            log.info(describe_teacher(plan, self.cfg))
+        if plan.precomputed:
+            return None, lambda sources: stored_inputs(plan, sources)
+        mesh = getattr(self.wrapped, "device_mesh", None)
+        teacher = Teacher(plan, self.device, self.precision.autocast, mesh)
+        if mesh is not None and self.world.is_main:
+            log.info("teacher: sharded by FSDP2 over the student's device mesh")
+        return teacher, teacher.inputs(self.cfg)
 
     @staticmethod
     def _seed_rank(seed: int) -> RngState:
@@ -298,7 +316,8 @@ class Trainer:
         """
         data = self.cfg.data
         loss_weights = [s.loss_weight for s in self.sources]
-        inputs = [b.to_model_inputs(self.device, data.mean, data.std, data.modality_weights, loss_weights)
+        inputs = [b.to_model_inputs(self.device, data.mean, data.std, data.modality_weights, loss_weights,
+                                    self.loader.teacher)
                   for b in micro]
         result = self.stepper(inputs, self.step)
         if self.ema is not None:
@@ -433,7 +452,7 @@ class Trainer:
         raise Preempted(f"{name} at step {self.step}: checkpoint {path} written; run the same "
                         f"command again to resume (exit code {code})", exit_code=code)
 
-    HOLD_GROUPS = ("wrapped", "model", "objectives", "stepper", "optimizer", "ema", "scheduler", "scaler",
+    HOLD_GROUPS = ("wrapped", "model", "teacher", "objectives", "stepper", "optimizer", "ema", "scheduler", "scaler",
                    "checkpointer", "evaluator")
     """What holds a process group in a distributed run: DDP, FSDP2's modules and shards, the optimizer's
     state, the checkpointer's group for async saves."""

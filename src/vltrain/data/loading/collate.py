@@ -12,6 +12,7 @@ from vltrain.data.batch import Batch
 from vltrain.data.config import PAD_MULTIPLE, DataConfig, padded_width
 from vltrain.data.dataset import Sample
 from vltrain.data.loading.packing import class_slots, layout
+from vltrain.data.teacher_store import TeacherInputs
 
 
 def batch_buffers(shapes: dict[str, tuple[tuple[int, ...], torch.dtype]]) -> dict[str, torch.Tensor]:
@@ -45,22 +46,58 @@ class Collator:
     """
 
     def __init__(self, pad_id: int, max_text_length: int, image_size: int, pad_multiple: int = PAD_MULTIPLE,
-                 patches: tuple[int, int] | None = None, pack: bool = False):
+                 patches: tuple[int, int] | None = None, pack: bool = False, teacher: TeacherInputs | None = None):
         """``patches``: (data.max_patches, patch side) when images come at their own shape: each
         image's patches are then padded with zeros to max_patches, beside its grid, or with ``pack``
-        placed into as few sequences of max_patches as hold them (:mod:`.packing`)."""
+        placed into as few sequences of max_patches as hold them (:mod:`.packing`). ``teacher``: the
+        samples carry a distillation teacher's part too (:class:`TeacherInputs`)."""
         self.pad_id = pad_id
         self.max_text_length = max_text_length
         self.image_size = image_size
         self.pad_multiple = pad_multiple
         self.patches = patches
         self.pack = pack and patches is not None
+        self.teacher = teacher
 
     @classmethod
-    def for_data(cls, pad_id: int, cfg: DataConfig, pad_multiple: int = PAD_MULTIPLE) -> "Collator":
+    def for_data(cls, pad_id: int, cfg: DataConfig, pad_multiple: int = PAD_MULTIPLE,
+                 teacher: TeacherInputs | None = None) -> "Collator":
         """The collator of ``cfg``'s images and captions."""
         patches = (cfg.max_patches, cfg.patch_size) if cfg.resize == "native" else None
-        return cls(pad_id, cfg.max_text_length, cfg.image_size, pad_multiple, patches, cfg.pack_images)
+        return cls(pad_id, cfg.max_text_length, cfg.image_size, pad_multiple, patches, cfg.pack_images, teacher)
+
+    def _teacher_shapes(self, samples: list[Sample]) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        t, n = self.teacher, len(samples)
+        if t is None:
+            return {}
+        if t.stores is not None:
+            return {"teacher_image_embeds": ((n, t.width), torch.float32),
+                    "teacher_text_embeds": ((n, t.width), torch.float32)}
+        size = t.data.image_size
+        longest = max(len(s.teacher_ids) for s in samples)
+        length = min(padded_width(max(longest, 1), self.pad_multiple), t.data.max_text_length)
+        return {"teacher_pixel_values": ((n, 3, size, size), torch.uint8),
+                "teacher_input_ids": ((n, length), torch.int64), "teacher_attention_mask": ((n, length), torch.int64)}
+
+    def _put_teacher(self, t: dict[str, torch.Tensor], samples: list[Sample]) -> None:
+        """The teacher's part of each row: zeros (and padding) where the row lacks a side."""
+        if self.teacher is None:
+            return
+        if self.teacher.stores is not None:
+            for i, s in enumerate(samples):
+                image, text = s.teacher_embeds
+                t["teacher_image_embeds"][i] = 0 if image is None else torch.from_numpy(image)
+                t["teacher_text_embeds"][i] = 0 if text is None else torch.from_numpy(text)
+            return
+        ids, mask = t["teacher_input_ids"], t["teacher_attention_mask"]
+        ids.fill_(self.teacher.tokenizer.pad_id)
+        mask.zero_()
+        width = ids.shape[1]
+        for i, s in enumerate(samples):
+            t["teacher_pixel_values"][i] = 0 if s.teacher_image is None else s.teacher_image
+            row = s.teacher_ids[:width]
+            ids[i, :len(row)] = torch.tensor(row, dtype=torch.int64)
+            mask[i, :len(row)] = 1
 
     def _image_shapes(self, n: int, sequences: int, slots: int) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         if self.patches is None:
@@ -110,6 +147,7 @@ class Collator:
             "ids": ((n,), torch.int64), **self._image_shapes(n, sequences, width),
             "has_image": ((n,), torch.bool), "has_text": ((n,), torch.bool), "input_ids": ((n, length), torch.int64),
             "attention_mask": ((n, length), torch.int64), "source": ((n,), torch.int64),
+            **self._teacher_shapes(samples),
         })
         input_ids = np.full((n, length), self.pad_id, dtype=np.int64)
         attention_mask = np.zeros((n, length), dtype=np.int64)
@@ -119,6 +157,7 @@ class Collator:
             input_ids[i, : len(ids)] = ids
             attention_mask[i, : len(ids)] = 1
         self._put_images(t, samples, places, segments)
+        self._put_teacher(t, samples)
         if segments is not None:
             t["segments"].copy_(segments)
             t["patch_index"].copy_(patch_index)

@@ -160,6 +160,8 @@ class TrainLoader:
         self.elastic = False
         """Set by the trainer when the run is set by its global batch: a resume may then split the
         same global batch among another number of ranks and micro-batches."""
+        self.teacher = None
+        """The distillation teacher's part of each batch (``TeacherInputs``), when the dataset makes one."""
         self.samples_seen = 0
         extra = {}
         if num_workers > 0:
@@ -313,7 +315,7 @@ def build_train_loader(
     sampler = DistributedBatchSampler(table, schedule, rank=rank, world_size=world_size)
     if getattr(dataset, "remote", False):
         sampler.lookahead = dataset.prefetch
-    collate = Collator.for_data(pad_id, data_cfg, resolved.pad_multiple)
+    collate = Collator.for_data(pad_id, data_cfg, resolved.pad_multiple, getattr(dataset, "teacher", None))
     # Without a run folder bad samples are still counted and capped, just not written down.
     damaged = [d for s in getattr(dataset, "sources", []) for d in getattr(s, "damaged", [])]
     bad_log = BadSampleLog(run_dir, data_cfg.max_bad_fraction, damaged, len(dataset), write_damaged=rank == 0)

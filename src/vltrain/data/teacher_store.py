@@ -1,0 +1,216 @@
+"""A teacher's embeddings of every row of a source, stored beside its sample index (MobileCLIP's
+"dataset reinforcement"): made once by ``vltrain data teacher-embed``, then read by the training
+loader instead of running the teacher (``model.teacher.precomputed``).
+
+One folder per (source index, teacher): ``INDEX/teacher-KEY/``, KEY a hash of the teacher's
+identity (:func:`teacher_key`). It holds
+
+- ``meta.json``: the teacher's identity, the index it belongs to, the row count, the width, the
+  dtype and the teacher's temperature (and SigLIP bias);
+- ``image.npy``, ``text.npy``: [rows, width] memory-mapped arrays, zeros where a row lacks that side;
+- ``uid.npy``: [rows] int64, each row's sample id (``stable_uid`` of its key), written with its
+  embeddings: a row is read only if its id is the one the loader reads;
+- ``done.npy``: [chunks] bool, the chunks of ``CHUNK`` rows written so far (what a resumed pass skips).
+
+Rows written by different processes are disjoint, so ranks fill one store side by side. The index
+folder already names its source's files (their sizes and times): the embeddings of another source,
+or of a changed one, live in another index folder and are never read for this one.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from vltrain.errors import DataError
+
+if TYPE_CHECKING:
+    from vltrain.data.config import DataConfig
+    from vltrain.data.tokenizers import Tokenizer
+
+CHUNK = 1024
+"""Rows per unit of work (and of resumption) of the embedding pass."""
+DTYPES = ("float16", "float32")
+
+
+def teacher_key(identity: dict) -> str:
+    return hashlib.blake2b(json.dumps(identity, sort_keys=True).encode(), digest_size=6).hexdigest()
+
+
+def store_dir(index_dir: Path, identity: dict) -> Path:
+    return Path(index_dir) / f"teacher-{teacher_key(identity)}"
+
+
+@dataclass
+class StoreMeta:
+    teacher: dict
+    """The teacher's identity (``vltrain.train.teacher.teacher_identity``)."""
+    index: str
+    """The sample index's folder name (its source and key)."""
+    rows: int
+    width: int
+    dtype: str
+    scale: float
+    """The teacher's inverse temperature, exp(logit_scale)."""
+    bias: float | None
+
+    def to_json(self) -> str:
+        return json.dumps(self.__dict__, indent=1, sort_keys=True)
+
+
+class TeacherStore:
+    """One source's stored teacher embeddings, opened for reading or for filling in."""
+
+    def __init__(self, folder: Path, meta: StoreMeta, writable: bool = False):
+        self.folder, self.meta, self.writable = Path(folder), meta, writable
+        self._map()
+
+    def _map(self) -> None:
+        mode = "r+" if self.writable else "r"
+        self.image = np.load(self.folder / "image.npy", mmap_mode=mode)
+        self.text = np.load(self.folder / "text.npy", mmap_mode=mode)
+        self.uid = np.load(self.folder / "uid.npy", mmap_mode=mode)
+        self.done = np.load(self.folder / "done.npy", mmap_mode=mode)
+
+    def __getstate__(self) -> dict:
+        """To a loader worker: the folder, mapped again there (a pickled map would copy the arrays)."""
+        return {"folder": self.folder, "meta": self.meta, "writable": self.writable}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._map()
+
+    @property
+    def chunks(self) -> int:
+        return len(self.done)
+
+    def complete(self) -> bool:
+        return bool(np.all(self.done))
+
+    @staticmethod
+    def create(folder: Path, meta: StoreMeta) -> "TeacherStore":
+        """A new, empty store (or the one already there, made for the same teacher and index)."""
+        folder = Path(folder)
+        found = _read_meta(folder)
+        if found is not None:
+            if (found.teacher, found.index, found.rows, found.width, found.dtype) == \
+                    (meta.teacher, meta.index, meta.rows, meta.width, meta.dtype):
+                return TeacherStore(folder, found, writable=True)
+            raise DataError(f"{folder} holds teacher embeddings made otherwise ({found.rows} rows of width "
+                            f"{found.width}, {found.dtype}); remove it to make them again")
+        folder.mkdir(parents=True, exist_ok=True)
+        for name in ("image", "text"):
+            np.lib.format.open_memmap(folder / f"{name}.npy", mode="w+", dtype=meta.dtype,
+                                      shape=(meta.rows, meta.width)).flush()
+        np.lib.format.open_memmap(folder / "uid.npy", mode="w+", dtype=np.int64, shape=(meta.rows,)).flush()
+        np.save(folder / "done.npy", np.zeros(-(-meta.rows // CHUNK), dtype=bool))
+        tmp = folder / "meta.json.tmp"
+        tmp.write_text(meta.to_json())
+        tmp.replace(folder / "meta.json")
+        return TeacherStore(folder, meta, writable=True)
+
+    def write(self, chunk: int, image: np.ndarray, text: np.ndarray, uid: np.ndarray) -> None:
+        """Chunk ``chunk``'s rows, flushed before the chunk is marked done."""
+        lo = chunk * CHUNK
+        hi = lo + len(uid)
+        self.image[lo:hi] = image
+        self.text[lo:hi] = text
+        self.uid[lo:hi] = uid
+        for a in (self.image, self.text, self.uid):
+            a.flush()
+        self.done[chunk] = True
+        self.done.flush()
+
+    def row(self, j: int, uid: int, has_image: bool, has_text: bool, where: str
+            ) -> tuple[np.ndarray | None, np.ndarray | None]:
+        """Row ``j``'s (image, text) embeddings as float32 (None for a side it lacks); ``where`` names
+        the row in an error. Refuses a row not yet embedded, or one that holds another sample."""
+        if not self.done[j // CHUNK] or int(self.uid[j]) != uid:
+            what = "has no teacher embeddings yet" if not self.done[j // CHUNK] else \
+                "holds the embeddings of another sample (the source changed since they were made)"
+            raise DataError(f"{where} {what} in {self.folder}: run `vltrain data teacher-embed` again for this "
+                            "source and teacher (it resumes where it stopped)")
+        image = np.asarray(self.image[j], dtype=np.float32) if has_image else None
+        text = np.asarray(self.text[j], dtype=np.float32) if has_text else None
+        return image, text
+
+
+def _read_meta(folder: Path) -> StoreMeta | None:
+    try:
+        return StoreMeta(**json.loads((Path(folder) / "meta.json").read_text()))
+    except (OSError, ValueError, TypeError):
+        return None
+
+
+def open_store(index_dir: Path, identity: dict, source: str, rows: int) -> TeacherStore:
+    """The complete store of ``identity``'s embeddings for the source indexed at ``index_dir``;
+    a clear error naming the source and what to run when there is none, or it is incomplete, or it
+    was made for other rows."""
+    folder = store_dir(index_dir, identity)
+    meta = _read_meta(folder)
+    run = f"vltrain data teacher-embed {identity.get('path', 'TEACHER')} {source}"
+    if meta is None:
+        others = sorted(p.name for p in Path(index_dir).glob("teacher-*"))
+        also = (f" (it has embeddings of other teachers: {', '.join(others)}; model.teacher.path must name the "
+                "teacher that made them, unchanged)") if others else ""
+        raise DataError(f"{source}: no stored embeddings of teacher {identity.get('path')} beside its sample index "
+                        f"{index_dir}{also}. Make them with `{run}`, or set model.teacher.precomputed false to run "
+                        "the teacher live")
+    store = TeacherStore(folder, meta)
+    if meta.rows != rows or meta.index != Path(index_dir).name:
+        raise DataError(f"{folder}: embeddings of {meta.rows} rows of index {meta.index}, but the source has {rows} "
+                        f"rows in index {Path(index_dir).name}; make them again with `{run}`")
+    missing = int((~np.asarray(store.done)).sum())
+    if missing:
+        raise DataError(f"{source}: the teacher embeddings in {folder} are incomplete ({missing} of {store.chunks} "
+                        f"chunks missing); finish them with `{run}` (it resumes)")
+    return store
+
+
+@dataclass
+class TeacherInputs:
+    """What a dataset makes for a distillation teacher beside each student sample: for a teacher that
+    runs (``data``, ``tokenizer``) its own view of the same decoded image and caption; for stored
+    embeddings (``stores``, one per source) the row's embeddings."""
+
+    data: "DataConfig | None" = None
+    """The teacher's preprocessing (image size, resize, statistics, text length) on the student's
+    decoding settings (:func:`teacher_data`)."""
+    tokenizer: "Tokenizer | None" = None
+    stores: list[TeacherStore] | None = None
+
+    @property
+    def width(self) -> int:
+        return self.stores[0].meta.width if self.stores else 0
+
+    def __getstate__(self) -> dict:
+        return {k: v for k, v in self.__dict__.items() if k != "_constants"}
+
+    def constants(self, device) -> tuple:
+        """The stored teacher's (scale, bias) as 0-dim fp32 tensors on ``device``, made once."""
+        import torch
+
+        cached = self.__dict__.setdefault("_constants", {})
+        if device not in cached:
+            meta = self.stores[0].meta
+            bias = None if meta.bias is None else torch.tensor(meta.bias, dtype=torch.float32, device=device)
+            cached[device] = (torch.tensor(meta.scale, dtype=torch.float32, device=device), bias)
+        return cached[device]
+
+
+def teacher_data(student: "DataConfig", teacher: "DataConfig") -> "DataConfig":
+    """The data section a teacher reads the student's rows with: the student's sources and decoding
+    limits, the teacher's image size, resize, interpolation, statistics, text length and cleaning."""
+    import copy
+
+    out = copy.deepcopy(student)
+    object.__setattr__(out, "_frozen", False)
+    for key in ("image_size", "resize", "interpolation", "mean", "std", "max_text_length", "text_clean", "tokenizer"):
+        setattr(out, key, copy.deepcopy(getattr(teacher, key)))
+    out.pack_images, out.patch_budget = False, 0
+    return out

@@ -1,0 +1,198 @@
+"""``vltrain data teacher-embed TEACHER SOURCES``: a teacher's image and text embeddings of every row,
+stored beside each source's sample index (:mod:`vltrain.data.teacher_store`), so that a run with
+``model.teacher.precomputed`` reads them and runs no teacher.
+
+Each source's rows are cut into chunks (``CHUNK`` rows); rank r of a ``torchrun`` world takes the
+chunks c with c mod world = r and writes each as soon as it is embedded, so a pass that stops
+(killed, preempted) resumes with the chunks still missing, on any number of ranks. The rows are
+read as the training loader reads them for a teacher that runs: the same image bytes decoded at the
+teacher's size with its resize and statistics (on the student's decoding limits when ``--config``
+names the training config), the caption in the teacher's tokenizer. A row whose image cannot be
+read gets zeros, never read: the training loader replaces such a sample by another row.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from vltrain.checkpoint.opening import Opened, model_config, open_model
+from vltrain.checkpoint.paths import locate
+from vltrain.config.job import JobConfig
+from vltrain.data.config import DataConfig
+from vltrain.data.dataset import Sample
+from vltrain.data.ids import stable_uid
+from vltrain.data.image_input import decode_for
+from vltrain.data.images import ImageError
+from vltrain.data.index.open import open_indexed
+from vltrain.data.loading.collate import Collator
+from vltrain.data.teacher_store import CHUNK, StoreMeta, TeacherStore, store_dir, teacher_data
+from vltrain.errors import ConfigError, UserError
+from vltrain.objectives.losses import scale_of
+from vltrain.runtime.precision import Precision
+from vltrain.runtime.world import setup_world
+from vltrain.train.teacher import teacher_identity
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Pass:
+    """One source's pass, as it went on this rank."""
+
+    source: str
+    rows: int
+    chunks: int
+    done_before: int
+    done_now: int
+    rows_now: int
+    unreadable: int
+    seconds: float
+    folder: str
+
+
+class _Rows(torch.utils.data.Dataset):
+    """Row ``j`` of one indexed source as the teacher takes it (a :class:`Sample`; ``source`` 1 marks
+    an image that could not be read)."""
+
+    def __init__(self, source, data: DataConfig, tokenizer):
+        self.source, self.data, self.tokenizer = source, data, tokenizer
+
+    def __len__(self) -> int:
+        return len(self.source)
+
+    def __getitem__(self, j: int) -> tuple[int, Sample]:
+        row = self.source.row(j)
+        image, bad = None, 0
+        if row.image is not None:
+            try:
+                image, _ = decode_for(self.source.read_image(j), self.data)
+            except (ImageError, OSError):
+                bad = 1
+        ids = self.tokenizer.encode(row.text, self.data.max_text_length)[0] if row.text is not None else []
+        return j, Sample(stable_uid(row.key), row.key, image, ids, False, bad)
+
+
+class _Collate:
+    """(row indices, their batch, their samples)."""
+
+    def __init__(self, collator: Collator):
+        self.collator = collator
+
+    def __call__(self, items: list[tuple[int, Sample]]):
+        samples = [s for _, s in items]
+        return [j for j, _ in items], self.collator(samples), samples
+
+
+def _chunk_batches(chunks: list[int], rows: int, batch_size: int) -> list[list[int]]:
+    """Batches of row indices, each inside one chunk, chunks in order."""
+    out = []
+    for c in chunks:
+        lo, hi = c * CHUNK, min(rows, (c + 1) * CHUNK)
+        out.extend(list(range(start, min(hi, start + batch_size))) for start in range(lo, hi, batch_size))
+    return out
+
+
+class Embedder:
+    """The teacher, opened once, and the pass over one source at a time."""
+
+    def __init__(self, teacher: str, cfg: JobConfig | None, precision: str, device: str, batch_size: int,
+                 workers: int, dtype: str):
+        self.world = setup_world(device=device)
+        found = locate(teacher, role="teacher")
+        tcfg = model_config(found)
+        if tcfg.data.resize == "native":
+            raise ConfigError(f"{teacher} takes images at their own shape; teacher-embed takes square-image "
+                              "teachers, as model.teacher does")
+        self.opened: Opened = open_model(found, cfg=tcfg, device=self.world.device)
+        self.model = self.opened.model.requires_grad_(False).eval()
+        self.identity = teacher_identity(found)
+        self.data = teacher_data(cfg.data, tcfg.data) if cfg is not None else tcfg.data
+        self.student = cfg.data if cfg is not None else None
+        self.precision = Precision(precision, self.world.device)
+        self.batch_size, self.workers, self.dtype = batch_size, workers, dtype
+        bias = self.model.logit_bias
+        self.scale = float(scale_of(self.model.logit_scale.detach()))
+        self.bias = None if bias is None else float(bias.detach())
+
+    def _open_source(self, spec: str):
+        d = self.student or self.data
+        return open_indexed(spec, None, d.max_text_length, d.csv, d.cache_dir or None, workers=max(1, self.workers),
+                            storage_options=d.storage_options, cache_limit_gb=d.cache_limit_gb,
+                            retries=d.remote_retries)
+
+    def _store(self, source) -> TeacherStore:
+        meta = StoreMeta(self.identity, source.index_dir.name, len(source), self.model.embed_dim, self.dtype,
+                         self.scale, self.bias)
+        folder = store_dir(source.index_dir, self.identity)
+        if self.world.is_main:
+            store = TeacherStore.create(folder, meta)
+        if self.world.world_size > 1:
+            dist.barrier()
+        if not self.world.is_main:
+            store = TeacherStore.create(folder, meta)  # there now: opened for writing
+        return store
+
+    @torch.no_grad()
+    def run(self, spec: str) -> Pass:
+        started = time.monotonic()
+        source = self._open_source(spec)
+        store = self._store(source)
+        rank, world = self.world.rank, self.world.world_size
+        mine = [c for c in range(store.chunks) if c % world == rank]
+        before = sum(bool(store.done[c]) for c in mine)
+        todo = [c for c in mine if not store.done[c]]
+        tok = self.opened.tokenizer
+        collate = Collator(tok.pad_id, self.data.max_text_length, self.data.image_size)
+        loader = torch.utils.data.DataLoader(
+            _Rows(source, self.data, tok), batch_sampler=_chunk_batches(todo, len(source), self.batch_size),
+            num_workers=self.workers, collate_fn=_Collate(collate))
+        unreadable, parts, current, embedded = 0, [], None, 0
+        for rows, batch, samples in loader:
+            embedded += len(rows)
+            chunk = rows[0] // CHUNK
+            if current is not None and chunk != current:
+                self._write(store, current, parts)
+                parts = []
+            current = chunk
+            unreadable += sum(s.source for s in samples)
+            parts.append(self._embed(batch, samples))
+        if current is not None:
+            self._write(store, current, parts)
+        if world > 1:
+            dist.barrier()
+        return Pass(spec, len(source), store.chunks, before, len(todo), embedded, unreadable, time.monotonic() - started,
+                    str(store.folder))
+
+    def _embed(self, batch, samples: list[Sample]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        inputs = batch.to_model_inputs(self.world.device, self.data.mean, self.data.std)
+        with self.precision.autocast():
+            enc = self.model.encode(inputs)
+        dtype = np.dtype(self.dtype)
+        return (enc.image_embeds.float().cpu().numpy().astype(dtype), enc.text_embeds.float().cpu().numpy().astype(dtype),
+                np.array([s.uid for s in samples], dtype=np.int64))
+
+    @staticmethod
+    def _write(store: TeacherStore, chunk: int, parts: list) -> None:
+        image, text, uid = (np.concatenate([p[k] for p in parts]) for k in range(3))
+        store.write(chunk, image, text, uid)
+
+    def close(self) -> None:
+        self.world.close(True)
+
+
+def teacher_embed(teacher: str, sources: list[str], cfg: JobConfig | None = None, *, precision: str = "fp32",
+                  device: str = "auto", batch_size: int = 64, workers: int = 2, dtype: str = "float16") -> list[Pass]:
+    """Embed every row of each source with ``teacher`` (this rank's share of the chunks); what each pass did."""
+    if not sources:
+        raise UserError("give the sources to embed (manifests, shard patterns or parquet files)")
+    embedder = Embedder(teacher, cfg, precision, device, batch_size, workers, dtype)
+    try:
+        return [embedder.run(spec) for spec in sources]
+    finally:
+        embedder.close()

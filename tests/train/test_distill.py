@@ -1,0 +1,148 @@
+"""Distillation from ``model.teacher``: the config's refusals, the teacher's own view of each row
+(its image size, statistics and tokenizer), a live teacher through the CLI, and the same run from
+embeddings ``vltrain data teacher-embed`` stored. The split and resume promises with a teacher:
+``tests/train/test_global_batch.py`` (the distill case)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from kits.pretrainedkit import make_clip
+from kits.runkit import (assert_identical, assert_resumed_exactly, final_state, losses, ok, overrides, session_shapes,
+                         train)
+
+from vltrain.config.job import load_config
+from vltrain.data.dataset import build_dataset
+from vltrain.data.loading.collate import Collator
+from vltrain.data.tokenizers import load_tokenizer
+from vltrain.errors import ConfigError, DataError
+from vltrain.train.resolve import resolve_run
+from vltrain.train.teacher import Teacher, plan_teacher
+
+
+def hf_teacher(root: Path, seed: int = 0) -> Path:
+    """A tiny random Hugging Face CLIP folder: 32 px, CLIP's statistics, its own word-level tokenizer."""
+    folder = root / f"hf-clip-teacher-{seed}"
+    if not (folder / "config.json").exists():
+        make_clip(folder, seed=seed)
+    return folder
+
+
+def test_a_teacher_is_asked_for_only_with_a_loss_that_uses_it_and_a_missing_one_is_named(tmp_path):
+    with pytest.raises(ConfigError, match="model.loss.distill and distill_sigmoid need a teacher: set model.teacher.path"):
+        load_config(None, ["model.loss.distill=1"])
+    with pytest.raises(ConfigError, match="no loss uses it: set model.loss.distill"):
+        load_config(None, ["model.teacher.path=somewhere"])
+    with pytest.raises(ConfigError, match="use model.loss.contrastive_impl: gather"):
+        load_config(None, ["model.loss.distill=1", "model.teacher.path=x", "model.loss.contrastive_impl=ring"])
+    with pytest.raises(ConfigError, match=r"model.loss.distill must be >= 0"):
+        load_config(None, ["model.loss.distill=-1", "model.teacher.path=x"])
+    cfg = load_config(None, ["model.loss.distill=1", f"model.teacher.path={tmp_path / 'nothing'}"])
+    with pytest.raises(ConfigError, match="model.teacher: the teacher cannot be opened: model.teacher.path .*nothing "
+                                          "does not exist"):
+        plan_teacher(cfg)
+
+
+def test_each_row_reaches_the_teacher_at_its_size_statistics_and_tokenizer(tmp_path_factory, tmp_path):
+    shapes = session_shapes(tmp_path_factory)
+    folder = hf_teacher(tmp_path_factory.getbasetemp())
+    cfg = load_config(None, overrides(shapes, tmp_path / "run", data__image_size=48, model__loss__distill=1,
+                                      model__teacher__path=folder))
+    plan = resolve_run(cfg, 1).teacher
+    assert plan.cfg.data.image_size == 32 and plan.cfg.data.mean != cfg.data.mean
+    teacher = Teacher(plan, torch.device("cpu"), contextlib.nullcontext)
+    inputs = teacher.inputs(cfg)
+    student_tok = load_tokenizer(str(shapes / "tokenizer.json"))
+    dataset = build_dataset(cfg.data, "train", student_tok, tmp_path, teacher=inputs)
+    samples = [dataset[i] for i in range(8)]
+    texts = [dataset.sources[0].row(i).text for i in range(8)]
+    for s, text in zip(samples, texts):
+        if s.image is not None:
+            assert tuple(s.image.shape) == (3, 48, 48) and tuple(s.teacher_image.shape) == (3, 32, 32)
+        if text is not None:
+            assert s.teacher_ids == teacher.tokenizer.encode(text, plan.cfg.data.max_text_length)[0]
+            assert s.teacher_ids != s.input_ids
+    batch = Collator.for_data(student_tok.pad_id, cfg.data, teacher=inputs)(samples)
+    m = batch.to_model_inputs("cpu", cfg.data.mean, cfg.data.std, teacher=inputs)
+    view = m.teacher_view
+    assert view.pixels.shape == (8, 3, 32, 32) and m.pixels.shape == (8, 3, 48, 48)
+    mean, std = torch.tensor(plan.cfg.data.mean), torch.tensor(plan.cfg.data.std)
+    want = (batch.teacher_pixel_values.float() / 255 - mean[:, None, None]) / std[:, None, None]
+    torch.testing.assert_close(view.pixels, want, rtol=0, atol=1e-5)
+    assert bool((view.attention_mask.sum(1) > 0).eq(m.has_text).all())
+    embeds = teacher.embed(m)
+    assert embeds.image.shape == (8, 32) and embeds.scale.item() == pytest.approx(teacher.scale.item())
+    assert torch.equal(embeds.image[~m.has_image], torch.zeros_like(embeds.image[~m.has_image]))
+
+    broken = tmp_path / "no-unknown-token"
+    shutil.copytree(folder, broken)
+    spec = json.loads((broken / "tokenizer.json").read_text())
+    spec["model"]["unk_token"] = "[NOT IN THE VOCABULARY]"
+    (broken / "tokenizer.json").write_text(json.dumps(spec))
+    cfg = load_config(None, overrides(shapes, tmp_path / "run2", data__image_size=48, model__loss__distill=1,
+                                      model__teacher__path=broken))
+    inputs = Teacher(resolve_run(cfg, 1).teacher, torch.device("cpu"), contextlib.nullcontext).inputs(cfg)
+    dataset = build_dataset(cfg.data, "train", student_tok, tmp_path, teacher=inputs)
+    with pytest.raises(DataError, match=r"row \d+ of .*train.jsonl .*: the teacher's tokenizer .*no-unknown-token.* "
+                                        "cannot read its caption"):
+        for i in range(len(dataset)):
+            dataset[i]
+
+
+def _distil(shapes: Path, run: Path, teacher: Path, **extra):
+    return train(shapes, run, nproc=1, timeout=240, data__image_size=48, train__max_steps=6, train__log_every=1,
+                 model__loss__distill=1, model__loss__distill_sigmoid=0.5, model__teacher__path=teacher, **extra)
+
+
+@pytest.mark.timeout(600)
+def test_a_live_teacher_and_its_stored_embeddings_train_the_same_run(tmp_path_factory, tmp_path, cli):
+    shapes = session_shapes(tmp_path_factory)
+    teacher = hf_teacher(tmp_path_factory.getbasetemp())
+    live = tmp_path / "live"
+    proc = ok(_distil(shapes, live, teacher))
+    assert f"teacher {teacher} (hf): run live on 32 px images" in proc.stderr
+    rows = [json.loads(x) for x in (live / "metrics.jsonl").read_text().splitlines() if '"loss/distill"' in x]
+    assert len(rows) == 6 and all(r["loss/distill"] > 0 and r["loss/distill_sigmoid"] > 0 for r in rows)
+
+    missing = _distil(shapes, tmp_path / "early", teacher, model__teacher__precomputed="true")
+    assert missing.returncode != 0 and "Traceback" not in missing.stderr
+    assert "no stored embeddings of teacher" in missing.stderr and "vltrain data teacher-embed" in missing.stderr
+
+    made = cli("data", "teacher-embed", teacher, "--config", live / "config.yaml", "--dtype", "float32",
+               "--workers", "0", "--batch-size", "16")
+    assert made.returncode == 0, made.stderr
+    assert "64 rows in 1 chunks; rank 0 embedded 1 chunk(s) (64 rows, 0 chunk(s) done before)" in made.stdout
+    again = cli("data", "teacher-embed", teacher, "--config", live / "config.yaml", "--dtype", "float32")
+    assert again.returncode == 0 and "embedded 0 chunk(s) (0 rows, 1 chunk(s) done before)" in again.stdout
+
+    stored = tmp_path / "stored"
+    proc = ok(_distil(shapes, stored, teacher, model__teacher__precomputed="true"))
+    assert "its embeddings stored beside the sample indexes" in proc.stderr
+    a, b = losses(live), losses(stored)
+    assert len(a) == len(b) == 6 and max(abs(x - y) for x, y in zip(a, b)) < 1e-5, (a, b)
+
+    other = hf_teacher(tmp_path_factory.getbasetemp(), seed=1)
+    refused = _distil(shapes, tmp_path / "other", other, model__teacher__precomputed="true")
+    assert refused.returncode != 0 and "Traceback" not in refused.stderr
+    assert "it has embeddings of other teachers" in refused.stderr
+
+
+@pytest.mark.timeout(600)
+def test_two_ranks_under_fsdp2_with_a_sharded_teacher_stop_and_resume_bit_identically(tmp_path_factory, tmp_path):
+    """The teacher is sharded like the student; text-only rows (a fifth of the shapes) reach both."""
+    shapes = session_shapes(tmp_path_factory)
+    knobs = {"train__parallelism": "fsdp", "data__image_size": 48, "model__loss__distill": 1,
+             "model__teacher__path": hf_teacher(tmp_path_factory.getbasetemp())}
+    ref, run = tmp_path / "ref", tmp_path / "run"
+    ok(train(shapes, ref, **knobs))
+    assert train(shapes, run, fault="kill:at=step:step=6", **knobs).returncode != 0
+    resumed = ok(train(shapes, run, **knobs))
+    assert_resumed_exactly(resumed, run, 4)
+    assert "teacher: sharded by FSDP2 over the student's device mesh" in resumed.stderr
+    assert_identical(final_state(ref), final_state(run))
+    assert not any("teacher" in k for k in final_state(run))  # the teacher is not saved with the student
