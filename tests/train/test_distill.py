@@ -116,7 +116,7 @@ def test_a_live_teacher_and_its_stored_embeddings_train_the_same_run(tmp_path_fa
     made = cli("data", "teacher-embed", teacher, "--config", live / "config.yaml", "--dtype", "float32",
                "--workers", "0", "--batch-size", "16")
     assert made.returncode == 0, made.stderr
-    assert "64 rows in 1 chunks; rank 0 embedded 1 chunk(s) (64 rows, 0 chunk(s) done before)" in made.stdout
+    assert "64 rows in 1 chunks; embedded 1 chunk(s) (64 rows, 0 chunk(s) done before)" in made.stdout
     again = cli("data", "teacher-embed", teacher, "--config", live / "config.yaml", "--dtype", "float32")
     assert again.returncode == 0 and "embedded 0 chunk(s) (0 rows, 1 chunk(s) done before)" in again.stdout
 
@@ -125,6 +125,11 @@ def test_a_live_teacher_and_its_stored_embeddings_train_the_same_run(tmp_path_fa
     assert "its embeddings stored beside the sample indexes" in proc.stderr
     a, b = losses(live), losses(stored)
     assert len(a) == len(b) == 6 and max(abs(x - y) for x, y in zip(a, b)) < 1e-5, (a, b)
+
+    # a run started from the distilled one takes its model, not its teacher
+    follow = load_config(None, [f"model.init={live}", f"data.train={shapes / 'train.jsonl'}", f"run.dir={tmp_path / 'f'}"])
+    decided = resolve_run(follow, 1)
+    assert decided.teacher is None and follow.model.loss.distill == 0 and follow.model.teacher.path == ""
 
     other = hf_teacher(tmp_path_factory.getbasetemp(), seed=1)
     refused = _distil(shapes, tmp_path / "other", other, model__teacher__precomputed="true")

@@ -1,7 +1,8 @@
 """``model.init`` from a vltrain checkpoint or export: a new run (a new batch size, schedule or data)
 that starts from another run's weights, with a fresh optimizer and data order.
 
-The saved config gives what the weights need to load: every ``model.*`` key and the preprocessing
+The saved config gives what the weights need to load: every ``model.*`` key (but the distillation
+teacher and its loss weights, which were that run's recipe) and the preprocessing
 the position embeddings depend on, where this run's config does not set them, and the tokenizer
 saved with the weights (:mod:`vltrain.checkpoint.opening`'s rule). The weights are read by
 :func:`vltrain.checkpoint.opening.load_weights` once the model is built.
@@ -31,9 +32,13 @@ def adopt_saved_model(cfg: JobConfig, found: Located) -> None:
     """Fill ``cfg`` from the saved config where ``cfg`` sets nothing; ``model.init`` is then done
     with (the caller loads the weights into the built model)."""
     saved = model_config(found)
+    distilling = {k: cfg.was_set(f"model.loss.{k}") for k in ("distill", "distill_sigmoid")}
     for f in dataclasses.fields(ModelConfig):
-        if f.name != "init" and not cfg.was_set(f"model.{f.name}"):
+        if f.name not in ("init", "teacher") and not cfg.was_set(f"model.{f.name}"):
             setattr(cfg.model, f.name, getattr(saved.model, f.name))
+    for key, given in distilling.items():  # the saved run's teacher was its recipe, not the model's
+        if not given:
+            setattr(cfg.model.loss, key, 0.0)
     for key in PREPROCESSING_KEYS:
         if not cfg.was_set(f"data.{key}"):
             setattr(cfg.data, key, getattr(saved.data, key))

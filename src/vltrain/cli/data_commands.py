@@ -320,7 +320,7 @@ def audit(args: argparse.Namespace) -> int:
 
 def teacher_embed(args: argparse.Namespace) -> int:
     """``vltrain data teacher-embed TEACHER [SOURCES...] [--config C]``: this rank's share of every
-    source's teacher embeddings; one line per source (rank 0)."""
+    source's teacher embeddings; one line per source, for the whole world (rank 0)."""
     from vltrain.config.job import load_config
     from vltrain.data.dataset import source_specs
     from vltrain.errors import UsageError
@@ -336,7 +336,7 @@ def teacher_embed(args: argparse.Namespace) -> int:
     if int(os.environ.get("RANK", "0")) == 0:
         for p in passes:
             rate = p.rows_now / max(p.seconds, 1e-9)
-            print(f"{p.source}: {p.rows:,} rows in {p.chunks} chunks; rank 0 embedded {p.done_now} chunk(s) "
+            print(f"{p.source}: {p.rows:,} rows in {p.chunks} chunks; embedded {p.done_now} chunk(s) "
                   f"({p.rows_now:,} rows, {p.done_before} chunk(s) done before) in {p.seconds:.1f} s ({rate:,.0f} "
                   "rows/s); "
                   f"{p.unreadable} unreadable image(s) stored as zeros (training replaces those samples)\n"

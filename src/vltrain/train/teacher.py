@@ -141,6 +141,6 @@ def describe(plan: TeacherPlan, cfg: JobConfig) -> str:
     weights = ", ".join(f"{k} {getattr(loss, k):g}" for k in ("distill", "distill_sigmoid") if getattr(loss, k))
     how = "its embeddings stored beside the sample indexes" if plan.precomputed else (
         f"run live on {d.image_size} px images ({d.resize}, mean {d.mean}, std {d.std}) and its tokenizer "
-        f"{Path(d.tokenizer).name if d.tokenizer else '(saved with it)'}")
+        f"{d.tokenizer or '(saved with it)'}")
     kind = "an export" if plan.located.kind == EXPORT else plan.located.kind
     return f"teacher {plan.located.path} ({kind}): {how}; {weights}"

@@ -34,6 +34,7 @@ from vltrain.data.loading.collate import Collator
 from vltrain.data.teacher_store import CHUNK, StoreMeta, TeacherStore, store_dir, teacher_data
 from vltrain.errors import ConfigError, UserError
 from vltrain.objectives.losses import scale_of
+from vltrain.runtime.distributed import all_reduce_sum
 from vltrain.runtime.precision import Precision
 from vltrain.runtime.world import setup_world
 from vltrain.train.teacher import teacher_identity
@@ -43,7 +44,7 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class Pass:
-    """One source's pass, as it went on this rank."""
+    """One source's pass: its counts summed over the ranks."""
 
     source: str
     rows: int
@@ -164,10 +165,10 @@ class Embedder:
             parts.append(self._embed(batch, samples))
         if current is not None:
             self._write(store, current, parts)
-        if world > 1:
-            dist.barrier()
-        return Pass(spec, len(source), store.chunks, before, len(todo), embedded, unreadable, time.monotonic() - started,
-                    str(store.folder))
+        counts = [before, len(todo), embedded, unreadable]
+        if world > 1:  # the whole world's counts
+            counts = all_reduce_sum(torch.tensor(counts, dtype=torch.int64, device=self.world.device)).tolist()
+        return Pass(spec, len(source), store.chunks, *counts, time.monotonic() - started, str(store.folder))
 
     def _embed(self, batch, samples: list[Sample]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         inputs = batch.to_model_inputs(self.world.device, self.data.mean, self.data.std)
