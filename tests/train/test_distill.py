@@ -8,13 +8,16 @@ from __future__ import annotations
 import contextlib
 import json
 import shutil
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 from kits.pretrainedkit import make_clip
-from kits.runkit import (assert_identical, assert_resumed_exactly, final_state, losses, ok, overrides, session_shapes,
-                         train)
+import numpy as np
+from kits.multiproc import free_port
+from kits.runkit import (assert_identical, assert_resumed_exactly, final_state, finish, losses, ok, overrides,
+                         session_shapes, start, train)
 
 from vltrain.config.job import load_config
 from vltrain.data.dataset import build_dataset
@@ -151,3 +154,38 @@ def test_two_ranks_under_fsdp2_with_a_sharded_teacher_stop_and_resume_bit_identi
     assert "teacher: sharded by FSDP2 over the student's device mesh" in resumed.stderr
     assert_identical(final_state(ref), final_state(run))
     assert not any("teacher" in k for k in final_state(run))  # the teacher is not saved with the student
+
+
+@pytest.mark.timeout(300)
+def test_the_embedding_pass_splits_its_chunks_over_two_ranks_and_a_lost_chunk_is_made_again(tmp_path_factory,
+                                                                                            tmp_path, cli):
+    shapes = session_shapes(tmp_path_factory)
+    teacher = hf_teacher(tmp_path_factory.getbasetemp())
+    data = tmp_path / "shapes"
+    data.mkdir()
+    shutil.copy(shapes / "train.jsonl", data / "train.jsonl")  # its own index folder, beside the copy
+    for image in {json.loads(x).get("image") for x in (data / "train.jsonl").read_text().splitlines()} - {None}:
+        (data / image).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(shapes / image, data / image)
+    args = ["-m", "vltrain", "data", "teacher-embed", str(teacher), str(data / "train.jsonl"), "--chunk-rows", "16",
+            "--batch-size", "8", "--workers", "0"]
+    launch = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
+              "--master-port", str(free_port())]
+    made = ok(finish(start([*launch, *args]), 240))
+    assert "64 rows in 4 chunks; embedded 4 chunk(s) (64 rows, 0 chunk(s) done before)" in made.stdout
+    (store,) = (data / ".vltrain-index").glob("train.jsonl-*/teacher-*")
+    whole = np.load(store / "image.npy").copy()
+    norms = np.linalg.norm(whole.astype(np.float32), axis=1)
+    assert (norms == 0).sum() == 12 and np.abs(norms[norms > 0] - 1).max() < 2e-3  # zeros: the text-only rows
+
+    done = np.load(store / "done.npy", mmap_mode="r+")
+    done[1] = False  # a chunk lost to a kill before its flag was written
+    done.flush()
+    image = np.load(store / "image.npy", mmap_mode="r+")
+    image[16:32] = 0
+    image.flush()
+    again = cli("data", "teacher-embed", teacher, data / "train.jsonl", "--chunk-rows", "16", "--workers", "0")
+    assert again.returncode == 0 and "embedded 1 chunk(s) (16 rows, 3 chunk(s) done before)" in again.stdout
+    np.testing.assert_allclose(np.load(store / "image.npy").astype(np.float32), whole.astype(np.float32), atol=2e-3)
+    other = cli("data", "teacher-embed", teacher, data / "train.jsonl", "--chunk-rows", "32")
+    assert other.returncode != 0 and "chunks of 16); give the same settings to resume it" in other.stderr

@@ -93,6 +93,7 @@ def _add_teacher_embed_parser(dsub) -> None:
     te.add_argument("--dtype", choices=["float16", "float32"], default="float16",
                     help="how the embeddings are stored (float16 rounds less than bf16 does; default)")
     te.add_argument("--device", default="auto", help="auto, cpu or cuda")
+    te.add_argument("--chunk-rows", type=int, default=1024, help="rows per unit of work and of resumption")
     te.set_defaults(func=teacher_embed)
 
 
@@ -326,13 +327,15 @@ def teacher_embed(args: argparse.Namespace) -> int:
     from vltrain.errors import UsageError
     from vltrain.train.teacher_embed import teacher_embed as embed
 
+    if args.chunk_rows < 1 or args.batch_size < 1:
+        raise UsageError("--chunk-rows and --batch-size must be >= 1")
     cfg = load_config(args.config) if args.config else None
     sources = args.sources or ([s.path for s in source_specs(cfg.data.train)] if cfg is not None else [])
     if not sources:
         raise UsageError("give the sources to embed, or --config with data.train")
     precision = args.precision or (cfg.train.precision if cfg is not None else "fp32")
     passes = embed(args.teacher, sources, cfg, precision=precision, device=args.device, batch_size=args.batch_size,
-                   workers=args.workers, dtype=args.dtype)
+                   workers=args.workers, dtype=args.dtype, chunk=args.chunk_rows)
     if int(os.environ.get("RANK", "0")) == 0:
         for p in passes:
             rate = p.rows_now / max(p.seconds, 1e-9)

@@ -10,7 +10,8 @@ identity (:func:`teacher_key`). It holds
 - ``image.npy``, ``text.npy``: [rows, width] memory-mapped arrays, zeros where a row lacks that side;
 - ``uid.npy``: [rows] int64, each row's sample id (``stable_uid`` of its key), written with its
   embeddings: a row is read only if its id is the one the loader reads;
-- ``done.npy``: [chunks] bool, the chunks of ``CHUNK`` rows written so far (what a resumed pass skips).
+- ``done.npy``: [chunks] bool, the chunks of ``chunk`` rows (meta.json's) written so far: what a
+  resumed pass skips.
 
 Rows written by different processes are disjoint, so ranks fill one store side by side. The index
 folder already names its source's files (their sizes and times): the embeddings of another source,
@@ -34,7 +35,7 @@ if TYPE_CHECKING:
     from vltrain.data.tokenizers import Tokenizer
 
 CHUNK = 1024
-"""Rows per unit of work (and of resumption) of the embedding pass."""
+"""Rows per unit of work (and of resumption) of the embedding pass, unless it is given another."""
 DTYPES = ("float16", "float32")
 
 
@@ -58,6 +59,8 @@ class StoreMeta:
     scale: float
     """The teacher's inverse temperature, exp(logit_scale)."""
     bias: float | None
+    chunk: int = CHUNK
+    """Rows per chunk: the unit of work a rank takes, and of resumption."""
 
     def to_json(self) -> str:
         return json.dumps(self.__dict__, indent=1, sort_keys=True)
@@ -98,17 +101,18 @@ class TeacherStore:
         folder = Path(folder)
         found = _read_meta(folder)
         if found is not None:
-            if (found.teacher, found.index, found.rows, found.width, found.dtype) == \
-                    (meta.teacher, meta.index, meta.rows, meta.width, meta.dtype):
+            if (found.teacher, found.index, found.rows, found.width, found.dtype, found.chunk) == \
+                    (meta.teacher, meta.index, meta.rows, meta.width, meta.dtype, meta.chunk):
                 return TeacherStore(folder, found, writable=True)
             raise DataError(f"{folder} holds teacher embeddings made otherwise ({found.rows} rows of width "
-                            f"{found.width}, {found.dtype}); remove it to make them again")
+                            f"{found.width}, {found.dtype}, chunks of {found.chunk}); give the same settings to "
+                            "resume it, or remove it to make them again")
         folder.mkdir(parents=True, exist_ok=True)
         for name in ("image", "text"):
             np.lib.format.open_memmap(folder / f"{name}.npy", mode="w+", dtype=meta.dtype,
                                       shape=(meta.rows, meta.width)).flush()
         np.lib.format.open_memmap(folder / "uid.npy", mode="w+", dtype=np.int64, shape=(meta.rows,)).flush()
-        np.save(folder / "done.npy", np.zeros(-(-meta.rows // CHUNK), dtype=bool))
+        np.save(folder / "done.npy", np.zeros(-(-meta.rows // meta.chunk), dtype=bool))
         tmp = folder / "meta.json.tmp"
         tmp.write_text(meta.to_json())
         tmp.replace(folder / "meta.json")
@@ -116,7 +120,7 @@ class TeacherStore:
 
     def write(self, chunk: int, image: np.ndarray, text: np.ndarray, uid: np.ndarray) -> None:
         """Chunk ``chunk``'s rows, flushed before the chunk is marked done."""
-        lo = chunk * CHUNK
+        lo = chunk * self.meta.chunk
         hi = lo + len(uid)
         self.image[lo:hi] = image
         self.text[lo:hi] = text
@@ -130,8 +134,9 @@ class TeacherStore:
             ) -> tuple[np.ndarray | None, np.ndarray | None]:
         """Row ``j``'s (image, text) embeddings as float32 (None for a side it lacks); ``where`` names
         the row in an error. Refuses a row not yet embedded, or one that holds another sample."""
-        if not self.done[j // CHUNK] or int(self.uid[j]) != uid:
-            what = "has no teacher embeddings yet" if not self.done[j // CHUNK] else \
+        written = bool(self.done[j // self.meta.chunk])
+        if not written or int(self.uid[j]) != uid:
+            what = "has no teacher embeddings yet" if not written else \
                 "holds the embeddings of another sample (the source changed since they were made)"
             raise DataError(f"{where} {what} in {self.folder}: run `vltrain data teacher-embed` again for this "
                             "source and teacher (it resumes where it stopped)")

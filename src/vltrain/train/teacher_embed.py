@@ -2,7 +2,7 @@
 stored beside each source's sample index (:mod:`vltrain.data.teacher_store`), so that a run with
 ``model.teacher.precomputed`` reads them and runs no teacher.
 
-Each source's rows are cut into chunks (``CHUNK`` rows); rank r of a ``torchrun`` world takes the
+Each source's rows are cut into chunks (``--chunk-rows``, 1,024 by default); rank r of a ``torchrun`` world takes the
 chunks c with c mod world = r and writes each as soon as it is embedded, so a pass that stops
 (killed, preempted) resumes with the chunks still missing, on any number of ranks. The rows are
 read as the training loader reads them for a teacher that runs: the same image bytes decoded at the
@@ -90,11 +90,11 @@ class _Collate:
         return [j for j, _ in items], self.collator(samples), samples
 
 
-def _chunk_batches(chunks: list[int], rows: int, batch_size: int) -> list[list[int]]:
-    """Batches of row indices, each inside one chunk, chunks in order."""
+def _chunk_batches(chunks: list[int], rows: int, batch_size: int, chunk: int) -> list[list[int]]:
+    """Batches of row indices, each inside one chunk of ``chunk`` rows, chunks in order."""
     out = []
     for c in chunks:
-        lo, hi = c * CHUNK, min(rows, (c + 1) * CHUNK)
+        lo, hi = c * chunk, min(rows, (c + 1) * chunk)
         out.extend(list(range(start, min(hi, start + batch_size))) for start in range(lo, hi, batch_size))
     return out
 
@@ -103,7 +103,7 @@ class Embedder:
     """The teacher, opened once, and the pass over one source at a time."""
 
     def __init__(self, teacher: str, cfg: JobConfig | None, precision: str, device: str, batch_size: int,
-                 workers: int, dtype: str):
+                 workers: int, dtype: str, chunk: int = CHUNK):
         self.world = setup_world(device=device)
         found = locate(teacher, role="teacher")
         tcfg = model_config(found)
@@ -116,7 +116,7 @@ class Embedder:
         self.data = teacher_data(cfg.data, tcfg.data) if cfg is not None else tcfg.data
         self.student = cfg.data if cfg is not None else None
         self.precision = Precision(precision, self.world.device)
-        self.batch_size, self.workers, self.dtype = batch_size, workers, dtype
+        self.batch_size, self.workers, self.dtype, self.chunk = batch_size, workers, dtype, chunk
         bias = self.model.logit_bias
         self.scale = float(scale_of(self.model.logit_scale.detach()))
         self.bias = None if bias is None else float(bias.detach())
@@ -129,7 +129,7 @@ class Embedder:
 
     def _store(self, source) -> TeacherStore:
         meta = StoreMeta(self.identity, source.index_dir.name, len(source), self.model.embed_dim, self.dtype,
-                         self.scale, self.bias)
+                         self.scale, self.bias, self.chunk)
         folder = store_dir(source.index_dir, self.identity)
         if self.world.is_main:
             store = TeacherStore.create(folder, meta)
@@ -151,12 +151,12 @@ class Embedder:
         tok = self.opened.tokenizer
         collate = Collator(tok.pad_id, self.data.max_text_length, self.data.image_size)
         loader = torch.utils.data.DataLoader(
-            _Rows(source, self.data, tok), batch_sampler=_chunk_batches(todo, len(source), self.batch_size),
+            _Rows(source, self.data, tok), batch_sampler=_chunk_batches(todo, len(source), self.batch_size, store.meta.chunk),
             num_workers=self.workers, collate_fn=_Collate(collate))
         unreadable, parts, current, embedded = 0, [], None, 0
         for rows, batch, samples in loader:
             embedded += len(rows)
-            chunk = rows[0] // CHUNK
+            chunk = rows[0] // store.meta.chunk
             if current is not None and chunk != current:
                 self._write(store, current, parts)
                 parts = []
@@ -188,11 +188,12 @@ class Embedder:
 
 
 def teacher_embed(teacher: str, sources: list[str], cfg: JobConfig | None = None, *, precision: str = "fp32",
-                  device: str = "auto", batch_size: int = 64, workers: int = 2, dtype: str = "float16") -> list[Pass]:
+                  device: str = "auto", batch_size: int = 64, workers: int = 2, dtype: str = "float16",
+                  chunk: int = CHUNK) -> list[Pass]:
     """Embed every row of each source with ``teacher`` (this rank's share of the chunks); what each pass did."""
     if not sources:
         raise UserError("give the sources to embed (manifests, shard patterns or parquet files)")
-    embedder = Embedder(teacher, cfg, precision, device, batch_size, workers, dtype)
+    embedder = Embedder(teacher, cfg, precision, device, batch_size, workers, dtype, chunk)
     try:
         return [embedder.run(spec) for spec in sources]
     finally:
