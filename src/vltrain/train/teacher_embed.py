@@ -7,8 +7,9 @@ chunks c with c mod world = r and writes each as soon as it is embedded, so a pa
 (killed, preempted) resumes with the chunks still missing, on any number of ranks. The rows are
 read as the training loader reads them for a teacher that runs: the same image bytes decoded at the
 teacher's size with its resize and statistics (on the student's decoding limits when ``--config``
-names the training config), the caption in the teacher's tokenizer. A row whose image cannot be
-read gets zeros, never read: the training loader replaces such a sample by another row.
+names the training config), the caption in the teacher's tokenizer. A row that cannot be read, or
+whose image cannot be decoded, gets zeros, never read: the training loader replaces such a sample
+by another row.
 """
 
 from __future__ import annotations
@@ -68,7 +69,10 @@ class _Rows(torch.utils.data.Dataset):
         return len(self.source)
 
     def __getitem__(self, j: int) -> tuple[int, Sample]:
-        row = self.source.row(j)
+        try:
+            row = self.source.row(j)
+        except OSError:  # never read either: the training loader replaces a row it cannot read
+            return j, Sample(0, "", None, [], False, 1)
         image, bad = None, 0
         if row.image is not None:
             try:
@@ -150,9 +154,9 @@ class Embedder:
         todo = [c for c in mine if not store.done[c]]
         tok = self.opened.tokenizer
         collate = Collator(tok.pad_id, self.data.max_text_length, self.data.image_size)
-        loader = torch.utils.data.DataLoader(
-            _Rows(source, self.data, tok), batch_sampler=_chunk_batches(todo, len(source), self.batch_size, store.meta.chunk),
-            num_workers=self.workers, collate_fn=_Collate(collate))
+        batches = _chunk_batches(todo, len(source), self.batch_size, store.meta.chunk)
+        loader = torch.utils.data.DataLoader(_Rows(source, self.data, tok), batch_sampler=batches,
+                                             num_workers=self.workers, collate_fn=_Collate(collate))
         unreadable, parts, current, embedded = 0, [], None, 0
         for rows, batch, samples in loader:
             embedded += len(rows)
@@ -175,8 +179,8 @@ class Embedder:
         with self.precision.autocast():
             enc = self.model.encode(inputs)
         dtype = np.dtype(self.dtype)
-        return (enc.image_embeds.float().cpu().numpy().astype(dtype), enc.text_embeds.float().cpu().numpy().astype(dtype),
-                np.array([s.uid for s in samples], dtype=np.int64))
+        image, text = (x.float().cpu().numpy().astype(dtype) for x in (enc.image_embeds, enc.text_embeds))
+        return image, text, np.array([s.uid for s in samples], dtype=np.int64)
 
     @staticmethod
     def _write(store: TeacherStore, chunk: int, parts: list) -> None:
