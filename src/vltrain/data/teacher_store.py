@@ -36,7 +36,6 @@ if TYPE_CHECKING:
 
 CHUNK = 1024
 """Rows per unit of work (and of resumption) of the embedding pass, unless it is given another."""
-DTYPES = ("float16", "float32")
 
 
 def teacher_key(identity: dict) -> str:
@@ -91,9 +90,6 @@ class TeacherStore:
     @property
     def chunks(self) -> int:
         return len(self.done)
-
-    def complete(self) -> bool:
-        return bool(np.all(self.done))
 
     @staticmethod
     def create(folder: Path, meta: StoreMeta) -> "TeacherStore":

@@ -199,7 +199,7 @@ class Objectives:
             out["itc"] = itc(image_embeds, text_embeds, logit_scale, rows, per_row["itc"])
         if "siglip" in self.loss_weights:
             out["siglip"] = siglip(image_embeds, text_embeds, logit_scale, logit_bias, rows, per_row["siglip"])
-        if ("distill" in self.loss_weights or "distill_sigmoid" in self.loss_weights) and rows.teacher is None:
+        if self.distilling and rows.teacher is None:
             raise ValueError("distillation needs the teacher's embeddings on the rows (Rows.teacher)")
         if "distill" in self.loss_weights:
             out["distill"] = distill_loss(image_embeds, text_embeds, logit_scale, rows, per_row["distill"])

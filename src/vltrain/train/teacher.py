@@ -12,7 +12,6 @@ from __future__ import annotations
 import hashlib
 import logging
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
@@ -22,7 +21,7 @@ from vltrain.config.job import JobConfig
 from vltrain.data.teacher_store import TeacherInputs, open_store, teacher_data
 from vltrain.errors import ConfigError, UserError
 from vltrain.objectives.losses import scale_of
-from vltrain.types import ModelInputs, TeacherEmbeds
+from vltrain.types import Encoded, ModelInputs, TeacherEmbeds
 
 log = logging.getLogger(__name__)
 
@@ -43,15 +42,22 @@ def plan_teacher(cfg: JobConfig) -> TeacherPlan | None:
     if not t.path:
         return None
     try:
-        found = locate(t.path, role="model.teacher.path")
-        tcfg = model_config(found)
+        return locate_teacher(t.path, "model.teacher.path", t.precomputed)
+    except ConfigError:
+        raise
     except UserError as e:
         raise ConfigError(f"model.teacher: the teacher cannot be opened: {e}") from None
+
+
+def locate_teacher(path: str, role: str, precomputed: bool = False) -> TeacherPlan:
+    """``path`` located and the config that rebuilds it read (``role`` names it in errors); a teacher
+    that takes images at their own shape is refused."""
+    found = locate(path, role=role)
+    tcfg = model_config(found)
     if tcfg.data.resize == "native":
-        raise ConfigError(f"model.teacher.path {t.path} takes images at their own shape (data.resize native); a "
-                          "teacher takes square images here: use a square teacher, or precompute its embeddings "
-                          "another way")
-    return TeacherPlan(found, tcfg, t.precomputed)
+        raise ConfigError(f"{role} {path} takes images at their own shape (data.resize native); a teacher takes "
+                          "square images here: use a square teacher, or precompute its embeddings another way")
+    return TeacherPlan(found, tcfg, precomputed)
 
 
 def teacher_identity(found: Located) -> dict:
@@ -89,6 +95,11 @@ class Teacher:
         return TeacherInputs(data=teacher_data(student.data, self.data), tokenizer=self.tokenizer)
 
     @torch.no_grad()
+    def encode(self, inputs: ModelInputs) -> Encoded:
+        """The teacher's encoding of ``inputs`` as it takes them, without autograd, under the autocast."""
+        with self.autocast():
+            return self.encoder(inputs)
+
     def embed(self, inputs: ModelInputs) -> TeacherEmbeds:
         view = inputs.teacher_view
         if view is None:
@@ -96,8 +107,7 @@ class Teacher:
         taken = ModelInputs(pixels=view.pixels, input_ids=view.input_ids, attention_mask=view.attention_mask,
                             has_image=inputs.has_image, has_text=inputs.has_text, ids=inputs.ids,
                             counts=inputs.counts)
-        with self.autocast():
-            enc = self.encoder(taken)
+        enc = self.encode(taken)
         return TeacherEmbeds(enc.image_embeds.float(), enc.text_embeds.float(), self.scale, self.bias)
 
 

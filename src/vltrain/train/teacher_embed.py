@@ -22,8 +22,6 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from vltrain.checkpoint.opening import Opened, model_config, open_model
-from vltrain.checkpoint.paths import locate
 from vltrain.config.job import JobConfig
 from vltrain.data.config import DataConfig
 from vltrain.data.dataset import Sample
@@ -33,12 +31,11 @@ from vltrain.data.images import ImageError
 from vltrain.data.index.open import open_indexed
 from vltrain.data.loading.collate import Collator
 from vltrain.data.teacher_store import CHUNK, StoreMeta, TeacherStore, store_dir, teacher_data
-from vltrain.errors import ConfigError, UserError
-from vltrain.objectives.losses import scale_of
+from vltrain.errors import UserError
 from vltrain.runtime.distributed import all_reduce_sum
 from vltrain.runtime.precision import Precision
 from vltrain.runtime.world import setup_world
-from vltrain.train.teacher import teacher_identity
+from vltrain.train.teacher import Teacher, locate_teacher, teacher_identity
 
 log = logging.getLogger(__name__)
 
@@ -109,21 +106,12 @@ class Embedder:
     def __init__(self, teacher: str, cfg: JobConfig | None, precision: str, device: str, batch_size: int,
                  workers: int, dtype: str, chunk: int = CHUNK):
         self.world = setup_world(device=device)
-        found = locate(teacher, role="teacher")
-        tcfg = model_config(found)
-        if tcfg.data.resize == "native":
-            raise ConfigError(f"{teacher} takes images at their own shape; teacher-embed takes square-image "
-                              "teachers, as model.teacher does")
-        self.opened: Opened = open_model(found, cfg=tcfg, device=self.world.device)
-        self.model = self.opened.model.requires_grad_(False).eval()
-        self.identity = teacher_identity(found)
-        self.data = teacher_data(cfg.data, tcfg.data) if cfg is not None else tcfg.data
+        plan = locate_teacher(teacher, "teacher")
+        self.teacher = Teacher(plan, self.world.device, Precision(precision, self.world.device).autocast)
+        self.identity = teacher_identity(plan.located)
+        self.data = teacher_data(cfg.data, plan.cfg.data) if cfg is not None else plan.cfg.data
         self.student = cfg.data if cfg is not None else None
-        self.precision = Precision(precision, self.world.device)
         self.batch_size, self.workers, self.dtype, self.chunk = batch_size, workers, dtype, chunk
-        bias = self.model.logit_bias
-        self.scale = float(scale_of(self.model.logit_scale.detach()))
-        self.bias = None if bias is None else float(bias.detach())
 
     def _open_source(self, spec: str):
         d = self.student or self.data
@@ -132,8 +120,10 @@ class Embedder:
                             retries=d.remote_retries)
 
     def _store(self, source) -> TeacherStore:
-        meta = StoreMeta(self.identity, source.index_dir.name, len(source), self.model.embed_dim, self.dtype,
-                         self.scale, self.bias, self.chunk)
+        t = self.teacher
+        bias = None if t.bias is None else float(t.bias)
+        meta = StoreMeta(self.identity, source.index_dir.name, len(source), t.model.embed_dim, self.dtype,
+                         float(t.scale), bias, self.chunk)
         folder = store_dir(source.index_dir, self.identity)
         if self.world.is_main:
             store = TeacherStore.create(folder, meta)
@@ -143,7 +133,6 @@ class Embedder:
             store = TeacherStore.create(folder, meta)  # there now: opened for writing
         return store
 
-    @torch.no_grad()
     def run(self, spec: str) -> Pass:
         started = time.monotonic()
         source = self._open_source(spec)
@@ -152,7 +141,7 @@ class Embedder:
         mine = [c for c in range(store.chunks) if c % world == rank]
         before = sum(bool(store.done[c]) for c in mine)
         todo = [c for c in mine if not store.done[c]]
-        tok = self.opened.tokenizer
+        tok = self.teacher.tokenizer
         collate = Collator(tok.pad_id, self.data.max_text_length, self.data.image_size)
         batches = _chunk_batches(todo, len(source), self.batch_size, store.meta.chunk)
         loader = torch.utils.data.DataLoader(_Rows(source, self.data, tok), batch_sampler=batches,
@@ -175,9 +164,7 @@ class Embedder:
         return Pass(spec, len(source), store.chunks, *counts, time.monotonic() - started, str(store.folder))
 
     def _embed(self, batch, samples: list[Sample]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        inputs = batch.to_model_inputs(self.world.device, self.data.mean, self.data.std)
-        with self.precision.autocast():
-            enc = self.model.encode(inputs)
+        enc = self.teacher.encode(batch.to_model_inputs(self.world.device, self.data.mean, self.data.std))
         dtype = np.dtype(self.dtype)
         image, text = (x.float().cpu().numpy().astype(dtype) for x in (enc.image_embeds, enc.text_embeds))
         return image, text, np.array([s.uid for s in samples], dtype=np.int64)
