@@ -70,7 +70,7 @@ class TrainConfig(Settings):
     grad_clip: float = 1.0
     """Clip the global gradient norm to this (0: no clipping)."""
     precision: Literal["fp32", "bf16", "fp16"] = "bf16"
-    """fp32; bf16 autocast (CPU and GPU); fp16 autocast with loss scaling (CUDA only). Weights and optimizer state
+    """fp32; bf16 autocast (CPU and GPU); fp16 autocast with loss scaling. Weights and optimizer state
     stay fp32."""
     seed: int = 0
     """Seed of the initial weights, the data order and every rank's generators."""

@@ -11,9 +11,12 @@ at a known place inside real worker processes. One environment variable describe
   ``preempt`` (SIGTERM to the torchrun agent, or to this process without one, as Slurm does before
   a preemption; the rank then waits, at most 30 s, until the signal has reached it too) or
   ``stall`` (the rank sleeps ``seconds``, as a slow or stuck one; a stop signal, SIGTERM or
-  SIGUSR1, ends it early and reaches the run's own handler);
-- ``at``: ``step`` (after optimizer step N, before its checkpoint) or ``save`` (while step N's
-  checkpoint is half written: tensors on disk, not yet committed);
+  SIGUSR1, ends it early and reaches the run's own handler) or ``overflow`` (with ``at=grad``:
+  an inf in this rank's own part of the gradients, as an fp16 gradient that overflowed in one
+  shard);
+- ``at``: ``step`` (after optimizer step N, before its checkpoint), ``save`` (while step N's
+  checkpoint is half written: tensors on disk, not yet committed) or ``grad`` (step N's gradients,
+  reduced and not yet unscaled or clipped);
 - ``rank``: the global rank that fails (default: every rank);
 - ``once``: a marker file; the fault fires only if it does not exist yet and creates it, so a
   group restarted by torchrun does not fail again at the same step;
@@ -31,6 +34,9 @@ import time
 from dataclasses import dataclass
 
 ENV = "VLTRAIN_FAULT"
+
+
+ACTIONS = ("kill", "raise", "preempt", "nospace", "stall", "overflow")
 
 
 class InjectedFault(RuntimeError):
@@ -56,27 +62,50 @@ class Fault:
                 raise ValueError(f"{ENV}={spec!r}: {part!r} must look like key=value")
             fields[key] = value
         unknown = set(fields) - {"at", "step", "rank", "once", "seconds"}
-        if action not in ("kill", "raise", "preempt", "nospace", "stall") or unknown or "step" not in fields:
-            raise ValueError(f"{ENV}={spec!r}: expected kill|raise|preempt|nospace|stall:at=step|save:step=N"
+        if (action not in ACTIONS or unknown or "step" not in fields
+                or (action == "overflow") != (fields.get("at") == "grad")):
+            raise ValueError(f"{ENV}={spec!r}: expected {'|'.join(ACTIONS)}:at=step|save|grad:step=N"
                              "[:rank=R][:once=PATH][:seconds=S]")
         return cls(action, fields.get("at", "step"), int(fields["step"]),
                    int(fields["rank"]) if "rank" in fields else None, fields.get("once", ""),
                    float(fields.get("seconds", 60)))
 
 
-def maybe_fail(at: str, step: int, rank: int) -> None:
-    """Fail here if VLTRAIN_FAULT names this point, step and rank."""
+def _named(at: str, step: int, rank: int) -> Fault | None:
+    """The fault VLTRAIN_FAULT names for this point, step and rank (None: none, or fired once already)."""
     spec = os.environ.get(ENV)
     if not spec:
-        return
+        return None
     fault = Fault.parse(spec)
     if fault.at != at or fault.step != step or (fault.rank is not None and fault.rank != rank):
-        return
+        return None
     if fault.once:
         try:
             os.close(os.open(fault.once, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
         except FileExistsError:
+            return None
+    return fault
+
+
+def maybe_overflow(params, step: int, rank: int) -> None:
+    """Put an inf into the first gradient element this rank holds (its own shard under FSDP2) if
+    VLTRAIN_FAULT names ``overflow:at=grad`` for this step and rank."""
+    fault = _named("grad", step, rank)
+    if fault is None or fault.action != "overflow":
+        return
+    for p in params:
+        grad = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
+        if grad is not None and grad.numel():
+            grad.view(-1)[0] = float("inf")
             return
+
+
+def maybe_fail(at: str, step: int, rank: int) -> None:
+    """Fail here if VLTRAIN_FAULT names this point, step and rank."""
+    fault = _named(at, step, rank)
+    if fault is None:
+        return
+    spec = os.environ[ENV]
     if fault.action == "kill":
         os.kill(os.getpid(), signal.SIGKILL)
     if fault.action == "preempt":

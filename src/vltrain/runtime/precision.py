@@ -1,8 +1,9 @@
 """Mixed precision: which autocast to enter and whether gradients need scaling.
 
 Weights and optimizer state stay fp32; autocast runs matmuls in bf16/fp16. bf16 has fp32's
-range, so it needs no loss scaling and works on CPU too. fp16 overflows without a dynamic
-loss scale, which only CUDA's GradScaler provides here, so fp16 is refused on CPU.
+range, so it needs no loss scaling. fp16 overflows without a dynamic loss scale: torch's
+GradScaler gives one on CUDA and on CPU alike (a CPU multiplies fp16 quickly only with AVX-512
+FP16 or AMX-FP16; elsewhere autocast emulates it, as it does bf16 without AVX-512 BF16).
 """
 
 from __future__ import annotations
@@ -12,8 +13,6 @@ from dataclasses import dataclass
 
 import torch
 
-from vltrain.errors import ConfigError
-
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -21,10 +20,6 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 class Precision:
     name: str
     device: torch.device
-
-    def __post_init__(self) -> None:
-        if self.name == "fp16" and self.device.type != "cuda":
-            raise ConfigError("train.precision: fp16 needs a CUDA device (for gradient scaling); use bf16 on CPU")
 
     @property
     def dtype(self) -> torch.dtype:

@@ -47,6 +47,7 @@ from vltrain.config.job import TrainConfig
 from vltrain.objectives.keyed import StepKey
 from vltrain.objectives.scoring import Objectives
 from vltrain.runtime.distributed import World, all_reduce_sum
+from vltrain.runtime.faults import maybe_overflow
 from vltrain.runtime.precision import Precision
 from vltrain.train.parallelize import clip_grad_norm, gradient_sync, reduce_replicated_grads
 from vltrain.train.task import ContrastiveCache, GeneratorState
@@ -137,6 +138,10 @@ class Step:
             loss_scale=math.nan if poison else 1.0,
         )
         reduce_replicated_grads(self.wrapped)
+        maybe_overflow(self.params, step + 1, self.rank)
+        # fp16's scaler: under FSDP2 each rank unscales its own shards, and DTensor's dispatch of the
+        # unscale takes the max of found_inf over the mesh, so every rank skips the same steps
+        # (tests/train/test_fp16_scaler.py)
         self.scaler.unscale_(self.optimizer)
         grad_norm = clip_grad_norm(self.params, tc.grad_clip)
 
