@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -146,6 +147,17 @@ def assert_identical(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> 
     assert a.keys() == b.keys()
     different = [k for k in a if not torch.equal(a[k], b[k])]
     assert not different, f"{len(different)} of {len(a)} tensors differ, e.g. {different[:3]}"
+
+
+def from_checkpoint(source_run: Path, run: Path, step: int = EVERY) -> Path:
+    """A run folder holding ``source_run``'s checkpoint of ``step`` as its latest, so that the next
+    ``train`` into it resumes there: a resume test at the cost of one launch, where the kill of a
+    run is not what is tested (``tests/train/test_resume.py`` and ``test_fault_tolerance.py`` kill
+    real runs). The checkpoint is the one a run stopped after ``step`` would have left, as training
+    is deterministic up to the stop."""
+    shutil.copytree(source_run / "checkpoints" / f"step-{step}", run / "checkpoints" / f"step-{step}")
+    (run / "checkpoints" / "latest").write_text(f"step-{step}")
+    return run
 
 
 def assert_resumed_exactly(proc: subprocess.CompletedProcess, run: Path, step: int) -> None:

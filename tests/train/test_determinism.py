@@ -1,6 +1,6 @@
 """Bit-identical at the default thread count: a one-process run uses every core (two threads on a
-2-core machine), and a run stopped and resumed ends with the tensors of one that was not: a new
-process repeats the steps before the stop, so this also shows two runs agreeing.
+2-core machine), and a new process resumed from its step-4 checkpoint ends with its tensors; two
+runs from scratch agree too (``test_deterministic_mode_trains_on_a_cpu``).
 
 The ranks of the other resume tests run one thread each (the default under ``torchrun`` on 2
 cores), which cannot show an operation whose sum depends on how threads split it; these runs can.
@@ -12,7 +12,7 @@ import os
 
 import pytest
 import torch
-from kits.runkit import EVERY, assert_identical, assert_resumed_exactly, final_state, ok, overrides, train
+from kits.runkit import EVERY, assert_identical, assert_resumed_exactly, final_state, from_checkpoint, ok, overrides, train
 
 THREADS = 2
 
@@ -36,11 +36,10 @@ def _run(shapes, run, preset: str, **extra):
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("preset", ["tiny-clip", "tiny-albef"])
-def test_a_run_and_a_stopped_and_resumed_one_are_bit_identical_at_two_threads(shapes, tmp_path, preset):
-    first, resumed = tmp_path / "first", tmp_path / "resumed"
+def test_a_run_and_one_resumed_from_its_checkpoint_are_bit_identical_at_two_threads(shapes, tmp_path, preset):
+    first = tmp_path / "first"
     ok(_run(shapes, first, preset))
-    stopped = _run(shapes, resumed, preset, fault="kill:at=step:step=6")
-    assert stopped.returncode != 0
+    resumed = from_checkpoint(first, tmp_path / "resumed")
     proc = ok(_run(shapes, resumed, preset))
     assert_resumed_exactly(proc, resumed, EVERY)
     assert_identical(final_state(first), final_state(resumed))

@@ -16,8 +16,8 @@ import torch
 from kits.pretrainedkit import make_clip
 import numpy as np
 from kits.multiproc import free_port
-from kits.runkit import (assert_identical, assert_resumed_exactly, final_state, finish, losses, ok, overrides,
-                         session_shapes, start, train)
+from kits.runkit import (assert_identical, assert_resumed_exactly, final_state, finish, from_checkpoint, losses, ok,
+                         overrides, session_shapes, start, train)
 
 from vltrain.config.job import load_config
 from vltrain.data.dataset import build_dataset
@@ -146,9 +146,9 @@ def test_two_ranks_under_fsdp2_with_a_sharded_teacher_stop_and_resume_bit_identi
     shapes = session_shapes(tmp_path_factory)
     knobs = {"train__parallelism": "fsdp", "data__image_size": 48, "model__loss__distill": 1,
              "model__teacher__path": hf_teacher(tmp_path_factory.getbasetemp())}
-    ref, run = tmp_path / "ref", tmp_path / "run"
+    ref = tmp_path / "ref"
     ok(train(shapes, ref, **knobs))
-    assert train(shapes, run, fault="kill:at=step:step=6", **knobs).returncode != 0
+    run = from_checkpoint(ref, tmp_path / "run")
     resumed = ok(train(shapes, run, **knobs))
     assert_resumed_exactly(resumed, run, 4)
     assert "teacher: sharded by FSDP2 over the student's device mesh" in resumed.stderr

@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 from PIL import Image
 from kits.runkit import (
-    assert_identical, assert_recalls, assert_resumed_exactly, final_state, losses, metric_rows, model_distance, ok,
+    assert_identical, assert_recalls, assert_resumed_exactly, final_state, from_checkpoint, losses, metric_rows,
+    model_distance, ok,
     session_shapes, train, worst,
 )
 
@@ -71,8 +72,7 @@ def test_two_ranks_of_mixed_grids_train_as_one_and_resume_exactly(tmp_path_facto
     assert len(losses(two)) == 12 and worst(losses(one), losses(two)) < 1e-5
     assert model_distance(final_state(one), final_state(two)) < 1e-5
 
-    stopped = tmp_path / "stopped"
-    assert run(shapes, stopped, 2, fault="kill:at=step:step=6").returncode != 0
+    stopped = from_checkpoint(two, tmp_path / "stopped")
     assert_resumed_exactly(ok(run(shapes, stopped, 2)), stopped, 4)
     assert_identical(final_state(stopped), final_state(two))
 
@@ -143,8 +143,7 @@ def test_packed_images_on_two_ranks_train_as_padded_ones_on_one(tmp_path_factory
     assert len(losses(packed)) == 8 and worst(losses(packed), losses(padded)) < 1e-5
     assert model_distance(final_state(packed), final_state(padded)) < 1e-5
 
-    stopped = tmp_path / "stopped"
-    assert run(shapes, stopped, 2, fault="kill:at=step:step=6", data__pack_images="true", **init).returncode != 0
+    stopped = from_checkpoint(packed, tmp_path / "stopped")
     assert_resumed_exactly(ok(run(shapes, stopped, 2, data__pack_images="true", **init)), stopped, 4)
     assert_identical(final_state(stopped), final_state(packed))
 
