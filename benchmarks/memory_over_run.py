@@ -1,6 +1,10 @@
 """Resident memory over a long run of the demo config: what the process holds now (not the peak),
 split into what the C allocator hands out and what it keeps of freed memory, every few hundred
 steps, with ``keep_freed_memory`` (the trainer's default on a CPU) and with glibc's defaults.
+Variants: ``keep`` (the trainer as it is); ``default`` (glibc's thresholds); ``trimN`` (``keep``,
+and every N steps glibc's ``malloc_trim(0)``, which hands back the freed pages anywhere in the
+heaps, called from a thread watching the step count); ``arenasN`` (``keep`` with at most N malloc
+arenas, set before anything allocates).
 
 Each variant trains ``configs/demo.yaml`` on the demo's shapes data in a process of its own; a
 thread samples ``/proc/self/statm`` and glibc's ``mallinfo2`` (all arenas) every second, and the
@@ -26,7 +30,7 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD, _M_ARENA_MAX = -1, -3, -8
 GLIBC_DEFAULT = 128 * 1024
 """glibc's initial trim and mmap thresholds (it raises them as it goes; here they stay put)."""
 
@@ -38,12 +42,15 @@ class MallInfo2(ctypes.Structure):
 
 def child(data: Path, steps: int, variant: str, out: Path) -> None:
     """One run in this process; samples written to ``out`` as JSON lines."""
+    libc = ctypes.CDLL("libc.so.6")
+    libc.mallinfo2.restype = MallInfo2
+    if variant.startswith("arenas"):  # before torch starts any thread
+        libc.mallopt(_M_ARENA_MAX, int(variant[len("arenas"):]))
     from vltrain.config.job import load_config
     from vltrain.demo import demo_config_path
     from vltrain.train.trainer import Trainer
 
-    libc = ctypes.CDLL("libc.so.6")
-    libc.mallinfo2.restype = MallInfo2
+    trim_every = int(variant[len("trim"):]) if variant.startswith("trim") else 0
     page = os.sysconf("SC_PAGE_SIZE")
     with tempfile.TemporaryDirectory() as run:
         cfg = load_config(demo_config_path(), [f"run.dir={run}", f"data.train={data / 'train.jsonl'}", "data.val=''",
@@ -54,6 +61,17 @@ def child(data: Path, steps: int, variant: str, out: Path) -> None:
             libc.mallopt(_M_MMAP_THRESHOLD, GLIBC_DEFAULT)
             libc.mallopt(_M_TRIM_THRESHOLD, GLIBC_DEFAULT)
         done = threading.Event()
+
+        def trim() -> None:
+            trimmed = 0
+            while not done.is_set():
+                if trainer.step // trim_every > trimmed:
+                    trimmed = trainer.step // trim_every
+                    libc.malloc_trim(0)
+                done.wait(0.01)
+
+        if trim_every:
+            threading.Thread(target=trim, daemon=True).start()
 
         def sample() -> None:
             with open(out, "w") as f:
@@ -76,14 +94,16 @@ def child(data: Path, steps: int, variant: str, out: Path) -> None:
 
 def table(samples: dict[str, list[dict]], every: int) -> None:
     gib = 2**30
-    print("| step | " + " | ".join(f"{v}: RSS / in use / kept free (GiB)" for v in samples) + " |")
+    print("| step | " + " | ".join(f"{v}: RSS (most since the last row) / in use / kept free (GiB)"
+                                    for v in samples) + " |")
     print("|---:|" + "---:|" * len(samples))
     last = max(s[-1]["step"] for s in samples.values())
     for step in [1, *range(every, last + 1, every)]:
         cells = []
         for rows in samples.values():
             r = min(rows, key=lambda x: abs(x["step"] - step))
-            cells.append(f"{r['rss'] / gib:.2f} / {r['in_use'] / gib:.2f} / {r['kept_free'] / gib:.2f}")
+            most = max((x["rss"] for x in rows if step - every < x["step"] <= step), default=r["rss"])
+            cells.append(f"{r['rss'] / gib:.2f} ({most / gib:.2f}) / {r['in_use'] / gib:.2f} / {r['kept_free'] / gib:.2f}")
         print(f"| {step} | " + " | ".join(cells) + " |")
     for name, rows in samples.items():
         trained = [r for r in rows if r["step"] > 0]
