@@ -43,7 +43,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from vltrain.objectives.losses import GlobalBatch, _row_weights, masked_value, scale_of
+from vltrain.objectives.losses import GlobalBatch, _row_weights, masked, scale_of
 from vltrain.runtime.distributed import all_gather_no_grad, all_gather_with_grad
 from vltrain.types import Rows
 
@@ -67,8 +67,8 @@ def _teacher_logits(scale: torch.Tensor, bias: torch.Tensor | None, left: torch.
 
 def _soft_cross_entropy(teacher: torch.Tensor, student: torch.Tensor, excluded: torch.Tensor) -> torch.Tensor:
     """[b] -sum_j softmax(teacher)_j log_softmax(student)_j over the columns not excluded."""
-    p = teacher.masked_fill(excluded, masked_value(teacher.dtype)).softmax(dim=1).masked_fill(excluded, 0.0)
-    log_q = student.masked_fill(excluded, masked_value(student.dtype)).log_softmax(dim=1)
+    p = masked(teacher, excluded).softmax(dim=1).masked_fill(excluded, 0.0)
+    log_q = masked(student, excluded).log_softmax(dim=1)
     return -(p * log_q).sum(dim=1)
 
 

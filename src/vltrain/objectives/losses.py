@@ -36,10 +36,10 @@ MAX_LOGIT_SCALE = math.log(100.0)
 _MASKED = -1e9  # finite, so rows with nothing valid stay NaN-free in forward and backward
 
 
-def masked_value(dtype: torch.dtype) -> float:
-    """What an excluded logit is set to: ``_MASKED``, or under fp16 autocast (whose matmuls give
-    fp16 logits, at most 65,504 in size) a value fp16 holds with room for a log-sum-exp taken off."""
-    return -3e4 if dtype == torch.float16 else _MASKED
+def masked(logits: torch.Tensor, excluded: torch.Tensor) -> torch.Tensor:
+    """``logits`` with the ``excluded`` ones set to ``_MASKED``, or under fp16 autocast (whose matmuls
+    give fp16 logits, at most 65,504 in size) to a value fp16 holds with room for a log-sum-exp taken off."""
+    return logits.masked_fill(excluded, -3e4 if logits.dtype == torch.float16 else _MASKED)
 
 
 @dataclass
@@ -108,9 +108,8 @@ def itc_loss(
     # negatives: valid columns whose id differs from the row's; the positive column stays.
     excluded = (ids[:, None] == g.ids[None, :]) | ~g.valid[None, :]
     excluded[torch.arange(b, device=ids.device), target] = False
-    i2t = scale * image_embeds.float() @ all_texts.t()
-    t2i = scale * text_embeds.float() @ all_images.t()
-    i2t, t2i = i2t.masked_fill(excluded, masked_value(i2t.dtype)), t2i.masked_fill(excluded, masked_value(t2i.dtype))
+    i2t = masked(scale * image_embeds.float() @ all_texts.t(), excluded)
+    t2i = masked(scale * text_embeds.float() @ all_images.t(), excluded)
     per_row = F.cross_entropy(i2t, target, reduction="none") + F.cross_entropy(t2i, target, reduction="none")
     if rows_out is not None:
         rows_out.append(per_row.detach() / 2)

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from vltrain.objectives.losses import GlobalBatch, _row_weights, masked_value, scale_of
+from vltrain.objectives.losses import GlobalBatch, _row_weights, masked, scale_of
 from vltrain.runtime.distributed import issue, world_info
 from vltrain.types import Rows
 
@@ -82,8 +82,8 @@ class _RingITC(torch.autograd.Function):
         for k in range(world):
             c_img, c_txt, c_ids, c_valid = cols
             excluded = _excluded(ids, c_ids, c_valid, own=k == 0)
-            i2t, t2i = scale * img @ c_txt.t(), scale * txt @ c_img.t()
-            i2t, t2i = i2t.masked_fill(excluded, masked_value(i2t.dtype)), t2i.masked_fill(excluded, masked_value(t2i.dtype))
+            i2t = masked(scale * img @ c_txt.t(), excluded)
+            t2i = masked(scale * txt @ c_img.t(), excluded)
             stats = [*_online_lse(stats[0], stats[1], i2t), *_online_lse(stats[2], stats[3], t2i)]
             if k < world - 1:
                 cols = ring_pass(cols)
@@ -109,8 +109,7 @@ class _RingITC(torch.autograd.Function):
             excluded = _excluded(ids, c_ids, c_valid, own=k == 0)
             for rows, c_rows, lse, g_rows, a in ((img, c_txt, lse_i2t, g_img, 1), (txt, c_img, lse_t2i, g_txt, 0)):
                 dots = rows @ c_rows.t()
-                logits = scale * dots
-                p = (logits.masked_fill(excluded, masked_value(logits.dtype)) - lse[:, None]).exp()
+                p = (masked(scale * dots, excluded) - lse[:, None]).exp()
                 if k == 0:
                     diagonal = torch.arange(b, device=p.device)
                     p[diagonal, diagonal] -= 1.0  # the positive's target

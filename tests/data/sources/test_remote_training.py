@@ -13,7 +13,7 @@ pytest.importorskip("s3fs")
 pytest.importorskip("moto.server")
 
 from kits.multiproc import free_port  # noqa: E402
-from kits.runkit import STEPS, assert_identical, final_state, ok, session_shapes, train  # noqa: E402
+from kits.runkit import STEPS, assert_identical, final_state, from_checkpoint, ok, session_shapes, train  # noqa: E402
 from kits.s3kit import s3, s3_server, upload_shards  # noqa: E402,F401  (fixtures)
 
 from vltrain.data.config import DataConfig  # noqa: E402
@@ -75,9 +75,7 @@ def test_two_ranks_train_from_s3_resume_exactly_within_the_cache_limit(s3, tmp_p
     cached = [p for p in (cache / "remote").iterdir() if p.suffix == ".tar"]
     assert 0 < sum(p.stat().st_size for p in cached) <= limit_gb * 2**30
 
-    run = tmp_path / "run"
-    shutil.copytree(ref / "checkpoints" / "step-4", run / "checkpoints" / "step-4")
-    (run / "checkpoints" / "latest").write_text("step-4")
+    run = from_checkpoint(ref, tmp_path / "run")
     shutil.rmtree(cache)  # a new node: nothing cached
     proc = ok(train(shapes, run, **remote))
     assert "at step 4 (exactly)" in proc.stderr, proc.stderr[-3000:]
