@@ -1,6 +1,7 @@
 """The pixel conventions the data and the model must share: the order an image is cut into patches
-(:func:`patchify`), where a packed image's patches lie (:func:`packed_places`, :func:`unpack`) and
-the names of the resampling filters (:data:`RESAMPLE`).
+(:func:`patchify`), where a packed image's patches lie (:func:`packed_places`, :func:`unpack`),
+which patches patch dropout keeps of square and padded images (:func:`kept_patches`) and the names
+of the resampling filters (:data:`RESAMPLE`).
 
 The loader cuts native-shape images into patches (``data/native.py``), the vision tower cuts square
 images the same way before its patch embedding (``model/vision.py``), and masked image modelling
@@ -14,6 +15,8 @@ imports nothing of vltrain; it needs no Pillow either, so the model does not loa
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -69,3 +72,26 @@ def unpack(values: torch.Tensor, places: torch.Tensor) -> torch.Tensor:
     """[S, N, ...] packed -> [rows, N, ...] padded: one row per image, its patches first
     (``places`` from :func:`packed_places`)."""
     return values.flatten(0, 1)[places]
+
+
+def kept_patches(draw: torch.Tensor, real: torch.Tensor | None, fraction: float) -> torch.Tensor:
+    """The patches each row keeps under patch dropout: int64 [B, K], ascending, K = N - floor(fraction
+    * N) for ``draw`` [B, N] (uniform numbers, one per position).
+
+    Each image keeps the ``r - floor(fraction * r)`` of its ``r`` real patches (``real`` [B, N]; None:
+    all N are) with the smallest draws. An image with fewer real patches fills the rest of its K with
+    padding positions, which stay masked: there are always enough, since r - floor(fraction * r)
+    grows by at most one with r. Stable sorts: ties fall to the lower position, on any device."""
+    n = draw.shape[1]
+    width = n - math.floor(fraction * n)
+    if real is None:
+        order = torch.argsort(draw, dim=1, stable=True)
+    else:
+        count = real.sum(dim=1)
+        keeps = count - torch.floor(fraction * count.double()).long()
+        ranked = torch.where(real, draw, 2.0)
+        rank = torch.argsort(torch.argsort(ranked, dim=1, stable=True), dim=1, stable=True)
+        kept = real & (rank < keeps[:, None])
+        # kept real patches first, then padding (masked), then the dropped real ones
+        order = torch.argsort(torch.where(kept, draw, torch.where(real, 3.0, 2.0)), dim=1, stable=True)
+    return torch.sort(order[:, :width], dim=1).values

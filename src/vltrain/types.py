@@ -196,10 +196,11 @@ class Encoded:
     text_embeds: torch.Tensor
     """[B, D] L2-normalized; zero rows where there is no text."""
     image_tokens: Tokens | None
-    """[B, N, Wv] the vision tower's tokens and which are real (fusion models only); zeros where there
-    is no image (with a mask, only the first of them counts as real: attention needs one key)."""
+    """[B, N, Wv] the vision tower's tokens and which are real (fusion and captioning models only);
+    zeros where there is no image (with a mask, only the first of them counts as real: attention
+    needs one key)."""
     text_tokens: torch.Tensor | None
-    """[B, L, Wt] the text tower's tokens (fusion models only); zeros where there is no text."""
+    """[B, L, Wt] the text tower's tokens (fusion and captioning models only); zeros where there is no text."""
     anchor: torch.Tensor
     """A zero scalar connected to every parameter ``encode`` used."""
 
@@ -219,7 +220,7 @@ class ModelSpec:
 
     heads: frozenset[str]
     """The objectives beyond the contrastive ones that the model has a head for: a subset of itm,
-    mlm, text_mlm, image_mim."""
+    mlm, text_mlm, image_mim, caption."""
     vocab_size: int
     pad_id: int
     mask_id: int | None
@@ -258,6 +259,11 @@ class ModelPasses(Protocol):
 
     def text_mlm_logits(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         """[B, L, V] MLM logits of (masked) captions from the text tower alone."""
+
+    def caption_logits(self, text_tokens: torch.Tensor, attention_mask: torch.Tensor, image_tokens: Tokens,
+                       has_image: torch.Tensor) -> torch.Tensor:
+        """[B, L, V] the decoder's next-token logits over the text tower's tokens, reading the image
+        tokens in the rows where ``has_image``."""
 
     def mim_prediction(self, pixels: torch.Tensor, patch_mask: torch.Tensor,
                        grids: torch.Tensor | None = None) -> torch.Tensor:

@@ -14,7 +14,8 @@ from vltrain.errors import ConfigError
 from vltrain.model.config import LossConfig, VisionSettings
 from vltrain.model.vision import run_blocks
 from vltrain.objectives.keyed import StepKey
-from vltrain.objectives.scoring import Objectives, kept_patches
+from vltrain.objectives.scoring import Objectives
+from vltrain.pixels import kept_patches
 from vltrain.pixels import patchify
 from vltrain.train.build import fit_native
 from vltrain.types import real_patches

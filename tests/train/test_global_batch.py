@@ -1,7 +1,7 @@
 """data.global_batch_size: the same samples in every step and the same math whatever the split,
 so a run continues its own trajectory on another number of ranks: the dual encoder (ITC, SigLIP,
-distillation from a teacher) and the fusion model (ITC + ITM + MLM), with text-only and image-only
-rows in the data. Real
+distillation from a teacher), the fusion model (ITC + ITM + MLM) and the captioning model (SigLIP
++ caption), with text-only and image-only rows in the data. Real
 processes: torchrun, gloo, 1 and 2 ranks."""
 
 from __future__ import annotations
@@ -70,8 +70,11 @@ TEACHER = "hf-clip-teacher"
 DISTILL = {"model__loss__distill": 1, "model__loss__distill_sigmoid": 0.5, "model__teacher__path": TEACHER}
 """ITC with both distillation losses from a live teacher (a Hugging Face CLIP folder of another
 image size, other statistics and its own tokenizer), its embeddings gathered across ranks."""
-LOSSES = {"itc": EMA, "siglip": {"model__loss__itc": 0, "model__loss__siglip": 1}, "fusion": FUSION, "unimodal": UNIMODAL,
-          "budget": BUDGET, "distill": DISTILL}
+CAPTION = {"model__preset": "tiny-coca", "model__loss__itc": 0, "model__loss__siglip": 1, "model__loss__caption": 1}
+"""SigLIP with a captioning decoder (SigLIP 2's recipe starts there): next-token loss on the image-text
+rows, a plain language model on the text-only rows, nothing on the image-only rows; a mean over
+the step's caption tokens."""
+LOSSES = {"itc": EMA, "siglip": CAPTION, "fusion": FUSION, "unimodal": UNIMODAL, "budget": BUDGET, "distill": DISTILL}
 
 
 def teacher(root: Path) -> Path:
@@ -116,6 +119,8 @@ def test_one_global_batch_split_three_ways_trains_the_same_model(splits):
             assert ("ITM negatives from groups of 3 consecutive rows of the global batch (the default for a global "
                     "batch of 12: the same on any number of ranks)") in split.stderr
         assert all(set(r) >= {"loss/itm", "loss/mlm"} for r in metric_rows(ref))
+    if "tiny-coca" in str(proc.args):
+        assert all(set(r) >= {"loss/siglip", "loss/caption"} for r in metric_rows(ref))
     if "patch_dropout" in " ".join(proc.args):
         until = "steps 1 to 10" if "tiny-albef" in str(proc.args) else "every step"
         assert "patch dropout: each image drops" in proc.stderr and until in proc.stderr
@@ -144,7 +149,7 @@ def test_the_audit_shows_the_same_samples_in_every_step(splits):
 
 
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("model", ["itc", "fusion", "budget", "distill"])
+@pytest.mark.parametrize("model", ["itc", "siglip", "fusion", "budget", "distill"])
 def test_stopped_on_two_ranks_and_resumed_on_one_it_continues_the_same_trajectory(model, tmp_path_factory, tmp_path):
     shapes = mixed(tmp_path_factory)
     unstopped, _ = split_run(tmp_path_factory, model, "2 ranks, A=1")

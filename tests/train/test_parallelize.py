@@ -88,3 +88,27 @@ def test_train_compile_picks_towers_and_blocks_under_fsdp(monkeypatch):
     parallelize(small_task(), TrainConfig(compile=True), CPU)
     parallelize(small_task(), TrainConfig(compile=True, parallelism="fsdp"), CPU)  # no group: FSDP not applied
     assert chosen == ["towers", "blocks"]
+
+
+def test_the_captioning_decoder_is_checkpointed_and_compiled_like_the_towers():
+    """tiny-coca: activation checkpointing recomputes the decoder's blocks in the backward with the
+    same gradients, and its compiled towers and decoder (traced through AOTAutograd, forward and
+    backward) train like eager ones."""
+    eager = small_task("tiny-coca", seed=4)
+    checkpointed = small_task("tiny-coca", seed=4)
+    wrapped = parallelize(checkpointed, TrainConfig(activation_checkpointing=True), CPU)
+    assert checkpointed.model.decoder.checkpointing
+    calls = []
+    checkpointed.model.decoder.blocks[0].register_forward_pre_hook(lambda *_: calls.append(1))
+    batch = make_batch(6, seed=1, has_image=[True] * 4 + [False] * 2)
+    wrapped("all", batch).loss.backward()
+    eager("all", batch).loss.backward()
+    assert len(calls) == 2
+    for (name, a), b in zip(checkpointed.model.named_parameters(), eager.model.parameters()):
+        assert torch.allclose(a.grad, b.grad, atol=1e-6), name
+    torch._dynamo.reset()
+    plain, compiled = small_task("tiny-coca", seed=5), small_task("tiny-coca", seed=5)
+    compile_towers(compiled.model, backend="aot_eager")
+    assert compiled.model.decoder._compiled_call_impl is not None
+    expected = _train(plain, parallelize(plain, TrainConfig(), CPU), steps=2)
+    assert _train(compiled, compiled, steps=2) == pytest.approx(expected, rel=1e-5, abs=1e-6)

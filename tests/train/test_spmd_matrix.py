@@ -23,13 +23,14 @@ OBJECTIVES = {
     "itc+itm+mlm": ["model.preset=tiny-albef", "model.loss.itm=0.5", "model.loss.mlm=0.5",
                     "model.loss.itm_negatives=global"],
     "itc+text_mlm+image_mim": ["model.preset=tiny-clip", "model.loss.text_mlm=0.5", "model.loss.image_mim=0.5"],
+    "itc+caption": ["model.preset=tiny-coca", "model.loss.caption=1"],
 }
 BATCHING = {"fixed": ["data.batching=fixed"], "budget": ["data.batching=budget"]}
 PARALLELISM = {"ddp": ["train.parallelism=ddp"], "fsdp": ["train.parallelism=fsdp"]}
 ACCUMULATION = {"1": ["train.accumulation=1"],
                 "2-gradcache": ["train.accumulation=2", "train.contrastive_accumulation=gradcache"]}
 FACTORS = (OBJECTIVES, BATCHING, PARALLELISM, ACCUMULATION)
-COMBINATIONS = list(itertools.product(*FACTORS))  # all 40
+COMBINATIONS = list(itertools.product(*FACTORS))  # all 48
 
 
 def _matrix_worker(rank: int, world: int, root: str, run_dir: str):

@@ -47,6 +47,8 @@ def add_parsers(sub) -> None:
                    help="zero-shot classification on a class-per-folder image set (or a manifest with labels)")
     e.add_argument("--templates", default=None, metavar="FILE", help="prompt templates, one per line with {}")
     e.add_argument("--retrieval", default=None, metavar="FILE", help="COCO-style caption JSON (Karpathy split or annotations)")
+    e.add_argument("--captions", default=None, metavar="FILE",
+                   help="COCO-style caption JSON: caption its images (a model with a decoder), BLEU-4 and CIDEr-D")
     e.add_argument("--split", default="test", help="the Karpathy split to evaluate (default test)")
     e.add_argument("--json", action="store_true", help="print the metrics as JSON instead of a table")
     e.add_argument("--ema", action="store_true", help="a run's EMA weights (train.ema) instead of its trained ones")
@@ -65,6 +67,8 @@ def add_parsers(sub) -> None:
                    help="the run's EMA weights (train.ema) instead of its trained ones (with --interpolate: blended)")
     x.set_defaults(func=export)
 
+    _add_caption_parser(sub)
+
     m = sub.add_parser("embed", help="normalized embeddings of images and texts from any model vltrain opens")
     m.add_argument("model_dir", help="an exported model folder, a run folder, a Hugging Face CLIPModel/SiglipModel "
                                      "folder or an OpenCLIP checkpoint")
@@ -74,6 +78,26 @@ def add_parsers(sub) -> None:
     m.add_argument("--texts", nargs="*", default=[])
     m.add_argument("--out", required=True, help=".npy file (images first, then texts), or .npz (arrays images, texts)")
     m.set_defaults(func=embed)
+
+
+def _add_caption_parser(sub) -> None:
+    c = sub.add_parser("caption", help="captions of images from a model with a captioning decoder (torchrun-aware)")
+    c.add_argument("model_dir", help="a run folder, a checkpoint or an exported model folder")
+    c.add_argument("--images", nargs="+", required=True)
+    search = c.add_mutually_exclusive_group()
+    search.add_argument("--beam", type=int, default=1, help="beams of the search (default 1: greedy)")
+    search.add_argument("--top-p", type=float, default=0.0, dest="top_p",
+                        help="nucleus sampling: draw from the most likely tokens holding this probability")
+    c.add_argument("--seed", type=int, default=0, help="--top-p's seed (each image's draws: this and its place)")
+    c.add_argument("--max-length", type=int, default=0, dest="max_length",
+                   help="tokens a caption may take, the start token included (default: the model's text length)")
+    c.add_argument("--prompt", default="", help='text every caption starts with, e.g. "a photo of"')
+    c.add_argument("--batch-size", type=int, default=32, dest="batch_size", help="images per batch per rank")
+    c.add_argument("--no-cache", action="store_false", dest="cache",
+                   help="recompute every position at each token instead of caching keys and values")
+    c.add_argument("--out", default=None, help="write JSON lines {image, caption} here instead of printing")
+    _add_overrides(c)
+    c.set_defaults(func=caption)
 
 
 def train(args: argparse.Namespace) -> int:
@@ -182,10 +206,15 @@ def evaluate(args: argparse.Namespace) -> int:
         name = Path(args.retrieval).stem or "retrieval"
         overrides.append(f"eval.retrieval=[{{name: {json.dumps(name)}, path: {json.dumps(str(args.retrieval))}, "
                          f"split: {json.dumps(args.split)}}}]")
-    only_sets = bool(args.zeroshot or args.retrieval)
+    if args.captions:
+        name = Path(args.captions).stem or "captions"
+        overrides.append(f"eval.captions=[{{name: {json.dumps(name)}, path: {json.dumps(str(args.captions))}, "
+                         f"split: {json.dumps(args.split)}}}]")
+    only_sets = bool(args.zeroshot or args.retrieval or args.captions)
     if only_sets:
         overrides += [] if args.zeroshot else ["eval.zeroshot=[]"]
         overrides += [] if args.retrieval else ["eval.retrieval=[]"]
+        overrides += [] if args.captions else ["eval.captions=[]"]
     metrics = evaluate_run(Path(args.path), data=args.data, overrides=overrides, val=args.data is not None or not only_sets,
                            ema=args.ema)
     if os.environ.get("RANK", "0") == "0":
@@ -232,4 +261,26 @@ def embed(args: argparse.Namespace) -> int:
         what = "images first"
     print(f"wrote {out}: {len(args.images)} image and {len(args.texts)} text embeddings of size "
           f"{emb.shape[1]} ({what})")
+    return 0
+
+
+def caption(args: argparse.Namespace) -> int:
+    """``vltrain caption MODEL --images a.jpg b.jpg [--beam N | --top-p P]``: one line per image
+    (``path<TAB>caption``), or JSON lines in ``--out``; on several ranks the images are split and
+    rank 0 writes."""
+    from vltrain.eval.captioning import caption_images
+
+    rows = caption_images(Path(args.model_dir), args.images, overrides_of(args), beam=args.beam, top_p=args.top_p,
+                          seed=args.seed, max_length=args.max_length, prompt=args.prompt, batch_size=args.batch_size,
+                          cache=args.cache)
+    if os.environ.get("RANK", "0") != "0":
+        return 0
+    if args.out:
+        with open(args.out, "w") as f:
+            for path, text in rows:
+                f.write(json.dumps({"image": path, "caption": text}) + "\n")
+        print(f"wrote {len(rows)} captions to {args.out}")
+    else:
+        for path, text in rows:
+            print(f"{path}\t{text if text is not None else '(unreadable)'}")
     return 0

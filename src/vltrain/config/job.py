@@ -189,6 +189,33 @@ class RetrievalSet(Settings):
         _check_set_name("eval.retrieval", self.name, self.path)
 
 
+@dataclass
+class CaptionEvalSet(Settings):
+    name: str = ""
+    """Metrics are written as captions/NAME/bleu4, captions/NAME/cider (CIDEr-D), as pycocoevalcap
+    computes them."""
+    path: str = ""
+    """A COCO-style caption JSON (the one eval.retrieval reads): each image's captions are its references."""
+    split: str = "test"
+    """The Karpathy file's split to evaluate (the annotations format has none: every image)."""
+    image_root: str = ""
+    """Folder the image paths are relative to (empty: the JSON's folder)."""
+    beam: int = 1
+    """Beams of the search (1: greedy)."""
+    max_length: int = 0
+    """Tokens a caption may take, the start token included (0: data.max_text_length)."""
+    prompt: str = ""
+    """Text every caption starts with (e.g. "a photo of")."""
+
+    def validate(self) -> None:
+        _check_set_name("eval.captions", self.name, self.path)
+        if self.beam < 1:
+            raise ConfigError(f"eval.captions {self.name}: beam must be >= 1 (1: greedy), got {self.beam}")
+        if self.max_length < 0:
+            raise ConfigError(f"eval.captions {self.name}: max_length must be >= 0 (0: data.max_text_length), "
+                              f"got {self.max_length}")
+
+
 def _check_set_name(key: str, name: str, path: str) -> None:
     if not name or "/" in name or not path:
         raise ConfigError(f"each entry of {key} needs a name (no '/') and a path, got name={name!r} path={path!r}")
@@ -197,7 +224,7 @@ def _check_set_name(key: str, name: str, path: str) -> None:
 @dataclass
 class EvalConfig(Settings):
     every: int = 0
-    """Evaluate on data.val, eval.zeroshot and eval.retrieval every N steps (0: only at the end)."""
+    """Evaluate on data.val, eval.zeroshot, eval.retrieval and eval.captions every N steps (0: only at the end)."""
     batch_size: int = 256
     """Evaluation batch per rank."""
     max_samples: int = 0
@@ -217,11 +244,15 @@ class EvalConfig(Settings):
     """Multi-caption retrieval sets (COCO, Flickr30k): [{name, path, split}]."""
     itm_rerank_k: int = 16
     """Fusion models: re-score each query's top k candidates with the ITM head (0: off)."""
+    captions: list[CaptionEvalSet] = field(default_factory=list)
+    """Caption sets (COCO, Flickr30k: the Karpathy JSON) that a model with a captioning decoder
+    captions, scored with BLEU-4 and CIDEr-D: [{name, path, split, beam, max_length, prompt}]."""
 
     def validate(self) -> None:
         if self.itm_rerank_k < 0:
             raise ConfigError(f"eval.itm_rerank_k must be >= 0 (0: no re-ranking), got {self.itm_rerank_k}")
-        for key, sets in (("eval.zeroshot", self.zeroshot), ("eval.retrieval", self.retrieval)):
+        for key, sets in (("eval.zeroshot", self.zeroshot), ("eval.retrieval", self.retrieval),
+                          ("eval.captions", self.captions)):
             names = [s.name for s in sets]
             if len(set(names)) != len(names):
                 raise ConfigError(f"{key}: names must differ, got {names}")

@@ -1,6 +1,7 @@
 """Evaluation: image->text and text->image recall@1/5/10 on held-out pairs (``data.val``), and the
 sets of ``eval.zeroshot`` (:mod:`vltrain.eval.zeroshot`) and ``eval.retrieval`` (:mod:`vltrain.eval.retrieval`),
-each with ITM re-ranking for fusion models; ``eval.json``; ``vltrain eval``.
+each with ITM re-ranking for fusion models, and the caption sets of ``eval.captions``
+(:mod:`vltrain.eval.captioning`); ``eval.json``; ``vltrain eval``.
 
 Every rank embeds its shard of each set, the embeddings are gathered, and every rank
 computes the same metrics. Nobody waits at a barrier while rank 0 works alone (the way
@@ -23,11 +24,14 @@ from vltrain.config.job import JobConfig
 from vltrain.data.dataset import source_specs
 from vltrain.data.tokenizers import Tokenizer
 from vltrain.errors import ConfigError, UserError
+from vltrain.eval.captioning import evaluate_captions, open_caption_set
 from vltrain.eval.embedding import Embedded, Encoder, cat_padded, eval_mode
 from vltrain.eval.retrieval import evaluate_retrieval, itm_rerank, multi_caption_recall, open_retrieval
 from vltrain.eval.zeroshot import evaluate_zeroshot, open_zeroshot
 from vltrain.runtime.distributed import World, all_gather_no_grad
 from vltrain.runtime.precision import Precision
+from vltrain.model.builder import has_decoder
+from vltrain.model.generate import Decoding
 from vltrain.runtime.world import setup_world
 from vltrain.train.build import build_task, build_val_loader
 
@@ -159,9 +163,16 @@ class Evaluator:
         self.zeroshot = [open_zeroshot(z.name, z.path, z.templates, cfg.data, tokenizer, **kw) for z in ec.zeroshot]
         self.retrieval = [open_retrieval(r.name, r.path, r.split, r.image_root, cfg.data, tokenizer, **kw)
                           for r in ec.retrieval]
+        if ec.captions and not has_decoder(cfg.model.architecture(), cfg.model.loss):
+            raise ConfigError("eval.captions needs a captioning decoder: a preset with one (tiny-coca, coca-vit-b32) "
+                              "and model.loss.caption > 0")
+        self.tokenizer = tokenizer
+        self.captions = [open_caption_set(c.name, c.path, c.split, c.image_root, cfg.data, tokenizer,
+                                          Decoding(c.max_length or cfg.data.max_text_length, c.beam), c.prompt, **kw)
+                         for c in ec.captions]
 
     def __bool__(self) -> bool:
-        return self.val is not None or bool(self.zeroshot) or bool(self.retrieval)
+        return self.val is not None or bool(self.zeroshot) or bool(self.retrieval) or bool(self.captions)
 
     def run(self, wrapped: nn.Module, model: nn.Module, device: torch.device, autocast) -> dict[str, float]:
         ec, data = self.cfg.eval, self.cfg.data
@@ -176,6 +187,8 @@ class Evaluator:
             out.update(evaluate_zeroshot(encoder, z))
         for r in self.retrieval:
             out.update(evaluate_retrieval(encoder, r, rerank_k, ec.batch_size))
+        for c in self.captions:
+            out.update(evaluate_captions(encoder, c, self.tokenizer))
         return out
 
 
@@ -242,15 +255,16 @@ def evaluate_run(path: Path, data: str | None = None, overrides: list[str] | Non
                  val: bool = True, ema: bool = False) -> dict[str, float]:
     """Metrics of any model vltrain opens (``vltrain eval``: a run's latest checkpoint, a checkpoint,
     an export, a Hugging Face folder or an OpenCLIP file; :mod:`vltrain.checkpoint.opening`): its
-    ``data.val`` (unless ``val`` is false) and its ``eval.zeroshot`` and ``eval.retrieval`` sets;
+    ``data.val`` (unless ``val`` is false) and its ``eval.zeroshot``, ``eval.retrieval`` and
+    ``eval.captions`` sets;
     ``ema``: a run's EMA weights (``train.ema``)."""
     found = locate(path)
     cfg = model_config(found, list(overrides or []) + ([f"data.val={data}"] if data else []))
     if not val:
         cfg.data.val = ""
-    if not (cfg.data.val or cfg.eval.zeroshot or cfg.eval.retrieval):
+    if not (cfg.data.val or cfg.eval.zeroshot or cfg.eval.retrieval or cfg.eval.captions):
         raise UserError(f"{path} names no data.val and no eval sets; pass --data VAL_MANIFEST, "
-                        "--zeroshot DIR or --retrieval FILE")
+                        "--zeroshot DIR, --retrieval FILE or --captions FILE")
     world = setup_world(timeout_s=cfg.train.timeout_s, device=cfg.train.device, threads=cfg.train.threads,
                         tf32=cfg.train.tf32)
     clean = False

@@ -120,6 +120,46 @@ class Packed:
         return out.index_copy(0, self.index, x).view(self.batch, self.length, x.shape[-1])
 
 
+@dataclass
+class LayerCache:
+    """One block's cached keys and values, [B, heads, positions, head width] each."""
+
+    k: torch.Tensor | None = None
+    v: torch.Tensor | None = None
+    image_k: torch.Tensor | None = None
+    image_v: torch.Tensor | None = None
+
+    def select(self, index: torch.Tensor) -> "LayerCache":
+        return LayerCache(*(None if t is None else t.index_select(0, index)
+                            for t in (self.k, self.v, self.image_k, self.image_v)))
+
+
+def split_heads(x: torch.Tensor, heads: int) -> torch.Tensor:
+    """[B, L, W] -> [B, heads, L, W / heads]."""
+    b, n, w = x.shape
+    return x.view(b, n, heads, w // heads).transpose(1, 2)
+
+
+def merge_heads(x: torch.Tensor) -> torch.Tensor:
+    """[B, heads, L, d] -> [B, L, heads * d]."""
+    b, h, n, d = x.shape
+    return x.transpose(1, 2).reshape(b, n, h * d)
+
+
+def cached_self_attention(attn: "SelfAttention", x: torch.Tensor, cache: LayerCache) -> torch.Tensor:
+    """``attn`` over the new positions ``x`` [B, n, W], attending to the cached positions and,
+    causally, to each other; the cache grows by the new keys and values."""
+    q, k, v = (split_heads(t, attn.heads) for t in attn.qkv(x).chunk(3, dim=-1))
+    if cache.k is not None:
+        k, v = torch.cat([cache.k, k], dim=2), torch.cat([cache.v, v], dim=2)
+    cache.k, cache.v = k, v
+    n, total = q.shape[2], k.shape[2]
+    mask = None
+    if n > 1:  # a prompt: causal among its own positions
+        mask = torch.ones(n, total, dtype=torch.bool, device=x.device).tril(total - n)
+    return attn.out(merge_heads(attention(q, k, v, mask)))
+
+
 class SelfAttention(nn.Module):
     def __init__(self, width: int, heads: int):
         super().__init__()
@@ -129,7 +169,12 @@ class SelfAttention(nn.Module):
         self.qkv = nn.Linear(width, 3 * width)
         self.out = nn.Linear(width, width)
 
-    def forward(self, x: torch.Tensor, mask: torch.Tensor | Packed | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, mask: "torch.Tensor | Packed | LayerCache | None" = None) -> torch.Tensor:
+        """``mask``: boolean, True = may attend; :class:`Packed` tokens; or a :class:`LayerCache`
+        (generation: ``x`` holds the new positions, attending to the cached ones and causally to
+        each other, and the cache grows by them)."""
+        if isinstance(mask, LayerCache):
+            return cached_self_attention(self, x, mask)
         if isinstance(mask, Packed):  # projections over the packed tokens, attention in the padded layout
             qkv = mask.unpack(self.qkv(x))
             b, n, w = qkv.shape[0], qkv.shape[1], x.shape[-1]
@@ -152,12 +197,20 @@ class CrossAttention(nn.Module):
         self.kv = nn.Linear(kv_width, 2 * width)
         self.out = nn.Linear(width, width)
 
-    def forward(self, x: torch.Tensor, context: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
-        """``mask`` [B, 1, 1, M] (bool): the context tokens each row may attend to (None: all)."""
+    def forward(self, x: torch.Tensor, context: torch.Tensor | None, mask: torch.Tensor | None = None,
+                cache: LayerCache | None = None) -> torch.Tensor:
+        """``mask`` [B, 1, 1, M] (bool): the context tokens each row may attend to (None: all).
+        ``cache`` (generation): the context's keys and values, computed from ``context`` on the
+        first call and read from the cache after it."""
         b, n, w = x.shape
         h, d = self.heads, w // self.heads
         q = self.q(x).view(b, n, h, d).transpose(1, 2)
-        k, v = self.kv(context).view(b, context.shape[1], 2, h, d).permute(2, 0, 3, 1, 4)
+        if cache is not None and cache.image_k is not None:
+            k, v = cache.image_k, cache.image_v
+        else:
+            k, v = self.kv(context).view(b, context.shape[1], 2, h, d).permute(2, 0, 3, 1, 4)
+            if cache is not None:
+                cache.image_k, cache.image_v = k, v
         y = attention(q, k, v, mask)
         return self.out(y.transpose(1, 2).reshape(b, n, w))
 
@@ -184,7 +237,9 @@ class Block(nn.Module):
     """x + attn(norm(x)), then x + mlp(norm(x)).
 
     ``x`` is [B, L, W] with an attention mask, or the kept tokens [T, W] of a padded batch with
-    their :class:`Packed` layout: everything but attention is token-wise.
+    their :class:`Packed` layout: everything but attention is token-wise; or new positions with a
+    :class:`LayerCache` of the earlier ones (generation). The cache goes through ``forward``, so
+    FSDP2 gathers the block's parameters for generation as for training.
     """
 
     def __init__(self, width: int, heads: int, mlp_ratio: float = 4.0, act: str = "gelu", eps: float = 1e-5):
@@ -194,7 +249,7 @@ class Block(nn.Module):
         self.norm2 = LayerNorm(width, eps=eps)
         self.mlp = MLP(width, mlp_width(width, mlp_ratio), act)
 
-    def forward(self, x: torch.Tensor, mask: torch.Tensor | Packed | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, mask: "torch.Tensor | Packed | LayerCache | None" = None) -> torch.Tensor:
         x = x + self.attn(self.norm1(x), mask)
         return x + self.mlp(self.norm2(x))
 

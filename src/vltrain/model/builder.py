@@ -1,7 +1,8 @@
 """``build_model``: a ``ModelConfig`` (preset, overrides, objectives) to a ``VLModel``.
 
 Which parts a model has is decided here and only here: a fusion encoder when the preset has one and
-ITM or MLM is on, an ITM or MLM head when its weight is > 0, a SigLIP bias when SigLIP is on. The
+ITM or MLM is on, an ITM or MLM head when its weight is > 0, a SigLIP bias when SigLIP is on, a
+captioning decoder when the preset has one and the caption loss is on. The
 objectives (:mod:`vltrain.objectives.scoring`) then run exactly the heads the model has.
 """
 
@@ -15,6 +16,7 @@ from torch import nn
 
 from vltrain.errors import ConfigError, UserError
 from vltrain.model.config import LossConfig, ModelConfig
+from vltrain.model.decoder import CaptionDecoder
 from vltrain.model.fusion import FusionEncoder
 from vltrain.model.heads import ITMHead, MIMHead, MLMHead, Projection
 from vltrain.model.model import VLModel
@@ -51,6 +53,23 @@ def has_fusion(arch: Architecture, loss: LossConfig) -> bool:
     return arch.fusion is not None and (loss.itm > 0 or loss.mlm > 0)
 
 
+def has_decoder(arch: Architecture, loss: LossConfig) -> bool:
+    """Whether a model of ``arch`` trained on ``loss`` gets its captioning decoder: the architecture
+    has one and the caption loss is on."""
+    return arch.decoder is not None and loss.caption > 0
+
+
+def _check_decoder(model_cfg: ModelConfig, arch: Architecture) -> None:
+    """A decoder reads the text tower's tokens as a language model: they must not see ahead."""
+    if model_cfg.text.hf_path:
+        raise ConfigError("model.text.hf_path: a Hugging Face encoder sees the whole caption, so a captioning "
+                          "decoder on it would read the tokens it predicts; use the preset's own text tower, or "
+                          "set model.loss.caption=0")
+    if not arch.text.causal:
+        raise ConfigError(f"{model_cfg.preset or 'model.arch'}: a captioning decoder needs a causal text tower "
+                          "(text.causal), or it would read the tokens it predicts; set model.loss.caption=0")
+
+
 def build_model(
     model_cfg: ModelConfig,
     *,
@@ -83,6 +102,10 @@ def build_model(
     vision = VisionTransformer(replace(arch.vision, image_size=image_size))
     text = _text_tower(model_cfg, arch, vocab_size, max_text_length)
     fusion = FusionEncoder(arch.fusion, text.width, vision.width) if fused else None
+    decoder = None
+    if has_decoder(arch, loss):
+        _check_decoder(model_cfg, arch)
+        decoder = CaptionDecoder(arch.decoder, text.width, vision.width, vocab_size, text.token_embedding)
     embed_dim = model_cfg.embed_dim or arch.embed_dim
     image_proj = Projection(vision.width, embed_dim, arch.image_proj)
     text_proj = Projection(text.width, embed_dim, arch.text_proj)
@@ -99,6 +122,7 @@ def build_model(
         mlm_head=MLMHead(text.width, text.token_embedding) if fused and loss.mlm > 0 else None,
         text_mlm_head=MLMHead(text.width, text.token_embedding) if loss.text_mlm > 0 else None,
         mim_head=MIMHead(vision.width, arch.vision.patch_size) if loss.image_mim > 0 else None,
+        decoder=decoder,
         vocab_size=vocab_size,
         pad_id=pad_id,
         mask_id=mask_id,

@@ -98,6 +98,12 @@ class LossConfig(Settings):
     """image_mim on image-text rows too (by default only image-only rows)."""
     mim_ratio: float = 0.6
     """The share of an image's patches image_mim masks."""
+    caption: float = 2.0
+    """Weight of the captioning loss (presets with a decoder: tiny-coca, coca-vit-b32; ignored
+    without one; 0: no decoder): next-token cross-entropy of the decoder reading the image tokens,
+    on image-text rows, and as a plain language model on text-only rows. 2: OpenCLIP's CoCa default."""
+    caption_label_smoothing: float = 0.0
+    """Label smoothing of the captioning loss, in [0, 1)."""
     distill: float = 0.0
     """Weight of distillation from model.teacher (OpenCLIP's DistillClipLoss): the cross-entropy of the
     student's image-to-text and text-to-image softmaxes over the global batch against the teacher's."""
@@ -106,7 +112,7 @@ class LossConfig(Settings):
     cross-entropy against the teacher's probability of a match (vltrain.objectives.distill)."""
 
     def validate(self) -> None:
-        for name in ("itc", "siglip", "itm", "mlm", "text_mlm", "image_mim", "distill", "distill_sigmoid"):
+        for name in ("itc", "siglip", "itm", "mlm", "text_mlm", "image_mim", "caption", "distill", "distill_sigmoid"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"model.loss.{name} must be >= 0, got {getattr(self, name)}")
         if self.itc == 0 and self.siglip == 0 and self.distill == 0 and self.distill_sigmoid == 0:
@@ -123,6 +129,8 @@ class LossConfig(Settings):
             raise ConfigError(f"model.loss.itm_group_size must be >= 0 (0: automatic), got {self.itm_group_size}")
         if not 0 < self.mim_ratio < 1:
             raise ConfigError(f"model.loss.mim_ratio must be in (0, 1), got {self.mim_ratio}")
+        if not 0 <= self.caption_label_smoothing < 1:
+            raise ConfigError(f"model.loss.caption_label_smoothing must be in [0, 1), got {self.caption_label_smoothing}")
         if not 0 < self.mlm_probability < 1:
             raise ConfigError(f"model.loss.mlm_probability must be in (0, 1), got {self.mlm_probability}")
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from vltrain.model.decoder import CaptionDecoder, DecoderCache
 from vltrain.model.fusion import FusionEncoder
 from vltrain.model.heads import ITMHead, MIMHead, MLMHead, Projection
 from vltrain.model.weight_decay import default_no_weight_decay
@@ -27,8 +28,8 @@ from vltrain.types import Encoded, ModelInputs, ModelSpec, Tokens
 
 class VLModel(nn.Module):
     """Vision and text towers with projections to a shared space, a learnable temperature (and SigLIP
-    bias), and, for fusion models, a fusion encoder with ITM and MLM heads; built by ``build_model``,
-    which decides which heads exist."""
+    bias), for fusion models a fusion encoder with ITM and MLM heads, and for captioning models a
+    decoder over the text tower's tokens; built by ``build_model``, which decides which parts exist."""
 
     def __init__(
         self,
@@ -44,6 +45,7 @@ class VLModel(nn.Module):
         mlm_head: MLMHead | None = None,
         text_mlm_head: MLMHead | None = None,
         mim_head: MIMHead | None = None,
+        decoder: CaptionDecoder | None = None,
         vocab_size: int,
         pad_id: int,
         mask_id: int | None = None,
@@ -62,11 +64,17 @@ class VLModel(nn.Module):
         self.mlm_head = mlm_head
         self.text_mlm_head = text_mlm_head
         self.mim_head = mim_head
+        self.decoder = decoder
         self.embed_dim = image_proj.embed_dim
         self.vocab_size, self.pad_id, self.mask_id = vocab_size, pad_id, mask_id
         self.max_text_length = max_text_length
 
     # -- encoding -----------------------------------------------------------------------------
+
+    @property
+    def reads_tokens(self) -> bool:
+        """Whether a part reads the towers' tokens (the fusion encoder, the decoder): ``encode`` keeps them."""
+        return self.fusion is not None or self.decoder is not None
 
     def _vision(self, pixels: torch.Tensor, grids: torch.Tensor | None = None, keep: torch.Tensor | None = None
                 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
@@ -86,7 +94,7 @@ class VLModel(nn.Module):
         anchor = 0.0 * (tokens.values.float().mean() + embeds.float().mean())
         has = inputs.has_image
         embeds = torch.where(has[:, None], embeds, torch.zeros_like(embeds))
-        if self.fusion is None:
+        if not self.reads_tokens:
             return None, None, embeds, anchor
         first = torch.zeros_like(tokens.real)
         first[:, 0] = True
@@ -120,7 +128,7 @@ class VLModel(nn.Module):
             rows = (None if x is None else x.index_select(0, index) for x in inputs)
             tokens, real, embeds = fn(*(dummy if n == 0 else rows))
         anchor = 0.0 * (tokens.float().mean() + embeds.float().mean())
-        if self.fusion is None:
+        if not self.reads_tokens:
             tokens = real = None
         if n == b:
             return tokens, real, embeds, anchor
@@ -178,7 +186,8 @@ class VLModel(nn.Module):
     @property
     def spec(self) -> ModelSpec:
         """What the objectives know of this model: its heads, vocabulary and patches."""
-        heads = {"itm": self.itm_head, "mlm": self.mlm_head, "text_mlm": self.text_mlm_head, "image_mim": self.mim_head}
+        heads = {"itm": self.itm_head, "mlm": self.mlm_head, "text_mlm": self.text_mlm_head, "image_mim": self.mim_head,
+                 "caption": self.decoder}
         return ModelSpec(frozenset(k for k, head in heads.items() if head is not None), self.vocab_size, self.pad_id,
                          self.mask_id, self.vision.cfg.patch_size, self.vision.cfg.num_patches)
 
@@ -190,6 +199,37 @@ class VLModel(nn.Module):
         """[B, L, V] MLM logits: the (masked) captions re-encoded by the text tower and fused with their images."""
         tokens = self.text_tokens(input_ids, attention_mask)
         return self.mlm_head(self.fuse(tokens, attention_mask, image_tokens))
+
+    def caption_logits(self, text_tokens: torch.Tensor, attention_mask: torch.Tensor, image_tokens: Tokens,
+                       has_image: torch.Tensor) -> torch.Tensor:
+        """[B, L, V] next-token logits of the decoder over the text tower's tokens, reading the real
+        image tokens in the rows that have an image (caption)."""
+        return self.decoder(text_tokens, attention_mask, image_tokens.values, image_tokens.key_mask, has_image)
+
+    # -- generation (the decoder's; vltrain.model.generate drives it) ---------------------------
+
+    def image_tokens(self, pixels: torch.Tensor, grids: torch.Tensor | None = None) -> Tokens:
+        """The vision tower's tokens of images (square, or at their own shape with ``grids``)."""
+        tokens, _ = self.vision(pixels, grids=grids)
+        return tokens
+
+    def caption_start(self, image_tokens: Tokens, has_image: torch.Tensor, prompt_ids: torch.Tensor
+                      ) -> tuple[torch.Tensor, DecoderCache]:
+        """The next-token logits [B, V] after ``prompt_ids`` [B, P] (a start token, then any
+        prompt), and the cache that generation extends one position at a time."""
+        cache = DecoderCache.empty(len(self.text.blocks), len(self.decoder.blocks), image_tokens.values,
+                                   image_tokens.key_mask, has_image)
+        return self.caption_step(prompt_ids, cache), cache
+
+    def caption_step(self, ids: torch.Tensor, cache: DecoderCache) -> torch.Tensor:
+        """The next-token logits [B, V] after the new positions ``ids`` [B, n]; ``cache`` grows by them."""
+        return self.decoder.step(self.text.step(ids, cache.text), cache)[:, -1]
+
+    def caption_next(self, ids: torch.Tensor, image_tokens: Tokens, has_image: torch.Tensor) -> torch.Tensor:
+        """The next-token logits [B, V] after ``ids`` [B, n], every position recomputed (no cache)."""
+        mask = torch.ones_like(ids)
+        tokens, _ = self.text(ids, mask)
+        return self.caption_logits(tokens, mask, image_tokens, has_image)[:, -1]
 
     def text_mlm_logits(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         """[B, L, V] MLM logits of the text tower alone (text_mlm)."""
@@ -206,7 +246,7 @@ class VLModel(nn.Module):
         return default_no_weight_decay(self)
 
     def set_activation_checkpointing(self, enabled: bool) -> None:
-        for tower in (self.vision, self.text, self.fusion):
+        for tower in (self.vision, self.text, self.fusion, self.decoder):
             if tower is None:
                 continue
             if hasattr(tower, "set_checkpointing"):
@@ -217,20 +257,23 @@ class VLModel(nn.Module):
     def blocks_for_sharding(self) -> list[nn.Module]:
         """Transformer blocks in forward order (FSDP2 shards each one separately)."""
         blocks = list(self.vision.blocks) + list(self.text.blocks)
-        return blocks + (list(self.fusion.blocks) if self.fusion is not None else [])
+        for part in (self.fusion, self.decoder):
+            blocks += list(part.blocks) if part is not None else []
+        return blocks
 
     def layer_ids(self) -> dict[str, tuple[int, int]]:
         """``name -> (layer, top)`` of every tower parameter, for layer-wise learning-rate decay.
 
         Two stacks, each counted from its own input: the vision tower; the text tower with the
-        fusion blocks on top (ALBEF's text and fusion layers are the two halves of one BERT). In a
+        fusion blocks on top (ALBEF's text and fusion layers are the two halves of one BERT), or the
+        decoder's (CoCa's unimodal and multimodal text layers). In a
         stack of n blocks, the embeddings (patch or token embedding, positions, class token, pre-norm)
         are layer 0, block i is layer i + 1, and top = n + 1 is the layer of every parameter the map
         leaves out: the towers' final norms and pooling heads (SigLIP's attention pool), the
         projections, the temperature, the heads.
         """
         layers: dict[int, tuple[int, int]] = {}
-        for stack in ((self.vision,), (self.text, self.fusion)):
+        for stack in ((self.vision,), (self.text, self.fusion, self.decoder)):
             towers = [t for t in stack if t is not None]
             top = sum(len(t.blocks) for t in towers) + 1
             offset = 0
@@ -264,6 +307,9 @@ class VLModel(nn.Module):
         if self.text_mlm_head is not None:
             w = self.text.width
             f += self.text.flops(length) + 2 * length * (w * w + w * self.vocab_size)
+        if self.decoder is not None:
+            n = self.vision.num_tokens if kept_patches is None else kept_patches + self.vision.num_prefix
+            f += self.decoder.flops(length, n, self.vocab_size)
         if self.mim_head is not None:
             f += self.vision.flops() + 2 * self.vision.num_tokens * self.vision.width * self.mim_head.decoder.out_features
         return 3.0 * f

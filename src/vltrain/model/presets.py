@@ -13,6 +13,8 @@ clip-vit-b32      ViT-B/32, text 512w/12d/8h, embed 512  49,408      77      224
 clip-vit-b16      ViT-B/16, text 512w/12d/8h, embed 512  49,408      77      224    149,620,737
 clip-vit-l14      ViT-L/14, text 768w/12d/12h, embed 768 49,408      77      224    427,616,513
 albef-base        ViT-B/16 + text 768w/6d + 6 fusion     30,522      30      256    208,945,155
+tiny-coca         tiny-clip, causal text + 2 decoder     1,000       32      48     2,112,385
+coca-vit-b32      clip-vit-b32 + 12 decoder 512w/8h      49,408      77      224    230,169,345
 ================  =====================================  ==========  ======  =====  ===========
 
 The CLIP rows have exactly OpenCLIP's layer layout (pre-norm ViT with a norm before the blocks,
@@ -21,6 +23,11 @@ its parameter counts, so results compare like with like. ``albef-base`` follows 
 12-layer ViT-B/16, a BERT-base-sized text encoder split into 6 text and 6 fusion layers, 256-d
 embeddings) with pre-norm blocks throughout; its count includes the ITM head (MLM, when enabled,
 adds a transform and a per-token bias: 30522 + 768 x 770 at the reference vocabulary).
+
+The ``coca-*`` rows add a captioning decoder (with ``model.loss.caption`` > 0, the default):
+``coca-vit-b32`` has OpenCLIP's coca_ViT-B-32 tower and decoder sizes, its decoder reading the
+vision tower's tokens directly; OpenCLIP's reads 256 tokens of an attentional pooler and pools its
+text at an appended class token, so its count (about 253M) differs.
 """
 
 from __future__ import annotations
@@ -29,6 +36,7 @@ from dataclasses import asdict, dataclass, fields
 from typing import Any, Callable
 
 from vltrain.errors import UserError
+from vltrain.model.decoder import DecoderConfig
 from vltrain.model.fusion import FusionConfig
 from vltrain.model.text import TextTowerConfig
 from vltrain.model.vision import VisionConfig
@@ -43,6 +51,8 @@ class Architecture:
     image_proj: str = "linear"
     """linear | linear_bias | none (``vltrain.model.heads.Projection``)."""
     text_proj: str = "linear"
+    decoder: DecoderConfig | None = None
+    """The captioning decoder over the (causal) text tower's tokens: CoCa's multimodal decoder."""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -50,7 +60,7 @@ class Architecture:
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "Architecture":
         """The inverse of ``to_dict`` (``model.arch``, which ``model.init`` fills in)."""
-        parts = {"vision": VisionConfig, "text": TextTowerConfig, "fusion": FusionConfig}
+        parts = {"vision": VisionConfig, "text": TextTowerConfig, "fusion": FusionConfig, "decoder": DecoderConfig}
         try:
             kw = {k: (parts[k](**v) if k in parts and v is not None else v) for k, v in d.items()}
             arch = cls(**kw)
@@ -105,6 +115,23 @@ def albef_base() -> Architecture:
     )
 
 
+def tiny_coca() -> Architecture:
+    """tiny-clip's towers with a causal text tower pooled at its last token, and a 2-block captioning
+    decoder: learns to caption the synthetic shapes on a CPU."""
+    arch = tiny_clip()
+    arch.text = TextTowerConfig(width=128, depth=3, heads=4, pooling="eos", causal=True)
+    arch.decoder = DecoderConfig(depth=2, heads=4)
+    return arch
+
+
+def coca_vit_b32() -> Architecture:
+    """OpenCLIP's coca_ViT-B-32 sizes: ViT-B/32, a 12-block causal text tower of width 512, and a
+    12-block multimodal decoder of width 512 over the image tokens."""
+    arch = clip_vit_b32()
+    arch.decoder = DecoderConfig(depth=12, heads=8)
+    return arch
+
+
 PRESETS: dict[str, Callable[[], Architecture]] = {
     "tiny-clip": tiny_clip,
     "tiny-albef": tiny_albef,
@@ -112,6 +139,8 @@ PRESETS: dict[str, Callable[[], Architecture]] = {
     "clip-vit-b16": clip_vit_b16,
     "clip-vit-l14": clip_vit_l14,
     "albef-base": albef_base,
+    "tiny-coca": tiny_coca,
+    "coca-vit-b32": coca_vit_b32,
 }
 
 

@@ -17,6 +17,7 @@ from torch import nn
 from vltrain.errors import UserError
 from vltrain.model.blocks import (
     Block,
+    LayerCache,
     LayerNorm,
     Packed,
     block_flops,
@@ -134,6 +135,16 @@ class TextTransformer(nn.Module):
         x = self.norm(run_blocks(self.blocks, x, packed, checkpointing=self.checkpointing))
         tokens = packed.unpack(x)
         return tokens, pool(tokens, attention_mask, self.cfg.pooling)
+
+    def step(self, input_ids: torch.Tensor, caches: list[LayerCache]) -> torch.Tensor:
+        """The tokens [B, n, W] of ``n`` new positions given every block's cached keys and values of
+        the positions before them, which grow by the new ones (generation; a causal tower only)."""
+        start = 0 if caches[0].k is None else caches[0].k.shape[2]
+        n = input_ids.shape[1]
+        x = in_autocast_dtype(self.token_embedding(input_ids) + self.pos_embed[start : start + n])
+        for blk, cache in zip(self.blocks, caches):
+            x = blk(x, cache)
+        return self.norm(x)
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return in_autocast_dtype(self.token_embedding(input_ids) + self.pos_embed[: input_ids.shape[1]])

@@ -232,11 +232,14 @@ def mask_tokens(
 
 
 def mlm_loss(logits: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor | None = None,
-             rows_out: list | None = None, denominator: torch.Tensor | None = None) -> torch.Tensor:
-    """Cross-entropy over picked tokens, each weighted by its row's weight; zero when none is picked.
+             rows_out: list | None = None, denominator: torch.Tensor | None = None,
+             label_smoothing: float = 0.0) -> torch.Tensor:
+    """Cross-entropy over picked tokens (labels other than -100), each weighted by its row's weight;
+    zero when none is picked: MLM's masked tokens, captioning's next tokens.
     ``rows_out`` receives each row's mean over its picked tokens (detached; 0 where none).
     ``denominator`` replaces the local weighted count of picked tokens."""
-    ce = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=-100, reduction="none")
+    ce = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=-100, reduction="none",
+                         label_smoothing=label_smoothing)
     if rows_out is not None:
         picked = (labels != -100).float()
         rows_out.append((ce.detach().view_as(picked) * picked).sum(dim=1) / picked.sum(dim=1).clamp(min=1))

@@ -50,7 +50,7 @@ from vltrain.objectives.losses import (
     siglip_loss,
 )
 from vltrain.objectives.ring import itc_loss_ring, siglip_loss_ring
-from vltrain.pixels import packed_places, patchify, unpack
+from vltrain.pixels import kept_patches, packed_places, patchify, unpack
 from vltrain.runtime.distributed import all_gather_no_grad, all_gather_with_grad, exchange_shapes, pad_to
 from vltrain.types import Encoded, ModelInputs, ModelPasses, ModelSpec, Rows, Tokens, real_patches
 
@@ -158,13 +158,14 @@ class Objectives:
 
     def __init__(self, loss: LossConfig, spec: ModelSpec, vision: VisionSettings | None = None):
         w = {"itc": loss.itc, "siglip": loss.siglip, "distill": loss.distill, "distill_sigmoid": loss.distill_sigmoid}
-        w.update({k: getattr(loss, k) for k in ("itm", "mlm", "text_mlm", "image_mim") if k in spec.heads})
+        w.update({k: getattr(loss, k) for k in ("itm", "mlm", "text_mlm", "image_mim", "caption") if k in spec.heads})
         self.loss_weights = {k: v for k, v in w.items() if v > 0}
         self.spec = spec
         self.text_mlm_paired = loss.text_mlm_paired
         self.image_mim_paired = loss.image_mim_paired
         self.mim_ratio = loss.mim_ratio
         self.mlm_probability = loss.mlm_probability
+        self.caption_label_smoothing = loss.caption_label_smoothing
         self.itm_negatives = "local" if loss.itm_negatives == "auto" else loss.itm_negatives
         self.itm_group_size = loss.itm_group_size
         """Rows per ITM group (``itm_negatives: group``); 0: the whole micro-batch."""
@@ -184,7 +185,7 @@ class Objectives:
     def averaged(self) -> list[str]:
         """The objectives that are weighted means over a step's rows, pairs, tokens or patches
         (all but the contrastive ones, which see the global batch by themselves)."""
-        return [k for k in ("itm", "mlm", "text_mlm", "image_mim") if k in self.loss_weights]
+        return [k for k in ("itm", "mlm", "text_mlm", "image_mim", "caption") if k in self.loss_weights]
 
     # -- contrastive --------------------------------------------------------------------------
 
@@ -378,6 +379,28 @@ class Objectives:
         row_losses["image_mim"] = RowLosses(_scatter(per_row[0], index, n, len(inputs)), applies)
         return loss
 
+    # -- captioning ----------------------------------------------------------------------------
+
+    @staticmethod
+    def caption_labels(inputs: ModelInputs) -> torch.Tensor:
+        """[B, L - 1] each caption's next tokens (its ids from position 1 on: position 0 is the
+        tokenizer's start token), -100 past its end and on rows without text."""
+        real = inputs.attention_mask[:, 1:].bool() & inputs.has_text[:, None]
+        return inputs.input_ids[:, 1:].masked_fill(~real, -100)
+
+    def _caption(self, passes: ModelPasses, enc: Encoded, inputs: ModelInputs, row_losses: dict[str, RowLosses]
+                 ) -> torch.Tensor:
+        """Next-token cross-entropy of the decoder on every row with text: reading its image on an
+        image-text row, as a plain language model on a text-only row. Image-only rows have nothing
+        to predict; the decoder still runs over every row, so every rank runs the same graph."""
+        labels = self.caption_labels(inputs)
+        logits = passes.caption_logits(enc.text_tokens, inputs.attention_mask, enc.image_tokens, inputs.has_image)
+        per_row: list = []
+        loss = mlm_loss(logits[:, :-1], labels, inputs.row_weights, per_row, _denominator(inputs, "caption"),
+                        self.caption_label_smoothing)
+        row_losses["caption"] = RowLosses(per_row[0], (labels != -100).any(dim=1))
+        return loss
+
     # -- a step's denominators -----------------------------------------------------------------
 
     def draw(self, inputs: ModelInputs) -> Masks:
@@ -414,7 +437,7 @@ class Objectives:
 
     def local_totals(self, micro: list[ModelInputs]) -> torch.Tensor:
         """What each of :attr:`averaged` divides by, summed over this rank's micro-batches of a step
-        ([len(averaged)] fp32): weighted ITM pairs, MLM tokens, MIM patches. The trainer sums it
+        ([len(averaged)] fp32): weighted ITM pairs, MLM tokens, MIM patches, caption tokens. The trainer sums it
         over the ranks, so every objective is a mean over the global batch, whatever the split.
         Counts the masks the micro-batches carry (:meth:`draw`), the ones they are scored with."""
         totals = []
@@ -426,8 +449,9 @@ class Objectives:
                 w = torch.ones_like(m.ids, dtype=torch.float32) if m.row_weights is None else m.row_weights.float()
                 if name == "itm":
                     total = total + self._itm_total(m, w)
-                elif name in ("mlm", "text_mlm"):
-                    _, labels = masks.mlm if name == "mlm" else masks.text_mlm
+                elif name in ("mlm", "text_mlm", "caption"):
+                    labels = self.caption_labels(m) if name == "caption" else (
+                        masks.mlm if name == "mlm" else masks.text_mlm)[1]
                     total = total + ((labels != -100).float() * w[:, None]).sum()
                 else:
                     patches = masks.image_mim.float().sum(dim=1)
@@ -465,30 +489,10 @@ class Objectives:
             losses["text_mlm"] = self._text_mlm(passes, inputs, masks, rows)
         if "image_mim" in self.loss_weights:
             losses["image_mim"] = self._image_mim(passes, inputs, masks, rows)
+        if "caption" in self.loss_weights:
+            losses["caption"] = self._caption(passes, enc, inputs, rows)
         total = anchor + sum(self.loss_weights[k] * v for k, v in losses.items())
         return ObjectiveOutput(
             total, losses, enc.image_embeds, enc.text_embeds, scale_of(passes.logit_scale).detach(), itm_logits, rows
         )
 
-
-def kept_patches(draw: torch.Tensor, real: torch.Tensor | None, fraction: float) -> torch.Tensor:
-    """The patches each row keeps under patch dropout: int64 [B, K], ascending, K = N - floor(fraction
-    * N) for ``draw`` [B, N] (uniform numbers, one per position).
-
-    Each image keeps the ``r - floor(fraction * r)`` of its ``r`` real patches (``real`` [B, N]; None:
-    all N are) with the smallest draws. An image with fewer real patches fills the rest of its K with
-    padding positions, which stay masked: there are always enough, since r - floor(fraction * r)
-    grows by at most one with r. Stable sorts: ties fall to the lower position, on any device."""
-    n = draw.shape[1]
-    width = n - math.floor(fraction * n)
-    if real is None:
-        order = torch.argsort(draw, dim=1, stable=True)
-    else:
-        count = real.sum(dim=1)
-        keeps = count - torch.floor(fraction * count.double()).long()
-        ranked = torch.where(real, draw, 2.0)
-        rank = torch.argsort(torch.argsort(ranked, dim=1, stable=True), dim=1, stable=True)
-        kept = real & (rank < keeps[:, None])
-        # kept real patches first, then padding (masked), then the dropped real ones
-        order = torch.argsort(torch.where(kept, draw, torch.where(real, 3.0, 2.0)), dim=1, stable=True)
-    return torch.sort(order[:, :width], dim=1).values

@@ -16,8 +16,9 @@ from vltrain.data.dataset import build_dataset, source_specs
 from vltrain.data.loading.loader import TrainLoader, build_eval_loader, build_train_loader
 from vltrain.data.schedule import budget
 from vltrain.data.tokenizers import Tokenizer, load_tokenizer
-from vltrain.errors import ConfigError
+from vltrain.errors import ConfigError, UserError
 from vltrain.model import VLModel, build_model, hf_tokenizer_file
+from vltrain.model.builder import has_decoder
 from vltrain.model.config import LossConfig
 from vltrain.model.interop.pretrained import Pretrained, load_pretrained, open_pretrained
 from vltrain.model.presets import Architecture
@@ -102,7 +103,8 @@ def describe_preprocessing(cfg: JobConfig, source: Pretrained) -> str:
         f"  text: tokenizer {d.tokenizer} "
         f"({'lower-cased' if load_tokenizer(d.tokenizer).lowercases() or d.text_clean == 'lower' else 'cased'}), "
         f"at most {d.max_text_length} tokens, padded {padding}",
-        f"  objective: itc {cfg.model.loss.itc:g}, siglip {cfg.model.loss.siglip:g}",
+        f"  objective: itc {cfg.model.loss.itc:g}, siglip {cfg.model.loss.siglip:g}"
+        + (f", caption {cfg.model.loss.caption:g}" if has_decoder(cfg.model.architecture(), cfg.model.loss) else ""),
     ]
     return "\n".join(lines + [f"  note: {n}" for n in source.preprocessing.notes])
 
@@ -124,6 +126,11 @@ def build_model_for(cfg: JobConfig, tokenizer: Tokenizer, device: torch.device |
         cfg.model, vocab_size=vocab_size, pad_id=tokenizer.pad_id, mask_id=tokenizer.mask_id,
         image_size=cfg.data.image_size, max_text_length=max_text_length,
     )
+    if model.decoder is not None and (tokenizer.cls_id is None or tokenizer.eos_id is None):
+        raise UserError(f"data.tokenizer {cfg.data.tokenizer}: a captioning decoder predicts each caption from its "
+                        "start token to its end token, and this tokenizer has no start ([CLS], <s>, "
+                        "<|startoftext|>) or no end token ([SEP], </s>, <|endoftext|>); use one that has both, or "
+                        "set model.loss.caption=0")
     if cfg.model.init and load_init:
         source = open_pretrained(cfg.model.init, quick_gelu=cfg.model.quick_gelu)
         source.arch = arch  # the resolved one (with model.preset's head counts)

@@ -38,7 +38,7 @@ def compile_towers(model: TrainableModel, backend: str = "inductor") -> None:
     modalities) marked dynamic. Fixed batching with one modality keeps every shape static.
     The model code outside the towers (picking each tower's rows, the losses) stays eager.
     """
-    for tower in (model.vision, model.text, model.fusion):
+    for tower in (model.vision, model.text, model.fusion, getattr(model, "decoder", None)):
         if tower is not None:
             tower.compile(backend=backend)
 

@@ -13,7 +13,9 @@ so every pass that leads to a backward goes through ``Task.forward``, named by i
 - ``task("replay", inputs, cache, i, encode_rng)``: gradient caching's second pass
   over micro-batch ``i`` (see :mod:`vltrain.train.step`);
 - ``task("itm", text_tokens, attention_mask, image_tokens)``: ITM logits [B, 2] of fused pairs
-  (evaluation's re-ranking: under FSDP2 the fusion encoder and the head are gathered only here).
+  (evaluation's re-ranking: under FSDP2 the fusion encoder and the head are gathered only here);
+- ``task("image_tokens" | "caption_start" | "caption_step" | "caption_next", ...)``: caption
+  generation's passes (:mod:`vltrain.model.generate`).
 """
 
 from __future__ import annotations
@@ -100,7 +102,13 @@ class Task(nn.Module):
             return self.replay(*args)
         if part == "itm":
             return self.itm(*args)
+        if part in self.GENERATION:
+            return getattr(self.model, part)(*args)
         raise ValueError(f"unknown task part {part!r}")
+
+    GENERATION = ("image_tokens", "caption_start", "caption_step", "caption_next")
+    """The captioning decoder's generation passes (``VLModel``'s methods of these names), through
+    ``forward`` so that FSDP2 gathers the parameters they read."""
 
     def all(self, inputs: ModelInputs) -> ObjectiveOutput:
         return self.objectives.score(self.model, self.model.encode(inputs), inputs)

@@ -1,0 +1,130 @@
+"""The captioning decoder (CoCa's multimodal text decoder): causal transformer blocks over the text
+tower's tokens that also cross-attend to the image tokens, then a norm and a map to the vocabulary.
+
+The text tower under it must be causal (``TextTowerConfig.causal``): its tokens at position ``t``
+then see the caption up to ``t`` only, and the decoder's logits at ``t`` predict token ``t + 1``.
+
+A row without an image (text-only data) reads no image: its cross-attention output is multiplied by
+zero, so the decoder is a plain causal language model on it and no image parameter is trained by
+it, while every row still runs the same modules (every rank runs the same graph). The image tokens
+come with their mask (:class:`vltrain.types.Tokens`), so images at their own shape, padded or
+packed, and patch dropout's kept tokens all work.
+
+Generation runs the text tower's blocks and the decoder's one position at a time on cached keys
+and values (:class:`DecoderCache`): each block's self-attention keys and values of the positions so
+far, and each decoder block's cross-attention keys and values of the image tokens, computed once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from vltrain.model.blocks import CrossBlock, LayerCache, LayerNorm, block_flops, key_padding_mask, run_blocks
+
+
+@dataclass
+class DecoderConfig:
+    depth: int = 12
+    heads: int = 8
+    mlp_ratio: float = 4.0
+    tied: bool = False
+    """Map to the vocabulary with the text tower's token embedding (tied) instead of a matrix of its own."""
+
+
+@dataclass
+class DecoderCache:
+    """What generation keeps between positions: the text tower's and the decoder's cached keys and
+    values (one :class:`LayerCache` per block), the image tokens until the first step has made
+    their keys and values, their mask (attention form) and the rows' gate."""
+
+    text: list[LayerCache]
+    layers: list[LayerCache]
+    image: torch.Tensor | None
+    image_mask: torch.Tensor | None
+    gate: torch.Tensor
+
+    @staticmethod
+    def empty(text_depth: int, depth: int, image: torch.Tensor, image_mask: torch.Tensor | None,
+              has_image: torch.Tensor) -> "DecoderCache":
+        mask = None if image_mask is None else image_mask[:, None, None, :]
+        return DecoderCache([LayerCache() for _ in range(text_depth)], [LayerCache() for _ in range(depth)], image,
+                            mask, has_image.to(image.dtype)[:, None, None])
+
+    def select(self, index: torch.Tensor) -> "DecoderCache":
+        """The cache of rows ``index`` (beam search keeps its best beams)."""
+        mask = None if self.image_mask is None else self.image_mask.index_select(0, index)
+        image = None if self.image is None else self.image.index_select(0, index)
+        return DecoderCache([c.select(index) for c in self.text], [c.select(index) for c in self.layers], image,
+                            mask, self.gate.index_select(0, index))
+
+
+class DecoderBlock(CrossBlock):
+    """A fusion block's layers (causal self-attention, cross-attention to the image tokens,
+    feed-forward; pre-norm residuals), with the cross-attention gated per row and a cache for
+    generation."""
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | LayerCache, image: torch.Tensor | None,
+                image_mask: torch.Tensor | None, gate: torch.Tensor) -> torch.Tensor:
+        """``gate`` [B, 1, 1]: 1 where the row has an image, 0 where its cross-attention reads none.
+        ``mask`` a :class:`LayerCache` in generation: ``x`` holds the new positions (the cache,
+        through ``forward``, so that FSDP2 gathers the block's parameters as in training)."""
+        cache = mask if isinstance(mask, LayerCache) else None
+        x = x + self.attn(self.norm1(x), mask)
+        x = x + gate * self.cross(self.norm2(x), image, image_mask, cache)
+        return x + self.mlp(self.norm3(x))
+
+
+class CaptionDecoder(nn.Module):
+    """The multimodal text decoder: ``depth`` :class:`DecoderBlock` over the text tower's tokens,
+    a norm, and the map to the vocabulary (its own, or the token embedding when ``tied``)."""
+
+    def __init__(self, cfg: DecoderConfig, width: int, image_width: int, vocab_size: int,
+                 embedding: nn.Embedding | None = None):
+        super().__init__()
+        self.cfg = cfg
+        self.width = width
+        self.image_width = image_width
+        self.blocks = nn.ModuleList(DecoderBlock(width, cfg.heads, image_width, cfg.mlp_ratio)
+                                    for _ in range(cfg.depth))
+        self.norm = LayerNorm(width)
+        if cfg.tied:
+            if embedding is None or embedding.embedding_dim != width:
+                raise ValueError("a tied decoder needs the text tower's token embedding, of the decoder's width")
+            self.embedding = [embedding]  # a list: the tied weight is registered once, in the text tower
+            self.head = None
+        else:
+            self.head = nn.Linear(width, vocab_size, bias=False)
+            nn.init.normal_(self.head.weight, std=width**-0.5)
+        self.checkpointing = False
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.norm(x)
+        return self.head(x) if self.head is not None else F.linear(x, self.embedding[0].weight)
+
+    def forward(self, text_tokens: torch.Tensor, attention_mask: torch.Tensor, image_tokens: torch.Tensor,
+                image_mask: torch.Tensor | None, has_image: torch.Tensor) -> torch.Tensor:
+        """[B, L, V] next-token logits of captions [B, L, W] (the causal text tower's tokens) reading
+        ``image_tokens`` [B, M, Wv] (``image_mask`` [B, M] bool: the real ones; None: all), except in
+        the rows where ``has_image`` is false."""
+        mask = key_padding_mask(attention_mask, causal=True)
+        cross = None if image_mask is None else image_mask[:, None, None, :]
+        gate = has_image.to(text_tokens.dtype)[:, None, None]
+        x = run_blocks(self.blocks, text_tokens, mask, image_tokens, cross, gate, checkpointing=self.checkpointing)
+        return self.logits(x)
+
+    def step(self, text_tokens: torch.Tensor, cache: DecoderCache) -> torch.Tensor:
+        """[B, n, V] logits of the new positions' text tokens [B, n, W], given ``cache`` (which grows)."""
+        x, gate = text_tokens, cache.gate.to(text_tokens.dtype)
+        for blk, layer in zip(self.blocks, cache.layers):
+            x = blk(x, layer, cache.image, cache.image_mask, gate)
+        cache.image = None  # its keys and values are cached now
+        return self.logits(x)
+
+    def flops(self, length: int, image_tokens: int, vocab_size: int) -> float:
+        c = self.cfg
+        blocks = c.depth * block_flops(length, self.width, c.mlp_ratio, image_tokens, self.image_width)
+        return blocks + 2.0 * length * self.width * vocab_size

@@ -1,0 +1,186 @@
+"""The captioning decoder (tiny-coca): causal, reads no image on text-only rows, trained by the
+caption objective on the rows with text; generation with and without the cache."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from kits.modelkit import MASK, PAD, VOCAB, make_batch, small_model, small_task
+
+from vltrain.errors import ConfigError, UserError
+from vltrain.model import build_model
+from vltrain.model.config import ModelConfig
+from vltrain.model.generate import Decoding, direct, generate
+from vltrain.objectives.scoring import Objectives
+from vltrain.types import Tokens
+
+START, END = 2, 3
+ALL = torch.ones(4, dtype=torch.bool)
+
+
+def _logits(model, batch, has_image=None):
+    enc = model.encode(batch)
+    has = batch.has_image if has_image is None else has_image
+    return model.caption_logits(enc.text_tokens, batch.attention_mask, enc.image_tokens, has)
+
+
+def test_the_preset_builds_a_decoder_only_with_the_caption_loss_on():
+    assert small_model("tiny-coca").decoder is not None
+    assert small_model("tiny-coca", caption=0).decoder is None
+    assert small_model("tiny-clip").decoder is None  # no preset decoder: the weight is ignored
+    assert "caption" in small_model("tiny-coca").spec.heads
+
+
+def test_a_position_reads_no_later_token():
+    model = small_model("tiny-coca")
+    batch = make_batch(4, seed=1)
+    batch.attention_mask[:] = 1
+    before = _logits(model, batch)
+    batch.input_ids[:, 5:] = (batch.input_ids[:, 5:] + 7) % VOCAB
+    after = _logits(model, batch)
+    assert torch.allclose(before[:, :5], after[:, :5], atol=1e-6)
+    assert not torch.allclose(before[:, 5:], after[:, 5:], atol=1e-3)
+
+
+def test_a_text_only_row_reads_no_image_and_trains_none_of_the_vision_tower():
+    model = small_model("tiny-coca")
+    batch = make_batch(4, seed=2, has_image=[True, False, True, False])
+    first = _logits(model, batch)
+    batch.pixels = torch.randn_like(batch.pixels)
+    second = _logits(model, batch)
+    assert torch.equal(first[1], second[1]) and torch.equal(first[3], second[3])
+    assert not torch.allclose(first[0], second[0], atol=1e-4)
+    task = small_task("tiny-coca", itc=0, siglip=1)
+    text_only = make_batch(4, seed=3, has_image=[False] * 4)
+    task.objectives.loss_weights = {"caption": 1.0}  # the caption loss alone
+    task("all", text_only).loss.backward()
+    vision = [p.grad for p in task.model.vision.parameters()]
+    assert all(g is not None and not g.any() for g in vision)
+    assert any(p.grad.any() for p in task.model.decoder.parameters())
+
+
+def test_the_caption_loss_predicts_each_next_token_of_the_rows_with_text():
+    task = small_task("tiny-coca")
+    batch = make_batch(4, seed=4, has_image=[True, True, False, True], has_text=[True, True, True, False])
+    labels = Objectives.caption_labels(batch)
+    assert torch.equal(labels[0, : batch.attention_mask[0].sum() - 1], batch.input_ids[0, 1: batch.attention_mask[0].sum()])
+    assert (labels[3] == -100).all()  # image-only: nothing to predict
+    out = task("all", batch)
+    logits = _logits(task.model, batch)[:, :-1]
+    picked = labels != -100
+    expected = torch.nn.functional.cross_entropy(logits[picked], labels[picked])
+    assert torch.allclose(out.losses["caption"], expected, atol=1e-6)
+    assert out.rows["caption"].applies.tolist() == [True, True, True, False]
+
+
+def test_label_smoothing_raises_the_loss_of_a_confident_model():
+    plain = small_task("tiny-coca")
+    smooth = small_task("tiny-coca", caption_label_smoothing=0.1)
+    batch = make_batch(4, seed=5)
+    assert not torch.equal(plain("all", batch).losses["caption"], smooth("all", batch).losses["caption"])
+
+
+def _images(model, n=4, seed=0) -> Tokens:
+    with torch.no_grad():
+        return model.image_tokens(make_batch(n, seed=seed).pixels)
+
+
+@pytest.mark.parametrize("decoding", [Decoding(8), Decoding(8, beam=3), Decoding(8, top_p=0.9, seed=1)],
+                         ids=["greedy", "beam3", "top-p"])
+def test_generation_with_the_cache_equals_generation_without_it(decoding):
+    model = small_model("tiny-coca").eval()
+    tokens = _images(model)
+    cached = generate(direct(model), tokens, [START], END, PAD, decoding)
+    again = generate(direct(model), tokens, [START], END, PAD, decoding)
+    plain = generate(direct(model), tokens, [START], END, PAD, Decoding(**{**vars(decoding), "cache": False}))
+    assert cached == plain == again
+    assert all(row[0] == START and 1 < len(row) <= 8 for row in cached)
+
+
+def test_cached_logits_equal_recomputed_ones_at_every_position():
+    model = small_model("tiny-coca").eval()
+    tokens = _images(model)
+    ids = torch.randint(4, VOCAB, (4, 7))
+    ids[:, 0] = START
+    with torch.no_grad():
+        logits, cache = model.caption_start(tokens, ALL, ids[:, :3])  # a three-token prompt at once
+        assert torch.allclose(logits, model.caption_next(ids[:, :3], tokens, ALL), atol=1e-5)
+        for t in range(3, 7):
+            logits = model.caption_step(ids[:, t: t + 1], cache)
+            assert torch.allclose(logits, model.caption_next(ids[:, : t + 1], tokens, ALL), atol=1e-5)
+
+
+def test_an_image_gets_the_same_caption_alone_or_in_a_batch():
+    model = small_model("tiny-coca").eval()
+    tokens = _images(model)
+    for decoding in (Decoding(8), Decoding(8, beam=2), Decoding(8, top_p=0.8, seed=3)):
+        together = generate(direct(model), tokens, [START], END, PAD, decoding, index=torch.arange(4))
+        alone = [generate(direct(model), tokens[i: i + 1], [START], END, PAD, decoding, index=torch.tensor([i]))[0]
+                 for i in range(4)]
+        assert together == alone
+
+
+def test_a_tiny_top_p_keeps_only_the_most_likely_token():
+    model = small_model("tiny-coca").eval()
+    tokens = _images(model)
+    greedy = generate(direct(model), tokens, [START], END, PAD, Decoding(8))
+    assert generate(direct(model), tokens, [START], END, PAD, Decoding(8, top_p=1e-6, seed=5)) == greedy
+
+
+def test_beam_search_finds_a_caption_at_least_as_likely_as_greedy():
+    """With no length normalization, the best beam's log-probability is at least greedy's."""
+    model = small_model("tiny-coca").eval()
+    tokens = _images(model, n=3, seed=7)
+    greedy = generate(direct(model), tokens, [START], END, PAD, Decoding(6))
+    beam = generate(direct(model), tokens, [START], END, PAD, Decoding(6, beam=4, length_penalty=0.0))
+
+    def logp(row, i):
+        ids = torch.tensor(row)[None]
+        with torch.no_grad():
+            total = 0.0
+            for t in range(1, len(row)):
+                lp = model.caption_next(ids[:, :t], tokens[i: i + 1], ALL[:1]).log_softmax(-1)
+                total += float(lp[0, row[t]])
+        return total
+
+    assert all(logp(b, i) >= logp(g, i) - 1e-4 for i, (b, g) in enumerate(zip(beam, greedy)))
+
+
+def test_bad_decoding_settings_are_refused_in_one_line():
+    with pytest.raises(UserError, match="--beam must be >= 1"):
+        Decoding(8, beam=0).check(1, 8)
+    with pytest.raises(UserError, match="prompt takes 8 tokens .* context is 8: shorten the prompt"):
+        Decoding(8).check(8, 8)
+    with pytest.raises(UserError, match="prompt takes 5 tokens .* none of --max-length 5 .* \\(up to 8\\)"):
+        Decoding(5).check(5, 8)
+    with pytest.raises(UserError, match="--max-length 40 exceeds the model's text context of 8"):
+        Decoding(40).check(1, 8)
+    with pytest.raises(UserError, match="does not combine with --beam"):
+        Decoding(8, beam=2, top_p=0.5).check(1, 8)
+
+
+def test_a_decoder_over_a_text_tower_that_sees_ahead_is_refused():
+    cfg = ModelConfig(preset="", arch=_arch(causal=False))
+    with pytest.raises(ConfigError, match="needs a causal text tower"):
+        build_model(cfg, vocab_size=VOCAB, pad_id=PAD, mask_id=MASK, image_size=32, max_text_length=8)
+
+
+def _arch(causal: bool) -> dict:
+    from vltrain.model.presets import tiny_coca
+
+    arch = tiny_coca()
+    arch.text.causal = causal
+    return arch.to_dict()
+
+
+def test_a_tied_decoder_reads_the_token_embedding():
+    arch = _arch(causal=True)
+    arch["decoder"]["tied"] = True
+    torch.manual_seed(0)
+    model = build_model(ModelConfig(preset="", arch=arch), vocab_size=VOCAB, pad_id=PAD, mask_id=MASK, image_size=32,
+                        max_text_length=8)
+    assert model.decoder.head is None
+    names = [n for n, _ in model.named_parameters()]
+    assert "text.token_embedding.weight" in names and not any(n.startswith("decoder.head") for n in names)
+    batch = make_batch(2, seed=6)
+    assert _logits(model, batch).shape == (2, 8, VOCAB)
