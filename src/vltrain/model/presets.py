@@ -14,6 +14,7 @@ clip-vit-b16      ViT-B/16, text 512w/12d/8h, embed 512  49,408      77      224
 clip-vit-l14      ViT-L/14, text 768w/12d/12h, embed 768 49,408      77      224    427,616,513
 albef-base        ViT-B/16 + text 768w/6d + 6 fusion     30,522      30      256    208,945,155
 tiny-coca         tiny-clip, causal text + 2 decoder     1,000       32      48     2,112,385
+tiny-coca-itm     tiny-coca + 1 fusion layer, ITM        1,000       32      48     2,377,475
 coca-vit-b32      clip-vit-b32 + 12 decoder 512w/8h      49,408      77      224    230,169,345
 ================  =====================================  ==========  ======  =====  ===========
 
@@ -124,6 +125,14 @@ def tiny_coca() -> Architecture:
     return arch
 
 
+def tiny_coca_itm() -> Architecture:
+    """tiny-coca with tiny-albef's fusion layer: ITC, ITM with hard negatives and captioning, the
+    three objectives BLIP trains, over one causal text tower."""
+    arch = tiny_coca()
+    arch.fusion = FusionConfig(depth=1, heads=4)
+    return arch
+
+
 def coca_vit_b32() -> Architecture:
     """OpenCLIP's coca_ViT-B-32 sizes: ViT-B/32, a 12-block causal text tower of width 512, and a
     12-block multimodal decoder of width 512 over the image tokens."""
@@ -140,6 +149,7 @@ PRESETS: dict[str, Callable[[], Architecture]] = {
     "clip-vit-l14": clip_vit_l14,
     "albef-base": albef_base,
     "tiny-coca": tiny_coca,
+    "tiny-coca-itm": tiny_coca_itm,
     "coca-vit-b32": coca_vit_b32,
 }
 
