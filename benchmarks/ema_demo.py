@@ -37,7 +37,7 @@ def cpu_name() -> str:
 
 def run(data: Path, run_dir: Path, steps: int, decay: float, warmup: bool) -> list[dict]:
     cmd = [sys.executable, "-m", "vltrain", "demo", "--dir", str(run_dir), "--data", str(data),
-           f"train.max_steps={steps}", f"train.ema.decay={decay}", f"train.ema.warmup={str(warmup).lower()}",
+           "model.preset=tiny-albef", f"train.max_steps={steps}", f"train.ema.decay={decay}", f"train.ema.warmup={str(warmup).lower()}",
            "metrics.curves=false"]
     env = dict(os.environ, PYTHONPATH=str(REPO / "src"))
     start = time.perf_counter()

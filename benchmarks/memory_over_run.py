@@ -55,7 +55,8 @@ def child(data: Path, steps: int, variant: str, out: Path) -> None:
     with tempfile.TemporaryDirectory() as run:
         cfg = load_config(demo_config_path(), [f"run.dir={run}", f"data.train={data / 'train.jsonl'}", "data.val=''",
                                                f"data.tokenizer={data / 'tokenizer.json'}", f"train.max_steps={steps}",
-                                               "train.log_every=100000", "eval.every=0", "train.progress=false"])
+                                               "train.log_every=100000", "eval.every=0", "train.progress=false",
+                                               "model.preset=tiny-albef"])  # the model of the recorded figures
         trainer = Trainer(cfg)  # keep_freed_memory() ran in its set-up
         if variant == "default":
             libc.mallopt(_M_MMAP_THRESHOLD, GLIBC_DEFAULT)

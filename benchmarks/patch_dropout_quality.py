@@ -41,7 +41,7 @@ def rate_of(data: Path, tokenizer: Path, *overrides: str) -> float:
 
 def demo(data: Path, run_dir: Path, steps: int, *overrides: str) -> dict:
     cmd = [sys.executable, "-m", "vltrain", "demo", "--dir", str(run_dir), "--data", str(data),
-           f"train.max_steps={steps}", f"eval.every={steps}", "metrics.curves=false", *overrides]
+           "model.preset=tiny-albef", f"train.max_steps={steps}", f"eval.every={steps}", "metrics.curves=false", *overrides]
     env = dict(os.environ, PYTHONPATH=str(REPO / "src"))
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=REPO)
     if proc.returncode:

@@ -23,6 +23,7 @@ from pathlib import Path
 from vltrain.config.job import load_config
 from vltrain.data.tools.synth import TOKENIZER_VOCAB
 from vltrain.errors import ConfigError
+from vltrain.model.builder import has_decoder
 from vltrain.runtime.world import cpu_has_bf16_matmul
 
 NUM_TRAIN, NUM_VAL, TEXT_ONLY_FRACTION = 20_000, 1_000, 0.2
@@ -57,6 +58,44 @@ def prepare_data(data: Path, num: int = NUM_TRAIN, val: int = NUM_VAL, seed: int
     if not (data / "classify" / "templates.txt").exists():
         synthesize_classify(data / "classify", CLASSIFY_PER_CLASS, seed=seed)
     return write_tokenizer(data)
+
+
+HELD_OUT_CAPTIONS = 200
+"""Held-out images the demo captions and scores (BLEU-4, CIDEr-D against the caption each was made with)."""
+
+
+def caption_set(data: Path, n: int = HELD_OUT_CAPTIONS) -> Path:
+    """The first ``n`` held-out image-text pairs as a Karpathy split file (``eval.captions`` reads it)."""
+    import json
+
+    out = data / "captions-heldout.json"
+    if not out.exists():
+        rows = [json.loads(x) for x in (data / "val.jsonl").read_text().splitlines()]
+        images = [{"filename": r["image"], "split": "test", "sentences": [{"raw": r["text"]}]}
+                  for r in rows if r.get("image") and r.get("text")][:n]
+        out.write_text(json.dumps({"images": images}))
+    return out
+
+
+def show_captions(trainer, data: Path, n: int = 4) -> list[tuple[str, str]]:
+    """(truth, greedy caption) of the first ``n`` held-out images, from the trained model."""
+    import json
+
+    from vltrain.data.loading.loader import build_eval_loader
+    from vltrain.eval.captioning import Prompt, caption_list, decode_all
+    from vltrain.eval.embedding import Encoder
+    from vltrain.eval.labeled import ImageListDataset
+    from vltrain.model.generate import Decoding
+
+    cfg = trainer.cfg
+    images = json.loads(caption_set(data).read_text())["images"][:n]
+    paths = [str(data / im["filename"]) for im in images]
+    loader = build_eval_loader(cfg.data, ImageListDataset(paths, cfg.data), rank=0, world_size=1, batch_size=n,
+                               pad_id=trainer.tokenizer.pad_id)
+    encoder = Encoder(trainer.wrapped, cfg.data, trainer.device, trainer.precision.autocast)
+    prompt = Prompt.of(trainer.tokenizer, "", cfg.data.max_text_length)
+    captions = caption_list(encoder, loader, prompt, Decoding(cfg.data.max_text_length))
+    return [(im["sentences"][0]["raw"], text) for im, text in zip(images, decode_all(trainer.tokenizer, captions))]
 
 
 def random_pairs(batch: int, image_size: int, text_length: int, vocab: int, seed: int = 0, offset: int = 0):
@@ -158,6 +197,9 @@ def run_demo(run_dir: Path, data: Path, overrides: list[str], num: int = NUM_TRA
         *overrides,
     ]
     cfg = load_config(demo_config_path(), given)
+    if has_decoder(cfg.model.architecture(), cfg.model.loss) and not cfg.eval.captions:
+        given.insert(len(given) - len(overrides), f"eval.captions=[{{name: shapes, path: '{caption_set(data)}'}}]")
+        cfg = load_config(demo_config_path(), given)
     on_cpu = cfg.train.device != "cuda" and not _cuda()
     if on_cpu and cfg.train.precision == "bf16" and not any(o.startswith("train.precision=") for o in overrides):
         if not cpu_has_bf16_matmul():

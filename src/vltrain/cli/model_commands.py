@@ -187,9 +187,21 @@ def demo(args: argparse.Namespace) -> int:
         if "zeroshot/shapes/top1" in metrics:
             print(f"zero-shot shape kind ({metrics['zeroshot/shapes/num_images']} images, {len(KINDS)} classes): "
                   f"top-1 = {metrics['zeroshot/shapes/top1']:.3f} (chance: {1 / len(KINDS):.3f})")
+        if "captions/shapes/cider" in metrics:
+            _print_captions(trainer, Path(args.data), metrics)
         print(f"run:     {run_dir}  (metrics.jsonl, eval.json, tb/ for TensorBoard)")
         print(f"curves:  {run_dir / 'curves.png'}")
     return 0
+
+
+def _print_captions(trainer, data: Path, metrics: dict) -> None:
+    """The demo's captioning: a few held-out images' captions beside the truth, and the metrics."""
+    from vltrain.demo import show_captions
+
+    print(f"captions of {metrics['captions/shapes/num_images']} held-out images (greedy): "
+          f"BLEU-4 = {metrics['captions/shapes/bleu4']:.3f}, CIDEr-D = {metrics['captions/shapes/cider']:.3f}")
+    for truth, made in show_captions(trainer, data):
+        print(f"  truth:     {truth}\n  generated: {made}")
 
 
 def evaluate(args: argparse.Namespace) -> int:
