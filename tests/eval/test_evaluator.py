@@ -65,6 +65,8 @@ def test_each_evaluation_line_says_what_it_was_measured_on():
     line = format_metrics({"i2t_r1": 0.5, "t2i_r1": 0.25, "num_pairs": 3, "zeroshot/pets/top1": 0.2,
                            "zeroshot/pets/num_images": 30})
     assert line == "i2t_r1=0.500  t2i_r1=0.250  [3 pairs]  zeroshot/pets/top1=0.200 [30 images]"
+    line = format_metrics({"captions/coco/bleu4": 0.3, "captions/coco/cider": 1.05, "captions/coco/num_images": 40})
+    assert line == "captions/coco/cider=1.050 [40 images]"
 
 
 def test_max_samples_scores_the_first_pairs_on_any_number_of_ranks(tmp_path):

@@ -184,3 +184,27 @@ def test_a_tied_decoder_reads_the_token_embedding():
     assert "text.token_embedding.weight" in names and not any(n.startswith("decoder.head") for n in names)
     batch = make_batch(2, seed=6)
     assert _logits(model, batch).shape == (2, 8, VOCAB)
+
+
+def test_an_image_at_its_own_shape_reads_only_its_real_tokens():
+    """Native shape: an image padded to a longer batch (its mask) gets the caption it gets alone,
+    and its logits under the decoder's loss equal too."""
+    model = small_model("tiny-coca").eval()
+    p = model.vision.cfg.patch_size
+    g = torch.Generator().manual_seed(0)
+    grids = torch.tensor([[2, 3], [3, 3]])
+    pixels = torch.randn(2, 9, 3 * p * p, generator=g)
+    pixels[0, 6:] = 0  # the first image has 6 patches; the batch pads it to 9
+    with torch.no_grad():
+        both = model.image_tokens(pixels, grids)
+        alone = model.image_tokens(pixels[:1, :6], grids[:1])
+    assert both.real is not None and not both.real[0].all()
+    for decoding in (Decoding(8), Decoding(8, beam=3)):
+        assert (generate(direct(model), both, [START], END, PAD, decoding)[0]
+                == generate(direct(model), alone, [START], END, PAD, decoding)[0])
+    ids = torch.randint(4, VOCAB, (1, 6))
+    ids[:, 0] = START
+    with torch.no_grad():
+        padded = model.caption_next(ids, both[:1], ALL[:1])
+        own = model.caption_next(ids, alone, ALL[:1])
+    assert torch.allclose(padded, own, atol=1e-5)
