@@ -65,11 +65,11 @@ def test_captions_are_the_same_on_one_and_two_ranks_with_and_without_the_cache(c
     greedy = captions_of(vltrain("caption", str(run_dir), "--images", *images, "--batch-size", "2"))
     assert [line.split("\t")[0] for line in greedy] == images
     assert captions_of(vltrain("caption", str(run_dir), "--images", *images, "--no-cache")) == greedy
-    for search in (["--beam", "3"], ["--top-p", "0.9", "--seed", "4"]):
-        one = captions_of(vltrain("caption", str(run_dir), "--images", *images, "--batch-size", "2", *search))
-        two = captions_of(vltrain("caption", str(run_dir), "--images", *images, "--batch-size", "3", *search,
-                                  nproc=2))
-        assert one == two, search
+    # beam 3 on two ranks of other batches (top-p's per-image seeds: tests/model/test_decoder.py)
+    beam = ["--beam", "3"]
+    one = captions_of(vltrain("caption", str(run_dir), "--images", *images, "--batch-size", "2", *beam))
+    two = captions_of(vltrain("caption", str(run_dir), "--images", *images, "--batch-size", "3", *beam, nproc=2))
+    assert one == two
 
 
 def test_eval_captions_scores_the_captions_caption_writes(coca, tmp_path):

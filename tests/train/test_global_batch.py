@@ -61,11 +61,12 @@ dropout in steps 1 to 10, so the fusion encoder reads only kept image tokens, th
 the resume below (from step 8) crosses the switch."""
 UNIMODAL = {"model__loss__text_mlm": 0.3, "model__loss__image_mim": 0.3, "model__vision__patch_dropout": 0.25}
 """What text-only and image-only rows train: keyed MLM and MIM masks, means over the step; with
-patch dropout on every step (MIM's own pass keeps every position)."""
+patch dropout on every step (MIM's own pass keeps every position). Trained with the EMA case."""
 BUDGET = {"data__batching": "budget"}
 """Budget steps: 3 to 12 rows under 96 text positions and 12 images per step (the defaults)."""
-EMA = {"train__ema__decay": 0.8, "train__ema__warmup": "true"}
-"""ITC with the weight EMA: the averages agree on every split, and after the resume on 1 rank."""
+EMA = {"train__ema__decay": 0.8, "train__ema__warmup": "true", **UNIMODAL}
+"""ITC with the weight EMA and the unimodal objectives: the averages agree on every split, and after
+the resume on 1 rank."""
 TEACHER = "hf-clip-teacher"
 DISTILL = {"model__loss__distill": 1, "model__loss__distill_sigmoid": 0.5, "model__teacher__path": TEACHER}
 """ITC with both distillation losses from a live teacher (a Hugging Face CLIP folder of another
@@ -74,7 +75,7 @@ CAPTION = {"model__preset": "tiny-coca", "model__loss__itc": 0, "model__loss__si
 """SigLIP with a captioning decoder (SigLIP 2's recipe starts there): next-token loss on the image-text
 rows, a plain language model on the text-only rows, nothing on the image-only rows; a mean over
 the step's caption tokens."""
-LOSSES = {"itc": EMA, "siglip": CAPTION, "fusion": FUSION, "unimodal": UNIMODAL, "budget": BUDGET, "distill": DISTILL}
+LOSSES = {"itc": EMA, "siglip": CAPTION, "fusion": FUSION, "budget": BUDGET, "distill": DISTILL}
 
 
 def teacher(root: Path) -> Path:
