@@ -106,3 +106,23 @@ def test_captioning_mistakes_get_one_line(coca, tmp_path):
         proc = finish(start(vltrain(*args)), 120)
         assert proc.returncode != 0 and said in proc.stderr, (args, proc.stderr[-2000:])
         assert "Traceback" not in proc.stderr, args
+
+
+def test_a_run_started_from_a_captioning_run_takes_its_decoder(coca, tmp_path):
+    """model.init of a vltrain run: its model section, the decoder and the caption loss included,
+    also when the config empties model.preset (the run's architecture, not a preset's)."""
+    from kits.runkit import overrides
+
+    from vltrain.config.job import load_config
+    from vltrain.errors import ConfigError
+    from vltrain.model.config import ModelConfig
+    from vltrain.train.resolve import resolve_run
+
+    shapes, _, run_dir, _ = coca
+    for preset in ([], ["model.preset=''"]):
+        given = [o for o in overrides(shapes, tmp_path / "run") if not o.startswith("model.preset=")]
+        cfg = load_config(None, [*given, *preset, f"model.init={run_dir}"])
+        resolve_run(cfg, 1)
+        assert cfg.model.preset == "tiny-coca" and cfg.model.loss.caption == 2
+    with pytest.raises(ConfigError, match="unknown preset 'nope'"):
+        ModelConfig(preset="nope").architecture()

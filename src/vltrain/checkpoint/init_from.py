@@ -34,7 +34,8 @@ def adopt_saved_model(cfg: JobConfig, found: Located) -> None:
     saved = model_config(found)
     distilling = {k: cfg.was_set(f"model.loss.{k}") for k in ("distill", "distill_sigmoid")}
     for f in dataclasses.fields(ModelConfig):
-        if f.name not in ("init", "teacher") and not cfg.was_set(f"model.{f.name}"):
+        empty_preset = f.name == "preset" and not cfg.model.preset  # '': the saved model's architecture
+        if f.name not in ("init", "teacher") and (empty_preset or not cfg.was_set(f"model.{f.name}")):
             setattr(cfg.model, f.name, getattr(saved.model, f.name))
     for key, given in distilling.items():  # the saved run's teacher was its recipe, not the model's
         if not given:

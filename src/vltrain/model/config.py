@@ -158,7 +158,12 @@ class ModelConfig(Settings):
 
     def architecture(self) -> Architecture:
         """The preset's architecture, or ``model.arch`` (the one ``model.init`` read from its checkpoint)."""
-        return Architecture.from_dict(self.arch) if self.arch else PRESETS[self.preset]()
+        if self.arch:
+            return Architecture.from_dict(self.arch)
+        if self.preset not in PRESETS:
+            raise ConfigError(f"model.preset: unknown preset {self.preset!r}; choose one of {', '.join(list_presets())}"
+                              + (" (or leave it out with model.init)" if self.init else ""))
+        return PRESETS[self.preset]()
 
     def validate(self) -> None:
         if self.preset not in list_presets() and not (self.preset == "" and (self.arch or self.init)):
