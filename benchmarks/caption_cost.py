@@ -19,11 +19,10 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import time
-from pathlib import Path
 
 import torch
+from ema_demo import cpu_name  # benchmarks/ is on sys.path
 
 from vltrain.config.job import load_config
 from vltrain.demo import demo_config_path, measure_rate
@@ -33,16 +32,6 @@ from vltrain.model.generate import Decoding, direct, generate
 
 SIZES = {"tiny-coca": dict(batch=128, image=48, length=32, vocab=1000, images=32),
          "coca-vit-b32": dict(batch=8, image=224, length=77, vocab=49408, images=8)}
-
-
-def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
 
 
 def train_rate(preset: str, caption: float, precision: str, steps: int) -> float:

@@ -22,12 +22,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+from ema_demo import cpu_name  # benchmarks/ is on sys.path
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -37,26 +38,6 @@ VARIANTS = {
     "coca-itm": ["model.preset=tiny-coca-itm"],
     "coca-nocap": ["model.preset=tiny-coca", "model.loss.itm=0", "model.loss.caption=0"],
 }
-
-
-def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
-
-
-def karpathy(data: Path, n: int) -> Path:
-    """The first ``n`` held-out pairs as a Karpathy split file."""
-    out = data / f"karpathy-{n}.json"
-    rows = [json.loads(x) for x in (data / "val.jsonl").read_text().splitlines()]
-    images = [{"filename": r["image"], "split": "test", "sentences": [{"raw": r["text"]}]}
-              for r in rows if r.get("image") and r.get("text")][:n]
-    out.write_text(json.dumps({"images": images}))
-    return out
 
 
 def run(data: Path, run_dir: Path, steps: int, variant: str, caption: float, captions: Path) -> dict:
@@ -89,12 +70,12 @@ def main() -> None:
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         data = Path(args.data or Path(tmp) / "shapes")
-        if not (data / "val.jsonl").exists():
-            sys.path.insert(0, str(REPO / "src"))
-            from vltrain.demo import prepare_data
+        sys.path.insert(0, str(REPO / "src"))
+        from vltrain.demo import caption_set, prepare_data
 
+        if not (data / "val.jsonl").exists():
             prepare_data(data)
-        captions = karpathy(data, 200)
+        captions = caption_set(data)  # the demo's 200 held-out images
         for variant in args.variants.split(","):
             rows.append(run(data, Path(tmp) / variant, args.steps, variant, args.caption, captions))
             print(f"  {variant}: done in {rows[-1]['wall_s']:.0f} s", flush=True)

@@ -81,21 +81,18 @@ def show_captions(trainer, data: Path, n: int = 4) -> list[tuple[str, str]]:
     """(truth, greedy caption) of the first ``n`` held-out images, from the trained model."""
     import json
 
-    from vltrain.data.loading.loader import build_eval_loader
-    from vltrain.eval.captioning import Prompt, caption_list, decode_all
+    from vltrain.eval.captioning import Prompt, caption_paths
     from vltrain.eval.embedding import Encoder
-    from vltrain.eval.labeled import ImageListDataset
     from vltrain.model.generate import Decoding
 
-    cfg = trainer.cfg
+    cfg, tokenizer = trainer.cfg, trainer.tokenizer
     images = json.loads(caption_set(data).read_text())["images"][:n]
     paths = [str(data / im["filename"]) for im in images]
-    loader = build_eval_loader(cfg.data, ImageListDataset(paths, cfg.data), rank=0, world_size=1, batch_size=n,
-                               pad_id=trainer.tokenizer.pad_id)
     encoder = Encoder(trainer.wrapped, cfg.data, trainer.device, trainer.precision.autocast)
-    prompt = Prompt.of(trainer.tokenizer, "", cfg.data.max_text_length)
-    captions = caption_list(encoder, loader, prompt, Decoding(cfg.data.max_text_length))
-    return [(im["sentences"][0]["raw"], text) for im, text in zip(images, decode_all(trainer.tokenizer, captions))]
+    prompt = Prompt.of(tokenizer, "", cfg.data.max_text_length)
+    texts, _ = caption_paths(encoder, tokenizer, paths, prompt, Decoding(cfg.data.max_text_length), rank=0,
+                             world_size=1, batch_size=n)
+    return [(im["sentences"][0]["raw"], text) for im, text in zip(images, texts)]
 
 
 def random_pairs(batch: int, image_size: int, text_length: int, vocab: int, seed: int = 0, offset: int = 0):

@@ -108,6 +108,16 @@ def decode_all(tokenizer: Tokenizer, captions: Captions) -> list[str]:
     return [tokenizer.decode(ids).strip() for ids in captions.ids]
 
 
+def caption_paths(encoder: Encoder, tokenizer: Tokenizer, paths: list[str], prompt: Prompt, decoding: Decoding, *,
+                  rank: int, world_size: int, batch_size: int) -> tuple[list[str], Captions]:
+    """Image files captioned (``vltrain caption``, the demo's examples): the texts in list order on
+    every rank, and what :func:`caption_list` gives."""
+    loader = build_eval_loader(encoder.data_cfg, ImageListDataset(list(paths), encoder.data_cfg), rank=rank,
+                               world_size=world_size, batch_size=batch_size, pad_id=tokenizer.pad_id)
+    captions = caption_list(encoder, loader, prompt, decoding)
+    return decode_all(tokenizer, captions), captions
+
+
 @dataclass
 class CaptionSet:
     """One caption set opened once: each image's reference captions and this rank's image loader."""
@@ -171,17 +181,15 @@ def caption_images(path: Path, images: list[str], overrides: list[str], *, beam:
         needs_decoder(opened.model, str(path))
         start = Prompt.of(opened.tokenizer, prompt, context)
         decoding.check(len(start.ids), context)
-        loader = build_eval_loader(cfg.data, ImageListDataset(list(images), cfg.data), rank=world.rank,
-                                   world_size=world.world_size, batch_size=batch_size, pad_id=opened.tokenizer.pad_id)
         encoder = Encoder(build_task(cfg, opened.model), cfg.data, world.device,
                           Precision(cfg.train.precision, world.device).autocast)
-        captions = caption_list(encoder, loader, start, decoding)
+        texts, captions = caption_paths(encoder, opened.tokenizer, images, start, decoding, rank=world.rank,
+                                        world_size=world.world_size, batch_size=batch_size)
         for image, why in captions.errors:
             log.warning(f"{image}: {why}")
         unread = captions.present.count(False)
         if unread and world.is_main:
             log.warning(f"{unread} of {len(images)} images could not be read: no caption for them")
-        texts = decode_all(opened.tokenizer, captions)
         clean = True
         return [(p, t if ok else None) for p, t, ok in zip(images, texts, captions.present)]
     finally:

@@ -14,7 +14,7 @@ so every pass that leads to a backward goes through ``Task.forward``, named by i
   over micro-batch ``i`` (see :mod:`vltrain.train.step`);
 - ``task("itm", text_tokens, attention_mask, image_tokens)``: ITM logits [B, 2] of fused pairs
   (evaluation's re-ranking: under FSDP2 the fusion encoder and the head are gathered only here);
-- ``task("image_tokens" | "caption_start" | "caption_step" | "caption_next", ...)``: caption
+- ``task("caption_start" | "caption_step" | "caption_next", ...)``: caption
   generation's passes (:mod:`vltrain.model.generate`).
 """
 
@@ -106,7 +106,7 @@ class Task(nn.Module):
             return getattr(self.model, part)(*args)
         raise ValueError(f"unknown task part {part!r}")
 
-    GENERATION = ("image_tokens", "caption_start", "caption_step", "caption_next")
+    GENERATION = ("caption_start", "caption_step", "caption_next")
     """The captioning decoder's generation passes (``VLModel``'s methods of these names), through
     ``forward`` so that FSDP2 gathers the parameters they read."""
 
