@@ -63,10 +63,18 @@ def caption(i: int, n_words: int = 4) -> str:
 
 
 def run_cli(capsys, *args: str) -> tuple[int, str, str]:
-    """``vltrain ARGS`` in this process (the cwd is the caller's); exit code, stdout, stderr."""
+    """``vltrain ARGS`` in this process (the cwd is the caller's); exit code, stdout, stderr. The
+    command sets torch's thread count for itself (``setup_world``); it is put back, so that the
+    tests after it in this process run at the suite's one thread."""
+    import torch
+
     from vltrain.cli.main import main
 
     capsys.readouterr()
-    code = main([str(a) for a in args])
+    threads = torch.get_num_threads()
+    try:
+        code = main([str(a) for a in args])
+    finally:
+        torch.set_num_threads(threads)
     out, err = capsys.readouterr()
     return code, out, err
