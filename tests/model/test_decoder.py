@@ -208,3 +208,66 @@ def test_an_image_at_its_own_shape_reads_only_its_real_tokens():
         padded = model.caption_next(ids, both[:1], ALL[:1])
         own = model.caption_next(ids, alone, ALL[:1])
     assert torch.allclose(padded, own, atol=1e-5)
+
+
+def _openclip_structure(seed: int = 0):
+    """A small model of OpenCLIP's CoCa structure: attentional pooler (9 queries, narrower than the
+    tower), text pooled at an appended class token, decoder layers with separate cross-attention."""
+    from vltrain.model.decoder import DecoderConfig
+    from vltrain.model.presets import Architecture
+    from vltrain.model.text import TextTowerConfig
+    from vltrain.model.vision import VisionConfig
+
+    arch = Architecture(
+        VisionConfig(image_size=32, patch_size=8, width=64, depth=2, heads=4, pooling="attn_pool", pool_queries=9,
+                     pool_heads=4, pool_width=48),
+        TextTowerConfig(vocab_size=VOCAB, max_length=8, width=48, depth=2, heads=4, pooling="appended", causal=True),
+        48, decoder=DecoderConfig(depth=2, heads=4, separate_cross=True))
+    torch.manual_seed(seed)
+    return build_model(ModelConfig(preset="", arch=arch.to_dict()), vocab_size=VOCAB, pad_id=PAD, mask_id=MASK,
+                       image_size=32, max_text_length=8)
+
+
+def test_openclips_structure_keeps_each_row_to_itself_and_text_only_rows_off_the_image():
+    """What the same curve on any split of a batch rests on: a row's embeddings and caption logits
+    do not depend on the other rows (the pooler, the appended class token and the decoder's image
+    blocks included), and a text-only row trains no image parameter."""
+    model = _openclip_structure()
+    batch = make_batch(6, seed=5, has_image=[True, False, True, True, False, True],
+                       has_text=[True, True, False, True, True, True])
+    enc = model.encode(batch)
+    logits = _logits(model, batch)
+    for part in (slice(0, 3), slice(3, 6)):
+        sub = make_batch(6, seed=5, has_image=[True, False, True, True, False, True],
+                         has_text=[True, True, False, True, True, True])
+        sub = type(sub)(**{k: None if v is None else v[part] for k, v in vars(sub).items()})
+        sub_enc = model.encode(sub)
+        torch.testing.assert_close(sub_enc.image_embeds, enc.image_embeds[part], atol=1e-5, rtol=0)
+        torch.testing.assert_close(sub_enc.text_embeds, enc.text_embeds[part], atol=1e-5, rtol=0)
+        torch.testing.assert_close(_logits(model, sub), logits[part], atol=1e-5, rtol=0)
+    text_only = make_batch(4, seed=3, has_image=[False] * 4)
+    _logits(model, text_only).square().mean().backward()
+    image_side = [*model.vision.parameters(), *(p for blk in model.decoder.blocks for p in blk.image.cross.kv.parameters()),
+                  *(p for blk in model.decoder.blocks for p in blk.image.norm_image.parameters())]
+    assert all(p.grad is None or not p.grad.any() for p in image_side)
+    assert all(p.grad is not None and p.grad.any() for p in model.decoder.blocks[0].text.parameters())
+
+
+def test_openclips_structure_generates_the_same_with_and_without_the_cache():
+    model = _openclip_structure().eval()
+    tokens = model.image_tokens(torch.randn(3, 3, 32, 32))
+    for beam in (1, 2):
+        cached = generate(direct(model), tokens, [START], END, PAD, Decoding(8, beam=beam))
+        recomputed = generate(direct(model), tokens, [START], END, PAD, Decoding(8, beam=beam, cache=False))
+        assert cached == recomputed and all(len(row) == 8 or row[-1] == END for row in cached)
+
+
+def test_masked_image_modelling_is_refused_over_an_attentional_pooler():
+    from vltrain.model.config import LossConfig
+    from vltrain.model.presets import PRESETS
+
+    arch = PRESETS["tiny-coca"]()
+    arch.vision = _openclip_structure().vision.cfg
+    with pytest.raises(ConfigError, match="attentional pooler's tokens are not patches"):
+        build_model(ModelConfig(preset="", arch=arch.to_dict(), loss=LossConfig(image_mim=0.3)), vocab_size=VOCAB,
+                    pad_id=PAD, mask_id=MASK, image_size=32, max_text_length=8)

@@ -12,7 +12,7 @@ from vltrain.config import job as config
     "override,message",
     [
         ("model.preset=clip-vit-b99", "clip-vit-b32"),
-        ("model.text.pooling=max", "first, eos, mean or last"),
+        ("model.text.pooling=max", "first, eos, mean, last or appended"),
         ("model.loss.itm=-1", "model.loss.itm"),
         ("model.loss.mlm_probability=1.5", "mlm_probability"),
     ],

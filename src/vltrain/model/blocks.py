@@ -259,14 +259,14 @@ class CrossBlock(nn.Module):
     residuals (the hierarchical fusion block: image features enter text features through attention,
     a residual and a layer norm)."""
 
-    def __init__(self, width: int, heads: int, image_width: int, mlp_ratio: float = 4.0):
+    def __init__(self, width: int, heads: int, image_width: int, mlp_ratio: float = 4.0, act: str = "gelu"):
         super().__init__()
         self.norm1 = LayerNorm(width)
         self.attn = SelfAttention(width, heads)
         self.norm2 = LayerNorm(width)
         self.cross = CrossAttention(width, heads, image_width)
         self.norm3 = LayerNorm(width)
-        self.mlp = MLP(width, mlp_width(width, mlp_ratio))
+        self.mlp = MLP(width, mlp_width(width, mlp_ratio), act)
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor | None, image: torch.Tensor,
                 image_mask: torch.Tensor | None = None) -> torch.Tensor:

@@ -38,6 +38,9 @@ def _text_tower(model_cfg: ModelConfig, arch: Architecture, vocab_size: int, max
         pooling = pooling or arch.text.pooling
         return TextTransformer(replace(arch.text, vocab_size=vocab_size, max_length=max_text_length, pooling=pooling,
                                        layout=model_cfg.text.layout))
+    if pooling == "appended":
+        raise ConfigError("model.text.pooling: appended (an appended class token) is for vltrain's own text tower, "
+                          "not model.text.hf_path; use first, eos or mean")
     text = HFTextEncoder(model_cfg.text.hf_path, pooling or "first", max_text_length)
     if vocab_size > text.token_embedding.num_embeddings:
         raise UserError(
@@ -70,6 +73,16 @@ def _check_decoder(model_cfg: ModelConfig, arch: Architecture) -> None:
                           "(text.causal), or it would read the tokens it predicts; set model.loss.caption=0")
 
 
+def _check_heads(arch: Architecture, loss: LossConfig, fused: bool, mask_id: int | None) -> None:
+    """The objectives' heads need what they read: a mask token for MLM, patch tokens for MIM."""
+    for key, on in (("mlm", fused and loss.mlm > 0), ("text_mlm", loss.text_mlm > 0)):
+        if on and mask_id is None:
+            raise UserError(f"model.loss.{key} > 0 needs a tokenizer with a mask token; set model.loss.{key}=0 or use one")
+    if loss.image_mim > 0 and arch.vision.pooling == "attn_pool":
+        raise ConfigError("model.loss.image_mim > 0: masked image modelling predicts each patch from its token, and "
+                          "an attentional pooler's tokens are not patches; set model.loss.image_mim=0")
+
+
 def build_model(
     model_cfg: ModelConfig,
     *,
@@ -96,9 +109,7 @@ def build_model(
         )
     loss = model_cfg.loss
     fused = has_fusion(arch, loss)
-    for key, on in (("mlm", fused and loss.mlm > 0), ("text_mlm", loss.text_mlm > 0)):
-        if on and mask_id is None:
-            raise UserError(f"model.loss.{key} > 0 needs a tokenizer with a mask token; set model.loss.{key}=0 or use one")
+    _check_heads(arch, loss, fused, mask_id)
     vision = VisionTransformer(replace(arch.vision, image_size=image_size))
     text = _text_tower(model_cfg, arch, vocab_size, max_text_length)
     fusion = FusionEncoder(arch.fusion, text.width, vision.width) if fused else None

@@ -23,7 +23,18 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from vltrain.model.blocks import CrossBlock, LayerCache, LayerNorm, block_flops, key_padding_mask, run_blocks
+from vltrain.model.blocks import (
+    MLP,
+    Block,
+    CrossAttention,
+    CrossBlock,
+    LayerCache,
+    LayerNorm,
+    block_flops,
+    key_padding_mask,
+    mlp_width,
+    run_blocks,
+)
 
 
 @dataclass
@@ -33,6 +44,13 @@ class DecoderConfig:
     mlp_ratio: float = 4.0
     tied: bool = False
     """Map to the vocabulary with the text tower's token embedding (tied) instead of a matrix of its own."""
+    act: str = "gelu"
+    """MLP activation: gelu | gelu_tanh | quick_gelu (``vltrain.model.blocks.ACTIVATIONS``)."""
+    separate_cross: bool = False
+    """Each layer two residual blocks, as OpenCLIP's CoCa decoder has them (``SplitDecoderBlock``):
+    causal self-attention with a feed-forward, then cross-attention with a feed-forward of its own
+    and a layer norm on the image tokens. False: one block of self-attention, cross-attention and
+    one feed-forward (``DecoderBlock``)."""
 
 
 @dataclass
@@ -78,6 +96,41 @@ class DecoderBlock(CrossBlock):
         return x + self.mlp(self.norm3(x))
 
 
+class ImageBlock(nn.Module):
+    """Cross-attention to the (normed) image tokens, gated per row, then a feed-forward; pre-norm
+    residuals. The second half of a :class:`SplitDecoderBlock`."""
+
+    def __init__(self, width: int, heads: int, image_width: int, mlp_ratio: float, act: str):
+        super().__init__()
+        self.norm1 = LayerNorm(width)
+        self.norm_image = LayerNorm(image_width)
+        self.cross = CrossAttention(width, heads, image_width)
+        self.norm2 = LayerNorm(width)
+        self.mlp = MLP(width, mlp_width(width, mlp_ratio), act)
+
+    def forward(self, x: torch.Tensor, image: torch.Tensor | None, image_mask: torch.Tensor | None,
+                gate: torch.Tensor, cache: LayerCache | None = None) -> torch.Tensor:
+        """``image`` None in generation once ``cache`` holds its keys and values."""
+        image = None if image is None else self.norm_image(image)
+        x = x + gate * self.cross(self.norm1(x), image, image_mask, cache)
+        return x + self.mlp(self.norm2(x))
+
+
+class SplitDecoderBlock(nn.Module):
+    """One layer of OpenCLIP's CoCa decoder: a causal self-attention :class:`Block` (its own
+    feed-forward), then an :class:`ImageBlock`. Called as :class:`DecoderBlock` is."""
+
+    def __init__(self, width: int, heads: int, image_width: int, mlp_ratio: float, act: str):
+        super().__init__()
+        self.text = Block(width, heads, mlp_ratio, act)
+        self.image = ImageBlock(width, heads, image_width, mlp_ratio, act)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | LayerCache, image: torch.Tensor | None,
+                image_mask: torch.Tensor | None, gate: torch.Tensor) -> torch.Tensor:
+        cache = mask if isinstance(mask, LayerCache) else None
+        return self.image(self.text(x, mask), image, image_mask, gate, cache)
+
+
 class CaptionDecoder(nn.Module):
     """The multimodal text decoder: ``depth`` :class:`DecoderBlock` over the text tower's tokens,
     a norm, and the map to the vocabulary (its own, or the token embedding when ``tied``)."""
@@ -88,7 +141,8 @@ class CaptionDecoder(nn.Module):
         self.cfg = cfg
         self.width = width
         self.image_width = image_width
-        self.blocks = nn.ModuleList(DecoderBlock(width, cfg.heads, image_width, cfg.mlp_ratio)
+        layer = SplitDecoderBlock if cfg.separate_cross else DecoderBlock
+        self.blocks = nn.ModuleList(layer(width, cfg.heads, image_width, cfg.mlp_ratio, cfg.act)
                                     for _ in range(cfg.depth))
         self.norm = LayerNorm(width)
         if cfg.tied:
@@ -127,4 +181,6 @@ class CaptionDecoder(nn.Module):
     def flops(self, length: int, image_tokens: int, vocab_size: int) -> float:
         c = self.cfg
         blocks = c.depth * block_flops(length, self.width, c.mlp_ratio, image_tokens, self.image_width)
+        if c.separate_cross:  # the second feed-forward
+            blocks += c.depth * 4.0 * length * self.width * mlp_width(self.width, c.mlp_ratio)
         return blocks + 2.0 * length * self.width * vocab_size

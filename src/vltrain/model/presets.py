@@ -15,7 +15,7 @@ clip-vit-l14      ViT-L/14, text 768w/12d/12h, embed 768 49,408      77      224
 albef-base        ViT-B/16 + text 768w/6d + 6 fusion     30,522      30      256    208,945,155
 tiny-coca         tiny-clip, causal text + 2 decoder     1,000       32      48     2,112,385
 tiny-coca-itm     tiny-coca + 1 fusion layer, ITM        1,000       32      48     2,377,475
-coca-vit-b32      clip-vit-b32 + 12 decoder 512w/8h      49,408      77      224    230,169,345
+coca-vit-b32      OpenCLIP's coca_ViT-B-32               49,408      76      224    253,560,065
 ================  =====================================  ==========  ======  =====  ===========
 
 The CLIP rows have exactly OpenCLIP's layer layout (pre-norm ViT with a norm before the blocks,
@@ -26,9 +26,9 @@ embeddings) with pre-norm blocks throughout; its count includes the ITM head (ML
 adds a transform and a per-token bias: 30522 + 768 x 770 at the reference vocabulary).
 
 The ``coca-*`` rows add a captioning decoder (with ``model.loss.caption`` > 0, the default):
-``coca-vit-b32`` has OpenCLIP's coca_ViT-B-32 tower and decoder sizes, its decoder reading the
-vision tower's tokens directly; OpenCLIP's reads 256 tokens of an attentional pooler and pools its
-text at an appended class token, so its count (about 253M) differs.
+``tiny-coca``'s reads the vision tower's tokens directly; ``coca-vit-b32`` is OpenCLIP's
+coca_ViT-B-32 layer for layer (its attentional pooler, appended text class token and two-block
+decoder layers), hence exactly its parameter count.
 """
 
 from __future__ import annotations
@@ -134,11 +134,13 @@ def tiny_coca_itm() -> Architecture:
 
 
 def coca_vit_b32() -> Architecture:
-    """OpenCLIP's coca_ViT-B-32 sizes: ViT-B/32, a 12-block causal text tower of width 512, and a
-    12-block multimodal decoder of width 512 over the image tokens."""
-    arch = clip_vit_b32()
-    arch.decoder = DecoderConfig(depth=12, heads=8)
-    return arch
+    """OpenCLIP's coca_ViT-B-32, layer for layer (``vltrain.model.interop.openclip_coca``): ViT-B/32
+    ending in a 256-query attentional pooler, a 12-block causal text tower of width 512 pooled at an
+    appended class token, and 12 decoder layers of width 512 with separate cross-attention blocks."""
+    vision = VisionConfig(patch_size=32, width=768, depth=12, heads=12, pooling="attn_pool", pool_queries=256,
+                          pool_heads=8, pool_width=512)
+    text = TextTowerConfig(max_length=76, width=512, depth=12, heads=8, pooling="appended", causal=True)
+    return Architecture(vision, text, 512, decoder=DecoderConfig(depth=12, heads=8, separate_cross=True))
 
 
 PRESETS: dict[str, Callable[[], Architecture]] = {

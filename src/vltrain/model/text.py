@@ -38,7 +38,9 @@ class TextTowerConfig:
     mlp_ratio: float = 4.0
     pooling: str = "eos"
     """first (token 0, e.g. [CLS]) | eos (the last non-padding token) | mean (of non-padding tokens)
-    | last (the last position, padding or not: SigLIP)."""
+    | last (the last position, padding or not: SigLIP) | appended (a learned class token appended
+    after the text padded to ``max_length``, as OpenCLIP's CoCa pools: see
+    :meth:`TextTransformer._forward_appended`)."""
     causal: bool = False
     """Causal self-attention, as in CLIP's text tower (pair it with eos pooling)."""
     act: str = "gelu"
@@ -71,7 +73,7 @@ def _mean(tokens: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
 
 _POOL = {"first": lambda tokens, attention_mask: tokens[:, 0], "eos": _eos, "mean": _mean,
          "last": lambda tokens, attention_mask: tokens[:, -1]}
-POOLINGS = tuple(_POOL)
+POOLINGS = (*_POOL, "appended")
 """The text poolings; ``model.text.pooling`` is checked against these when the config is loaded."""
 
 
@@ -111,7 +113,9 @@ class TextTransformer(nn.Module):
         self.cfg = cfg
         self.width = cfg.width
         self.token_embedding = nn.Embedding(cfg.vocab_size, cfg.width)
-        self.pos_embed = nn.Parameter(torch.randn(cfg.max_length, cfg.width) * 0.01)
+        appended = cfg.pooling == "appended"
+        self.pos_embed = nn.Parameter(torch.randn(cfg.max_length + appended, cfg.width) * 0.01)
+        self.cls_token = nn.Parameter(torch.randn(cfg.width) * 0.01) if appended else None
         self.blocks = nn.ModuleList(
             Block(cfg.width, cfg.heads, cfg.mlp_ratio, cfg.act, cfg.norm_eps) for _ in range(cfg.depth)
         )
@@ -122,6 +126,8 @@ class TextTransformer(nn.Module):
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if self.cfg.pad_to_max_length:
             return self._forward_fixed_length(input_ids, attention_mask)
+        if self.cls_token is not None:
+            return self._forward_appended(input_ids, attention_mask)
         last = self.cfg.pooling == "last"  # reads the batch's last position, padded or not
         packed = None if last else packed_tokens(attention_mask, self.cfg.layout)
         if packed is None:
@@ -144,7 +150,7 @@ class TextTransformer(nn.Module):
         x = in_autocast_dtype(self.token_embedding(input_ids) + self.pos_embed[start : start + n])
         for blk, cache in zip(self.blocks, caches):
             x = blk(x, cache)
-        return self.norm(x)
+        return x if self.cls_token is not None else self.norm(x)
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return in_autocast_dtype(self.token_embedding(input_ids) + self.pos_embed[: input_ids.shape[1]])
@@ -159,9 +165,33 @@ class TextTransformer(nn.Module):
         x = self.norm(run_blocks(self.blocks, x, None, checkpointing=self.checkpointing))
         return x[:, :n], pool(x, mask, c.pooling)
 
+    def _forward_appended(self, input_ids: torch.Tensor, attention_mask: torch.Tensor):
+        """OpenCLIP's CoCa text tower: every row padded with ``pad_id`` to ``max_length``, a class
+        token appended after it, causal attention, and the class token's output (normed) pooled. The
+        tokens come back un-normed (the decoder reads them so) at the batch's own width; causal, they
+        do not depend on the padding or the class token.
+
+        The keys follow OpenCLIP's padding mask, which is shifted by one position (open_clip 3.3,
+        ``correct_cls_mask`` False, the setting its CoCa weights were trained with): position 0 is
+        always a key, position ``j`` is one when text position ``j - 1`` is real, and the class token
+        reads itself only when the text fills ``max_length``. Real positions are those of
+        ``attention_mask``, where OpenCLIP takes every token other than ``pad_id``: the two differ
+        only where a caption holds the padding token itself."""
+        (b, n), c = input_ids.shape, self.cfg
+        ids = F.pad(torch.where(attention_mask.bool(), input_ids, c.pad_id), (0, c.max_length - n), value=c.pad_id)
+        real = F.pad(attention_mask.bool(), (0, c.max_length - n))
+        x = torch.cat([self.token_embedding(ids), self.cls_token.to(self.token_embedding.weight.dtype).expand(b, 1, -1)],
+                      dim=1)
+        x = in_autocast_dtype(x + self.pos_embed)
+        keys = torch.cat([real.new_ones(b, 1), real], dim=1)
+        causal = torch.ones(c.max_length + 1, c.max_length + 1, dtype=torch.bool, device=x.device).tril()
+        x = run_blocks(self.blocks, x, keys[:, None, None, :] & causal, checkpointing=self.checkpointing)
+        return x[:, :n], self.norm(x[:, -1])
+
     def flops(self, length: int) -> float:
         c = self.cfg
-        return c.depth * block_flops(c.max_length if c.pad_to_max_length else length, c.width, c.mlp_ratio)
+        fixed = c.max_length + (c.pooling == "appended") if c.pad_to_max_length or c.pooling == "appended" else 0
+        return c.depth * block_flops(fixed or length, c.width, c.mlp_ratio)
 
 
 def hf_tokenizer_file(hf_path: str | Path) -> Path:

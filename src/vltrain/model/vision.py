@@ -17,7 +17,7 @@ from vltrain.model.blocks import MLP, Block, LayerNorm, attention, block_flops, 
 from vltrain.pixels import packed_places, patchify, unpack
 from vltrain.types import Tokens, real_patches
 
-VISION_POOLINGS = ("cls", "mean", "map")
+VISION_POOLINGS = ("cls", "mean", "map", "attn_pool")
 
 
 @dataclass
@@ -30,7 +30,10 @@ class VisionConfig:
     mlp_ratio: float = 4.0
     pooling: str = "cls"
     """cls (the class token) | mean (of the patch tokens) | map (a learned probe attends over the
-    tokens, then a residual MLP: SigLIP's multihead attention pooling head)."""
+    tokens, then a residual MLP: SigLIP's multihead attention pooling head) | attn_pool (OpenCLIP's
+    CoCa: ``pool_queries`` learned queries attend over the blocks' tokens, then the norm; the first
+    query is the pooled vector, the others are the tokens the decoder and fusion read:
+    :class:`AttentionalPooler`)."""
     act: str = "gelu"
     """MLP activation: gelu | gelu_tanh | quick_gelu (``vltrain.model.blocks.ACTIVATIONS``)."""
     norm_eps: float = 1e-5
@@ -38,6 +41,11 @@ class VisionConfig:
     pre_norm: bool = True
     """A layer norm after the position embedding, before the blocks (CLIP's ln_pre)."""
     patch_bias: bool = False
+    pool_queries: int = 256
+    """attn_pool: the number of queries (the first pooled, the rest the tower's tokens)."""
+    pool_heads: int = 8
+    pool_width: int = 0
+    """attn_pool: the queries' width, that of the tower's output (OpenCLIP: the embedding's); 0: ``width``."""
 
     @property
     def num_patches(self) -> int:
@@ -60,7 +68,9 @@ class VisionTransformer(nn.Module):
             raise ValueError(f"vision pooling must be one of {VISION_POOLINGS} (cls needs the class token), "
                              f"got {cfg.pooling!r}")
         self.cfg = cfg
-        self.width = cfg.width
+        pooler = cfg.pooling == "attn_pool"
+        self.width = cfg.pool_width or cfg.width if pooler else cfg.width
+        """The width of the tokens and the pooled vector the tower returns."""
         self.num_prefix = int(cfg.class_token)
         self.patch_embed = nn.Conv2d(3, cfg.width, cfg.patch_size, stride=cfg.patch_size, bias=cfg.patch_bias)
         self.cls_token = nn.Parameter(torch.randn(cfg.width) * cfg.width**-0.5) if cfg.class_token else None
@@ -69,7 +79,8 @@ class VisionTransformer(nn.Module):
         self.blocks = nn.ModuleList(
             Block(cfg.width, cfg.heads, cfg.mlp_ratio, cfg.act, cfg.norm_eps) for _ in range(cfg.depth)
         )
-        self.norm = LayerNorm(cfg.width, eps=cfg.norm_eps)
+        self.pooler = AttentionalPooler(cfg, self.width) if pooler else None
+        self.norm = LayerNorm(self.width, eps=cfg.norm_eps)
         self.head = AttentionPool(cfg) if cfg.pooling == "map" else None
         self.checkpointing = False
 
@@ -106,9 +117,13 @@ class VisionTransformer(nn.Module):
         if self.norm_pre is not None:
             x = self.norm_pre(x)
         x = run_blocks(self.blocks, x, attend, checkpointing=self.checkpointing)
-        x = self.norm(x)
+        if self.pooler is None:
+            x = self.norm(x)
         if segments is not None:
             x, real = self.unpack(x, grids, segments, patch_index, image_slots if slots else None)
+        if self.pooler is not None:
+            x = self.norm(self.pooler(x, real))
+            return Tokens(x[:, 1:], None), x[:, 0]
         return Tokens(x, real), self.pool(x, real)
 
     def embed_square(self, pixels: torch.Tensor, patch_mask: torch.Tensor | None = None,
@@ -227,7 +242,11 @@ class VisionTransformer(nn.Module):
         return patch + c.depth * block_flops(tokens, c.width, c.mlp_ratio) + self._head_flops(tokens)
 
     def _head_flops(self, n: int) -> float:
-        """The attention-pool head: one query (q, out, MLP) over the ``n`` tokens' keys and values."""
+        """The attention-pool head: one query (q, out, MLP) over the ``n`` tokens' keys and values;
+        or the attentional pooler's queries (q, out) over them."""
+        if self.pooler is not None:
+            q, w = self.cfg.pool_queries, self.width
+            return 2.0 * (2 * q * w * w + 2 * n * self.cfg.width * w + 2 * q * n * w)
         if self.head is None:
             return 0.0
         c = self.cfg
@@ -294,3 +313,29 @@ def resize_positions(table: torch.Tensor, grid: int, grids: torch.Tensor, length
     weights = (wy[..., :, None] * wx[..., None, :]).flatten(2)  # [B, length, grid²]
     with torch.autocast(table.device.type, enabled=False):
         return weights.to(table.device) @ table.float()
+
+
+class AttentionalPooler(nn.Module):
+    """OpenCLIP's CoCa pooler: ``pool_queries`` learned queries (normed) attend over the normed tokens.
+    Queries of width ``width``; keys and values projected from the tower's width (``kv``, as
+    ``nn.MultiheadAttention`` with ``kdim`` does)."""
+
+    def __init__(self, cfg: VisionConfig, width: int):
+        super().__init__()
+        self.heads = cfg.pool_heads
+        self.query = nn.Parameter(torch.randn(cfg.pool_queries, width) * width**-0.5)
+        self.norm_q = LayerNorm(width, eps=cfg.norm_eps)
+        self.norm_k = LayerNorm(cfg.width, eps=cfg.norm_eps)
+        self.q = nn.Linear(width, width)
+        self.kv = nn.Linear(cfg.width, 2 * width)
+        self.out = nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor, real: torch.Tensor | None = None) -> torch.Tensor:
+        """[B, queries, width] from the tokens ``x`` [B, N, W]; ``real`` [B, N] (bool): the ones to read."""
+        b, n, _ = x.shape
+        q_count, w = self.query.shape
+        h, d = self.heads, w // self.heads
+        q = self.q(self.norm_q(self.query)).view(1, q_count, h, d).transpose(1, 2).expand(b, -1, -1, -1)
+        k, v = self.kv(self.norm_k(x)).view(b, n, 2, h, d).permute(2, 0, 3, 1, 4)
+        mask = None if real is None else real[:, None, None, :]
+        return self.out(attention(q, k, v, mask).transpose(1, 2).reshape(b, q_count, w))
