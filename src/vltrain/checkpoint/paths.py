@@ -32,6 +32,7 @@ TOKENIZER_FILE = "tokenizer.json"
 WEIGHTS_FILE = "model.safetensors"
 """An export's weights."""
 HF_CONFIG = "config.json"
+OPENCLIP_CONFIG = "open_clip_config.json"
 LATEST_FILE = "latest"
 DEFAULT_FOLDER = "checkpoints"
 _STEP_DIR = re.compile(r"^step-(\d+)$")
@@ -42,7 +43,7 @@ KINDS = {
     CHECKPOINT: f"a checkpoint (a step-N folder with {STATE_FILE}, or a checkpoints folder)",
     EXPORT: f"an exported model (vltrain export: {WEIGHTS_FILE}, {TOKENIZER_FILE}, {CONFIG_FILE})",
     HF: f"a Hugging Face CLIPModel, SiglipModel or Siglip2Model folder ({HF_CONFIG})",
-    OPENCLIP: f"an OpenCLIP checkpoint file ({', '.join(CHECKPOINT_SUFFIXES)})",
+    OPENCLIP: f"an OpenCLIP checkpoint file ({', '.join(CHECKPOINT_SUFFIXES)}) or model folder ({OPENCLIP_CONFIG})",
 }
 VLTRAIN_KINDS = (RUN, CHECKPOINT, EXPORT)
 """Kinds vltrain wrote: their config and tokenizer are saved beside the weights."""
@@ -105,6 +106,8 @@ def locate(path: str | Path, role: str = "") -> Located:
         return Located(p, EXPORT)
     if (p / HF_CONFIG).is_file() and not (p / CONFIG_FILE).is_file():
         return Located(p, HF)
+    if (p / OPENCLIP_CONFIG).is_file():
+        return Located(p, OPENCLIP)
     if (p / CONFIG_FILE).is_file():
         folder = p / load_config(p / CONFIG_FILE).checkpoint.folder
         return Located(p, RUN, _newest(folder, name))

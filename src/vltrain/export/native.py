@@ -10,7 +10,8 @@ safetensors holds tensors only, so loading an exported model runs no code from t
 folder opens like any other model (:func:`vltrain.checkpoint.opening.open_model`), for ``vltrain
 embed``, ``vltrain eval`` and ``model.init``.
 ``--format hf`` writes a Hugging Face CLIPModel / SiglipModel / Siglip2Model folder instead
-(:mod:`vltrain.export.hf`).
+(:mod:`vltrain.export.hf`), ``--format openclip`` the folder OpenCLIP opens, for CoCa models of its
+structure (:mod:`vltrain.export.openclip`).
 ``--interpolate ALPHA`` writes (1 - ALPHA) x the run's initial weights + ALPHA x the trained ones
 (WiSE-FT's weight-space ensemble; ALPHA 0 is the initial model, 1 the fine-tuned one).
 Embeddings use the training pipeline itself (``decode_image``, the tokenizer, the collator,
@@ -32,6 +33,7 @@ from vltrain.checkpoint.storage import write_weights
 from vltrain.config.job import JobConfig
 from vltrain.errors import UserError
 from vltrain.export.hf import hf_family, write_hf
+from vltrain.export.openclip import check_openclip, write_openclip
 
 log = logging.getLogger("vltrain")
 
@@ -49,6 +51,7 @@ def export_model(source: str | Path, out: str | Path, interpolate: float | None 
     opened = open_model(source, ema=ema)
     model, tokenizer, cfg, found = opened.model, opened.tokenizer, opened.cfg, opened.located
     family = hf_family(model, tokenizer, str(found.weights), cfg) if fmt == "hf" else ""
+    coca = check_openclip(model, cfg, str(found.weights)) if fmt == "openclip" else None
     metadata = {"format": "pt", "checkpoint": found.weights.name, **({"ema": "true"} if ema else {})}
     if interpolate is not None:
         interpolate_weights(model, _initial_weights_of(found), interpolate)
@@ -56,8 +59,10 @@ def export_model(source: str | Path, out: str | Path, interpolate: float | None 
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    if family:
-        for note in write_hf(model, tokenizer, cfg, out, family, metadata):
+    if family or coca is not None:
+        notes = (write_hf(model, tokenizer, cfg, out, family, metadata) if family
+                 else write_openclip(model, tokenizer, cfg, out, coca, metadata))
+        for note in notes:
             log.info("export: %s", note)
         return out
     write_weights(out / WEIGHTS_FILE, model.state_dict(), metadata)

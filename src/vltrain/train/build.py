@@ -53,7 +53,7 @@ def build_tokenizer(cfg: JobConfig) -> Tokenizer:
 
 PREPROCESSING_KEYS = ("image_size", "mean", "std", "resize", "interpolation", "max_text_length", "max_patches")
 """The ``data.*`` values ``model.init`` fills in from the checkpoint where the config sets none."""
-TEXT_CLEAN = {"openclip": "clip", "hf-siglip2": "lower"}
+TEXT_CLEAN = {"openclip": "clip", "openclip-coca": "clip", "hf-siglip2": "lower"}
 """``data.text_clean`` for checkpoints whose captions were cleaned before their tokenizer.json saw them."""
 log = logging.getLogger("vltrain")
 
@@ -74,7 +74,7 @@ def resolve_init(cfg: JobConfig) -> Pretrained | None:
             setattr(cfg.data, key, getattr(pp, key))
     if not cfg.data.tokenizer:
         if not pp.tokenizer:
-            hint = (" OpenCLIP's own: `vltrain tokenizer from-openclip --out tok.json` writes it" if source.kind == "openclip"
+            hint = (" OpenCLIP's own: `vltrain tokenizer from-openclip --out tok.json` writes it" if source.kind.startswith("openclip")
                     else "")
             raise ConfigError(f"model.init {mc.init}: no tokenizer.json beside it; set data.tokenizer to the "
                               "tokenizer the checkpoint was trained with (a tokenizer.json, e.g. from the matching "

@@ -20,6 +20,7 @@ import torch
 
 import vltrain.model.interop.hf_clip as hf_clip
 import vltrain.model.interop.openclip as openclip
+import vltrain.model.interop.openclip_coca as openclip_coca
 from vltrain.errors import UserError
 from vltrain.model.interop.convert import Link, Preprocessing, convert_in, leftover
 from vltrain.model.presets import PRESETS, Architecture
@@ -35,33 +36,44 @@ class Pretrained:
 
     path: Path
     kind: str
-    """hf-clip | hf-siglip | openclip"""
+    """hf-clip | hf-siglip | openclip | openclip-coca"""
     arch: Architecture
     preprocessing: Preprocessing
     arch_from: str
     """Where the architecture came from, for messages ("in .../config.json", "inferred from ...")."""
+    weights: Path | None = None
+    """The weights file of an OpenCLIP checkpoint (``path`` itself, or the one in its folder)."""
 
     def weights_file(self) -> Path:
-        if self.kind == "openclip":
-            return self.path
+        if self.weights is not None:
+            return self.weights
         found = next((self.path / n for n in HF_WEIGHTS if (self.path / n).is_file()), None)
         if found is None:
             raise UserError(f"{self.path} holds no weights ({', '.join(HF_WEIGHTS)}); save the model with "
                             "save_pretrained(folder)")
         return found
 
+    def prepare(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The checkpoint's tensors as the links read them."""
+        return openclip_coca.split(state, self.arch) if self.kind == "openclip-coca" else state
+
     def links(self, keys) -> list[Link]:
+        if self.kind == "openclip-coca":
+            return openclip_coca.links(self.arch)
         if self.kind == "openclip":
             return openclip.links(self.arch, keys)
         return hf_clip.links(self.arch, self.kind.removeprefix("hf-"))
 
     def ignored(self) -> tuple[str, ...]:
-        return openclip.IGNORED if self.kind == "openclip" else hf_clip.IGNORED
+        return {"openclip": openclip.IGNORED, "openclip-coca": openclip_coca.IGNORED}.get(self.kind, hf_clip.IGNORED)
 
 
 def open_pretrained(path: str | Path, preset: str = "", quick_gelu: bool = False) -> Pretrained:
     """The architecture and preprocessing of a checkpoint (``preset``: OpenCLIP's head counts)."""
     p = Path(path).expanduser()
+    config = openclip_coca.find_config(p)
+    if p.is_dir() and config is not None and not (p / "config.json").is_file():
+        return _open_openclip(openclip_coca.find_weights(p), preset, quick_gelu, config)
     if p.is_dir():
         if not (p / "config.json").is_file():
             raise UserError(f"model.init {p}: no config.json there; give a Hugging Face CLIPModel or SiglipModel "
@@ -74,13 +86,26 @@ def open_pretrained(path: str | Path, preset: str = "", quick_gelu: bool = False
         raise UserError(f"model.init {p} does not exist (give a Hugging Face folder or an OpenCLIP checkpoint file)")
     if p.suffix not in CHECKPOINT_SUFFIXES:
         raise UserError(f"model.init {p}: an OpenCLIP checkpoint ends in {', '.join(CHECKPOINT_SUFFIXES)}")
+    return _open_openclip(p, preset, quick_gelu, config)
+
+
+def _open_openclip(p: Path, preset: str, quick_gelu: bool, config: Path | None) -> Pretrained:
+    """An OpenCLIP checkpoint: CoCa from its model config, CLIP from its tensor shapes."""
     shapes = read_shapes(p)
+    if openclip_coca.MARKER in shapes:
+        if config is None:
+            raise openclip_coca.no_config(str(p))
+        model_cfg = openclip_coca.read_model_config(config, str(p))
+        arch = openclip_coca.architecture(model_cfg, str(p))
+        data = hf_clip.read_json(config) if config.name == openclip_coca.CONFIG_FILE else {}
+        pre = openclip_coca.preprocessing(p, arch, data.get("preprocess_cfg", {}) if isinstance(data, dict) else {})
+        return Pretrained(p, "openclip-coca", arch, pre, f"in {config}", weights=p)
     arch = openclip.infer(shapes, str(p), quick_gelu)
     arch_from = "inferred from its tensor shapes"
     if preset:
         arch = openclip.with_preset(arch, PRESETS[preset](), preset, str(p))
         arch_from = f"of model.preset {preset}"
-    return Pretrained(p, "openclip", arch, openclip.preprocessing(p, arch, "logit_bias" in shapes), arch_from)
+    return Pretrained(p, "openclip", arch, openclip.preprocessing(p, arch, "logit_bias" in shapes), arch_from, weights=p)
 
 
 def _torch_load(path: Path) -> dict:
@@ -144,7 +169,7 @@ def read_shapes(path: Path) -> dict[str, tuple[int, ...]]:
 def load_pretrained(model: torch.nn.Module, source: Pretrained) -> list[str]:
     """Fill ``model`` (built for ``source.arch``) from the checkpoint; returns notes for the user."""
     file = source.weights_file()
-    state = read_state_dict(file)
+    state = source.prepare(read_state_dict(file))
     links = source.links(state.keys())
     wanted = {k: tuple(v.shape) for k, v in model.state_dict().items()}
     tensors = convert_in(links, state, wanted, str(file), source.arch_from)
