@@ -5,7 +5,7 @@ Training: the trainer's own step code (``vltrain.demo.measure_rate``: forward, b
 optimizer, one warm-up step, then ``--steps`` timed) on random pairs of full caption length, for
 the same towers with ``model.loss.caption`` 0 (no decoder) and 2 (OpenCLIP's CoCa weight):
 tiny-coca at the demo's size (batch 128, 48 px, 32 tokens) and coca-vit-b32 (batch 8, 224 px,
-77 tokens).
+76 tokens).
 
 Generation: ``vltrain.model.generate`` on the same random model and images, greedy and beam 3,
 cached and not; tokens/s counts the tokens the search produced per image (its best beam), so the
@@ -31,7 +31,7 @@ from vltrain.model.config import LossConfig, ModelConfig
 from vltrain.model.generate import Decoding, direct, generate
 
 SIZES = {"tiny-coca": dict(batch=128, image=48, length=32, vocab=1000, images=32),
-         "coca-vit-b32": dict(batch=8, image=224, length=77, vocab=49408, images=8)}
+         "coca-vit-b32": dict(batch=8, image=224, length=76, vocab=49408, images=8)}
 
 
 def train_rate(preset: str, caption: float, precision: str, steps: int) -> float:
