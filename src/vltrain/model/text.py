@@ -180,8 +180,7 @@ class TextTransformer(nn.Module):
         (b, n), c = input_ids.shape, self.cfg
         ids = F.pad(torch.where(attention_mask.bool(), input_ids, c.pad_id), (0, c.max_length - n), value=c.pad_id)
         real = F.pad(attention_mask.bool(), (0, c.max_length - n))
-        x = torch.cat([self.token_embedding(ids), self.cls_token.to(self.token_embedding.weight.dtype).expand(b, 1, -1)],
-                      dim=1)
+        x = torch.cat([self.token_embedding(ids), self.cls_token.expand(b, 1, -1)], dim=1)
         x = in_autocast_dtype(x + self.pos_embed)
         keys = torch.cat([real.new_ones(b, 1), real], dim=1)
         causal = torch.ones(c.max_length + 1, c.max_length + 1, dtype=torch.bool, device=x.device).tril()
@@ -190,8 +189,11 @@ class TextTransformer(nn.Module):
 
     def flops(self, length: int) -> float:
         c = self.cfg
-        fixed = c.max_length + (c.pooling == "appended") if c.pad_to_max_length or c.pooling == "appended" else 0
-        return c.depth * block_flops(fixed or length, c.width, c.mlp_ratio)
+        if c.pooling == "appended":  # the text padded to max_length, and the class token
+            length = c.max_length + 1
+        elif c.pad_to_max_length:
+            length = c.max_length
+        return c.depth * block_flops(length, c.width, c.mlp_ratio)
 
 
 def hf_tokenizer_file(hf_path: str | Path) -> Path:

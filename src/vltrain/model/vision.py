@@ -69,8 +69,8 @@ class VisionTransformer(nn.Module):
                              f"got {cfg.pooling!r}")
         self.cfg = cfg
         pooler = cfg.pooling == "attn_pool"
-        self.width = cfg.pool_width or cfg.width if pooler else cfg.width
-        """The width of the tokens and the pooled vector the tower returns."""
+        # the width of the tokens and the pooled vector the tower returns
+        self.width = (cfg.pool_width or cfg.width) if pooler else cfg.width
         self.num_prefix = int(cfg.class_token)
         self.patch_embed = nn.Conv2d(3, cfg.width, cfg.patch_size, stride=cfg.patch_size, bias=cfg.patch_bias)
         self.cls_token = nn.Parameter(torch.randn(cfg.width) * cfg.width**-0.5) if cfg.class_token else None
