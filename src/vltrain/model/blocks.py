@@ -43,12 +43,13 @@ class LayerNorm(nn.LayerNorm):
     Under CUDA autocast ``layer_norm`` runs in fp32 and returns fp32: the residual stream then
     turns fp32 and every Linear after it casts its input back to bf16, extra passes over memory
     in every block. Here only the statistics are fp32; a bf16 stream stays bf16. Outside
-    autocast an fp32 input takes ``nn.LayerNorm``'s own path, so fp32 results are unchanged.
+    autocast an fp32 input takes ``nn.LayerNorm``'s own path, so fp32 results are unchanged, and so
+    does a float64 one (computed in fp32, its result would carry fp32's rounding).
     """
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         device = x.device.type
-        if x.dtype == torch.float32 and not torch.is_autocast_enabled(device):
+        if x.dtype in (torch.float32, torch.float64) and not torch.is_autocast_enabled(device):
             return super().forward(x)
         weight = None if self.weight is None else self.weight.float()
         bias = None if self.bias is None else self.bias.float()
