@@ -35,8 +35,10 @@ HF_ACT = {"gelu": "gelu", "gelu_tanh": "gelu_pytorch_tanh", "quick_gelu": "quick
 
 
 def architecture_of(model: VLModel) -> Architecture:
-    return Architecture(model.vision.cfg, model.text.cfg, model.embed_dim, None, model.image_proj.kind,
-                        model.text_proj.kind)
+    """The architecture of a built model, its fusion encoder and decoder included."""
+    return Architecture(model.vision.cfg, model.text.cfg, model.embed_dim,
+                        None if model.fusion is None else model.fusion.cfg, model.image_proj.kind,
+                        model.text_proj.kind, None if model.decoder is None else model.decoder.cfg)
 
 
 def _differences(arch: Architecture, family: str) -> list[str]:

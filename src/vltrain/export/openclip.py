@@ -19,18 +19,12 @@ from vltrain.checkpoint.storage import write_weights
 from vltrain.config.job import JobConfig
 from vltrain.data.tokenizers import Tokenizer
 from vltrain.errors import UserError
+from vltrain.export.hf import architecture_of
 from vltrain.model import VLModel
 from vltrain.model.interop.convert import convert_out
 from vltrain.model.presets import Architecture
 
 RESIZE_MODE = {"crop": "shortest", "squash": "squash"}
-
-
-def architecture_of(model: VLModel) -> Architecture:
-    """The architecture of a built model, decoder included."""
-    return Architecture(model.vision.cfg, model.text.cfg, model.embed_dim,
-                        None if model.fusion is None else model.fusion.cfg, model.image_proj.kind,
-                        model.text_proj.kind, None if model.decoder is None else model.decoder.cfg)
 
 
 def check_openclip(model: VLModel, cfg: JobConfig, name: str) -> Architecture:
