@@ -222,6 +222,48 @@ def test_mfu_on_a_timed_peak_never_reads_over_100_percent():
     assert sheet.read()["mfu"] > 1 and sheet.peak == 1e6
 
 
+def test_a_peak_timed_low_on_a_busy_machine_is_raised_in_the_cache(tmp_path, monkeypatch):
+    from vltrain.train import metrics
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setattr(metrics, "_CPU_PEAK", {})
+    monkeypatch.setattr(metrics, "measure_cpu_peak", lambda dtype: 50e9)  # the first run, on a busy machine
+    assert metrics.peak_flops(torch.device("cpu"), torch.float32) == 50e9
+    t = Throughput(peak=50e9, measured=True, dtype=torch.float32)
+    t.add(samples=10, data_wait_s=0.0, flops=8e9)
+    time.sleep(0.05)  # at most 160 GFLOP/s: above the kept peak
+    assert t.read()["mfu"] == pytest.approx(1.0)
+    kept = json.loads((tmp_path / "vltrain" / "cpu-peak.json").read_text())[metrics.cpu_key(torch.float32)]
+    assert kept == t.peak > 50e9
+    metrics.raise_cpu_peak(torch.float32, 1e9)  # a slower window never lowers it
+    monkeypatch.setattr(metrics, "_CPU_PEAK", {})  # the next process reads the raised one
+    assert metrics.peak_flops(torch.device("cpu"), torch.float32) == kept
+    assert metrics.PEAK_METHOD in metrics.cpu_key(torch.float32)  # peaks kept by the clock alone are timed again
+
+
+def test_the_peak_counts_the_cpu_time_its_threads_got(monkeypatch):
+    """Descheduled half the time (another process on the cores), a window's clock time is twice the
+    CPU time per thread: the rate is taken from the CPU time, not halved."""
+    from vltrain.train import metrics
+
+    class Clock:  # each read of the clock: 10 ms later, of which the threads ran half
+        wall = 0.0
+
+        def perf_counter(self):
+            self.wall += 0.01
+            return self.wall
+
+        def process_time(self):
+            return self.wall * 0.5 * torch.get_num_threads()
+
+    monkeypatch.setattr(metrics, "_CPU_PEAK", {})
+    monkeypatch.setattr(metrics, "time", Clock())
+    n, rate = 64, metrics.measure_cpu_peak(torch.float32, n=64, seconds=0.1, windows=1)
+    # about 10 matmuls in 100 ms of clock, 50 ms of CPU time per thread
+    assert rate == pytest.approx(2 * n**3 * 10 / 0.05, rel=0.15)
+    assert rate > 1.5 * 2 * n**3 * 10 / 0.1  # the clock alone reads half
+
+
 def test_cpu_memory_is_the_peak_not_the_current_size():
     import psutil
 
