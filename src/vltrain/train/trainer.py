@@ -113,8 +113,7 @@ class Trainer:
         self.best_metric, self.evals_without_improvement = None, 0
 
         # throughput: measuring the CPU's peak draws random numbers, so it comes before the resume
-        self.throughput = Throughput(peak_flops(self.device, self.precision.dtype), measured=self.device.type != "cuda",
-                                     dtype=self.precision.dtype)
+        self.throughput = Throughput(peak_flops(self.device, dtype := self.precision.dtype), self.device.type != "cuda", dtype)
         self.gpu_util = GpuUtilization(self.device)
 
         # checkpointer: collects self.stateful(); resumes last of all, so that the generators it
