@@ -112,13 +112,15 @@ class Rows:
 
 @dataclass
 class TeacherView:
-    """A micro-batch as a distillation teacher takes it: square images at its own size, normalized
+    """A micro-batch as a distillation teacher takes it: images at its own size (or shape), normalized
     with its statistics, and captions in its tokenizer's ids (zeros and padding where a row lacks a side)."""
 
     pixels: torch.Tensor
-    """float [B, 3, T, T]"""
+    """float [B, 3, T, T]; a teacher at native shape: [B, N, 3 * p * p] patches, one image per row"""
     input_ids: torch.Tensor
     attention_mask: torch.Tensor
+    grids: torch.Tensor | None = None
+    """int64 [B, 2]: a teacher at native shape, each image's rows and columns of patches (None: square)"""
 
 
 @dataclass

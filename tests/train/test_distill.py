@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from kits.pretrainedkit import make_clip
+from kits.pretrainedkit import make_clip, normalized
 import numpy as np
 from kits.multiproc import free_port
 from kits.runkit import (assert_identical, assert_resumed_exactly, final_state, finish, from_checkpoint, losses, ok,
@@ -95,6 +95,57 @@ def test_each_row_reaches_the_teacher_at_its_size_statistics_and_tokenizer(tmp_p
                                         "cannot read its caption"):
         for i in range(len(dataset)):
             dataset[i]
+
+
+def test_a_teacher_at_native_shape_embeds_each_row_as_transformers_does(tmp_path_factory, tmp_path):
+    """A SigLIP 2 (NaFlex) teacher of a square student: each image reaches it at its own shape (its patch
+    budget, its grid), one per row padded to that budget, and its embeddings are transformers' own."""
+    from kits.pretrainedkit import make_siglip2
+    from PIL import Image
+
+    shapes = session_shapes(tmp_path_factory)
+    folder = tmp_path / "siglip2-teacher"
+    hf, processor = make_siglip2(folder, max_patches=64)
+    texts = ["a red circle", "a large blue square", "a small green triangle", "a blue circle", "a red square", None]
+    sizes = [(48, 24), (20, 60), (64, 64), (30, 45), (100, 40), (16, 16)]
+    rng = np.random.RandomState(0)
+    rows = []
+    for i, ((w, h), text) in enumerate(zip(sizes, texts)):
+        Image.fromarray(rng.randint(0, 256, (h, w, 3), dtype=np.uint8)).save(tmp_path / f"{i}.png")
+        rows.append({"image": f"{i}.png", **({"text": text} if text else {})})
+    rows.append({"text": "a green circle"})  # text only
+    (tmp_path / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cfg = load_config(None, overrides(shapes, tmp_path / "run", data__train=tmp_path / "rows.jsonl", data__image_size=48,
+                                      data__shuffle="false", model__loss__distill=1, model__teacher__path=folder))
+    plan = resolve_run(cfg, 1).teacher
+    assert (plan.cfg.data.resize, plan.cfg.data.max_patches, plan.cfg.data.patch_size) == ("native", 64, 8)
+    teacher = Teacher(plan, torch.device("cpu"), contextlib.nullcontext)
+    inputs = teacher.inputs(cfg)
+    assert not inputs.data.pack_images and inputs.data.resize == "native" and cfg.data.resize == "crop"
+    student_tok = load_tokenizer(str(shapes / "tokenizer.json"))
+    dataset = build_dataset(cfg.data, "train", student_tok, tmp_path, teacher=inputs)
+    samples = [dataset[i] for i in range(len(rows))]
+    batch = Collator.for_data(student_tok.pad_id, cfg.data, teacher=inputs)(samples)
+    m = batch.to_model_inputs("cpu", cfg.data.mean, cfg.data.std, teacher=inputs)
+    assert m.pixels.shape == (7, 3, 48, 48) and m.teacher_view.pixels.shape == (7, 64, 3 * 8 * 8)
+    grids = m.teacher_view.grids
+    assert len(set(map(tuple, grids[:6].tolist()))) > 3 and grids[6].tolist() == [1, 1]  # shapes vary; none for text
+    assert all(int(g[0] * g[1]) <= 64 for g in grids)
+    embeds = teacher.embed(m)
+
+    hf_inputs = processor(images=[Image.open(tmp_path / f"{i}.png") for i in range(6)], return_tensors="pt")
+    assert hf_inputs["spatial_shapes"].tolist() == grids[:6].tolist()  # the same grid as transformers chooses
+    words = [t for t in texts if t] + ["a green circle"]
+    ids = [teacher.tokenizer.encode(t, 16)[0] for t in words]
+    ids = torch.tensor([x + [1] * (16 - len(x)) for x in ids])
+    with torch.no_grad():
+        want_images = normalized(hf.get_image_features(**hf_inputs))
+        want_texts = normalized(hf.get_text_features(input_ids=ids))
+    np.testing.assert_allclose(embeds.image[:6].numpy(), want_images, atol=1e-5, rtol=0)
+    has_text = m.has_text.numpy()
+    np.testing.assert_allclose(embeds.text[has_text].numpy(), want_texts, atol=1e-5, rtol=0)
+    assert torch.equal(embeds.image[6], torch.zeros_like(embeds.image[6]))
+    assert torch.equal(embeds.text[5], torch.zeros_like(embeds.text[5]))
 
 
 def _distil(shapes: Path, run: Path, teacher: Path, **extra):
@@ -192,3 +243,18 @@ def test_the_embedding_pass_splits_its_chunks_over_two_ranks_and_a_lost_chunk_is
     np.testing.assert_allclose(np.load(store / "image.npy").astype(np.float32), whole.astype(np.float32), atol=2e-3)
     other = cli("data", "teacher-embed", teacher, data / "train.jsonl", "--chunk-rows", "32")
     assert other.returncode != 0 and "chunks of 16); give the same settings to resume it" in other.stderr
+
+    # a rank that fails stops the pass on every rank: the other is not left waiting at a collective
+    broken = tmp_path / "no-unknown-token"
+    shutil.copytree(teacher, broken)
+    spec = json.loads((broken / "tokenizer.json").read_text())
+    spec["model"]["unk_token"] = "[NOT IN THE VOCABULARY]"
+    (broken / "tokenizer.json").write_text(json.dumps(spec))
+    rows = [{"text": "a photo of a red dog"} for _ in range(32)]
+    rows[20]["text"] = "a photo of a zebra"  # chunk 1 of 2: rank 1's
+    (tmp_path / "texts.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    args = ["-m", "vltrain", "data", "teacher-embed", str(broken), str(tmp_path / "texts.jsonl"), "--chunk-rows", "16",
+            "--batch-size", "8", "--workers", "0"]
+    failed = finish(start([*launch[:-1], str(free_port()), *args]), 120)
+    assert failed.returncode != 0
+    assert "row 20 of " in failed.stderr and "the teacher's tokenizer" in failed.stderr

@@ -33,6 +33,7 @@ class Batch:
     patch_index: torch.Tensor | None = None  # int64 [S, N], packed: which of that row's patches it is
     image_slots: torch.Tensor | None = None  # int64 [S, K], packed: the rows each sequence holds (-1: none)
     teacher_pixel_values: torch.Tensor | None = None  # uint8 [B, 3, T, T], a teacher that runs: its view
+    teacher_grids: torch.Tensor | None = None  # int64 [B, 2], a teacher at native shape: its grids (pixels [B, N, 3 * p * p])
     teacher_input_ids: torch.Tensor | None = None  # int64 [B, Lt], the captions in the teacher's tokenizer
     teacher_attention_mask: torch.Tensor | None = None  # int64 [B, Lt]
     teacher_image_embeds: torch.Tensor | None = None  # float32 [B, Dt], stored teacher embeddings
@@ -116,7 +117,7 @@ class Batch:
             return {"teacher": TeacherEmbeds(self.teacher_image_embeds, self.teacher_text_embeds, scale, bias)}
         d = teacher.data
         return {"teacher_view": TeacherView(normalize_pixels(self.teacher_pixel_values, d.mean, d.std),
-                                            self.teacher_input_ids, self.teacher_attention_mask)}
+                                            self.teacher_input_ids, self.teacher_attention_mask, self.teacher_grids)}
 
 
 def _rebuild(tensors: dict, rest: dict) -> Batch:

@@ -63,7 +63,10 @@ class Sample:
     grid: tuple[int, int] | None = None
     """The image's rows and columns of patches, at its own shape."""
     teacher_image: torch.Tensor | None = None
-    """uint8 [3, T, T]: the same decoded image as a distillation teacher that runs takes it."""
+    """uint8 [3, T, T]: the same decoded image as a distillation teacher that runs takes it; for a
+    teacher at native shape, its patches [n, 3 * p * p]."""
+    teacher_grid: tuple[int, int] | None = None
+    """A teacher at native shape: the rows and columns of its patches of the image."""
     teacher_ids: list[int] = field(default_factory=list)
     """The caption in the teacher's tokenizer (empty without text)."""
     teacher_embeds: tuple | None = None
@@ -230,7 +233,7 @@ class ImageTextDataset(torch.utils.data.Dataset):
                                                     f"row {j} of {self.sources[s].name} ({row.where})")
             return
         if data is not None:
-            sample.teacher_image, _ = decode_for(data, t.data)
+            sample.teacher_image, sample.teacher_grid = decode_for(data, t.data)
         if row.text is not None:
             try:
                 sample.teacher_ids = t.tokenizer.encode(row.text, t.data.max_text_length)[0]

@@ -206,12 +206,15 @@ class TeacherInputs:
 
 def teacher_data(student: "DataConfig", teacher: "DataConfig") -> "DataConfig":
     """The data section a teacher reads the student's rows with: the student's sources and decoding
-    limits, the teacher's image size, resize, interpolation, statistics, text length and cleaning."""
+    limits, the teacher's image size, resize, interpolation, statistics, text length and cleaning, and
+    for a teacher at native shape its patch budget and patch side. Its images are never packed: one
+    per row, padded to its ``max_patches``."""
     import copy
 
     out = copy.deepcopy(student)
     object.__setattr__(out, "_frozen", False)
-    for key in ("image_size", "resize", "interpolation", "mean", "std", "max_text_length", "text_clean", "tokenizer"):
+    for key in ("image_size", "resize", "interpolation", "mean", "std", "max_text_length", "text_clean", "tokenizer",
+                "max_patches", "min_patches", "upscale", "patch_size"):
         setattr(out, key, copy.deepcopy(getattr(teacher, key)))
     out.pack_images, out.patch_budget = False, 0
     return out

@@ -50,14 +50,11 @@ def plan_teacher(cfg: JobConfig) -> TeacherPlan | None:
 
 
 def locate_teacher(path: str, role: str, precomputed: bool = False) -> TeacherPlan:
-    """``path`` located and the config that rebuilds it read (``role`` names it in errors); a teacher
-    that takes images at their own shape is refused."""
+    """``path`` located and the config that rebuilds it read (``role`` names it in errors). A teacher
+    that takes images at their own shape (SigLIP 2's NaFlex) gets them so, one per row, padded to its
+    ``data.max_patches``: :func:`vltrain.data.teacher_store.teacher_data`."""
     found = locate(path, role=role)
-    tcfg = model_config(found)
-    if tcfg.data.resize == "native":
-        raise ConfigError(f"{role} {path} takes images at their own shape (data.resize native); a teacher takes "
-                          "square images here: use a square teacher, or precompute its embeddings another way")
-    return TeacherPlan(found, tcfg, precomputed)
+    return TeacherPlan(found, model_config(found), precomputed)
 
 
 def teacher_identity(found: Located) -> dict:
@@ -106,7 +103,7 @@ class Teacher:
             raise ValueError("a teacher that runs needs the micro-batch's teacher_view (the loader makes it)")
         taken = ModelInputs(pixels=view.pixels, input_ids=view.input_ids, attention_mask=view.attention_mask,
                             has_image=inputs.has_image, has_text=inputs.has_text, ids=inputs.ids,
-                            counts=inputs.counts)
+                            counts=inputs.counts, grids=view.grids)
         enc = self.encode(taken)
         return TeacherEmbeds(enc.image_embeds.float(), enc.text_embeds.float(), self.scale, self.bias)
 
@@ -149,8 +146,9 @@ def describe(plan: TeacherPlan, cfg: JobConfig) -> str:
     """One line on the teacher when a run starts."""
     d, loss = plan.cfg.data, cfg.model.loss
     weights = ", ".join(f"{k} {getattr(loss, k):g}" for k in ("distill", "distill_sigmoid") if getattr(loss, k))
+    images = (f"images at their own shape (up to {d.max_patches} patches of {d.patch_size} px)" if d.resize == "native"
+              else f"{d.image_size} px images ({d.resize})")
     how = "its embeddings stored beside the sample indexes" if plan.precomputed else (
-        f"run live on {d.image_size} px images ({d.resize}, mean {d.mean}, std {d.std}) and its tokenizer "
-        f"{d.tokenizer or '(saved with it)'}")
+        f"run live on {images}, mean {d.mean}, std {d.std}, and its tokenizer {d.tokenizer or '(saved with it)'}")
     kind = "an export" if plan.located.kind == EXPORT else plan.located.kind
     return f"teacher {plan.located.path} ({kind}): {how}; {weights}"

@@ -31,7 +31,7 @@ from vltrain.data.images import ImageError
 from vltrain.data.index.open import open_indexed
 from vltrain.data.loading.collate import Collator
 from vltrain.data.teacher_store import CHUNK, StoreMeta, TeacherStore, store_dir, teacher_data
-from vltrain.errors import UserError
+from vltrain.errors import DataError, UserError
 from vltrain.runtime.distributed import all_reduce_sum
 from vltrain.runtime.precision import Precision
 from vltrain.runtime.world import setup_world
@@ -70,14 +70,21 @@ class _Rows(torch.utils.data.Dataset):
             row = self.source.row(j)
         except OSError:  # never read either: the training loader replaces a row it cannot read
             return j, Sample(0, "", None, [], False, 1)
-        image, bad = None, 0
+        image, grid, bad = None, None, 0
         if row.image is not None:
             try:
-                image, _ = decode_for(self.source.read_image(j), self.data)
+                image, grid = decode_for(self.source.read_image(j), self.data)
             except (ImageError, OSError):
                 bad = 1
-        ids = self.tokenizer.encode(row.text, self.data.max_text_length)[0] if row.text is not None else []
-        return j, Sample(stable_uid(row.key), row.key, image, ids, False, bad)
+        ids = []
+        if row.text is not None:
+            try:
+                ids = self.tokenizer.encode(row.text, self.data.max_text_length)[0]
+            except Exception as e:  # the tokenizers library raises a bare Exception (e.g. no unknown token)
+                raise DataError(f"row {j} of {self.source.name} ({row.where}): the teacher's tokenizer "
+                                f"{self.tokenizer.path} cannot read its caption ({e}); the teacher needs a "
+                                "tokenizer that reads every caption of the data (one with an unknown token)") from None
+        return j, Sample(stable_uid(row.key), row.key, image, ids, False, bad, grid=grid)
 
 
 class _Collate:
@@ -109,7 +116,7 @@ class Embedder:
         plan = locate_teacher(teacher, "teacher")
         self.teacher = Teacher(plan, self.world.device, Precision(precision, self.world.device).autocast)
         self.identity = teacher_identity(plan.located)
-        self.data = teacher_data(cfg.data, plan.cfg.data) if cfg is not None else plan.cfg.data
+        self.data = teacher_data(cfg.data if cfg is not None else plan.cfg.data, plan.cfg.data)
         self.student = cfg.data if cfg is not None else None
         self.batch_size, self.workers, self.dtype, self.chunk = batch_size, workers, dtype, chunk
 
@@ -142,7 +149,7 @@ class Embedder:
         before = sum(bool(store.done[c]) for c in mine)
         todo = [c for c in mine if not store.done[c]]
         tok = self.teacher.tokenizer
-        collate = Collator(tok.pad_id, self.data.max_text_length, self.data.image_size)
+        collate = Collator.for_data(tok.pad_id, self.data)
         batches = _chunk_batches(todo, len(source), self.batch_size, store.meta.chunk)
         loader = torch.utils.data.DataLoader(_Rows(source, self.data, tok), batch_sampler=batches,
                                              num_workers=self.workers, collate_fn=_Collate(collate))
@@ -174,8 +181,8 @@ class Embedder:
         image, text, uid = (np.concatenate([p[k] for p in parts]) for k in range(3))
         store.write(chunk, image, text, uid)
 
-    def close(self) -> None:
-        self.world.close(True)
+    def close(self, clean: bool = True) -> None:
+        self.world.close(clean)
 
 
 def teacher_embed(teacher: str, sources: list[str], cfg: JobConfig | None = None, *, precision: str = "fp32",
@@ -185,7 +192,10 @@ def teacher_embed(teacher: str, sources: list[str], cfg: JobConfig | None = None
     if not sources:
         raise UserError("give the sources to embed (manifests, shard patterns or parquet files)")
     embedder = Embedder(teacher, cfg, precision, device, batch_size, workers, dtype, chunk)
+    passes = None
     try:
-        return [embedder.run(spec) for spec in sources]
+        passes = [embedder.run(spec) for spec in sources]
+        return passes
     finally:
-        embedder.close()
+        # after a failure on one rank, the others never reach a closing barrier: no barrier then
+        embedder.close(clean=passes is not None)

@@ -73,28 +73,40 @@ class Collator:
         if t.stores is not None:
             return {"teacher_image_embeds": ((n, t.width), torch.float32),
                     "teacher_text_embeds": ((n, t.width), torch.float32)}
-        size = t.data.image_size
         longest = max(len(s.teacher_ids) for s in samples)
         length = min(padded_width(max(longest, 1), self.pad_multiple), t.data.max_text_length)
-        return {"teacher_pixel_values": ((n, 3, size, size), torch.uint8),
-                "teacher_input_ids": ((n, length), torch.int64), "teacher_attention_mask": ((n, length), torch.int64)}
+        text = {"teacher_input_ids": ((n, length), torch.int64), "teacher_attention_mask": ((n, length), torch.int64)}
+        if t.data.resize == "native":  # one image per row, its patches then zeros to the teacher's budget
+            p = t.data.native_patch()
+            return {"teacher_pixel_values": ((n, t.data.max_patches, 3 * p * p), torch.uint8),
+                    "teacher_grids": ((n, 2), torch.int64), **text}
+        size = t.data.image_size
+        return {"teacher_pixel_values": ((n, 3, size, size), torch.uint8), **text}
 
     def _put_teacher(self, t: dict[str, torch.Tensor], samples: list[Sample]) -> None:
         """The teacher's part of each row: zeros (and padding) where the row lacks a side."""
         if self.teacher is None:
             return
         if self.teacher.stores is not None:
+            # the stored rows are read-only memory maps: copied through numpy, which torch would warn about
+            images, texts = t["teacher_image_embeds"].numpy(), t["teacher_text_embeds"].numpy()
             for i, s in enumerate(samples):
                 image, text = s.teacher_embeds
-                t["teacher_image_embeds"][i] = 0 if image is None else torch.from_numpy(image)
-                t["teacher_text_embeds"][i] = 0 if text is None else torch.from_numpy(text)
+                images[i] = 0 if image is None else image
+                texts[i] = 0 if text is None else text
             return
         ids, mask = t["teacher_input_ids"], t["teacher_attention_mask"]
         ids.fill_(self.teacher.tokenizer.pad_id)
         mask.zero_()
-        width = ids.shape[1]
+        width, pixels, grids = ids.shape[1], t["teacher_pixel_values"], t.get("teacher_grids")
         for i, s in enumerate(samples):
-            t["teacher_pixel_values"][i] = 0 if s.teacher_image is None else s.teacher_image
+            if grids is None:
+                pixels[i] = 0 if s.teacher_image is None else s.teacher_image
+            else:
+                n = 0 if s.teacher_image is None else s.teacher_image.shape[0]
+                pixels[i, :n] = s.teacher_image if n else 0
+                pixels[i, n:] = 0
+                grids[i] = torch.tensor(s.teacher_grid if n else (1, 1))
             row = s.teacher_ids[:width]
             ids[i, :len(row)] = torch.tensor(row, dtype=torch.int64)
             mask[i, :len(row)] = 1
