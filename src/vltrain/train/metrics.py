@@ -43,7 +43,7 @@ def measure_cpu_peak(dtype: torch.dtype = torch.bfloat16, n: int = 1024, seconds
     best of ``windows`` timings, since a start-up shared with other processes (the loader's workers,
     another rank, a test suite) slows some of them. Each window is timed by the clock and by the
     CPU time its threads got, whichever gives the higher rate: on 2 cores busy with two other
-    processes, the clock read a third of the quiet peak and the CPU time two thirds of it
+    processes, the clock read 0.45 of the quiet peak and the CPU time 0.88 of it
     (``docs/benchmarks.md#the-cpu-peak-behind-mfu``). :class:`Throughput` raises it further if a
     step beats it."""
     if dtype in _CPU_PEAK:
