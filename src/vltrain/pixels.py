@@ -1,6 +1,6 @@
 """The pixel conventions the data and the model must share: the order an image is cut into patches
 (:func:`patchify`), where a packed image's patches lie (:func:`packed_places`, :func:`unpack`),
-which patches patch dropout keeps of square and padded images (:func:`kept_patches`) and the names
+which patches patch dropout keeps (:func:`kept_patches`, and of packed ones :func:`drop_packed`) and the names
 of the resampling filters (:data:`RESAMPLE`).
 
 The loader cuts native-shape images into patches (``data/native.py``), the vision tower cuts square
@@ -54,18 +54,42 @@ def patchify(pixels: torch.Tensor, patch: int) -> torch.Tensor:
     return grid.reshape(*lead, (h // patch) * (w // patch), c * patch * patch)
 
 
-def packed_places(segments: torch.Tensor, patch_index: torch.Tensor, rows: int) -> torch.Tensor:
-    """[rows, N]: where each row's patches lie in a packed batch (``segments`` and ``patch_index``
+def packed_places(segments: torch.Tensor, patch_index: torch.Tensor, rows: int, width: int | None = None) -> torch.Tensor:
+    """[rows, width]: where each row's patches lie in a packed batch (``segments`` and ``patch_index``
     [S, N], ``ModelInputs``' packed layout), as flat positions over its S x N: row i's patch j at
-    ``[i, j]``, in the order of the padded layout. Positions past a row's last patch (and every
-    position of a row without an image) say 0: a real position of some image, which readers of the
-    padded layout never read (its mask says so). Found on the device with no host synchronization."""
+    ``[i, j]``, in the order of the padded layout (``width``: its positions per row, N unless the
+    sequences were shortened to kept patches, :func:`drop_packed`). Positions past a row's last
+    patch, of a patch not in the sequences, and of a row without an image say 0: a real position of
+    some image, which readers of the padded layout never read (its mask says so). Found on the device
+    with no host synchronization."""
     sequences, length = segments.shape
+    width = length if width is None else width
     flat = torch.arange(sequences * length, device=segments.device)
     # each packed position's place in the padded layout; padding goes to one spare slot, dropped
-    target = torch.where(segments >= 0, segments * length + patch_index, rows * length).flatten()
-    places = torch.zeros(rows * length + 1, dtype=torch.int64, device=segments.device)
-    return places.scatter_(0, target, flat)[:-1].view(rows, length)
+    target = torch.where(segments >= 0, segments * width + patch_index, rows * width).flatten()
+    places = torch.zeros(rows * width + 1, dtype=torch.int64, device=segments.device)
+    return places.scatter_(0, target, flat)[:-1].view(rows, width)
+
+
+def drop_packed(pixels: torch.Tensor, grids: torch.Tensor, segments: torch.Tensor, patch_index: torch.Tensor,
+                keep: torch.Tensor, images_per_sequence: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Packed images under patch dropout: each sequence keeps only its images' kept patches
+    (``keep`` [B, K], :func:`kept_patches` of the padded layout's N positions), moved to its front in
+    their order, and is cut to ``K + images_per_sequence`` positions: no sequence keeps more (an
+    image of r patches keeps ``r - floor(f * r)`` < ``(1 - f) * r + 1`` of them, its r sum to at most N
+    in a sequence, and ``K = N - floor(f * N)`` >= ``(1 - f) * N``), and the bound comes from shapes
+    alone, so no count leaves the device. Returns the
+    shortened ``pixels`` [S, N', ...], ``segments`` (-1 past the kept patches) and ``patch_index``
+    (each kept patch's place in its image, as before)."""
+    rows, n = grids.shape[0], segments.shape[1]
+    kept_rows = torch.zeros(rows, n, dtype=torch.bool, device=keep.device).scatter_(1, keep, True)
+    kept_rows &= torch.arange(n, device=grids.device) < (grids[:, 0] * grids[:, 1])[:, None]  # real ones
+    kept = kept_rows[segments.clamp(min=0), patch_index] & (segments >= 0)
+    length = min(n, keep.shape[1] + images_per_sequence)
+    order = torch.argsort((~kept).to(torch.int8), dim=1, stable=True)[:, :length]
+    pixels = pixels.gather(1, order.view(*order.shape, *(1,) * (pixels.dim() - 2)).expand(-1, -1, *pixels.shape[2:]))
+    segments = torch.where(kept.gather(1, order), segments.gather(1, order), -1)
+    return pixels, segments, patch_index.gather(1, order)
 
 
 def unpack(values: torch.Tensor, places: torch.Tensor) -> torch.Tensor:

@@ -133,10 +133,43 @@ def test_a_model_in_a_training_step_encodes_kept_patches_and_every_one_otherwise
     assert torch.equal(kept.image_embeds[1], torch.zeros_like(kept.image_embeds[1]))  # the row without an image
 
 
-def test_out_of_range_dropout_and_packed_images_are_refused_naming_the_key():
+def test_out_of_range_dropout_is_refused_naming_the_key():
     for value, key in ((1.0, "patch_dropout"), (-0.1, "patch_dropout"), (-1, "patch_dropout_until")):
         with pytest.raises(ConfigError, match=f"model.vision.{key} must be"):
             load_config(None, [f"model.vision.{key}={value}"])
     cfg = load_config(None, ["model.vision.patch_dropout=0.5", "data.resize=native", "data.pack_images=true"])
-    with pytest.raises(ConfigError, match="not packed ones yet: set data.pack_images false"):
-        fit_native(cfg)
+    fit_native(cfg)  # packed images take patch dropout
+    assert cfg.data.pack_images and cfg.model.vision.patch_dropout == 0.5
+
+
+@pytest.mark.parametrize("fraction", [0.5, 0.75])
+@pytest.mark.parametrize("pooling,class_token", [("map", False), ("mean", False), ("cls", True), ("map", True)])
+def test_packed_images_keep_their_kept_patches_in_shorter_sequences(pooling, class_token, fraction):
+    """Packed, each sequence holds only its images' kept patches and is cut to them: the tokens and
+    pooled vectors are those of the padded layout under the same draw."""
+    from model.test_native_vision import packed
+
+    from vltrain.pixels import drop_packed
+
+    vit = tower(pooling, class_token)
+    small = torch.tensor([[1, 2], [2, 3], [3, 1], [2, 2], [1, 1]])  # images that share sequences
+    grids = torch.cat([GRIDS, small])
+    x = torch.cat([patches(GRIDS), patches(small, seed=5)])
+    pixels, layout = packed(x, grids)
+    n = pixels.shape[1]
+    keep = kept_patches(torch.rand(len(grids), n, generator=torch.Generator().manual_seed(3)), real_patches(grids, n),
+                        fraction)
+    shorter, segments, _ = drop_packed(pixels, grids, layout["segments"], layout["patch_index"], keep,
+                                       layout["image_slots"].shape[1])
+    kept = int(real_patches(grids, n).sum() - torch.floor(fraction * grids.prod(-1).double()).sum())
+    assert int((segments >= 0).sum()) == kept  # every kept patch, and no other
+    assert shorter.shape[1] < n and shorter.shape[1] <= keep.shape[1] + layout["image_slots"].shape[1]
+    with torch.no_grad():
+        padded_tokens, padded = vit(x, grids=grids, keep=keep)
+        tokens, together = vit(pixels, grids=grids, keep=keep, **layout)
+    torch.testing.assert_close(together, padded, atol=1e-5, rtol=0)
+    assert torch.equal(tokens.real, padded_tokens.real)
+    torch.testing.assert_close(tokens.values[tokens.real], padded_tokens.values[tokens.real], atol=1e-5, rtol=0)
+    with torch.no_grad():
+        _, every = vit(pixels, grids=grids, **layout)
+    assert not torch.allclose(every, together)  # the dropout took effect

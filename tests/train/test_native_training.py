@@ -123,7 +123,7 @@ def test_packed_images_on_two_ranks_train_as_padded_ones_on_one(tmp_path_factory
     """A tower without a class token (a tiny SigLIP 2 folder's), on img2dataset shards of images at
     their own aspect ratio (keep_ratio: 96 x 96 to 384 x 96), in steps of at most 64 patches
     (data.patch_budget), packed several to a sequence on 2 ranks, against one image per sequence on
-    1 rank with 2 micro-batches."""
+    1 rank with 2 micro-batches; and so again with patch dropout."""
     from kits.pretrainedkit import make_siglip2
 
     shapes = native_shapes(tmp_path_factory)
@@ -146,6 +146,16 @@ def test_packed_images_on_two_ranks_train_as_padded_ones_on_one(tmp_path_factory
     stopped = from_checkpoint(packed, tmp_path / "stopped")
     assert_resumed_exactly(ok(run(shapes, stopped, 2, data__pack_images="true", **init)), stopped, 4)
     assert_identical(final_state(stopped), final_state(packed))
+
+    # patch dropout: a packed sequence holds only its images' kept patches, and trains as padded ones
+    drop = {**init, "model__vision__patch_dropout": 0.5}
+    dropped = tmp_path / "packed-dropout"
+    ok(run(shapes, dropped, 2, data__pack_images="true", **drop))
+    padded_dropped = tmp_path / "padded-dropout"
+    ok(run(shapes, padded_dropped, 1, data__micro_batch_size=4, **drop))
+    assert worst(losses(dropped), losses(packed)) > 1e-4  # the dropout took effect (8.9e-4 measured)
+    assert len(losses(dropped)) == 8 and worst(losses(dropped), losses(padded_dropped)) < 1e-5
+    assert model_distance(final_state(dropped), final_state(padded_dropped)) < 1e-5
 
 
 def test_what_does_not_take_images_at_their_own_shape_is_refused(tmp_path_factory):

@@ -29,8 +29,8 @@ class VisionSettings(Settings):
     """Patch dropout (FLIP): the fraction of each image's patches dropped in a training step, in
     [0, 1); the tower runs on the rest. Drawn per sample and step (the same on any number of ranks
     and after a resume); evaluation, embed and export see every patch. Square images and images at
-    their own shape, padded (not ``data.pack_images`` yet). Masked image modelling's own pass keeps
-    every position."""
+    their own shape, padded or packed (packed sequences shorten to the kept patches). Masked image
+    modelling's own pass keeps every position."""
     patch_dropout_until: int = 0
     """The last step that drops patches; every patch from the next one on (FLIP's unmasked tuning).
     0: patch dropout on every step."""

@@ -89,7 +89,8 @@ class VLModel(nn.Module):
         layout does. Rows without an image get zero embeddings (no gradient) and, for the fusion
         encoder, zero tokens of which only the first is real, as :meth:`_encode_present` gives them."""
         tokens, pooled = self.vision(inputs.pixels, grids=inputs.grids, segments=inputs.segments,
-                                     patch_index=inputs.patch_index, image_slots=inputs.image_slots)
+                                     patch_index=inputs.patch_index, image_slots=inputs.image_slots,
+                                     keep=inputs.patch_keep)
         embeds = self.image_proj(pooled)
         anchor = 0.0 * (tokens.values.float().mean() + embeds.float().mean())
         has = inputs.has_image

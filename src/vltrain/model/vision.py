@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from vltrain.model.blocks import MLP, Block, LayerNorm, attention, block_flops, mlp_width, run_blocks
-from vltrain.pixels import packed_places, patchify, unpack
+from vltrain.pixels import drop_packed, packed_places, patchify, unpack
 from vltrain.types import Tokens, real_patches
 
 VISION_POOLINGS = ("cls", "mean", "map", "attn_pool")
@@ -101,11 +101,16 @@ class VisionTransformer(nn.Module):
         the padded layout has them (packed ones unpacked, :meth:`unpack`): the fusion encoder, the
         pooling and evaluation read one layout. ``patch_mask`` [B, patches] (bool): those patches
         enter as ``mask_token`` (masked image modelling; not packed). ``keep`` [B, K] (int64, ascending):
-        patch dropout, the only patches each image keeps after its positions are added (square and
-        padded; see ``vltrain.objectives.scoring.kept_patches``): the blocks run on K tokens (and the
-        class token), and the tokens come out K (and the class token) per row."""
+        patch dropout, the only patches each image keeps after its positions are added
+        (``vltrain.pixels.kept_patches``): the blocks run on K tokens (and the class token) per row,
+        or packed, on sequences shortened to the kept patches (``vltrain.pixels.drop_packed``); the
+        tokens come out K (and the class token) per row either way."""
+        width = None if segments is None else segments.shape[1]  # the padded layout's positions per image
         if segments is not None:
-            x, positions, slots = self.embed_packed(pixels, grids, segments, patch_index, image_slots)
+            if keep is not None:  # only the kept patches enter the sequences, which shorten
+                images = width if image_slots is None else image_slots.shape[1]
+                pixels, segments, patch_index = drop_packed(pixels, grids, segments, patch_index, keep, images)
+            x, positions, slots = self.embed_packed(pixels, grids, segments, patch_index, image_slots, width)
             attend = (positions[:, :, None] == positions[:, None, :])[:, None]  # padding attends to padding
         elif grids is not None:
             x, real = self.embed_grids(pixels, grids, patch_mask, mask_token)
@@ -120,7 +125,9 @@ class VisionTransformer(nn.Module):
         if self.pooler is None:
             x = self.norm(x)
         if segments is not None:
-            x, real = self.unpack(x, grids, segments, patch_index, image_slots if slots else None)
+            x, real = self.unpack(x, grids, segments, patch_index, image_slots if slots else None, width)
+            if keep is not None:  # the kept tokens of each row, as the padded layout gives them
+                x, real = self.kept(x, keep), self.kept(real, keep)
         if self.pooler is not None:
             x = self.norm(self.pooler(x, real))
             return Tokens(x[:, 1:], None), x[:, 0]
@@ -173,17 +180,18 @@ class VisionTransformer(nn.Module):
         return torch.cat([x[:, :prefix], x[:, prefix:].gather(1, index)], dim=1)
 
     def embed_packed(self, patches: torch.Tensor, grids: torch.Tensor, segments: torch.Tensor,
-                     patch_index: torch.Tensor, image_slots: torch.Tensor | None = None,
+                     patch_index: torch.Tensor, image_slots: torch.Tensor | None = None, width: int | None = None,
                      ) -> tuple[torch.Tensor, torch.Tensor, int]:
         """Images packed several to a sequence: ``patches`` [S, N, 3 * p * p], ``segments`` [S, N] the
         row (of ``grids`` [B, 2]) whose image each position holds (-1: padding), ``patch_index`` which
         of its patches. With a class token, ``image_slots`` [S, K] (the rows each sequence holds) gives
         the K positions put before each sequence's patches, one class token per image. Returns the
         tokens [S, K + N, W], the row of each position [S, K + N] and K (0 without a class token).
-        Attention stays inside each image, so each image's tokens are the ones it gets alone."""
+        Attention stays inside each image, so each image's tokens are the ones it gets alone.
+        ``width``: the most patches an image has (N unless the sequences were shortened to kept patches)."""
         x = F.linear(patches, self.patch_embed.weight.flatten(1), self.patch_embed.bias)
         positions = resize_positions(self.pos_embed[self.num_prefix:], self.cfg.image_size // self.cfg.patch_size,
-                                     grids, x.shape[1])
+                                     grids, x.shape[1] if width is None else width)
         x = x + positions[segments.clamp(min=0), patch_index].to(x.dtype)
         if self.cls_token is None:
             return x, segments, 0
@@ -193,15 +201,15 @@ class VisionTransformer(nn.Module):
         return torch.cat([cls, x], dim=1), torch.cat([image_slots, segments], dim=1), image_slots.shape[1]
 
     def unpack(self, x: torch.Tensor, grids: torch.Tensor, segments: torch.Tensor, patch_index: torch.Tensor,
-               image_slots: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+               image_slots: torch.Tensor | None, width: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """The tokens of packed sequences [S, K + N, W] (K class-token slots, :meth:`embed_packed`)
         laid out one image per row, as :meth:`embed_grids` lays them: [B, prefix + N, W], its class
         token first, then its patches, then tokens no reader reads; and which are real. A row
         without an image (its grid 1 x 1) reads some other position, finite and unread.
         ``image_slots``: None without class tokens."""
-        rows, length = grids.shape[0], segments.shape[1]
+        rows, length = grids.shape[0], segments.shape[1] if width is None else width
         slots = 0 if image_slots is None else image_slots.shape[1]
-        tokens = unpack(x[:, slots:], packed_places(segments, patch_index, rows))
+        tokens = unpack(x[:, slots:], packed_places(segments, patch_index, rows, length))
         real = real_patches(grids, length)
         if not slots:
             return tokens, real

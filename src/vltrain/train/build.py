@@ -157,9 +157,6 @@ def fit_native(cfg: JobConfig) -> None:
         raise ConfigError(f"data.patch_size {data.patch_size} differs from the model's patch size {patch}; "
                           "leave it 0")
     data.patch_size = patch
-    if data.pack_images and cfg.model.vision.patch_dropout:
-        raise ConfigError("model.vision.patch_dropout drops patches of square or padded images, not packed ones "
-                          "yet: set data.pack_images false, or model.vision.patch_dropout 0")
 
 
 def _check_fits_init(cfg: JobConfig, tokenizer: Tokenizer, arch: Architecture) -> tuple[int, int]:
