@@ -78,9 +78,8 @@ def drop_packed(pixels: torch.Tensor, grids: torch.Tensor, segments: torch.Tenso
     their order, and is cut to ``K + images_per_sequence`` positions: no sequence keeps more (an
     image of r patches keeps ``r - floor(f * r)`` < ``(1 - f) * r + 1`` of them, its r sum to at most N
     in a sequence, and ``K = N - floor(f * N)`` >= ``(1 - f) * N``), and the bound comes from shapes
-    alone, so no count leaves the device. Returns the
-    shortened ``pixels`` [S, N', ...], ``segments`` (-1 past the kept patches) and ``patch_index``
-    (each kept patch's place in its image, as before)."""
+    alone, so no count leaves the device. Returns the shortened ``pixels`` [S, N', ...], ``segments``
+    (-1 past the kept patches) and ``patch_index`` (each kept patch's place in its image, as before)."""
     rows, n = grids.shape[0], segments.shape[1]
     kept_rows = torch.zeros(rows, n, dtype=torch.bool, device=keep.device).scatter_(1, keep, True)
     kept_rows &= torch.arange(n, device=grids.device) < (grids[:, 0] * grids[:, 1])[:, None]  # real ones
