@@ -18,6 +18,7 @@ import torch
 from ema_demo import cpu_name
 
 from vltrain.runtime.precision import DTYPES
+from vltrain.train.metrics import matmul_windows
 
 
 def spin(stop: float) -> None:
@@ -25,20 +26,10 @@ def spin(stop: float) -> None:
         pass
 
 
-def readings(dtype: torch.dtype, n: int = 1024, windows: int = 10, seconds: float = 0.1) -> tuple[float, float]:
-    """The best clock rate and the best CPU-time rate of ``windows`` timings, FLOP/s."""
-    a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
-    a @ b
-    threads, by_clock, by_cpu = torch.get_num_threads(), 0.0, 0.0
-    for _ in range(windows):
-        reps, start, cpu = 0, time.perf_counter(), time.process_time()
-        while reps == 0 or time.perf_counter() - start < seconds:
-            a @ b
-            reps += 1
-        wall, cpu = time.perf_counter() - start, time.process_time() - cpu
-        by_clock = max(by_clock, 2 * n**3 * reps / wall)
-        by_cpu = max(by_cpu, 2 * n**3 * reps / max(min(wall, cpu / threads), 1e-9))
-    return by_clock, by_cpu
+def readings(dtype: torch.dtype) -> tuple[float, float]:
+    """The best clock rate and the best CPU-time rate of ten 0.1 s windows, FLOP/s."""
+    windows = matmul_windows(dtype, 1024, 0.1, 10)
+    return max(w[0] for w in windows), max(max(w) for w in windows)
 
 
 def main() -> None:

@@ -71,18 +71,18 @@ def packed_places(segments: torch.Tensor, patch_index: torch.Tensor, rows: int, 
     return places.scatter_(0, target, flat)[:-1].view(rows, width)
 
 
-def drop_packed(pixels: torch.Tensor, grids: torch.Tensor, segments: torch.Tensor, patch_index: torch.Tensor,
+def drop_packed(pixels: torch.Tensor, real: torch.Tensor, segments: torch.Tensor, patch_index: torch.Tensor,
                 keep: torch.Tensor, images_per_sequence: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Packed images under patch dropout: each sequence keeps only its images' kept patches
-    (``keep`` [B, K], :func:`kept_patches` of the padded layout's N positions), moved to its front in
+    (``keep`` [B, K], :func:`kept_patches` of the padded layout's N positions; ``real`` [B, N] which of
+    those hold a patch, ``vltrain.types.real_patches``), moved to its front in
     their order, and is cut to ``K + images_per_sequence`` positions: no sequence keeps more (an
     image of r patches keeps ``r - floor(f * r)`` < ``(1 - f) * r + 1`` of them, its r sum to at most N
     in a sequence, and ``K = N - floor(f * N)`` >= ``(1 - f) * N``), and the bound comes from shapes
     alone, so no count leaves the device. Returns the shortened ``pixels`` [S, N', ...], ``segments``
     (-1 past the kept patches) and ``patch_index`` (each kept patch's place in its image, as before)."""
-    rows, n = grids.shape[0], segments.shape[1]
-    kept_rows = torch.zeros(rows, n, dtype=torch.bool, device=keep.device).scatter_(1, keep, True)
-    kept_rows &= torch.arange(n, device=grids.device) < (grids[:, 0] * grids[:, 1])[:, None]  # real ones
+    n = segments.shape[1]
+    kept_rows = torch.zeros_like(real).scatter_(1, keep, True) & real
     kept = kept_rows[segments.clamp(min=0), patch_index] & (segments >= 0)
     length = min(n, keep.shape[1] + images_per_sequence)
     order = torch.argsort((~kept).to(torch.int8), dim=1, stable=True)[:, :length]

@@ -159,8 +159,8 @@ def test_packed_images_keep_their_kept_patches_in_shorter_sequences(pooling, cla
     n = pixels.shape[1]
     keep = kept_patches(torch.rand(len(grids), n, generator=torch.Generator().manual_seed(3)), real_patches(grids, n),
                         fraction)
-    shorter, segments, _ = drop_packed(pixels, grids, layout["segments"], layout["patch_index"], keep,
-                                       layout["image_slots"].shape[1])
+    shorter, segments, _ = drop_packed(pixels, real_patches(grids, n), layout["segments"], layout["patch_index"],
+                                       keep, layout["image_slots"].shape[1])
     kept = int(real_patches(grids, n).sum() - torch.floor(fraction * grids.prod(-1).double()).sum())
     assert int((segments >= 0).sum()) == kept  # every kept patch, and no other
     assert shorter.shape[1] < n and shorter.shape[1] <= keep.shape[1] + layout["image_slots"].shape[1]

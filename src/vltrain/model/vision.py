@@ -109,7 +109,8 @@ class VisionTransformer(nn.Module):
         if segments is not None:
             if keep is not None:  # only the kept patches enter the sequences, which shorten
                 images = width if image_slots is None else image_slots.shape[1]
-                pixels, segments, patch_index = drop_packed(pixels, grids, segments, patch_index, keep, images)
+                pixels, segments, patch_index = drop_packed(pixels, real_patches(grids, width), segments, patch_index,
+                                                            keep, images)
             x, positions, slots = self.embed_packed(pixels, grids, segments, patch_index, image_slots, width)
             attend = (positions[:, :, None] == positions[:, None, :])[:, None]  # padding attends to padding
         elif grids is not None:

@@ -48,20 +48,28 @@ def measure_cpu_peak(dtype: torch.dtype = torch.bfloat16, n: int = 1024, seconds
     step beats it."""
     if dtype in _CPU_PEAK:
         return _CPU_PEAK[dtype]
+    best = max(max(rates) for rates in matmul_windows(dtype, n, seconds / windows, windows))
+    _CPU_PEAK[dtype] = best
+    return best
+
+
+def matmul_windows(dtype: torch.dtype, n: int, seconds: float, windows: int) -> list[tuple[float, float]]:
+    """(by the clock, by the CPU time its threads got) FLOP/s of n x n matmuls in ``dtype``, for each
+    of ``windows`` windows of ``seconds``."""
     draw = torch.Generator().manual_seed(0)  # the run's own generators are left as they are
     a = torch.randn(n, n, generator=draw).to(dtype)
     b = torch.randn(n, n, generator=draw).to(dtype)
     a @ b  # warm-up (oneDNN picks its kernel on first use)
-    threads, best = torch.get_num_threads(), 0.0
+    threads, out = torch.get_num_threads(), []
     for _ in range(windows):
         reps, start, cpu = 0, time.perf_counter(), time.process_time()
-        while reps == 0 or time.perf_counter() - start < seconds / windows:
+        while reps == 0 or time.perf_counter() - start < seconds:
             a @ b
             reps += 1
         wall, cpu = time.perf_counter() - start, time.process_time() - cpu
-        best = max(best, 2 * n**3 * reps / max(min(wall, cpu / threads), 1e-9))
-    _CPU_PEAK[dtype] = best
-    return best
+        flops = 2 * n**3 * reps
+        out.append((flops / max(wall, 1e-9), flops / max(cpu / threads, 1e-9)))
+    return out
 
 
 CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile")
