@@ -25,7 +25,9 @@ measured step also holds what FLOPs leave out: the AdamW update over every param
 and the elementwise work.
 
     PYTHONPATH=src python benchmarks/patch_dropout_speed.py [--quick] [--batch 8] [--steps 1]
-        [--rounds 7] [--presets clip-vit-b32,clip-vit-b16] [--precisions fp32,bf16]
+        [--rounds 7] [--presets clip-vit-b32,clip-vit-b16] [--precisions fp32,bf16] [--device cuda]
+
+On a GPU (``--device cuda``) each step is timed to its last kernel (synchronized).
 """
 
 from __future__ import annotations
@@ -85,45 +87,54 @@ def arm_config(preset: str, resize: str, precision: str, dropout: float, pack: b
 class Arms:
     """One preset's model and optimizer, and a Step per (precision, dropout) sharing them."""
 
-    def __init__(self, preset: str, precisions: list[str], batch: int):
+    def __init__(self, preset: str, precisions: list[str], batch: int, device: torch.device):
         cfg = arm_config(preset, "crop", "fp32", 0.0)
         torch.manual_seed(0)
+        self.device = device
         self.model = build_model(cfg.model, vocab_size=512, pad_id=0, mask_id=4, image_size=IMAGE_SIZE,
-                                 max_text_length=cfg.data.max_text_length)
+                                 max_text_length=cfg.data.max_text_length).to(device)
         self.text_length = cfg.data.max_text_length
         params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = optimizer = build_optimizer(self.model, cfg.train)
         scheduler = build_scheduler(optimizer, cfg.train)
-        world = World(0, 1, 0, torch.device("cpu"))
+        world = World(0, 1, 0, device)
         images = mixed_images(batch)
         self.inputs = {}
         for layout, (resize, pack) in LAYOUTS.items():
             c = arm_config(preset, resize, "fp32", 0.0, pack)
             collated, _ = decoded_batch(c, images, self.text_length)
-            self.inputs[layout] = collated.to_model_inputs("cpu", c.data.mean, c.data.std)
+            self.inputs[layout] = collated.to_model_inputs(device, c.data.mean, c.data.std)
         self.steps: dict[tuple[str, float], Step] = {}
         for precision in precisions:
             for dropout in DROPOUTS:
                 c = arm_config(preset, "crop", precision, dropout)
                 task = build_task(c, self.model)
-                p = Precision(precision, torch.device("cpu"))
-                self.steps[precision, dropout] = Step(parallelize(task, c.train, torch.device("cpu")), task.objectives,
+                p = Precision(precision, device)
+                self.steps[precision, dropout] = Step(parallelize(task, c.train, device), task.objectives,
                                                       params, optimizer, scheduler, p.grad_scaler(), p, c.train, world)
         self.done = 0
 
     def run(self, precision: str, layout: str, dropout: float) -> float:
         """Seconds of one training step of this arm."""
+        self.sync()
         start = time.perf_counter()
         self.steps[precision, dropout]([self.inputs[layout]], self.done)
+        self.sync()
         self.done += 1
         return time.perf_counter() - start
+
+    def sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
     def update_seconds(self, repeats: int = 3) -> float:
         """The AdamW update alone (on the last step's gradients): a cost per step that no dropout cuts."""
         times = []
         for _ in range(repeats):
+            self.sync()
             start = time.perf_counter()
             self.optimizer.step()
+            self.sync()
             times.append(time.perf_counter() - start)
         return statistics.median(times)
 
@@ -162,7 +173,7 @@ def measure(arms: Arms, names: list[tuple[str, str, float]], steps: dict[str, in
 
 def table(preset: str, args: argparse.Namespace, steps: dict[str, int]) -> None:
     start = time.perf_counter()
-    arms = Arms(preset, args.precisions, args.batch)
+    arms = Arms(preset, args.precisions, args.batch, torch.device(args.device))
     names = [(p, layout, d) for p in args.precisions for layout in LAYOUTS for d in DROPOUTS]
     results = measure(arms, names, steps, args.rounds, args.batch)
     m = arms.model
@@ -198,15 +209,16 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=7)
     p.add_argument("--presets", default="clip-vit-b32,clip-vit-b16")
     p.add_argument("--precisions", default="fp32,bf16")
+    p.add_argument("--device", default="cpu", help="cpu, or cuda: one GPU")
     args = p.parse_args()
     if args.quick:
         args.presets, args.rounds = "clip-vit-b32", 2
     args.precisions = args.precisions.split(",")
     keep_freed_memory()
     torch.set_num_threads(os.cpu_count() or 1)
-    native_bf16 = cpu_has_bf16_matmul()
+    native_bf16 = args.device != "cpu" or cpu_has_bf16_matmul()
     steps = {precision: args.steps for precision in args.precisions}
-    print(cpu_line())
+    print(cpu_line() if args.device == "cpu" else f"GPU: {torch.cuda.get_device_name(0)}; host {cpu_line()}")
     print(f"batch {args.batch} image-text pairs, {torch.get_num_threads()} threads, {args.rounds} rounds of "
           f"{args.steps} timed steps per arm (after one untimed), a step = forward + backward + AdamW "
           f"(vltrain.train.step.Step); torch {torch.__version__}")
