@@ -7,10 +7,14 @@ FSDP2 gathers the parameters) or :func:`direct` for a bare model. Each call is o
 ``caption_step`` (one new position on the cache) or, with ``cache=False``, ``caption_next`` (every
 position recomputed: what the cache is measured against).
 
-Deterministic: greedy and beam search break ties towards the lower token id (stable sorts), and
-top-p draws each image's numbers from a generator seeded by ``seed`` and the image's index in its
-list, so an image gets the same caption whichever batch, rank or world size it falls in (to the
-rounding of batched matmuls).
+Beam search is transformers' ``generate`` (``num_beams``, ``length_penalty``, ``early_stopping`` off),
+step for step, so that an imported checkpoint captions as it does there (``tests/model/test_generate.py``
+compares the two on the same logits).
+
+Deterministic: greedy breaks ties towards the lower token id, beam search ranks with ``torch.topk`` as
+transformers does, and top-p draws each image's numbers from a generator seeded by ``seed`` and the
+image's index in its list, so an image gets the same caption whichever batch, rank or world size it
+falls in (to the rounding of batched matmuls).
 """
 
 from __future__ import annotations
@@ -81,15 +85,17 @@ def generate(run: Callable, image_tokens: Tokens, prompt: list[int], end_id: int
             out = _beam(run, image_tokens, ids, end_id, pad_id, decoding, all_done)
         else:
             out = _sample(run, image_tokens, ids, end_id, pad_id, decoding, index, all_done)
-    return [_trim(row, end_id, pad_id, len(prompt)) for row in out.tolist()]
+    return [_trim(row, end_id, len(prompt)) for row in out.tolist()]
 
 
-def _trim(row: list[int], end_id: int, pad_id: int, prompt_length: int) -> list[int]:
-    """The row up to and including its first end token past the prompt; padding dropped."""
+def _trim(row: list[int], end_id: int, prompt_length: int) -> list[int]:
+    """The row up to and including its first end token past the prompt, where the padding starts.
+    A row without one ran to ``max_length`` and holds no padding (a token of the padding's id it
+    generated stays, as transformers keeps it)."""
     for i in range(prompt_length, len(row)):
         if row[i] == end_id:
             return row[: i + 1]
-    return [t for t in row if t != pad_id] if pad_id != end_id else row
+    return row
 
 
 class _Stepper:
@@ -154,38 +160,69 @@ def nucleus(logits: torch.Tensor, top_p: float, u: torch.Tensor) -> torch.Tensor
 
 def _beam(run: Callable, image_tokens: Tokens, ids: torch.Tensor, end_id: int, pad_id: int, decoding: Decoding,
           all_done: Callable) -> torch.Tensor:
-    """Beam search: ``beam`` sequences per image, extended by the best ``beam`` of every beam's
-    continuations; a finished beam stays, continued by padding at no cost. The best beam by
-    log-probability / generated length ** ``length_penalty`` is returned."""
+    """Beam search as transformers' ``generate`` does it (``num_beams``, ``length_penalty``,
+    ``early_stopping=False``), so that a checkpoint captions here as it does there: each step ranks
+    the 2k best continuations of the k running beams by total log-probability. Of the first k of
+    them, those that end (``end_id``, or ``max_length`` reached) join the image's k best finished
+    captions, scored by log-probability / generated tokens ** ``length_penalty``; the best k that do
+    not end run on. An image stops when it has k finished captions and its best running beam, scored
+    at its present length, cannot beat the worst of them. Returns each image's best finished caption,
+    padded."""
     b, k, prompt = ids.shape[0], decoding.beam, ids.shape[1]
-    device = ids.device
+    device, lp = ids.device, decoding.length_penalty
     rows = torch.arange(b, device=device).repeat_interleave(k)
     stepper = _Stepper(run, image_tokens.index_select(rows), torch.ones(b * k, dtype=torch.bool, device=device),
                        decoding.cache)
     ids = ids.index_select(0, rows)
     logits = stepper.first(ids)
-    scores = torch.full((b, k), float("-inf"), device=device)
-    scores[:, 0] = 0.0  # the beams start equal: only the first one is extended at first
-    finished = torch.zeros(b * k, dtype=torch.bool, device=device)
-    steps = decoding.max_length - prompt
-    for t in range(steps):
+    running = torch.zeros(b, k, device=device)
+    running[:, 1:] = _NONE  # the beams start equal: only the first one is extended at first
+    best = _Finished(b, k, decoding.max_length, pad_id, device)
+    improvable = torch.ones(b, dtype=torch.bool, device=device)
+    first_k = torch.arange(2 * k, device=device) < k
+    offset = torch.arange(b, device=device)[:, None] * k
+    for length in range(prompt, decoding.max_length):
         logp = logits.float().log_softmax(dim=-1)
         vocab = logp.shape[1]
-        pad_only = torch.full_like(logp[0], float("-inf"))
-        pad_only[pad_id] = 0.0
-        logp = torch.where(finished[:, None], pad_only, logp)
-        total = (scores.reshape(-1, 1) + logp).view(b, k * vocab)
-        best, choice = torch.sort(total, dim=1, descending=True, stable=True)
-        scores, choice = best[:, :k], choice[:, :k]
-        source = (torch.arange(b, device=device)[:, None] * k + choice // vocab).reshape(-1)
-        token = (choice % vocab).reshape(-1)
-        ids = torch.cat([ids.index_select(0, source), token[:, None]], dim=1)
-        finished = finished.index_select(0, source) | (token == end_id)
-        stepper.keep(source)
-        if t == steps - 1 or all_done(finished):
+        total = (logp.view(b, k, vocab) + running[:, :, None]).view(b, k * vocab)
+        top, choice = torch.topk(total, 2 * k)
+        source = offset + choice // vocab  # [b, 2k]: the flat beam each candidate continues
+        candidates = torch.cat([ids[source], (choice % vocab)[..., None]], dim=2)
+        ends = (candidates[..., -1] == end_id) | (length + 1 >= decoding.max_length)
+        score = top / float(length + 1 - prompt) ** lp
+        best.add(candidates, torch.where(ends & first_k & improvable[:, None], score, _NONE))
+        running, keep = torch.topk(top + ends.float() * _NONE, k)
+        kept = source.gather(1, keep).reshape(-1)
+        ids = candidates.gather(1, keep[..., None].expand(-1, -1, candidates.shape[2])).reshape(b * k, -1)
+        # an image can still improve while a running beam, at its present length, beats its worst finished one
+        worst = torch.where(best.filled, best.scores.min(dim=1).values[:, None], _NONE)
+        improvable = improvable & (running[:, :1] / float(length + 1 - prompt) ** lp > worst).any(dim=1)
+        if length + 1 >= decoding.max_length or all_done(~improvable):
             break
+        stepper.keep(kept)
         logits = stepper.next(ids)
-    generated = ((ids[:, prompt:] != pad_id) | (ids[:, prompt:] == end_id)).sum(dim=1).clamp(min=1)
-    ranked = scores.reshape(-1) / generated.float() ** decoding.length_penalty
-    best_beam = torch.sort(ranked.view(b, k), dim=1, descending=True, stable=True).indices[:, 0]
-    return ids.view(b, k, -1)[torch.arange(b, device=device), best_beam]
+    return best.ids[:, 0]
+
+
+_NONE = -1.0e9
+"""The score of a beam that cannot be chosen (transformers' value, so that sums rank alike)."""
+
+
+class _Finished:
+    """Each image's ``k`` best finished captions (ids padded to ``length``) and their scores, best first."""
+
+    def __init__(self, b: int, k: int, length: int, pad_id: int, device: torch.device):
+        self.k, self.pad_id = k, pad_id
+        self.ids = torch.full((b, k, length), pad_id, dtype=torch.long, device=device)
+        self.scores = torch.full((b, k), _NONE, device=device)
+        self.filled = torch.zeros(b, k, dtype=torch.bool, device=device)
+
+    def add(self, candidates: torch.Tensor, scores: torch.Tensor) -> None:
+        """Merge ``candidates`` [b, n, t] whose ``scores`` [b, n] are above ``_NONE`` (the others are not finished)."""
+        padded = torch.full((*candidates.shape[:2], self.ids.shape[2]), self.pad_id, dtype=torch.long,
+                            device=candidates.device)
+        padded[..., :candidates.shape[2]] = candidates
+        merged = torch.cat([self.scores, scores], dim=1)
+        self.scores, pick = torch.topk(merged, self.k)
+        self.ids = torch.cat([self.ids, padded], dim=1).gather(1, pick[..., None].expand(-1, -1, self.ids.shape[2]))
+        self.filled = torch.cat([self.filled, scores > _NONE], dim=1).gather(1, pick)
