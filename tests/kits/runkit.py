@@ -173,9 +173,22 @@ def losses(run_dir: Path) -> list[float]:
     return [r["loss"] for r in metric_rows(run_dir)]
 
 
+FIGURES = "VLTRAIN_TEST_FIGURES"
+"""A file to which :func:`worst` and :func:`model_distance` append each figure they measure, with the
+test that asked (a JSON line each), when set: what a CPU kind's cross-split comparisons read."""
+
+
+def _record(what: str, value: float) -> float:
+    if os.environ.get(FIGURES):
+        row = {"test": os.environ.get("PYTEST_CURRENT_TEST", "").split(" ")[0], "what": what, "value": value}
+        with open(os.environ[FIGURES], "a") as f:
+            f.write(json.dumps(row) + "\n")
+    return value
+
+
 def worst(curve: list[float], base: list[float]) -> float:
     """The largest relative difference of two loss curves (a step of text-only rows has loss 0)."""
-    return max(abs(a - b) / max(abs(b), 1e-12) for a, b in zip(curve, base))
+    return _record("loss curve", max(abs(a - b) / max(abs(b), 1e-12) for a, b in zip(curve, base)))
 
 
 def model_distance(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], prefix: str = "model.") -> float:
@@ -184,7 +197,7 @@ def model_distance(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], prefi
     assert keys, f"no {prefix} tensors"
     x = torch.cat([a[k].flatten().double() for k in keys])
     y = torch.cat([b[k].flatten().double() for k in keys])
-    return float((x - y).norm() / y.norm())
+    return _record(f"weights ({prefix}*)", float((x - y).norm() / y.norm()))
 
 
 def assert_recalls(metrics: dict, prefix: str, images: int, captions: int, rerank_k: int = 0) -> None:
