@@ -6,7 +6,8 @@ and every N steps glibc's ``malloc_trim(0)``, which hands back the freed pages a
 heaps, called from a thread watching the step count); ``arenasN`` (``keep`` with at most N malloc
 arenas, set before anything allocates).
 
-Each variant trains ``configs/demo.yaml`` on the demo's shapes data in a process of its own; a
+Each variant trains ``configs/demo.yaml`` (tiny-albef; fp32 on a CPU without bf16 matrix
+instructions, as ``vltrain demo`` does) on the demo's shapes data in a process of its own; a
 thread samples ``/proc/self/statm`` and glibc's ``mallinfo2`` (all arenas) every second, and the
 table prints the sample nearest each reported step.
 
@@ -40,6 +41,13 @@ class MallInfo2(ctypes.Structure):
                                                 "fsmblks", "uordblks", "fordblks", "keepcost")]
 
 
+def fp32_here() -> list[str]:
+    """fp32 on a CPU that would emulate bf16, as ``vltrain demo`` chooses (the config's bf16 elsewhere)."""
+    from vltrain.runtime.precision import cpu_has_bf16_matmul
+
+    return [] if cpu_has_bf16_matmul() else ["train.precision=fp32"]
+
+
 def child(data: Path, steps: int, variant: str, out: Path) -> None:
     """One run in this process; samples written to ``out`` as JSON lines."""
     libc = ctypes.CDLL("libc.so.6")
@@ -56,7 +64,8 @@ def child(data: Path, steps: int, variant: str, out: Path) -> None:
         cfg = load_config(demo_config_path(), [f"run.dir={run}", f"data.train={data / 'train.jsonl'}", "data.val=''",
                                                f"data.tokenizer={data / 'tokenizer.json'}", f"train.max_steps={steps}",
                                                "train.log_every=100000", "eval.every=0", "train.progress=false",
-                                               "model.preset=tiny-albef"])  # the model of the recorded figures
+                                               "model.preset=tiny-albef",  # the model of the recorded figures
+                                               *fp32_here()])
         trainer = Trainer(cfg)  # keep_freed_memory() ran in its set-up
         if variant == "default":
             libc.mallopt(_M_MMAP_THRESHOLD, GLIBC_DEFAULT)
