@@ -45,3 +45,16 @@ def random_inputs(batch: int, cfg=None, seed: int = 0, offset: int = 0) -> Model
 
 def load_average() -> str:
     return "load average %.1f / %.1f / %.1f over 1/5/15 min" % os.getloadavg()
+
+
+def fp32_here() -> list[str]:
+    """fp32 on a CPU that would emulate bf16 (as ``vltrain demo`` chooses); the config's precision elsewhere."""
+    from vltrain.runtime.precision import cpu_has_bf16_matmul
+
+    return [] if cpu_has_bf16_matmul() else ["train.precision=fp32"]
+
+
+def sync(device: torch.device) -> None:
+    """Wait for the GPU's queued work, so that a timer reads it (nothing on a CPU)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)

@@ -41,19 +41,13 @@ class MallInfo2(ctypes.Structure):
                                                 "fsmblks", "uordblks", "fordblks", "keepcost")]
 
 
-def fp32_here() -> list[str]:
-    """fp32 on a CPU that would emulate bf16, as ``vltrain demo`` chooses (the config's bf16 elsewhere)."""
-    from vltrain.runtime.precision import cpu_has_bf16_matmul
-
-    return [] if cpu_has_bf16_matmul() else ["train.precision=fp32"]
-
-
 def child(data: Path, steps: int, variant: str, out: Path) -> None:
     """One run in this process; samples written to ``out`` as JSON lines."""
     libc = ctypes.CDLL("libc.so.6")
     libc.mallinfo2.restype = MallInfo2
     if variant.startswith("arenas"):  # before torch starts any thread
         libc.mallopt(_M_ARENA_MAX, int(variant[len("arenas"):]))
+    from _demo_model import fp32_here  # benchmarks/ is on sys.path
     from vltrain.config.job import load_config
     from vltrain.demo import demo_config_path
     from vltrain.train.trainer import Trainer

@@ -45,6 +45,7 @@ import time
 
 import numpy as np
 import torch
+from _demo_model import sync  # benchmarks/ is on sys.path
 
 from vltrain.data.loading.packing import class_slots, layout
 from vltrain.data.native import native_grid
@@ -144,11 +145,6 @@ def step_time(tower: VisionTransformer, inputs: dict, dtype: torch.dtype | None,
         sync(device)
         best = min(best, time.perf_counter() - start)
     return best
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def kept_count(r: int, fraction: float) -> int:

@@ -36,6 +36,7 @@ import time
 from functools import partial
 from pathlib import Path
 
+from _demo_model import fp32_here
 from emoji_set import build as build_emoji
 from ema_demo import cpu_name  # benchmarks/ is on sys.path
 
@@ -43,7 +44,6 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "src"))
 
 from vltrain.demo import demo_config_path, prepare_data, probe_rate  # noqa: E402
-from vltrain.runtime.precision import cpu_has_bf16_matmul  # noqa: E402
 
 EMOJI = ["model.preset=tiny-clip", "data.image_size=96", "model.loss.caption=0", "model.loss.itm=0"]
 """The emoji arms' model: tiny-clip's towers, ITC alone."""
@@ -56,11 +56,6 @@ def rate_of(data: Path, tokenizer: Path, *overrides: str) -> float:
     return probe_rate(given)
 
 
-def fp32_here() -> list[str]:
-    """fp32 on a CPU that would emulate bf16 (as ``vltrain demo`` chooses)."""
-    return [] if cpu_has_bf16_matmul() else ["train.precision=fp32"]
-
-
 def train_emoji(data: Path, tokenizer: Path, run_dir: Path, steps: int, *overrides: str) -> dict:
     """One emoji arm through ``vltrain train``; the final eval's metrics."""
     skin = data / "skin"
@@ -68,20 +63,21 @@ def train_emoji(data: Path, tokenizer: Path, run_dir: Path, steps: int, *overrid
            f"data.train={data / 'train.jsonl'}", f"data.val={data / 'val.jsonl'}", f"data.tokenizer={tokenizer}",
            *EMOJI, *fp32_here(), f"train.max_steps={steps}", f"eval.every={steps}", "metrics.curves=false",
            f"eval.zeroshot=[{{name: skin, path: '{skin}', templates: '{skin / 'templates.txt'}'}}]", *overrides]
-    env = dict(os.environ, PYTHONPATH=str(REPO / "src"))
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=REPO)
-    if proc.returncode:
-        raise SystemExit(f"training failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
-    return json.loads((run_dir / "eval.json").read_text())[-1]
+    return final_metrics(cmd, run_dir)
 
 
 def demo(data: Path, run_dir: Path, steps: int, *overrides: str) -> dict:
     cmd = [sys.executable, "-m", "vltrain", "demo", "--dir", str(run_dir), "--data", str(data),
            "model.preset=tiny-albef", f"train.max_steps={steps}", f"eval.every={steps}", "metrics.curves=false", *overrides]
+    return final_metrics(cmd, run_dir)
+
+
+def final_metrics(cmd: list[str], run_dir: Path) -> dict:
+    """Run ``cmd`` (a training command writing ``run_dir``); the metrics of its last evaluation."""
     env = dict(os.environ, PYTHONPATH=str(REPO / "src"))
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=REPO)
     if proc.returncode:
-        raise SystemExit(f"demo run failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
+        raise SystemExit(f"the run failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
     return json.loads((run_dir / "eval.json").read_text())[-1]
 
 

@@ -38,7 +38,7 @@ import statistics
 import time
 
 import torch
-from _demo_model import load_average
+from _demo_model import load_average, sync
 from native_shape import decoded_batch, mixed_images
 
 from vltrain.config.job import load_config
@@ -116,25 +116,21 @@ class Arms:
 
     def run(self, precision: str, layout: str, dropout: float) -> float:
         """Seconds of one training step of this arm."""
-        self.sync()
+        sync(self.device)
         start = time.perf_counter()
         self.steps[precision, dropout]([self.inputs[layout]], self.done)
-        self.sync()
+        sync(self.device)
         self.done += 1
         return time.perf_counter() - start
-
-    def sync(self) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
 
     def update_seconds(self, repeats: int = 3) -> float:
         """The AdamW update alone (on the last step's gradients): a cost per step that no dropout cuts."""
         times = []
         for _ in range(repeats):
-            self.sync()
+            sync(self.device)
             start = time.perf_counter()
             self.optimizer.step()
-            self.sync()
+            sync(self.device)
             times.append(time.perf_counter() - start)
         return statistics.median(times)
 

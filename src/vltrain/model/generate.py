@@ -195,7 +195,7 @@ def _beam(run: Callable, image_tokens: Tokens, ids: torch.Tensor, end_id: int, p
         kept = source.gather(1, keep).reshape(-1)
         ids = candidates.gather(1, keep[..., None].expand(-1, -1, candidates.shape[2])).reshape(b * k, -1)
         # an image can still improve while a running beam, at its present length, beats its worst finished one
-        worst = torch.where(best.filled, best.scores.min(dim=1).values[:, None], _NONE)
+        worst = torch.where(best.scores > _NONE, best.scores.min(dim=1).values[:, None], _NONE)
         improvable = improvable & (running[:, :1] / float(length + 1 - prompt) ** lp > worst).any(dim=1)
         if length + 1 >= decoding.max_length or all_done(~improvable):
             break
@@ -212,10 +212,9 @@ class _Finished:
     """Each image's ``k`` best finished captions (ids padded to ``length``) and their scores, best first."""
 
     def __init__(self, b: int, k: int, length: int, pad_id: int, device: torch.device):
-        self.k, self.pad_id = k, pad_id
+        self.pad_id = pad_id
         self.ids = torch.full((b, k, length), pad_id, dtype=torch.long, device=device)
-        self.scores = torch.full((b, k), _NONE, device=device)
-        self.filled = torch.zeros(b, k, dtype=torch.bool, device=device)
+        self.scores = torch.full((b, k), _NONE, device=device)  # _NONE: no caption in that place yet
 
     def add(self, candidates: torch.Tensor, scores: torch.Tensor) -> None:
         """Merge ``candidates`` [b, n, t] whose ``scores`` [b, n] are above ``_NONE`` (the others are not finished)."""
@@ -223,6 +222,5 @@ class _Finished:
                             device=candidates.device)
         padded[..., :candidates.shape[2]] = candidates
         merged = torch.cat([self.scores, scores], dim=1)
-        self.scores, pick = torch.topk(merged, self.k)
+        self.scores, pick = torch.topk(merged, self.scores.shape[1])
         self.ids = torch.cat([self.ids, padded], dim=1).gather(1, pick[..., None].expand(-1, -1, self.ids.shape[2]))
-        self.filled = torch.cat([self.filled, scores > _NONE], dim=1).gather(1, pick)
