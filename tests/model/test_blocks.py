@@ -66,3 +66,44 @@ def test_patch_embedding_equals_the_strided_convolution():
     pixels = torch.randn(3, 3, 32, 32)
     conv = vit.patch_embed(pixels).flatten(2).transpose(1, 2)
     torch.testing.assert_close(vit.embed_patches(pixels), conv, atol=1e-5, rtol=1e-5)
+
+
+def _bert_layer(block, x, image=None):
+    """BERT's layer written out from the block's own weights: residual, then norm, per sublayer."""
+    def norm(m, y):
+        return F.layer_norm(y, m.normalized_shape, m.weight, m.bias, m.eps)
+
+    def heads(y):
+        return y.view(*y.shape[:2], 4, -1).transpose(1, 2)
+
+    def attend(q, k, v):
+        w = (heads(q) @ heads(k).transpose(-1, -2) / (q.shape[-1] // 4) ** 0.5).softmax(-1)
+        return (w @ heads(v)).transpose(1, 2).reshape(q.shape)
+
+    q, k, v = block.attn.qkv(x).chunk(3, dim=-1)
+    x = norm(block.attn_norm, x + block.attn.out(attend(q, k, v)))
+    if image is not None:
+        k, v = block.cross.kv(image).chunk(2, dim=-1)
+        x = norm(block.cross_norm, x + block.cross.out(attend(block.cross.q(x), k, v)))
+    return norm(block.mlp_norm, x + block.mlp.proj(F.gelu(block.mlp.fc(x))))
+
+
+def test_a_post_norm_block_is_berts_layer_with_and_without_the_image():
+    from vltrain.model.blocks import PostNormBlock
+
+    torch.manual_seed(0)
+    block = PostNormBlock(32, 4, image_width=24)
+    with torch.no_grad():
+        for p in block.parameters():
+            p.add_(torch.randn_like(p) * 0.1)  # norms away from (1, 0)
+        x, image = torch.randn(3, 5, 32), torch.randn(3, 7, 24)
+        torch.testing.assert_close(block(x), _bert_layer(block, x), atol=1e-5, rtol=0)
+        torch.testing.assert_close(block(x, None, image), _bert_layer(block, x, image), atol=1e-5, rtol=0)
+        # a row gated off reads no image, and its cross-attention's norm still applies
+        gate = torch.tensor([1.0, 0.0, 1.0])[:, None, None]
+        gated = block(x, None, image, None, gate)
+        torch.testing.assert_close(gated[0], _bert_layer(block, x, image)[0], atol=1e-5, rtol=0)
+        alone = block(x[1:2], None, torch.randn(1, 7, 24), None, gate[1:2])
+        torch.testing.assert_close(gated[1:2], alone, atol=1e-6, rtol=0)
+        assert not torch.allclose(gated[1], block(x)[1], atol=1e-3)
+    assert PostNormBlock(32, 4).cross is None

@@ -271,3 +271,69 @@ def test_masked_image_modelling_is_refused_over_an_attentional_pooler():
     with pytest.raises(ConfigError, match="attentional pooler's tokens are not patches"):
         build_model(ModelConfig(preset="", arch=arch.to_dict(), loss=LossConfig(image_mim=0.3)), vocab_size=VOCAB,
                     pad_id=PAD, mask_id=MASK, image_size=32, max_text_length=8)
+
+
+def _blip_structure(tied: bool = True, seed: int = 0):
+    """A small model of BLIP's captioner: a ViT without a norm before its blocks, a text tower that is
+    BERT's embeddings alone (an embedding norm, no layers), post-norm decoder layers and BERT's LM
+    head, reading a start token of its own."""
+    from vltrain.model.decoder import DecoderConfig
+    from vltrain.model.presets import Architecture
+    from vltrain.model.text import TextTowerConfig
+    from vltrain.model.vision import VisionConfig
+
+    arch = Architecture(
+        VisionConfig(image_size=32, patch_size=8, width=48, depth=2, heads=4, pre_norm=False, patch_bias=True),
+        TextTowerConfig(vocab_size=VOCAB, max_length=8, width=32, depth=0, heads=4, pooling="eos", causal=True,
+                        norm_eps=1e-12, embed_norm=True, post_norm=True, start_id=VOCAB - 1),
+        32, decoder=DecoderConfig(depth=2, heads=4, tied=tied, post_norm=True, head="transform", norm_eps=1e-12))
+    torch.manual_seed(seed)
+    model = build_model(ModelConfig(preset="", arch=arch.to_dict()), vocab_size=VOCAB, pad_id=PAD, mask_id=MASK,
+                        image_size=32, max_text_length=8)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.ndim == 1:
+                p.add_(torch.randn_like(p) * 0.1)  # norms and biases away from (1, 0)
+    return model
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_blips_structure_has_berts_head_and_no_final_norm(tied):
+    model = _blip_structure(tied)
+    head = model.decoder.head
+    assert model.decoder.norm is None and model.text.norm is None and len(model.text.blocks) == 0
+    assert (head.decoder is None) == tied
+    names = {n for n, _ in model.named_parameters()}
+    assert {"decoder.head.dense.weight", "decoder.head.norm.weight", "decoder.head.bias"} <= names
+    assert ("decoder.head.decoder.weight" in names) != tied
+    x = torch.randn(2, 5, 32)
+    weight = model.text.token_embedding.weight if tied else head.decoder.weight
+    h = torch.nn.functional.layer_norm(torch.nn.functional.gelu(head.dense(x)), (32,), head.norm.weight,
+                                       head.norm.bias, 1e-12)
+    torch.testing.assert_close(model.decoder.logits(x), h @ weight.T + head.bias, atol=1e-5, rtol=0)
+
+
+def test_blips_structure_reads_its_start_token_and_no_image_on_text_only_rows():
+    model = _blip_structure()
+    batch = make_batch(4, seed=2, has_image=[True, False, True, False])
+    first = _logits(model, batch)
+    batch.input_ids[:, 0] = 7  # whatever the tokenizer put first, the tower reads its start token
+    assert torch.equal(_logits(model, batch), first)
+    batch.pixels = torch.randn_like(batch.pixels)
+    second = _logits(model, batch)
+    assert torch.equal(first[1], second[1]) and not torch.allclose(first[0], second[0], atol=1e-4)
+    text_only = make_batch(4, seed=3, has_image=[False] * 4)
+    _logits(model, text_only).square().mean().backward()
+    image_side = [*model.vision.parameters(), *(p for blk in model.decoder.blocks for p in blk.cross.kv.parameters())]
+    assert all(p.grad is None or not p.grad.any() for p in image_side)
+    assert all(p.grad is not None and p.grad.any() for p in model.decoder.blocks[0].attn.parameters())
+
+
+def test_blips_structure_generates_the_same_with_and_without_the_cache():
+    model = _blip_structure().eval()
+    tokens = model.image_tokens(torch.randn(3, 3, 32, 32))
+    start = model.text.cfg.start_id
+    for beam in (1, 3):
+        cached = generate(direct(model), tokens, [start], END, PAD, Decoding(8, beam=beam))
+        recomputed = generate(direct(model), tokens, [start], END, PAD, Decoding(8, beam=beam, cache=False))
+        assert cached == recomputed and all(row[0] == start and (len(row) == 8 or row[-1] == END) for row in cached)

@@ -50,11 +50,13 @@ def test_packed_packs_whatever_it_saves():
     assert len(packed_tokens(mask, "packed").index) == 154
 
 
-@pytest.mark.parametrize("pooling,causal", [("eos", True), ("mean", False), ("first", False)])
-def test_packed_tower_computes_what_the_padded_one_does(pooling, causal):
+@pytest.mark.parametrize("pooling,causal,bert", [("eos", True, False), ("mean", False, False), ("first", False, False),
+                                                 ("first", False, True), ("eos", True, True)])
+def test_packed_tower_computes_what_the_padded_one_does(pooling, causal, bert):
+    """``bert``: BLIP's text tower (an embedding norm, post-norm layers, no final norm)."""
     torch.manual_seed(0)
     cfg = TextTowerConfig(vocab_size=50, max_length=32, width=32, depth=2, heads=4, pooling=pooling, causal=causal,
-                          layout="packed")
+                          layout="packed", embed_norm=bert, post_norm=bert)
     packed = TextTransformer(cfg).double()
     padded = TextTransformer(replace(cfg, layout="padded")).double()
     padded.load_state_dict(packed.state_dict())
@@ -108,3 +110,45 @@ def test_auto_packs_on_cpu_and_the_setting_is_checked():
     assert load_config(None, ["model.text.layout=padded"]).model.text.layout == "padded"
     with pytest.raises(ConfigError, match="model.text.layout"):
         load_config(None, ["model.text.layout=sometimes"])
+
+
+def test_a_bert_tower_norms_its_embeddings_and_ends_in_its_last_layers_norm():
+    torch.manual_seed(0)
+    cfg = TextTowerConfig(vocab_size=50, max_length=32, width=32, depth=2, heads=4, pooling="first", embed_norm=True,
+                          post_norm=True, norm_eps=1e-12, layout="padded")
+    tower = TextTransformer(cfg)
+    assert tower.norm is None and tower.embed_norm.eps == 1e-12
+    ids, mask = _batch([5, 3])
+    seen = {}
+    tower.blocks[0].register_forward_pre_hook(lambda module, args: seen.setdefault("in", args[0]))
+    tower.blocks[1].register_forward_hook(lambda module, args, out: seen.setdefault("out", out))
+    tokens, pooled = tower(ids, mask)
+    embedded = tower.token_embedding(ids) + tower.pos_embed[:5]
+    ln = torch.nn.functional.layer_norm(embedded, (32,), tower.embed_norm.weight, tower.embed_norm.bias, 1e-12)
+    torch.testing.assert_close(seen["in"], ln, atol=0, rtol=0)
+    assert torch.equal(tokens, seen["out"]) and torch.equal(pooled, tokens[:, 0])
+
+
+def test_the_start_id_replaces_the_first_token_in_training_and_generation():
+    """BLIP's decoder reads its [DEC] token where the tokenizer put [CLS]: the tower reads it in
+    place of whatever position 0 holds, and generation from it reads what training read."""
+    from vltrain.model.blocks import LayerCache
+
+    torch.manual_seed(0)
+    cfg = TextTowerConfig(vocab_size=50, max_length=32, width=32, depth=2, heads=4, pooling="eos", causal=True,
+                          embed_norm=True, post_norm=True, start_id=49, layout="padded")
+    tower = TextTransformer(cfg).eval()
+    plain = TextTransformer(replace(cfg, start_id=None)).eval()
+    plain.load_state_dict(tower.state_dict())
+    ids, mask = _batch([6, 6])
+    ids[:, 0] = 2
+    started = ids.clone()
+    started[:, 0] = 49
+    with torch.no_grad():
+        tokens, _ = tower(ids, mask)
+        assert torch.equal(tokens, plain(started, mask)[0])
+        assert not torch.allclose(tokens, plain(ids, mask)[0], atol=1e-3)
+        caches = [LayerCache() for _ in tower.blocks]
+        stepped = [tower.step(ids[:, :2], caches, 0)]
+        stepped += [tower.step(ids[:, t: t + 1], caches, t) for t in range(2, 6)]
+        torch.testing.assert_close(torch.cat(stepped, dim=1), tokens, atol=1e-5, rtol=0)

@@ -50,6 +50,8 @@ def _differences(arch: Architecture, family: str) -> list[str]:
         (v.pooling == ("cls" if clip else "map"), f"vision pooling {'cls' if clip else 'map'} (is {v.pooling})"),
         (v.patch_bias != clip, "a patch embedding " + ("without" if clip else "with") + " bias"),
         (t.causal == clip, "causal text attention" if clip else "bidirectional text attention"),
+        (not (t.post_norm or t.embed_norm or t.start_id is not None),
+         "a pre-norm text tower without an embedding norm, reading its tokenizer's start token"),
         (t.pooling == ("eos" if clip else "last"), f"text pooling {'eos' if clip else 'last'} (is {t.pooling})"),
         (t.pad_to_max_length != clip, "text padded to the batch" if clip else "fixed-length text"),
         (arch.image_proj == ("linear" if clip else "none"), f"image projection {'linear' if clip else 'none'}"),

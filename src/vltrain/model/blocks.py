@@ -276,6 +276,39 @@ class CrossBlock(nn.Module):
         return x + self.mlp(self.norm3(x))
 
 
+class PostNormBlock(nn.Module):
+    """BERT's layer: each sublayer's residual, then its norm (``x = norm(x + f(x))``), where the
+    blocks above are pre-norm. Self-attention, then, when the block has one (``image_width`` > 0),
+    cross-attention to image tokens, then the feed-forward: BLIP's text encoder and decoder.
+
+    Called as :class:`Block` is (``x`` and a mask, :class:`Packed` tokens or a :class:`LayerCache`),
+    the cross-attention is skipped: BLIP's text encoder encodes text alone so, with the same
+    weights that fuse it with an image. Given ``image`` (or a cache that holds its keys and
+    values), it reads it, scaled per row by ``gate`` [B, 1, 1] when given (a text-only row reads
+    no image, as :class:`vltrain.model.decoder.DecoderBlock` does); its norm applies either way.
+    """
+
+    def __init__(self, width: int, heads: int, mlp_ratio: float = 4.0, act: str = "gelu", eps: float = 1e-12,
+                 image_width: int = 0):
+        super().__init__()
+        self.attn = SelfAttention(width, heads)
+        self.attn_norm = LayerNorm(width, eps=eps)
+        self.cross = CrossAttention(width, heads, image_width) if image_width else None
+        self.cross_norm = LayerNorm(width, eps=eps) if image_width else None
+        self.mlp = MLP(width, mlp_width(width, mlp_ratio), act)
+        self.mlp_norm = LayerNorm(width, eps=eps)
+
+    def forward(self, x: torch.Tensor, mask: "torch.Tensor | Packed | LayerCache | None" = None,
+                image: torch.Tensor | None = None, image_mask: torch.Tensor | None = None,
+                gate: torch.Tensor | None = None) -> torch.Tensor:
+        cache = mask if isinstance(mask, LayerCache) else None
+        x = self.attn_norm(x + self.attn(x, mask))
+        if image is not None or (cache is not None and cache.image_k is not None):
+            y = self.cross(x, image, image_mask, cache)
+            x = self.cross_norm(x + (y if gate is None else gate * y))
+        return self.mlp_norm(x + self.mlp(x))
+
+
 def run_blocks(blocks: nn.ModuleList, x: torch.Tensor, *args, checkpointing: bool = False) -> torch.Tensor:
     """Apply blocks in order; with ``checkpointing`` each block's activations are recomputed in backward."""
     for blk in blocks:

@@ -30,11 +30,13 @@ from vltrain.model.blocks import (
     CrossBlock,
     LayerCache,
     LayerNorm,
+    PostNormBlock,
     block_flops,
     key_padding_mask,
     mlp_width,
     run_blocks,
 )
+from vltrain.model.heads import MLMHead
 
 
 @dataclass
@@ -51,6 +53,18 @@ class DecoderConfig:
     causal self-attention with a feed-forward, then cross-attention with a feed-forward of its own
     and a layer norm on the image tokens. False: one block of self-attention, cross-attention and
     one feed-forward (``DecoderBlock``)."""
+    post_norm: bool = False
+    """BERT's layers, as BLIP's text decoder has them (:class:`vltrain.model.blocks.PostNormBlock`):
+    self-attention, cross-attention and feed-forward, each sublayer's residual then its norm, and
+    no norm after the last layer."""
+    head: str = "linear"
+    """How the vocabulary's logits are made: linear (a map, tied or its own) | transform (BERT's LM
+    head: a dense layer, the activation and a norm, then the map plus a bias per token)."""
+    norm_eps: float = 1e-5
+    """eps of the post-norm layers' norms and of the transform head's."""
+
+
+HEADS = ("linear", "transform")
 
 
 @dataclass
@@ -64,6 +78,8 @@ class DecoderCache:
     image: torch.Tensor | None
     image_mask: torch.Tensor | None
     gate: torch.Tensor
+    length: int = 0
+    """The positions cached so far."""
 
     @staticmethod
     def empty(text_depth: int, depth: int, image: torch.Tensor, image_mask: torch.Tensor | None,
@@ -77,7 +93,7 @@ class DecoderCache:
         mask = None if self.image_mask is None else self.image_mask.index_select(0, index)
         image = None if self.image is None else self.image.index_select(0, index)
         return DecoderCache([c.select(index) for c in self.text], [c.select(index) for c in self.layers], image,
-                            mask, self.gate.index_select(0, index))
+                            mask, self.gate.index_select(0, index), self.length)
 
 
 class DecoderBlock(CrossBlock):
@@ -132,31 +148,42 @@ class SplitDecoderBlock(nn.Module):
 
 
 class CaptionDecoder(nn.Module):
-    """The multimodal text decoder: ``depth`` :class:`DecoderBlock` over the text tower's tokens,
-    a norm, and the map to the vocabulary (its own, or the token embedding when ``tied``)."""
+    """The multimodal text decoder: ``depth`` decoder layers over the text tower's tokens (pre-norm
+    :class:`DecoderBlock` and a norm, OpenCLIP's :class:`SplitDecoderBlock` and a norm, or BERT's
+    post-norm layers), and the map to the vocabulary (its own, or the token embedding when ``tied``;
+    with BERT's transform first, ``head`` transform)."""
 
     def __init__(self, cfg: DecoderConfig, width: int, image_width: int, vocab_size: int,
                  embedding: nn.Embedding | None = None):
         super().__init__()
+        if cfg.head not in HEADS:
+            raise ValueError(f"decoder head must be one of {HEADS}, got {cfg.head!r}")
         self.cfg = cfg
         self.width = width
         self.image_width = image_width
-        layer = SplitDecoderBlock if cfg.separate_cross else DecoderBlock
-        self.blocks = nn.ModuleList(layer(width, cfg.heads, image_width, cfg.mlp_ratio, cfg.act)
-                                    for _ in range(cfg.depth))
-        self.norm = LayerNorm(width)
-        if cfg.tied:
-            if embedding is None or embedding.embedding_dim != width:
-                raise ValueError("a tied decoder needs the text tower's token embedding, of the decoder's width")
-            self.embedding = [embedding]  # a list: the tied weight is registered once, in the text tower
-            self.head = None
-        else:
+        self.blocks = nn.ModuleList(self._layer(image_width) for _ in range(cfg.depth))
+        self.norm = None if cfg.post_norm else LayerNorm(width)
+        if cfg.tied and (embedding is None or embedding.embedding_dim != width):
+            raise ValueError("a tied decoder needs the text tower's token embedding, of the decoder's width")
+        self.embedding = [embedding] if cfg.tied else None  # a list: the tied weight is registered in the text tower
+        self.head = None
+        if cfg.head == "transform":
+            self.head = MLMHead(width, embedding if cfg.tied else None, vocab_size, cfg.act, cfg.norm_eps)
+        elif not cfg.tied:
             self.head = nn.Linear(width, vocab_size, bias=False)
             nn.init.normal_(self.head.weight, std=width**-0.5)
         self.checkpointing = False
 
+    def _layer(self, image_width: int) -> nn.Module:
+        c = self.cfg
+        if c.post_norm:
+            return PostNormBlock(self.width, c.heads, c.mlp_ratio, c.act, c.norm_eps, image_width)
+        layer = SplitDecoderBlock if c.separate_cross else DecoderBlock
+        return layer(self.width, c.heads, image_width, c.mlp_ratio, c.act)
+
     def logits(self, x: torch.Tensor) -> torch.Tensor:
-        x = self.norm(x)
+        if self.norm is not None:
+            x = self.norm(x)
         return self.head(x) if self.head is not None else F.linear(x, self.embedding[0].weight)
 
     def forward(self, text_tokens: torch.Tensor, attention_mask: torch.Tensor, image_tokens: torch.Tensor,
@@ -183,4 +210,6 @@ class CaptionDecoder(nn.Module):
         blocks = c.depth * block_flops(length, self.width, c.mlp_ratio, image_tokens, self.image_width)
         if c.separate_cross:  # the second feed-forward
             blocks += c.depth * 4.0 * length * self.width * mlp_width(self.width, c.mlp_ratio)
+        if c.head == "transform":
+            blocks += 2.0 * length * self.width * self.width
         return blocks + 2.0 * length * self.width * vocab_size

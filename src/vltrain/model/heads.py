@@ -6,6 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from vltrain.model.blocks import ACTIVATIONS
+
 PROJECTIONS = ("linear", "linear_bias", "none")
 
 
@@ -57,15 +59,22 @@ class MIMHead(nn.Module):
 
 
 class MLMHead(nn.Module):
-    """Transform + decoder whose weight is the text token embedding (tied), plus a per-token bias."""
+    """BERT's LM head: a transform (dense, activation, norm), then the map to the vocabulary plus a
+    per-token bias. The map's weight is the text token embedding (tied), or its own when no
+    ``embedding`` is given (``vocab_size`` rows)."""
 
-    def __init__(self, width: int, embedding: nn.Embedding):
+    def __init__(self, width: int, embedding: nn.Embedding | None, vocab_size: int = 0, act: str = "gelu",
+                 eps: float = 1e-5):
         super().__init__()
         self.dense = nn.Linear(width, width)
-        self.norm = nn.LayerNorm(width)
-        self.embedding = [embedding]  # a list, so the tied weight is registered once (in the text tower)
-        self.bias = nn.Parameter(torch.zeros(embedding.num_embeddings))
+        self.act = ACTIVATIONS[act]
+        self.norm = nn.LayerNorm(width, eps=eps)
+        self.embedding = None if embedding is None else [embedding]  # a list: the tied weight is registered once
+        vocab_size = vocab_size if embedding is None else embedding.num_embeddings
+        self.decoder = nn.Linear(width, vocab_size, bias=False) if embedding is None else None
+        self.bias = nn.Parameter(torch.zeros(vocab_size))
 
     def forward(self, fused: torch.Tensor) -> torch.Tensor:
-        h = self.norm(F.gelu(self.dense(fused)))
-        return F.linear(h, self.embedding[0].weight, self.bias)
+        h = self.norm(self.act(self.dense(fused)))
+        weight = self.decoder.weight if self.embedding is None else self.embedding[0].weight
+        return F.linear(h, weight, self.bias)

@@ -224,7 +224,9 @@ class VLModel(nn.Module):
 
     def caption_step(self, ids: torch.Tensor, cache: DecoderCache) -> torch.Tensor:
         """The next-token logits [B, V] after the new positions ``ids`` [B, n]; ``cache`` grows by them."""
-        return self.decoder.step(self.text.step(ids, cache.text), cache)[:, -1]
+        tokens = self.text.step(ids, cache.text, cache.length)
+        cache.length += ids.shape[1]
+        return self.decoder.step(tokens, cache)[:, -1]
 
     def caption_next(self, ids: torch.Tensor, image_tokens: Tokens, has_image: torch.Tensor) -> torch.Tensor:
         """The next-token logits [B, V] after ``ids`` [B, n], every position recomputed (no cache)."""

@@ -20,6 +20,7 @@ from vltrain.model.blocks import (
     LayerCache,
     LayerNorm,
     Packed,
+    PostNormBlock,
     block_flops,
     in_autocast_dtype,
     key_padding_mask,
@@ -52,6 +53,15 @@ class TextTowerConfig:
     so no collator or tokenizer setting can get it wrong."""
     pad_id: int = 0
     """The padding token of ``pad_to_max_length`` (the checkpoint's own)."""
+    embed_norm: bool = False
+    """A layer norm over the token and position embeddings, before the blocks (BERT's)."""
+    post_norm: bool = False
+    """BERT's layers (each sublayer's residual, then its norm: :class:`PostNormBlock`), hence no
+    norm after the last one. BLIP's text towers."""
+    start_id: int | None = None
+    """The id read at position 0 in place of the tokenizer's start token, and the one captions are
+    generated from (BLIP's captioning decoder reads its [DEC] token, ``bos_token_id``, there);
+    None: the ids as they are."""
     layout: str = "auto"
     """auto | packed | padded: run the tower's token-wise layers over the batch's text tokens only,
     packed, rather than over the batch padded to its longest text (``packed_tokens``); auto: on a
@@ -116,14 +126,18 @@ class TextTransformer(nn.Module):
         appended = cfg.pooling == "appended"
         self.pos_embed = nn.Parameter(torch.randn(cfg.max_length + appended, cfg.width) * 0.01)
         self.cls_token = nn.Parameter(torch.randn(cfg.width) * 0.01) if appended else None
+        self.embed_norm = LayerNorm(cfg.width, eps=cfg.norm_eps) if cfg.embed_norm else None
+        layer = PostNormBlock if cfg.post_norm else Block
         self.blocks = nn.ModuleList(
-            Block(cfg.width, cfg.heads, cfg.mlp_ratio, cfg.act, cfg.norm_eps) for _ in range(cfg.depth)
+            layer(cfg.width, cfg.heads, cfg.mlp_ratio, cfg.act, cfg.norm_eps) for _ in range(cfg.depth)
         )
-        self.norm = LayerNorm(cfg.width, eps=cfg.norm_eps)
+        self.norm = None if cfg.post_norm else LayerNorm(cfg.width, eps=cfg.norm_eps)
         nn.init.normal_(self.token_embedding.weight, std=0.02)
         self.checkpointing = False
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.cfg.start_id is not None:
+            input_ids = self.started(input_ids)
         if self.cfg.pad_to_max_length:
             return self._forward_fixed_length(input_ids, attention_mask)
         if self.cls_token is not None:
@@ -132,28 +146,43 @@ class TextTransformer(nn.Module):
         packed = None if last else packed_tokens(attention_mask, self.cfg.layout)
         if packed is None:
             mask = (key_padding_mask if last else text_mask)(attention_mask, self.cfg.causal)
-            x = self.norm(run_blocks(self.blocks, self._embed(input_ids), mask, checkpointing=self.checkpointing))
+            x = self._last(run_blocks(self.blocks, self._embed(input_ids), mask, checkpointing=self.checkpointing))
             return x, pool(x, attention_mask, self.cfg.pooling)
         packed.mask = key_padding_mask(attention_mask, self.cfg.causal)
         n = input_ids.shape[1]
         x = self.token_embedding(input_ids.reshape(-1)[packed.index]) + self.pos_embed.index_select(0, packed.index % n)
-        x = in_autocast_dtype(x)
-        x = self.norm(run_blocks(self.blocks, x, packed, checkpointing=self.checkpointing))
+        x = self._embedded(x)
+        x = self._last(run_blocks(self.blocks, x, packed, checkpointing=self.checkpointing))
         tokens = packed.unpack(x)
         return tokens, pool(tokens, attention_mask, self.cfg.pooling)
 
-    def step(self, input_ids: torch.Tensor, caches: list[LayerCache]) -> torch.Tensor:
-        """The tokens [B, n, W] of ``n`` new positions given every block's cached keys and values of
-        the positions before them, which grow by the new ones (generation; a causal tower only)."""
-        start = 0 if caches[0].k is None else caches[0].k.shape[2]
+    def started(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """``input_ids`` with ``start_id`` at position 0 (the tokenizer's start token replaced)."""
+        start = input_ids.new_full((input_ids.shape[0], 1), self.cfg.start_id)
+        return torch.cat([start, input_ids[:, 1:]], dim=1)
+
+    def step(self, input_ids: torch.Tensor, caches: list[LayerCache], start: int) -> torch.Tensor:
+        """The tokens [B, n, W] of ``n`` new positions from position ``start`` on, given every
+        block's cached keys and values of the positions before them, which grow by the new ones
+        (generation; a causal tower only)."""
         n = input_ids.shape[1]
-        x = in_autocast_dtype(self.token_embedding(input_ids) + self.pos_embed[start : start + n])
+        if start == 0 and self.cfg.start_id is not None:
+            input_ids = self.started(input_ids)
+        x = self._embedded(self.token_embedding(input_ids) + self.pos_embed[start : start + n])
         for blk, cache in zip(self.blocks, caches):
             x = blk(x, cache)
-        return x if self.cls_token is not None else self.norm(x)
+        return x if self.cls_token is not None else self._last(x)
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return in_autocast_dtype(self.token_embedding(input_ids) + self.pos_embed[: input_ids.shape[1]])
+        return self._embedded(self.token_embedding(input_ids) + self.pos_embed[: input_ids.shape[1]])
+
+    def _embedded(self, x: torch.Tensor) -> torch.Tensor:
+        """Token and position embeddings summed, as the blocks read them."""
+        return in_autocast_dtype(x if self.embed_norm is None else self.embed_norm(x))
+
+    def _last(self, x: torch.Tensor) -> torch.Tensor:
+        """The blocks' output as the tower gives it: normed, unless its blocks end in a norm."""
+        return x if self.norm is None else self.norm(x)
 
     def _forward_fixed_length(self, input_ids: torch.Tensor, attention_mask: torch.Tensor):
         """Every row padded with ``pad_id`` to ``max_length`` and attended in full; the tokens come

@@ -167,9 +167,11 @@ def exportable(arch: Architecture) -> str:
         (d is not None, "a captioning decoder"),
         (v.pooling == "attn_pool", "an attentional pooler in the vision tower (vision pooling attn_pool)"),
         (t.pooling == "appended" and t.causal, "a causal text tower pooled at an appended class token"),
-        (d is not None and d.separate_cross and not d.tied and d.mlp_ratio == 4.0,
-         "decoder layers with separate cross-attention blocks, MLPs of ratio 4 (OpenCLIP builds no other) and an "
-         "untied output"),
+        (d is not None and d.separate_cross and not d.post_norm and not d.tied and d.mlp_ratio == 4.0
+         and d.head == "linear", "pre-norm decoder layers with separate cross-attention blocks, MLPs of ratio 4 "
+                                 "(OpenCLIP builds no other) and an untied linear output"),
+        (not (t.post_norm or t.embed_norm or t.start_id is not None),
+         "a pre-norm text tower without an embedding norm, reading its tokenizer's start token"),
         (v.class_token and v.pre_norm and not v.patch_bias, "a ViT with a class token and a norm before its blocks"),
         (arch.fusion is None, "no fusion encoder"),
         (arch.image_proj == "linear" and arch.text_proj == "linear", "bias-free projections"),
