@@ -89,7 +89,7 @@ def show_captions(trainer, data: Path, n: int = 4) -> list[tuple[str, str]]:
     images = json.loads(caption_set(data).read_text())["images"][:n]
     paths = [str(data / im["filename"]) for im in images]
     encoder = Encoder(trainer.wrapped, cfg.data, trainer.device, trainer.precision.autocast)
-    prompt = Prompt.of(tokenizer, "", cfg.data.max_text_length)
+    prompt = Prompt.of(tokenizer, "", cfg.data.max_text_length, cfg.model.architecture().text.start_id)
     texts, _ = caption_paths(encoder, tokenizer, paths, prompt, Decoding(cfg.data.max_text_length), rank=0,
                              world_size=1, batch_size=n)
     return [(im["sentences"][0]["raw"], text) for im, text in zip(images, texts)]

@@ -130,3 +130,58 @@ def image_file(path: Path, seed: int = 0, size: int = IMAGE) -> Path:
 def normalized(x: torch.Tensor) -> np.ndarray:
     out = getattr(x, "pooler_output", x)  # transformers 5 returns the pooling output
     return torch.nn.functional.normalize(out, dim=-1).detach().numpy()
+
+
+BLIP_WORDS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *WORDS, "##s", "[DEC]", "[ENC]"]
+"""BLIP's vocabulary conventions, small: BERT's special ids 0-4 ([CLS] 2, [SEP] 3 here), then words,
+then [DEC] (the captioner's start token, its bos_token_id) and [ENC]."""
+
+
+def blip_tokenizer(folder: Path) -> Tokenizer:
+    """BLIP's tokenizer, small: BERT's uncased WordPiece, [CLS] ... [SEP], [DEC] and [ENC] added."""
+    from tokenizers import decoders
+
+    vocab = {w: i for i, w in enumerate(BLIP_WORDS)}
+    tok = Tokenizer(models.WordPiece(vocab, unk_token="[UNK]"))
+    tok.normalizer = normalizers.BertNormalizer(lowercase=True)
+    tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    tok.decoder = decoders.WordPiece()
+    tok.post_processor = processors.TemplateProcessing(
+        single="[CLS] $A [SEP]", special_tokens=[("[CLS]", vocab["[CLS]"]), ("[SEP]", vocab["[SEP]"])])
+    tok.add_special_tokens(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "[DEC]", "[ENC]"])
+    tok.save(str(folder / "tokenizer.json"))
+    return tok
+
+
+def blip_config(tied: bool = True, init: float = 0.02):
+    """A tiny BlipConfig: width 32 (48 for images), 4 heads, 32-pixel images in patches of 8;
+    eos_token_id 2, as the real checkpoints have it (generation ends at sep_token_id). ``init``: the
+    weights' spread (transformers' 0.02; wider, random captions depend on their image and some end
+    before max_length)."""
+    import transformers
+
+    vocab = {w: i for i, w in enumerate(BLIP_WORDS)}
+    text = dict(vocab_size=len(BLIP_WORDS), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                num_attention_heads=4, max_position_embeddings=POSITIONS, bos_token_id=vocab["[DEC]"],
+                eos_token_id=2, pad_token_id=0, sep_token_id=vocab["[SEP]"], tie_word_embeddings=tied,
+                initializer_range=init)
+    vision = dict(hidden_size=48, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                  image_size=IMAGE, patch_size=PATCH, initializer_range=init)
+    return transformers.BlipConfig(text_config=text, vision_config=vision, image_text_hidden_size=24,
+                                   tie_word_embeddings=tied, initializer_range=init)
+
+
+def make_blip(folder: Path, kind: str = "BlipForConditionalGeneration", seed: int = 0, tied: bool = True,
+              init: float = 0.02):
+    """A tiny random BLIP model of transformers' class ``kind``, saved as a user would have it."""
+    import transformers
+    from transformers.models.blip.image_processing_pil_blip import BlipImageProcessorPil
+
+    folder.mkdir(parents=True, exist_ok=True)
+    blip_tokenizer(folder)
+    torch.manual_seed(seed)
+    model = getattr(transformers, kind)(blip_config(tied, init)).eval()
+    _randomize_norms(model)
+    model.save_pretrained(folder)
+    BlipImageProcessorPil(size={"height": IMAGE, "width": IMAGE}).save_pretrained(folder)
+    return model

@@ -337,3 +337,16 @@ def test_blips_structure_generates_the_same_with_and_without_the_cache():
         cached = generate(direct(model), tokens, [start], END, PAD, Decoding(8, beam=beam))
         recomputed = generate(direct(model), tokens, [start], END, PAD, Decoding(8, beam=beam, cache=False))
         assert cached == recomputed and all(row[0] == start and (len(row) == 8 or row[-1] == END) for row in cached)
+
+
+def test_a_captioner_without_a_contrastive_objective_still_gives_every_parameter_a_gradient():
+    """BLIP's captioner trains its caption loss alone: the unused projections and temperature get
+    zero gradients, so DDP without find_unused_parameters and FSDP2 see every parameter."""
+    task = small_task("tiny-coca", itc=0)
+    assert set(task.objectives.loss_weights) == {"caption"}
+    out = task("all", make_batch(4, seed=4, has_image=[True, True, False, True]))
+    assert set(out.losses) == {"caption"}
+    out.loss.backward()
+    missing = [n for n, p in task.model.named_parameters() if p.grad is None]
+    assert not missing
+    assert not task.model.logit_scale.grad.any() and not task.model.text_proj.proj.weight.grad.any()

@@ -27,6 +27,10 @@ def test_itc_and_siglip_cannot_both_be_off():
         config.load_config(None, ["model.loss.itc=0"])
     only_distillation = config.load_config(None, ["model.loss.itc=0", "model.loss.distill=1", "model.teacher.path=t"])
     assert only_distillation.model.loss.distill == 1
+    # a captioner may train its caption loss alone (BLIP's has no contrastive parts), not a model without one
+    assert config.load_config(None, ["model.preset=tiny-coca", "model.loss.itc=0"]).model.loss.caption == 2
+    with pytest.raises(errors.ConfigError, match="unless it captions"):
+        config.load_config(None, ["model.preset=tiny-coca", "model.loss.itc=0", "model.loss.caption=0"])
 
 
 def test_presets_load():

@@ -190,6 +190,22 @@ def test_indivisible_splits_are_refused_naming_what_works():
     assert "tied to the world size" in resolve_global_batch(tied, 2)
 
 
+def test_a_captioner_without_a_contrastive_loss_accumulates_without_gradcache():
+    """Gradient caching caches the contrastive loss's gradient: with the caption loss alone (BLIP's
+    captioner) there is none, so micro-batches accumulate plainly, and asking for it is refused."""
+    from vltrain.config.job import load_config
+    from vltrain.errors import ConfigError
+    from vltrain.train.build import decide_objectives, resolve_global_batch
+
+    cfg = load_config(None, ["model.preset=tiny-coca", "model.loss.itc=0", "data.global_batch_size=12",
+                             "data.micro_batch_size=2"])
+    assert resolve_global_batch(cfg, 2) == "global batch 12 = 2 rank(s) x 3 micro-batch(es) x 2 rows"
+    assert cfg.train.contrastive_accumulation == "none"
+    cfg.train.contrastive_accumulation = "gradcache"
+    with pytest.raises(ConfigError, match="no contrastive objective is on"):
+        decide_objectives(cfg)
+
+
 def test_budget_steps_that_cannot_feed_every_micro_batch_are_refused():
     from vltrain.config.job import JobConfig
     from vltrain.errors import ConfigError, UserError

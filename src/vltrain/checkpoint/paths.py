@@ -2,7 +2,7 @@
 
 :func:`locate` tells the kinds of model vltrain opens apart: a run folder, a checkpoint (a
 ``step-N`` folder, or a ``checkpoints`` folder: its newest), an export (``vltrain export``), a
-Hugging Face CLIPModel / SiglipModel / Siglip2Model folder, an OpenCLIP checkpoint file. Opening
+Hugging Face CLIPModel / SiglipModel / Siglip2Model / BLIP folder, an OpenCLIP checkpoint file. Opening
 (:mod:`vltrain.checkpoint.opening`), the checkpointer's resume and ``model.init`` all ask it, so
 that "which checkpoint is this path" has one answer. It only looks at files: nothing is loaded.
 
@@ -42,7 +42,7 @@ KINDS = {
     RUN: "a run folder (config.yaml and its checkpoints)",
     CHECKPOINT: f"a checkpoint (a step-N folder with {STATE_FILE}, or a checkpoints folder)",
     EXPORT: f"an exported model (vltrain export: {WEIGHTS_FILE}, {TOKENIZER_FILE}, {CONFIG_FILE})",
-    HF: f"a Hugging Face CLIPModel, SiglipModel or Siglip2Model folder ({HF_CONFIG})",
+    HF: f"a Hugging Face CLIPModel, SiglipModel, Siglip2Model or BLIP folder ({HF_CONFIG})",
     OPENCLIP: f"an OpenCLIP checkpoint file ({', '.join(CHECKPOINT_SUFFIXES)}) or model folder ({OPENCLIP_CONFIG})",
 }
 VLTRAIN_KINDS = (RUN, CHECKPOINT, EXPORT)

@@ -43,12 +43,13 @@ class Prompt:
     pad_id: int
 
     @staticmethod
-    def of(tokenizer: Tokenizer, text: str, max_length: int) -> "Prompt":
-        """``text``'s tokens after the tokenizer's start token (its end token dropped)."""
+    def of(tokenizer: Tokenizer, text: str, max_length: int, start_id: int | None = None) -> "Prompt":
+        """``text``'s tokens after the start token (its end token dropped): the model's own
+        (``start_id``, BLIP's [DEC]), else the tokenizer's."""
         if tokenizer.cls_id is None or tokenizer.eos_id is None:
             raise UserError(f"tokenizer {tokenizer.path or ''} has no start or end token ([CLS]/<s>/<|startoftext|> "
                             "and [SEP]/</s>/<|endoftext|>): a caption needs both")
-        ids = [tokenizer.cls_id]
+        ids = [tokenizer.cls_id if start_id is None else start_id]
         if text:
             ids += [t for t in tokenizer.encode(text, 10 * max_length)[0] if t not in (tokenizer.cls_id, tokenizer.eos_id)]
         return Prompt(ids, tokenizer.eos_id, tokenizer.pad_id)
@@ -130,12 +131,14 @@ class CaptionSet:
 
 
 def open_caption_set(name: str, path: str, split: str, image_root: str, data_cfg: DataConfig, tokenizer: Tokenizer,
-                     decoding: Decoding, prompt: str, *, rank: int, world_size: int, batch_size: int) -> CaptionSet:
+                     decoding: Decoding, prompt: str, *, rank: int, world_size: int, batch_size: int,
+                     start_id: int | None = None) -> CaptionSet:
+    """``start_id``: the model's own start token (``TextTowerConfig.start_id``), if it has one."""
     sets = open_captions(path, split, image_root)
     references: list[list[str]] = [[] for _ in sets.images]
     for caption, image in zip(sets.captions, sets.image_of):
         references[image].append(caption)
-    opened = Prompt.of(tokenizer, prompt, data_cfg.max_text_length)
+    opened = Prompt.of(tokenizer, prompt, data_cfg.max_text_length, start_id)
     decoding.check(len(opened.ids), data_cfg.max_text_length)
     images = build_eval_loader(data_cfg, ImageListDataset(sets.images, data_cfg), rank=rank, world_size=world_size,
                                batch_size=batch_size, pad_id=tokenizer.pad_id)
@@ -179,7 +182,7 @@ def caption_images(path: Path, images: list[str], overrides: list[str], *, beam:
     try:
         opened = open_model(found, device=world.device, cfg=cfg)
         needs_decoder(opened.model, str(path))
-        start = Prompt.of(opened.tokenizer, prompt, context)
+        start = Prompt.of(opened.tokenizer, prompt, context, opened.model.text.cfg.start_id)
         decoding.check(len(start.ids), context)
         encoder = Encoder(build_task(cfg, opened.model), cfg.data, world.device,
                           Precision(cfg.train.precision, world.device).autocast)

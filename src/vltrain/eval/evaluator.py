@@ -167,8 +167,10 @@ class Evaluator:
             raise ConfigError("eval.captions needs a captioning decoder: a preset with one (tiny-coca, coca-vit-b32) "
                               "and model.loss.caption > 0")
         self.tokenizer = tokenizer
+        start = cfg.model.architecture().text.start_id if ec.captions else None
         self.captions = [open_caption_set(c.name, c.path, c.split, c.image_root, cfg.data, tokenizer,
-                                          Decoding(c.max_length or cfg.data.max_text_length, c.beam), c.prompt, **kw)
+                                          Decoding(c.max_length or cfg.data.max_text_length, c.beam), c.prompt, **kw,
+                                          start_id=start)
                          for c in ec.captions]
 
     def __bool__(self) -> bool:

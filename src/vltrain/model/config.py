@@ -111,13 +111,15 @@ class LossConfig(Settings):
     """Weight of sigmoid distillation from model.teacher, for SigLIP students: each pair's sigmoid
     cross-entropy against the teacher's probability of a match (vltrain.objectives.distill)."""
 
+    @property
+    def contrastive(self) -> bool:
+        """Whether an objective over the global batch's embeddings is on (itc, siglip, distillation)."""
+        return bool(self.itc or self.siglip or self.distill or self.distill_sigmoid)
+
     def validate(self) -> None:
         for name in ("itc", "siglip", "itm", "mlm", "text_mlm", "image_mim", "caption", "distill", "distill_sigmoid"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"model.loss.{name} must be >= 0, got {getattr(self, name)}")
-        if self.itc == 0 and self.siglip == 0 and self.distill == 0 and self.distill_sigmoid == 0:
-            raise ConfigError("model.loss: set itc, siglip, distill or distill_sigmoid > 0 (a model needs a "
-                              "contrastive objective)")
         if (self.distill or self.distill_sigmoid) and self.contrastive_impl == "ring":
             raise ConfigError("model.loss.distill and distill_sigmoid gather the global batch: use "
                               "model.loss.contrastive_impl: gather")
@@ -147,8 +149,9 @@ class ModelConfig(Settings):
     embed_dim: int = 0
     """0: the preset's."""
     init: str = ""
-    """Start from pretrained weights: a Hugging Face CLIPModel/SiglipModel folder or an OpenCLIP
-    checkpoint file. Empty: random initialization from the seed."""
+    """Start from pretrained weights: a Hugging Face CLIPModel/SiglipModel/Siglip2Model folder, a
+    Hugging Face BlipForConditionalGeneration folder, or an OpenCLIP checkpoint file or CoCa folder.
+    Empty: random initialization from the seed."""
     quick_gelu: bool = False
     """An OpenCLIP checkpoint of OpenAI's weights (or one trained as ``*-quickgelu``) needs QuickGELU;
     tensor shapes cannot tell. A Hugging Face folder says so in its config.json."""
@@ -164,6 +167,17 @@ class ModelConfig(Settings):
             raise ConfigError(f"model.preset: unknown preset {self.preset!r}; choose one of {', '.join(list_presets())}"
                               + (" (or leave it out with model.init)" if self.init else ""))
         return PRESETS[self.preset]()
+
+    def check_objectives(self) -> None:
+        """A model needs a contrastive objective, unless it captions (a decoder with the caption loss
+        on: a BLIP captioner from model.init). Said once the architecture is known: with model.init,
+        once it is read."""
+        if self.loss.contrastive or (self.init and not self.arch):
+            return
+        if self.loss.caption == 0 or self.architecture().decoder is None:
+            raise ConfigError("model.loss: set itc, siglip, distill or distill_sigmoid > 0 (a model needs a "
+                              "contrastive objective, unless it captions: a captioning decoder with "
+                              "model.loss.caption > 0)")
 
     def validate(self) -> None:
         if self.preset not in list_presets() and not (self.preset == "" and (self.arch or self.init)):
@@ -183,3 +197,4 @@ class ModelConfig(Settings):
         if self.teacher.path and not distilling:
             raise ConfigError(f"model.teacher.path {self.teacher.path} is set but no loss uses it: set "
                               "model.loss.distill (or distill_sigmoid, for a SigLIP student) > 0, or drop the teacher")
+        self.check_objectives()

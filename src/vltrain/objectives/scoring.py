@@ -467,16 +467,17 @@ class Objectives:
         (in this order: each pass runs where its objective is scored, so the graph, and the order
         its gradients are summed in, is the same whichever objectives are on);
         ``contrastive=False`` leaves out ITC and SigLIP (computed elsewhere, over the cached global
-        batch) but keeps their parameters in the graph."""
+        batch) but keeps their parameters in the graph, as does a model that trains none of them
+        (a captioner)."""
         anchor = enc.anchor
         inputs = inputs.present()
         masks = inputs.masks if inputs.masks is not None else self.draw(inputs)
         losses: dict[str, torch.Tensor] = {}
         rows: dict[str, RowLosses] = {}
-        if contrastive:
+        if contrastive and any(k in self.loss_weights for k in self.CONTRASTIVE):
             losses.update(self.contrastive_losses(enc.image_embeds, enc.text_embeds, inputs.rows(), passes.logit_scale,
                                                   passes.logit_bias, rows))
-        else:
+        else:  # the temperature in the graph all the same: every parameter gets a gradient
             anchor = anchor + 0.0 * passes.logit_scale
             if passes.logit_bias is not None:
                 anchor = anchor + 0.0 * passes.logit_bias

@@ -61,7 +61,8 @@ log = logging.getLogger("vltrain")
 def resolve_init(cfg: JobConfig) -> Pretrained | None:
     """``model.init``: the checkpoint's architecture (into ``model.arch``) and, for every preprocessing
     value the config does not set, the checkpoint's (its tokenizer, if ``data.tokenizer`` is empty;
-    SigLIP's objective, if ``model.loss`` sets neither itc nor siglip). Returns the opened checkpoint."""
+    SigLIP's objective, or a captioner's caption loss alone, if ``model.loss`` sets neither itc nor
+    siglip). Returns the opened checkpoint."""
     mc = cfg.model
     if not mc.init:
         return None
@@ -82,8 +83,9 @@ def resolve_init(cfg: JobConfig) -> Pretrained | None:
         cfg.data.tokenizer = pp.tokenizer
     if source.kind in TEXT_CLEAN and not cfg.was_set("data.text_clean"):
         cfg.data.text_clean = TEXT_CLEAN[source.kind]  # how the captions it trained on were cleaned
-    if pp.objective == "siglip" and not (cfg.was_set("model.loss.itc") or cfg.was_set("model.loss.siglip")):
-        mc.loss.itc, mc.loss.siglip = 0.0, 1.0
+    if pp.objective != "itc" and not (cfg.was_set("model.loss.itc") or cfg.was_set("model.loss.siglip")):
+        # SigLIP's sigmoid loss; a captioner (BLIP's) has no contrastive parts: its caption loss alone
+        mc.loss.itc, mc.loss.siglip = 0.0, float(pp.objective == "siglip")
     mc.arch = source.arch.to_dict()
     if not source.arch_from.startswith("of model.preset"):
         mc.preset = ""  # the architecture is the checkpoint's alone (model.arch): no preset gave any of it
@@ -183,6 +185,9 @@ def decide_objectives(cfg: JobConfig) -> None:
     loss = cfg.model.loss
     if cfg.model.architecture().fusion is None:
         loss.itm, loss.mlm = 0.0, 0.0
+    if cfg.train.contrastive_accumulation == "gradcache" and not loss.contrastive:
+        raise ConfigError("train.contrastive_accumulation: gradcache caches the contrastive loss's gradient, and no "
+                          "contrastive objective is on (model.loss itc, siglip, distill); set it to none")
     if loss.itm_negatives == "auto":  # groups need micro-batches of one size: fixed batching
         loss.itm_negatives = "group" if cfg.data.global_batch_size and cfg.data.batching == "fixed" else "local"
     if loss.itm_negatives == "group" and cfg.data.batching == "budget":
@@ -279,10 +284,11 @@ def resolve_global_batch(cfg: JobConfig, world_size: int) -> str:
         raise ConfigError(f"data.micro_batch_size={micro} does not divide the {g // w} rows each of {w} ranks "
                           f"takes per step (data.global_batch_size={g}); use one of {fits}")
     data.batch_size, tc.accumulation = micro, g // (w * micro)
-    if tc.accumulation > 1:
+    cached = tc.accumulation > 1 and cfg.model.loss.contrastive
+    if cached:
         tc.contrastive_accumulation = "gradcache"  # the contrastive loss still sees all g rows
     said = (f"global batch {g} = {w} rank(s) x {tc.accumulation} micro-batch(es) x {micro} rows"
-            + (" (gradcache)" if tc.accumulation > 1 else ""))
+            + (" (gradcache)" if cached else ""))
     if data.batching != "budget":
         return said
     least = budget.min_step_rows(g)

@@ -37,7 +37,8 @@ class Preprocessing:
     tokenizer: str = ""
     """The checkpoint's own tokenizer.json, if it has one beside it."""
     objective: str = "itc"
-    """itc (CLIP's softmax contrastive loss) | siglip (pairwise sigmoid, with a logit bias)."""
+    """itc (CLIP's softmax contrastive loss) | siglip (pairwise sigmoid, with a logit bias) | caption
+    (a captioner without contrastive parts: the caption loss alone)."""
     max_patches: int = 256
     """resize native: the patch budget per image (SigLIP 2's max_num_patches)."""
     notes: list[str] = field(default_factory=list)

@@ -166,7 +166,7 @@ def preprocessing(folder: Path, config: dict[str, Any], arch: Architecture) -> P
     family = family_of(config, folder)
     path, pp = image_processor(folder)
     notes = [] if pp else [f"{path.name} absent: {family.upper()}'s usual preprocessing assumed"]
-    images = _native(pp, path, arch, notes) if family == "siglip2" else _square(pp, path, arch, family, notes)
+    images = _native(pp, path, arch, notes) if family == "siglip2" else square_images(pp, path, arch, family, notes)
     default_stats = (OPENAI_MEAN, OPENAI_STD) if family == "clip" else ([0.5] * 3, [0.5] * 3)
     tokenizer = folder / "tokenizer.json"
     return Preprocessing(
@@ -177,8 +177,9 @@ def preprocessing(folder: Path, config: dict[str, Any], arch: Architecture) -> P
     )
 
 
-def _square(pp: dict[str, Any], path: Path, arch: Architecture, family: str, notes: list[str]) -> dict[str, Any]:
-    """CLIPModel, SiglipModel: square images, cropped or squashed to the model's size."""
+def square_images(pp: dict[str, Any], path: Path, arch: Architecture, family: str, notes: list[str]) -> dict[str, Any]:
+    """CLIPModel, SiglipModel (and BLIP): square images, cropped (CLIP's default) or squashed to the
+    model's size."""
     crop = pp.get("do_center_crop", family == "clip")
     size = pp.get("crop_size") if crop else pp.get("size")
     side = (size or {}).get("height") or (size or {}).get("shortest_edge") if isinstance(size, dict) else size

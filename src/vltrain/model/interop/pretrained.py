@@ -1,4 +1,4 @@
-"""``model.init``: start from a Hugging Face CLIPModel / SiglipModel folder or an OpenCLIP checkpoint.
+"""``model.init``: start from a Hugging Face CLIPModel / SiglipModel / BLIP folder or an OpenCLIP checkpoint.
 
 :func:`open_pretrained` reads what a checkpoint describes (its architecture and preprocessing)
 without loading its weights; :func:`load_pretrained` then fills a model built for that architecture.
@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+import vltrain.model.interop.hf_blip as hf_blip
 import vltrain.model.interop.hf_clip as hf_clip
 import vltrain.model.interop.openclip as openclip
 import vltrain.model.interop.openclip_coca as openclip_coca
@@ -36,7 +37,7 @@ class Pretrained:
 
     path: Path
     kind: str
-    """hf-clip | hf-siglip | openclip | openclip-coca"""
+    """hf-clip | hf-siglip | hf-siglip2 | hf-blip | openclip | openclip-coca"""
     arch: Architecture
     preprocessing: Preprocessing
     arch_from: str
@@ -53,8 +54,10 @@ class Pretrained:
                             "save_pretrained(folder)")
         return found
 
-    def prepare(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    def prepare(self, state: dict[str, torch.Tensor], source: str) -> dict[str, torch.Tensor]:
         """The checkpoint's tensors as the links read them."""
+        if self.kind == "hf-blip":
+            return hf_blip.prepare(state, self.arch, source)
         return openclip_coca.split(state, self.arch) if self.kind == "openclip-coca" else state
 
     def links(self, keys) -> list[Link]:
@@ -62,10 +65,16 @@ class Pretrained:
             return openclip_coca.links(self.arch)
         if self.kind == "openclip":
             return openclip.links(self.arch, keys)
+        if self.kind == "hf-blip":
+            return hf_blip.links(self.arch)
         return hf_clip.links(self.arch, self.kind.removeprefix("hf-"))
 
     def ignored(self) -> tuple[str, ...]:
         return {"openclip": openclip.IGNORED, "openclip-coca": openclip_coca.IGNORED}.get(self.kind, hf_clip.IGNORED)
+
+    def parts(self) -> tuple[str, ...]:
+        """The prefixes of our tensors the checkpoint must give; the model's others start fresh."""
+        return hf_blip.parts(self.arch) if self.kind == "hf-blip" else TOWER_PREFIXES
 
 
 def open_pretrained(path: str | Path, preset: str = "", quick_gelu: bool = False) -> Pretrained:
@@ -76,9 +85,12 @@ def open_pretrained(path: str | Path, preset: str = "", quick_gelu: bool = False
         return _open_openclip(openclip_coca.find_weights(p), preset, quick_gelu, config)
     if p.is_dir():
         if not (p / "config.json").is_file():
-            raise UserError(f"model.init {p}: no config.json there; give a Hugging Face CLIPModel or SiglipModel "
-                            "folder (save_pretrained) or an OpenCLIP checkpoint file")
+            raise UserError(f"model.init {p}: no config.json there; give a Hugging Face CLIPModel, SiglipModel or "
+                            "BLIP folder (save_pretrained) or an OpenCLIP checkpoint file")
         config = hf_clip.read_json(p / "config.json")
+        if hf_blip.is_blip(config):
+            arch = hf_blip.architecture(p, config)
+            return Pretrained(p, "hf-blip", arch, hf_blip.preprocessing(p, config, arch), f"in {p}/config.json")
         family = hf_clip.family_of(config, p)
         arch = hf_clip.architecture(p, config)
         return Pretrained(p, f"hf-{family}", arch, hf_clip.preprocessing(p, config, arch), f"in {p}/config.json")
@@ -169,7 +181,7 @@ def read_shapes(path: Path) -> dict[str, tuple[int, ...]]:
 def load_pretrained(model: torch.nn.Module, source: Pretrained) -> list[str]:
     """Fill ``model`` (built for ``source.arch``) from the checkpoint; returns notes for the user."""
     file = source.weights_file()
-    state = source.prepare(read_state_dict(file))
+    state = source.prepare(read_state_dict(file), str(file))
     links = source.links(state.keys())
     wanted = {k: tuple(v.shape) for k, v in model.state_dict().items()}
     tensors = convert_in(links, state, wanted, str(file), source.arch_from)
@@ -178,10 +190,15 @@ def load_pretrained(model: torch.nn.Module, source: Pretrained) -> list[str]:
     if "logit_bias" in unused:
         unused.remove("logit_bias")
         notes.append("the checkpoint's logit_bias is not used: model.loss.siglip is 0")
+    unbuilt = sorted({link.ours.split(".", 1)[0] for link in links if link.ours not in wanted and link.ours != "logit_bias"})
+    if unbuilt:  # parts the architecture has, left out because their objectives are off
+        known = {k for link in links if link.ours not in wanted for k in link.theirs}
+        unused = [k for k in unused if k not in known]
+        notes.append(f"the checkpoint's {', '.join(unbuilt)} not used: the objectives that train them are off")
     if unused:
         raise UserError(f"{file} holds {len(unused)} tensor(s) this architecture has no place for, e.g. "
-                        f"{', '.join(repr(k) for k in unused[:3])}: not a plain {source.kind} ViT model")
-    uncovered = [k for k in wanted if k.startswith(TOWER_PREFIXES) and k not in tensors]
+                        f"{', '.join(repr(k) for k in unused[:3])}: not a plain {source.kind} model")
+    uncovered = [k for k in wanted if k.startswith(source.parts()) and k not in tensors]
     if uncovered:
         raise UserError(f"{file} has no weights for {uncovered[0]!r} ({len(uncovered)} in all)")
     fresh = sorted({k.split(".", 1)[0] for k in wanted if k not in tensors})
