@@ -57,11 +57,12 @@ def add_parsers(sub) -> None:
 
     x = sub.add_parser("export", help="write model.safetensors, the tokenizer and the config")
     x.add_argument("run_dir", help="a run folder, a checkpoint, an exported model folder, a Hugging Face "
-                                   "CLIPModel/SiglipModel folder or an OpenCLIP checkpoint")
+                                   "CLIPModel/SiglipModel/BLIP folder or an OpenCLIP checkpoint")
     x.add_argument("--out", required=True)
     x.add_argument("--format", choices=["native", "hf", "openclip"], default="native",
-                   help="native (vltrain's, the default), hf (a folder transformers' CLIPModel/SiglipModel loads) or "
-                        "openclip (a CoCa folder open_clip opens as local-dir:FOLDER)")
+                   help="native (vltrain's, the default), hf (a folder transformers' CLIPModel/SiglipModel/"
+                        "BlipForConditionalGeneration loads) or openclip (a CoCa folder open_clip opens as "
+                        "local-dir:FOLDER)")
     x.add_argument("--interpolate", type=float, default=None, metavar="ALPHA",
                    help="WiSE-FT: (1-ALPHA) x the run's initial weights + ALPHA x the trained ones (0..1)")
     x.add_argument("--ema", action="store_true",

@@ -1,5 +1,5 @@
 """``vltrain export --format hf``: a folder ``transformers.CLIPModel`` / ``SiglipModel`` /
-``Siglip2Model`` loads.
+``Siglip2Model`` loads (a BLIP captioner's: :mod:`vltrain.export.hf_blip`).
 
 It holds config.json, model.safetensors (every tensor the transformers model has, none it lacks),
 tokenizer.json with a tokenizer_config.json, and preprocessor_config.json (the run's image size,
@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+import vltrain.model.interop.hf_blip as hf_blip
 import vltrain.model.interop.hf_clip as hf_clip
 from vltrain.checkpoint.storage import write_weights
 from vltrain.config.job import JobConfig
@@ -61,9 +62,12 @@ def _differences(arch: Architecture, family: str) -> list[str]:
 
 
 def hf_family(model: VLModel, tokenizer: Tokenizer, name: str, cfg: JobConfig | None = None) -> str:
-    """clip | siglip | siglip2: the transformers model ``model`` is the same math as, given the run's
-    ``cfg`` (images at their own shape make it siglip2); a UserError says why none."""
+    """clip | siglip | siglip2 | blip: the transformers model ``model`` is the same math as, given the
+    run's ``cfg`` (images at their own shape make it siglip2); a UserError says why none. A model with
+    BLIP's text layers is blip, checked and written by :mod:`vltrain.export.hf_blip`."""
     refuse = f"{name} cannot be exported with --format hf"
+    if isinstance(model.text, TextTransformer) and hf_blip.is_blip_layout(architecture_of(model)):
+        return "blip"
     if model.fusion is not None:
         raise UserError(f"{refuse}: fusion models (ITM/MLM over a fusion encoder, ALBEF-style) have no Hugging "
                         "Face CLIPModel or SiglipModel equivalent; use --format native")

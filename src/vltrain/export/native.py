@@ -10,8 +10,9 @@ safetensors holds tensors only, so loading an exported model runs no code from t
 folder opens like any other model (:func:`vltrain.checkpoint.opening.open_model`), for ``vltrain
 embed``, ``vltrain eval`` and ``model.init``.
 ``--format hf`` writes a Hugging Face CLIPModel / SiglipModel / Siglip2Model folder instead
-(:mod:`vltrain.export.hf`), ``--format openclip`` the folder OpenCLIP opens, for CoCa models of its
-structure (:mod:`vltrain.export.openclip`).
+(:mod:`vltrain.export.hf`), or a BlipForConditionalGeneration one for a BLIP captioner
+(:mod:`vltrain.export.hf_blip`); ``--format openclip`` the folder OpenCLIP opens, for CoCa models of
+its structure (:mod:`vltrain.export.openclip`).
 ``--interpolate ALPHA`` writes (1 - ALPHA) x the run's initial weights + ALPHA x the trained ones
 (WiSE-FT's weight-space ensemble; ALPHA 0 is the initial model, 1 the fine-tuned one).
 Embeddings use the training pipeline itself (``decode_image``, the tokenizer, the collator,
@@ -33,6 +34,7 @@ from vltrain.checkpoint.storage import write_weights
 from vltrain.config.job import JobConfig
 from vltrain.errors import UserError
 from vltrain.export.hf import hf_family, write_hf
+from vltrain.export.hf_blip import check_blip, write_blip
 from vltrain.export.openclip import check_openclip, write_openclip
 
 log = logging.getLogger("vltrain")
@@ -43,7 +45,7 @@ def export_model(source: str | Path, out: str | Path, interpolate: float | None 
     """Write ``out``/{model.safetensors, tokenizer.json, config.yaml} from any model vltrain opens (a run,
     a checkpoint, an export, an imported checkpoint); ``interpolate``: blend a run's trained weights with
     its initial ones (:func:`interpolate_weights`); ``fmt`` "hf": a Hugging Face CLIPModel / SiglipModel /
-    Siglip2Model folder instead (:mod:`vltrain.export.hf`); ``ema``: a run's EMA weights (``train.ema``)
+    Siglip2Model / BlipForConditionalGeneration folder instead (:mod:`vltrain.export.hf`); ``ema``: a run's EMA weights (``train.ema``)
     instead of its trained ones (interpolated with the initial ones when both are asked)."""
     if interpolate is not None and not 0.0 <= interpolate <= 1.0:
         raise UserError(f"--interpolate must be in [0, 1] (0: the initial weights, 1: the fine-tuned ones), "
@@ -51,6 +53,7 @@ def export_model(source: str | Path, out: str | Path, interpolate: float | None 
     opened = open_model(source, ema=ema)
     model, tokenizer, cfg, found = opened.model, opened.tokenizer, opened.cfg, opened.located
     family = hf_family(model, tokenizer, str(found.weights), cfg) if fmt == "hf" else ""
+    blip = check_blip(model, tokenizer, cfg, str(found.weights)) if family == "blip" else None
     coca = check_openclip(model, cfg, str(found.weights)) if fmt == "openclip" else None
     metadata = {"format": "pt", "checkpoint": found.weights.name, **({"ema": "true"} if ema else {})}
     if interpolate is not None:
@@ -60,8 +63,11 @@ def export_model(source: str | Path, out: str | Path, interpolate: float | None 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     if family or coca is not None:
-        notes = (write_hf(model, tokenizer, cfg, out, family, metadata) if family
-                 else write_openclip(model, tokenizer, cfg, out, coca, metadata))
+        if blip is not None:
+            notes = write_blip(model, tokenizer, cfg, out, blip, metadata)
+        else:
+            notes = (write_hf(model, tokenizer, cfg, out, family, metadata) if family
+                     else write_openclip(model, tokenizer, cfg, out, coca, metadata))
         for note in notes:
             log.info("export: %s", note)
         return out

@@ -236,3 +236,52 @@ def parts(arch: Architecture) -> tuple[str, ...]:
     """The prefixes of our tensors the checkpoint must give (the rest start fresh)."""
     return ("vision.", "text.", "decoder.")
 
+
+
+def is_blip_layout(arch: Architecture) -> bool:
+    """Whether ``arch`` has BLIP's BERT text (post-norm layers), which only a BLIP folder can hold."""
+    return arch.text.post_norm or (arch.decoder is not None and arch.decoder.post_norm)
+
+
+def exportable(arch: Architecture) -> str:
+    """What keeps a model of ``arch`` from being a BlipForConditionalGeneration ("" when nothing)."""
+    v, t, d = arch.vision, arch.text, arch.decoder
+    checks = [
+        (d is not None and d.post_norm and d.head == "transform", "a captioning decoder of post-norm layers with "
+                                                                  "BERT's LM head (decoder head transform)"),
+        (t.depth == 0 and t.embed_norm and t.post_norm and t.causal and t.start_id is not None,
+         "a text tower of normed embeddings alone, reading its own start token"),
+        (d is not None and d.norm_eps == t.norm_eps, "one layer-norm eps for the text's embeddings and layers"),
+        (v.class_token and not v.pre_norm and v.patch_bias and v.pooling == "cls",
+         "a ViT with a class token, a biased patch embedding and no norm before its blocks"),
+        (arch.fusion is None, "no fusion encoder"),
+    ]
+    return "; ".join(what for ok, what in checks if not ok)
+
+
+def join(tensors: dict[str, torch.Tensor], arch: Architecture) -> dict[str, torch.Tensor]:
+    """The reverse of :func:`prepare`: an untied head's ``cls.predictions.bias``, which transformers
+    keeps but never reads, written as the bias it reads."""
+    out = dict(tensors)
+    if arch.decoder is not None and not arch.decoder.tied:
+        out[f"{HEAD}bias"] = out[f"{HEAD}decoder.bias"].clone()
+    return out
+
+
+def model_config(arch: Architecture, vocab_size: int, positions: int, sep_id: int, pad_id: int,
+                 hf_act: dict[str, str]) -> dict[str, Any]:
+    """The ``config.json`` of a BlipForConditionalGeneration of ``arch`` (``hf_act``: our activations'
+    names in transformers)."""
+    v, t, d = arch.vision, arch.text, arch.decoder
+    vision = {"model_type": "blip_vision_model", "hidden_size": v.width, "intermediate_size": round(v.width * v.mlp_ratio),
+              "num_hidden_layers": v.depth, "num_attention_heads": v.heads, "image_size": v.image_size,
+              "patch_size": v.patch_size, "hidden_act": hf_act[v.act], "layer_norm_eps": v.norm_eps}
+    text = {"model_type": "blip_text_model", "vocab_size": vocab_size, "hidden_size": t.width,
+            "encoder_hidden_size": v.width, "intermediate_size": round(t.width * d.mlp_ratio),
+            "num_hidden_layers": d.depth, "num_attention_heads": d.heads, "max_position_embeddings": positions,
+            "hidden_act": hf_act[d.act], "layer_norm_eps": d.norm_eps, "bos_token_id": t.start_id,
+            "eos_token_id": sep_id, "sep_token_id": sep_id, "pad_token_id": pad_id, "is_decoder": True,
+            "tie_word_embeddings": d.tied}
+    return {"architectures": ["BlipForConditionalGeneration"], "model_type": "blip",
+            "image_text_hidden_size": arch.embed_dim, "tie_word_embeddings": d.tied, "text_config": text,
+            "vision_config": vision}
