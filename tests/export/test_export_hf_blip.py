@@ -1,6 +1,7 @@
-"""vltrain export --format hf of a BLIP captioner: a folder transformers' BlipForConditionalGeneration
-loads with every tensor in place, that captions as vltrain does, after a fine-tune from a BLIP folder
-through the real trainer; a folder read and written back is the same tensors; and the refusals."""
+"""vltrain export --format hf of BLIP models: a folder transformers' BlipForConditionalGeneration (or
+BlipForImageTextRetrieval) loads with every tensor in place, that captions (scores) as vltrain does,
+after a fine-tune from a BLIP folder through the real trainer; a folder read and written back is the
+same tensors; and the refusals."""
 
 from __future__ import annotations
 
@@ -25,13 +26,19 @@ from vltrain.export.native import export_model  # noqa: E402
 from vltrain.model.generate import Decoding, direct, generate  # noqa: E402
 
 HEAD = "text_decoder.cls.predictions."
+RETRIEVAL = "BlipForImageTextRetrieval"
 
 
 @pytest.fixture(scope="module")
 def finetuned(tmp_path_factory):
-    """Two trainer steps (the caption loss alone) from a tiny BLIP captioner; returns (run, original)."""
-    root = tmp_path_factory.mktemp("ft-blip")
-    original = make_blip(root / "pretrained", init=0.4)
+    """A tiny BLIP captioner after two steps of its caption loss; returns (run, original)."""
+    return _fine_tune(tmp_path_factory, "ft-blip", init=0.4)
+
+
+def _fine_tune(tmp_path_factory, name: str, **kw):
+    """Two trainer steps from a tiny BLIP folder; returns (run, original)."""
+    root = tmp_path_factory.mktemp(name)
+    original = make_blip(root / "pretrained", **kw)
     cfg = load_config(None, overrides(session_shapes(tmp_path_factory), root / "run", model__init=root / "pretrained",
                                       data__tokenizer="''", data__mean="[0.4,0.5,0.6]", train__max_steps=2,
                                       data__num_workers=0, checkpoint__every=0))
@@ -39,8 +46,8 @@ def finetuned(tmp_path_factory):
     return root / "run", original
 
 
-def _loaded(folder):
-    hf, info = transformers.BlipForConditionalGeneration.from_pretrained(folder, output_loading_info=True)
+def _loaded(folder, kind: str = "BlipForConditionalGeneration"):
+    hf, info = getattr(transformers, kind).from_pretrained(folder, output_loading_info=True)
     assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
     return hf.eval()
 
@@ -76,12 +83,12 @@ def test_the_exported_folder_is_the_fine_tuned_model_in_transformers(finetuned, 
         assert (logits - hf(pixel_values=pixels, input_ids=ids).logits).abs().max() < 1e-9
 
 
-def _inputs(pixels, ids):
+def _inputs(pixels, ids, mask=None):
     from vltrain.types import ModelInputs
 
     every = torch.ones(len(ids), dtype=torch.bool)
-    return ModelInputs(pixels=pixels, input_ids=ids, attention_mask=torch.ones_like(ids), has_image=every,
-                       has_text=every, ids=torch.arange(len(ids)))
+    return ModelInputs(pixels=pixels, input_ids=ids, attention_mask=torch.ones_like(ids) if mask is None else mask,
+                       has_image=every, has_text=every, ids=torch.arange(len(ids)))
 
 
 def test_blip_processor_reads_the_export_as_the_run_did(finetuned, tmp_path, capsys):
@@ -103,11 +110,36 @@ def test_blip_processor_reads_the_export_as_the_run_did(finetuned, tmp_path, cap
         assert line.split(str(image), 1)[1].strip() == text.strip()
 
 
-@pytest.mark.parametrize("tied", [True, False])
-def test_a_folder_read_and_written_back_is_the_same_tensors(tmp_path, tied):
-    original = make_blip(tmp_path / "in", tied=tied)
+def test_a_fine_tuned_retrieval_model_scores_as_vltrain_in_transformers(tmp_path_factory, tmp_path):
+    """ITC and ITM (hard negatives) for two steps, exported: transformers' similarities and ITM
+    logits are vltrain's."""
+    run, original = _fine_tune(tmp_path_factory, "ft-blip-itr", kind=RETRIEVAL)
+    opened = open_model(run)
+    model, tokenizer = opened.model, opened.tokenizer
+    assert (opened.cfg.model.loss.itc, opened.cfg.model.loss.itm) == (1, 1)
+    out = export_model(run, tmp_path / "hf", fmt="hf")
+    assert json.loads((out / "config.json").read_text())["architectures"] == [RETRIEVAL]
+    hf = _loaded(out, RETRIEVAL)
+    assert any(not torch.equal(v, original.state_dict()[k]) for k, v in hf.state_dict().items())  # trained
+    pixels = torch.randn(4, 3, 32, 32, generator=torch.Generator().manual_seed(3))
+    rows = [tokenizer.encode(t, 16)[0] for t in TEXTS]
+    ids = torch.tensor([r + [0] * (16 - len(r)) for r in rows])
+    mask = (ids != 0).long()
+    with torch.no_grad():
+        enc = model.encode(_inputs(pixels, ids, mask))
+        similarity = enc.image_embeds @ enc.text_embeds.T
+        itm = model.itm_logits(enc.text_tokens, mask, enc.image_tokens)
+        given = dict(input_ids=ids, pixel_values=pixels, attention_mask=mask)
+        assert (similarity - hf(**given, use_itm_head=False).itm_score).abs().max() < 1e-5
+        assert (itm - hf(**given).itm_score).abs().max() < 1e-5
+
+
+@pytest.mark.parametrize("kind,tied", [("BlipForConditionalGeneration", True), ("BlipForConditionalGeneration", False),
+                                       (RETRIEVAL, True)])
+def test_a_folder_read_and_written_back_is_the_same_tensors(tmp_path, kind, tied):
+    original = make_blip(tmp_path / "in", kind=kind, tied=tied)
     out = export_model(tmp_path / "in", tmp_path / "out", fmt="hf")
-    theirs, ours = original.state_dict(), _loaded(out).state_dict()
+    theirs, ours = original.state_dict(), _loaded(out, kind).state_dict()
     assert sorted(ours) == sorted(theirs)
     # an untied head's cls.predictions.bias is never read by transformers: written as the bias it reads
     dead = set() if tied else {f"{HEAD}bias"}
@@ -126,4 +158,13 @@ def test_what_blip_cannot_hold_is_refused_in_one_line(finetuned):
     opened.model.decoder.cfg.head = "linear"
     with pytest.raises(UserError, match="BlipForConditionalGeneration needs a captioning decoder of post-norm layers "
                                         "with BERT's LM head"):
+        check_blip(opened.model, opened.tokenizer, opened.cfg, "run")
+
+
+
+def test_a_retrieval_model_without_its_itm_head_is_refused(tmp_path):
+    make_blip(tmp_path / "in", kind=RETRIEVAL)
+    opened = open_model(tmp_path / "in", ["model.loss.itm=0"])
+    with pytest.raises(UserError, match="BlipForImageTextRetrieval needs image-text matching by the text encoder's "
+                                        "own layers .*; an ITM head"):
         check_blip(opened.model, opened.tokenizer, opened.cfg, "run")

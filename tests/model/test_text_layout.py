@@ -152,3 +152,27 @@ def test_the_start_id_replaces_the_first_token_in_training_and_generation():
         stepped = [tower.step(ids[:, :2], caches, 0)]
         stepped += [tower.step(ids[:, t: t + 1], caches, t) for t in range(2, 6)]
         torch.testing.assert_close(torch.cat(stepped, dim=1), tokens, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("layout", ["packed", "padded"])
+def test_a_tower_that_fuses_encodes_text_alone_as_one_without_cross_attention(layout):
+    """BLIP's text encoder under a shared fusion: text alone skips the cross-attention (the same pooled
+    vector as the tower without it), the tokens handed on are the embedded ones, and the fusion pass
+    over them reads the image, each row its own."""
+    from vltrain.model.blocks import key_padding_mask
+
+    torch.manual_seed(0)
+    cfg = TextTowerConfig(vocab_size=50, max_length=32, width=32, depth=2, heads=4, pooling="first", embed_norm=True,
+                          post_norm=True, norm_eps=1e-12, layout=layout)
+    fusing = TextTransformer(cfg, image_width=24).double()
+    plain = TextTransformer(cfg).double()
+    plain.load_state_dict(fusing.state_dict(), strict=False)
+    ids, mask = _batch(LENGTHS[:6])
+    (embedded, pooled), (_, alone) = fusing(ids, mask), plain(ids, mask)
+    torch.testing.assert_close(pooled, alone, rtol=0, atol=1e-12)
+    torch.testing.assert_close(embedded, fusing._embed(ids), rtol=0, atol=0)
+    image = torch.randn(6, 5, 24, dtype=torch.float64)
+    fused = fusing.fuse(embedded, key_padding_mask(mask), image, None)
+    assert not torch.allclose(fused[:, 0], pooled, atol=1e-3)
+    one = fusing.fuse(embedded[2:3], key_padding_mask(mask[2:3]), image[2:3], None)
+    torch.testing.assert_close(one, fused[2:3], rtol=0, atol=1e-12)

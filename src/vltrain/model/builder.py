@@ -25,7 +25,9 @@ from vltrain.model.text import HFTextEncoder, TextTransformer
 from vltrain.model.vision import VisionTransformer
 
 
-def _text_tower(model_cfg: ModelConfig, arch: Architecture, vocab_size: int, max_text_length: int) -> nn.Module:
+def _text_tower(model_cfg: ModelConfig, arch: Architecture, vocab_size: int, max_text_length: int,
+                image_width: int = 0) -> nn.Module:
+    """``image_width``: the tower's layers also cross-attend to image tokens of that width (a shared fusion)."""
     pooling = model_cfg.text.pooling
     fixed_length = arch.text.pad_to_max_length and not model_cfg.text.hf_path
     if (pooling or arch.text.pooling) == "last" and not fixed_length:
@@ -37,7 +39,7 @@ def _text_tower(model_cfg: ModelConfig, arch: Architecture, vocab_size: int, max
     if not model_cfg.text.hf_path:
         pooling = pooling or arch.text.pooling
         return TextTransformer(replace(arch.text, vocab_size=vocab_size, max_length=max_text_length, pooling=pooling,
-                                       layout=model_cfg.text.layout))
+                                       layout=model_cfg.text.layout), image_width)
     if pooling == "appended":
         raise ConfigError("model.text.pooling: appended (an appended class token) is for vltrain's own text tower, "
                           "not model.text.hf_path; use first, eos or mean")
@@ -71,6 +73,16 @@ def _check_decoder(model_cfg: ModelConfig, arch: Architecture) -> None:
     if not arch.text.causal:
         raise ConfigError(f"{model_cfg.preset or 'model.arch'}: a captioning decoder needs a causal text tower "
                           "(text.causal), or it would read the tokens it predicts; set model.loss.caption=0")
+
+
+def _check_shared(model_cfg: ModelConfig, arch: Architecture) -> None:
+    """A shared fusion reruns the text tower's own post-norm layers, and hands on its embedded tokens."""
+    if model_cfg.text.hf_path or not arch.text.post_norm:
+        raise ConfigError("a shared fusion (BLIP's) runs the text tower's own post-norm layers with their "
+                          "cross-attention: it needs vltrain's text tower with text.post_norm, not model.text.hf_path")
+    if model_cfg.loss.text_mlm > 0:
+        raise ConfigError("model.loss.text_mlm reads the text tower's output, and a tower under a shared fusion "
+                          "(BLIP's text encoder) hands on its embedded tokens instead; set model.loss.text_mlm=0")
 
 
 def _check_heads(arch: Architecture, loss: LossConfig, fused: bool, mask_id: int | None) -> None:
@@ -111,8 +123,11 @@ def build_model(
     fused = has_fusion(arch, loss)
     _check_heads(arch, loss, fused, mask_id)
     vision = VisionTransformer(replace(arch.vision, image_size=image_size))
-    text = _text_tower(model_cfg, arch, vocab_size, max_text_length)
-    fusion = FusionEncoder(arch.fusion, text.width, vision.width) if fused else None
+    shared = fused and arch.fusion.shared
+    if shared:
+        _check_shared(model_cfg, arch)
+    text = _text_tower(model_cfg, arch, vocab_size, max_text_length, vision.width if shared else 0)
+    fusion = FusionEncoder(arch.fusion, text.width, vision.width, text) if fused else None
     decoder = None
     if has_decoder(arch, loss):
         _check_decoder(model_cfg, arch)

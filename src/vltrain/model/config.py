@@ -150,8 +150,8 @@ class ModelConfig(Settings):
     """0: the preset's."""
     init: str = ""
     """Start from pretrained weights: a Hugging Face CLIPModel/SiglipModel/Siglip2Model folder, a
-    Hugging Face BlipForConditionalGeneration folder, or an OpenCLIP checkpoint file or CoCa folder.
-    Empty: random initialization from the seed."""
+    Hugging Face BlipForConditionalGeneration or BlipForImageTextRetrieval folder, or an OpenCLIP
+    checkpoint file or CoCa folder. Empty: random initialization from the seed."""
     quick_gelu: bool = False
     """An OpenCLIP checkpoint of OpenAI's weights (or one trained as ``*-quickgelu``) needs QuickGELU;
     tensor shapes cannot tell. A Hugging Face folder says so in its config.json."""

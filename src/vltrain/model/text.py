@@ -118,8 +118,15 @@ def packed_tokens(attention_mask: torch.Tensor, layout: str) -> Packed | None:
 
 
 class TextTransformer(nn.Module):
-    def __init__(self, cfg: TextTowerConfig):
+    """Our own text tower. Built with ``image_width`` (BLIP's text encoder, under a shared fusion:
+    ``FusionConfig.shared``), its post-norm layers also cross-attend to image tokens in the fusion
+    pass (:meth:`fuse`), and encoding text alone hands on the embedded tokens that pass starts from
+    (the pooled vector is the text-only output's, as ever)."""
+
+    def __init__(self, cfg: TextTowerConfig, image_width: int = 0):
         super().__init__()
+        if image_width and not cfg.post_norm:
+            raise ValueError("only a post-norm text tower's layers cross-attend (a shared fusion)")
         self.cfg = cfg
         self.width = cfg.width
         self.token_embedding = nn.Embedding(cfg.vocab_size, cfg.width)
@@ -127,9 +134,10 @@ class TextTransformer(nn.Module):
         self.pos_embed = nn.Parameter(torch.randn(cfg.max_length + appended, cfg.width) * 0.01)
         self.cls_token = nn.Parameter(torch.randn(cfg.width) * 0.01) if appended else None
         self.embed_norm = LayerNorm(cfg.width, eps=cfg.norm_eps) if cfg.embed_norm else None
-        layer = PostNormBlock if cfg.post_norm else Block
+        self.fuses = bool(image_width)
         self.blocks = nn.ModuleList(
-            layer(cfg.width, cfg.heads, cfg.mlp_ratio, cfg.act, cfg.norm_eps) for _ in range(cfg.depth)
+            PostNormBlock(cfg.width, cfg.heads, cfg.mlp_ratio, cfg.act, cfg.norm_eps, image_width) if cfg.post_norm
+            else Block(cfg.width, cfg.heads, cfg.mlp_ratio, cfg.act, cfg.norm_eps) for _ in range(cfg.depth)
         )
         self.norm = None if cfg.post_norm else LayerNorm(cfg.width, eps=cfg.norm_eps)
         nn.init.normal_(self.token_embedding.weight, std=0.02)
@@ -146,15 +154,23 @@ class TextTransformer(nn.Module):
         packed = None if last else packed_tokens(attention_mask, self.cfg.layout)
         if packed is None:
             mask = (key_padding_mask if last else text_mask)(attention_mask, self.cfg.causal)
-            x = self._last(run_blocks(self.blocks, self._embed(input_ids), mask, checkpointing=self.checkpointing))
-            return x, pool(x, attention_mask, self.cfg.pooling)
+            embedded = self._embed(input_ids)
+            x = self._last(run_blocks(self.blocks, embedded, mask, checkpointing=self.checkpointing))
+            return embedded if self.fuses else x, pool(x, attention_mask, self.cfg.pooling)
         packed.mask = key_padding_mask(attention_mask, self.cfg.causal)
         n = input_ids.shape[1]
         x = self.token_embedding(input_ids.reshape(-1)[packed.index]) + self.pos_embed.index_select(0, packed.index % n)
         x = self._embedded(x)
         x = self._last(run_blocks(self.blocks, x, packed, checkpointing=self.checkpointing))
         tokens = packed.unpack(x)
-        return tokens, pool(tokens, attention_mask, self.cfg.pooling)
+        return self._embed(input_ids) if self.fuses else tokens, pool(tokens, attention_mask, self.cfg.pooling)
+
+    def fuse(self, embedded: torch.Tensor, mask: torch.Tensor, image: torch.Tensor,
+             image_mask: torch.Tensor | None) -> torch.Tensor:
+        """The fusion pass (a tower built with ``image_width``): its layers over the embedded tokens
+        [B, L, W] that :meth:`forward` handed on, attending to each other (``mask``) and to the image
+        tokens (``image_mask``: the real ones, attention form; None: all)."""
+        return run_blocks(self.blocks, embedded, mask, image, image_mask, checkpointing=self.checkpointing)
 
     def started(self, input_ids: torch.Tensor) -> torch.Tensor:
         """``input_ids`` with ``start_id`` at position 0 (the tokenizer's start token replaced)."""

@@ -1,6 +1,7 @@
-"""model.init from a Hugging Face BlipForConditionalGeneration folder: vltrain's caption logits and
-captions (greedy, beam search, with a prompt) are transformers'; the folder's preprocessing and
-tokenizer come with it; a BLIP folder vltrain cannot read is said in one line."""
+"""model.init from Hugging Face BLIP folders. BlipForConditionalGeneration: vltrain's caption logits
+and captions (greedy, beam search, with a prompt) are transformers'. BlipForImageTextRetrieval: its
+ITC similarities and ITM logits are, one text encoder serving both (a shared fusion). The folder's
+preprocessing and tokenizer come with it; a BLIP folder vltrain cannot read is said in one line."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from kits.datafiles import run_cli  # noqa: E402
 from kits.pretrainedkit import TEXTS, image_file, make_blip  # noqa: E402
 
 from vltrain.config.job import load_config  # noqa: E402
-from vltrain.errors import UserError  # noqa: E402
+from vltrain.errors import ConfigError, UserError  # noqa: E402
 from vltrain.eval.captioning import Prompt  # noqa: E402
 from vltrain.model.generate import Decoding, direct, generate  # noqa: E402
 from vltrain.model.interop.convert import OPENAI_MEAN  # noqa: E402
@@ -210,3 +211,78 @@ def test_a_tokenizer_that_disagrees_with_the_config_is_noted(captioner, tmp_path
     folder = _edited(captioner, tmp_path, lambda c: c["text_config"].update(sep_token_id=4))
     notes = load(folder)[3].preprocessing.notes
     assert notes == ["tokenizer.json gives sep_token 3 where config.json says 4: the tokenizer's is used"]
+
+
+
+RETRIEVAL = "BlipForImageTextRetrieval"
+
+
+@pytest.fixture(scope="module")
+def retrieval(tmp_path_factory):
+    return _folder(tmp_path_factory, "retrieval", kind=RETRIEVAL)
+
+
+def retrieval_gaps(model, tokenizer, hf, dtype=torch.float32) -> tuple[float, float]:
+    """The largest |vltrain - transformers| of the ITC similarities (every image with every text) and
+    of the ITM logits (each image with its text), on the same pixels and ids."""
+    pixels = torch.randn(len(TEXTS), 3, 32, 32, generator=torch.Generator().manual_seed(1), dtype=dtype)
+    batch = inputs(tokenizer, TEXTS, pixels)
+    model, hf = model.to(dtype), hf.to(dtype)
+    try:
+        with torch.no_grad():
+            enc = model.encode(batch)
+            similarity = enc.image_embeds @ enc.text_embeds.T
+            itm = model.itm_logits(enc.text_tokens, batch.attention_mask, enc.image_tokens)
+            given = dict(input_ids=batch.input_ids, pixel_values=pixels, attention_mask=batch.attention_mask)
+            theirs_similarity = hf(**given, use_itm_head=False).itm_score
+            theirs_itm = hf(**given).itm_score
+    finally:
+        model.float(), hf.float()
+    return (similarity - theirs_similarity).abs().max().item(), (itm - theirs_itm).abs().max().item()
+
+
+def test_retrieval_similarities_and_itm_logits_are_transformers(retrieval):
+    _, hf, (model, tokenizer, _, _) = retrieval
+    similarity, itm = retrieval_gaps(model, tokenizer, hf)
+    assert similarity < 1e-5 and itm < 1e-5
+    assert max(retrieval_gaps(model, tokenizer, hf, torch.float64)) < 1e-12
+
+
+def test_one_text_encoder_serves_itc_and_itm(retrieval):
+    """The fusion pass is the text tower's own layers with their cross-attention: no layers, no
+    parameters of its own; the tower hands on its embedded tokens, from which that pass starts."""
+    _, _, (model, tokenizer, cfg, source) = retrieval
+    assert (cfg.model.loss.itc, cfg.model.loss.itm) == (1, 1) and model.fusion.cfg.shared
+    names = [n for n, _ in model.named_parameters()]
+    assert not any(n.startswith("fusion.") for n in names) and "text.blocks.1.cross.kv.weight" in names
+    assert "itm_head.fc.weight" in names and model.text.fuses
+    from vltrain.model.interop.pretrained import load_pretrained
+
+    assert load_pretrained(model, source) == ["initialized fresh (not in the checkpoint): logit_scale"]
+
+
+def test_retrieval_trains_every_parameter_and_without_itm_leaves_the_cross_attention(retrieval, tmp_path):
+    from kits.modelkit import make_batch
+
+    from vltrain.objectives.scoring import Objectives
+    from vltrain.train.task import Task
+
+    folder, _, (_, _, cfg, _) = retrieval
+    model = load(folder)[0].train()
+    task = Task(model, Objectives(cfg.model.loss, model.spec))
+    batch = make_batch(4, seed=1)
+    batch.input_ids = batch.input_ids % 21  # the folder's vocabulary
+    out = task("all", batch)
+    assert set(out.losses) == {"itc", "itm"}
+    out.loss.backward()
+    assert all(p.grad is not None for p in model.parameters())
+    assert model.text.blocks[0].cross.kv.weight.grad.any()
+    # ITM off: no fusion pass, so no cross-attention to train; the folder's are said to go unused
+    plain, _, _, source = load(folder, "model.loss.itm=0")
+    assert plain.fusion is None and plain.text.blocks[0].cross is None
+    from vltrain.model.interop.pretrained import load_pretrained
+
+    assert ("the checkpoint's itm_head.fc, text.blocks.*.cross, text.blocks.*.cross_norm not used: the objectives "
+            "that train them are off") in load_pretrained(plain, source)
+    with pytest.raises(ConfigError, match="set model.loss.text_mlm=0"):
+        load(folder, "model.loss.text_mlm=0.5")

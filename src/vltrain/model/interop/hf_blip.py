@@ -11,10 +11,16 @@ BLIP's parts are options of vltrain's modules, so the same weights compute the s
   or not as ``tie_word_embeddings`` says;
 - the captioner's decoder is BERT's embeddings (a text tower without layers) under post-norm decoder
   layers, and reads its [DEC] token (``bos_token_id``) at position 0 (``TextTowerConfig.start_id``):
-  transformers' ``generate`` starts there and stops at ``sep_token_id``.
+  transformers' ``generate`` starts there and stops at ``sep_token_id``;
+- the retrieval model's one text encoder encodes text alone for ITC (pooled at [CLS], projected with a
+  bias) and, its layers' cross-attention reading the image, fuses it for ITM: a text tower of
+  post-norm layers under a shared fusion (``FusionConfig.shared``), whose pass reruns those layers
+  from the embedded tokens. transformers feeds the ITM pass the ids as given, [CLS] first (BLIP's
+  original code put [ENC] there), and so does vltrain.
 
 A captioner has no contrastive parts: its projections and temperature start fresh, and the run
-trains the caption loss alone unless ``model.loss`` says otherwise.
+trains the caption loss alone unless ``model.loss`` says otherwise. Neither folder keeps BLIP's
+temperature: it starts at vltrain's (and BLIP's) 0.07.
 
 ``config.json`` may leave out values equal to transformers' defaults, so those defaults are here.
 """
@@ -29,6 +35,7 @@ import torch
 
 from vltrain.errors import UserError
 from vltrain.model.decoder import DecoderConfig
+from vltrain.model.fusion import FusionConfig
 from vltrain.model.interop.convert import OPENAI_MEAN, OPENAI_STD, Link, Preprocessing, linear, same
 from vltrain.model.interop.hf_clip import ACTIVATIONS, image_processor, square_images
 from vltrain.model.presets import Architecture
@@ -121,8 +128,12 @@ def architecture(folder: Path, config: dict[str, Any]) -> Architecture:
                            embed_norm=True, post_norm=True, pad_id=_int(t, "pad_token_id", f"{where} text_config"),
                            **sizes)
     embed_dim = _int(_part(config, ""), "image_text_hidden_size", where)
-    if variant == "retrieval":
-        raise UserError(f"{where}: BlipForImageTextRetrieval is not read yet")
+    if variant == "retrieval":  # one text encoder for ITC, and with its cross-attention for ITM
+        if not t.get("is_decoder", True):
+            raise UserError(f"{where}: text_config.is_decoder is false, so its text encoder has no cross-attention "
+                            "layers and BlipForImageTextRetrieval's image-text matching reads no image")
+        fusion = FusionConfig(depth=sizes["depth"], heads=sizes["heads"], mlp_ratio=sizes["mlp_ratio"], shared=True)
+        return Architecture(vision, text, embed_dim, fusion, image_proj="linear_bias", text_proj="linear_bias")
     # the captioner: a text tower of BERT's embeddings alone, under the decoder's post-norm layers
     start = _int(t, "bos_token_id", f"{where} text_config")
     text = replace(text, depth=0, pooling="eos", causal=True, start_id=start)
@@ -220,6 +231,12 @@ def _embedding_links(theirs: str) -> list[Link]:
 
 def links(arch: Architecture) -> list[Link]:
     """Every tensor of the folder's model (after :func:`prepare`), tied to ours."""
+    if arch.decoder is None:  # BlipForImageTextRetrieval
+        out = vision_links(arch) + _embedding_links("text_encoder.embeddings")
+        for i in range(arch.text.depth):
+            out += bert_layer_links(f"text.blocks.{i}", f"text_encoder.encoder.layer.{i}")
+        return out + [*linear("image_proj.proj", "vision_proj"), *linear("text_proj.proj", "text_proj"),
+                      *linear("itm_head.fc", "itm_head")]
     out = vision_links(arch) + _embedding_links("text_decoder.bert.embeddings")
     d = arch.decoder
     for i in range(d.depth):
@@ -233,7 +250,10 @@ def links(arch: Architecture) -> list[Link]:
 
 
 def parts(arch: Architecture) -> tuple[str, ...]:
-    """The prefixes of our tensors the checkpoint must give (the rest start fresh)."""
+    """The prefixes of our tensors the checkpoint must give (the rest, the temperature included, start
+    fresh: BLIP's folders keep none)."""
+    if arch.decoder is None:
+        return ("vision.", "text.", "image_proj.", "text_proj.", "itm_head.")
     return ("vision.", "text.", "decoder.")
 
 
@@ -243,18 +263,31 @@ def is_blip_layout(arch: Architecture) -> bool:
     return arch.text.post_norm or (arch.decoder is not None and arch.decoder.post_norm)
 
 
+def class_of(arch: Architecture) -> str:
+    """The transformers class a model of BLIP's ``arch`` is written as: the captioner, or retrieval."""
+    return "BlipForConditionalGeneration" if arch.decoder is not None else "BlipForImageTextRetrieval"
+
+
 def exportable(arch: Architecture) -> str:
-    """What keeps a model of ``arch`` from being a BlipForConditionalGeneration ("" when nothing)."""
-    v, t, d = arch.vision, arch.text, arch.decoder
-    checks = [
-        (d is not None and d.post_norm and d.head == "transform", "a captioning decoder of post-norm layers with "
-                                                                  "BERT's LM head (decoder head transform)"),
+    """What keeps a model of ``arch`` from being :func:`class_of`'s class ("" when nothing)."""
+    v, t, d, f = arch.vision, arch.text, arch.decoder, arch.fusion
+    checks = [(v.class_token and not v.pre_norm and v.patch_bias and v.pooling == "cls",
+               "a ViT with a class token, a biased patch embedding and no norm before its blocks")]
+    if d is None:  # retrieval: one BERT text encoder, fused with the image by its own layers
+        return "; ".join(what for ok, what in checks + [
+            (f is not None and f.shared, "image-text matching by the text encoder's own layers (a shared fusion, "
+                                         "with model.loss.itm > 0)"),
+            (t.embed_norm and t.post_norm and not t.causal and t.pooling == "first" and t.start_id is None,
+             "a bidirectional BERT text encoder pooled at its first token"),
+            (arch.image_proj == arch.text_proj == "linear_bias", "projections with a bias"),
+        ] if not ok)
+    checks += [
+        (d.post_norm and d.head == "transform", "a captioning decoder of post-norm layers with BERT's LM head "
+                                                "(decoder head transform)"),
         (t.depth == 0 and t.embed_norm and t.post_norm and t.causal and t.start_id is not None,
          "a text tower of normed embeddings alone, reading its own start token"),
-        (d is not None and d.norm_eps == t.norm_eps, "one layer-norm eps for the text's embeddings and layers"),
-        (v.class_token and not v.pre_norm and v.patch_bias and v.pooling == "cls",
-         "a ViT with a class token, a biased patch embedding and no norm before its blocks"),
-        (arch.fusion is None, "no fusion encoder"),
+        (d.norm_eps == t.norm_eps, "one layer-norm eps for the text's embeddings and layers"),
+        (f is None, "no fusion encoder"),
     ]
     return "; ".join(what for ok, what in checks if not ok)
 
@@ -268,20 +301,20 @@ def join(tensors: dict[str, torch.Tensor], arch: Architecture) -> dict[str, torc
     return out
 
 
-def model_config(arch: Architecture, vocab_size: int, positions: int, sep_id: int, pad_id: int,
+def model_config(arch: Architecture, vocab_size: int, positions: int, tokens: dict[str, int | None],
                  hf_act: dict[str, str]) -> dict[str, Any]:
-    """The ``config.json`` of a BlipForConditionalGeneration of ``arch`` (``hf_act``: our activations'
-    names in transformers)."""
+    """The ``config.json`` of :func:`class_of`'s class of ``arch``; ``tokens``: bos, sep and pad ids
+    (``*_token_id``); ``hf_act``: our activations' names in transformers."""
     v, t, d = arch.vision, arch.text, arch.decoder
+    layers = d if d is not None else t  # where the text's layers are: the decoder's, or the encoder's own
     vision = {"model_type": "blip_vision_model", "hidden_size": v.width, "intermediate_size": round(v.width * v.mlp_ratio),
               "num_hidden_layers": v.depth, "num_attention_heads": v.heads, "image_size": v.image_size,
               "patch_size": v.patch_size, "hidden_act": hf_act[v.act], "layer_norm_eps": v.norm_eps}
+    tied = d is not None and d.tied
     text = {"model_type": "blip_text_model", "vocab_size": vocab_size, "hidden_size": t.width,
-            "encoder_hidden_size": v.width, "intermediate_size": round(t.width * d.mlp_ratio),
-            "num_hidden_layers": d.depth, "num_attention_heads": d.heads, "max_position_embeddings": positions,
-            "hidden_act": hf_act[d.act], "layer_norm_eps": d.norm_eps, "bos_token_id": t.start_id,
-            "eos_token_id": sep_id, "sep_token_id": sep_id, "pad_token_id": pad_id, "is_decoder": True,
-            "tie_word_embeddings": d.tied}
-    return {"architectures": ["BlipForConditionalGeneration"], "model_type": "blip",
-            "image_text_hidden_size": arch.embed_dim, "tie_word_embeddings": d.tied, "text_config": text,
-            "vision_config": vision}
+            "encoder_hidden_size": v.width, "intermediate_size": round(t.width * layers.mlp_ratio),
+            "num_hidden_layers": layers.depth, "num_attention_heads": layers.heads,
+            "max_position_embeddings": positions, "hidden_act": hf_act[layers.act], "layer_norm_eps": layers.norm_eps,
+            "eos_token_id": tokens["sep_token_id"], **tokens, "is_decoder": True, "tie_word_embeddings": tied}
+    return {"architectures": [class_of(arch)], "model_type": "blip", "image_text_hidden_size": arch.embed_dim,
+            "tie_word_embeddings": tied, "text_config": text, "vision_config": vision}

@@ -13,6 +13,7 @@ refusal of a pickle that holds code becomes a plain error.
 from __future__ import annotations
 
 import pickle
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -178,6 +179,12 @@ def read_shapes(path: Path) -> dict[str, tuple[int, ...]]:
     return {k: tuple(v.shape) for k, v in read_state_dict(path).items()}
 
 
+def _module_names(links: list[Link]) -> list[str]:
+    """Our modules ``links`` fill, blocks counted once ("text.blocks.*.cross")."""
+    names = (re.sub(r"\.\d+\.", ".*.", link.ours).rsplit(".", 1)[0] for link in links)
+    return sorted({".".join(name.split(".")[:4]) for name in names})
+
+
 def load_pretrained(model: torch.nn.Module, source: Pretrained) -> list[str]:
     """Fill ``model`` (built for ``source.arch``) from the checkpoint; returns notes for the user."""
     file = source.weights_file()
@@ -190,11 +197,12 @@ def load_pretrained(model: torch.nn.Module, source: Pretrained) -> list[str]:
     if "logit_bias" in unused:
         unused.remove("logit_bias")
         notes.append("the checkpoint's logit_bias is not used: model.loss.siglip is 0")
-    unbuilt = sorted({link.ours.split(".", 1)[0] for link in links if link.ours not in wanted and link.ours != "logit_bias"})
+    unbuilt = [link for link in links if link.ours not in wanted and link.ours != "logit_bias"]
     if unbuilt:  # parts the architecture has, left out because their objectives are off
-        known = {k for link in links if link.ours not in wanted for k in link.theirs}
+        known = {k for link in unbuilt for k in link.theirs}
         unused = [k for k in unused if k not in known]
-        notes.append(f"the checkpoint's {', '.join(unbuilt)} not used: the objectives that train them are off")
+        notes.append(f"the checkpoint's {', '.join(_module_names(unbuilt))} not used: the objectives that train "
+                     "them are off")
     if unused:
         raise UserError(f"{file} holds {len(unused)} tensor(s) this architecture has no place for, e.g. "
                         f"{', '.join(repr(k) for k in unused[:3])}: not a plain {source.kind} model")
