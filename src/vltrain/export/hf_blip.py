@@ -27,8 +27,8 @@ from vltrain.model.presets import Architecture
 from vltrain.pixels import RESAMPLE
 
 def check_blip(model: VLModel, tokenizer: Tokenizer, cfg: JobConfig, name: str) -> Architecture:
-    """The architecture of ``model`` when a BlipForConditionalGeneration can hold it and BlipProcessor
-    would prepare its inputs as the run did; else one line saying why."""
+    """The architecture of ``model`` when transformers' BLIP class (:func:`~vltrain.model.interop.hf_blip.class_of`)
+    can hold it and BlipProcessor would prepare its inputs as the run did; else one line saying why."""
     refuse = f"{name} cannot be exported with --format hf"
     arch = architecture_of(model)
     missing = blip.exportable(arch)

@@ -18,7 +18,7 @@ from vltrain.data.schedule import budget
 from vltrain.data.tokenizers import Tokenizer, load_tokenizer
 from vltrain.errors import ConfigError, UserError
 from vltrain.model import VLModel, build_model, hf_tokenizer_file
-from vltrain.model.builder import has_decoder
+from vltrain.model.builder import has_decoder, has_fusion
 from vltrain.model.config import LossConfig
 from vltrain.model.interop.pretrained import Pretrained, load_pretrained, open_pretrained
 from vltrain.model.presets import Architecture
@@ -106,6 +106,7 @@ def describe_preprocessing(cfg: JobConfig, source: Pretrained) -> str:
         f"({'lower-cased' if load_tokenizer(d.tokenizer).lowercases() or d.text_clean == 'lower' else 'cased'}), "
         f"at most {d.max_text_length} tokens, padded {padding}",
         f"  objective: itc {cfg.model.loss.itc:g}, siglip {cfg.model.loss.siglip:g}"
+        + (f", itm {cfg.model.loss.itm:g}" if has_fusion(cfg.model.architecture(), cfg.model.loss) else "")
         + (f", caption {cfg.model.loss.caption:g}" if has_decoder(cfg.model.architecture(), cfg.model.loss) else ""),
     ]
     return "\n".join(lines + [f"  note: {n}" for n in source.preprocessing.notes])
