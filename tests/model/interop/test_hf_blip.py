@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from contextlib import contextmanager
 
 import pytest
 import torch
@@ -67,21 +68,28 @@ def inputs(tokenizer, texts, pixels) -> ModelInputs:
                        ids=torch.arange(len(rows)))
 
 
+@contextmanager
+def same_inputs(model, tokenizer, hf, dtype):
+    """Seeded pixels and :data:`TEXTS`' batch in ``dtype``, with both models cast to it (and back to
+    fp32 after), gradients off."""
+    pixels = torch.randn(len(TEXTS), 3, 32, 32, generator=torch.Generator().manual_seed(1), dtype=dtype)
+    model.to(dtype), hf.to(dtype)
+    try:
+        with torch.no_grad():
+            yield pixels, inputs(tokenizer, TEXTS, pixels)
+    finally:
+        model.float(), hf.float()
+
+
 def logit_gap(model, tokenizer, hf, dtype=torch.float32) -> float:
     """The largest |vltrain - transformers| of the next-token logits at every real position, on the
     same pixels and ids (transformers given [DEC] first, as its generate starts)."""
-    pixels = torch.randn(len(TEXTS), 3, 32, 32, generator=torch.Generator().manual_seed(1), dtype=dtype)
-    batch = inputs(tokenizer, TEXTS, pixels)
-    model, hf = model.to(dtype), hf.to(dtype)
-    try:
-        with torch.no_grad():
-            enc = model.encode(batch)
-            ours = model.caption_logits(enc.text_tokens, batch.attention_mask, enc.image_tokens, batch.has_image)
-            ids = batch.input_ids.clone()
-            ids[:, 0] = hf.config.text_config.bos_token_id
-            theirs = hf(pixel_values=pixels, input_ids=ids, attention_mask=batch.attention_mask).logits
-    finally:
-        model.float(), hf.float()
+    with same_inputs(model, tokenizer, hf, dtype) as (pixels, batch):
+        enc = model.encode(batch)
+        ours = model.caption_logits(enc.text_tokens, batch.attention_mask, enc.image_tokens, batch.has_image)
+        ids = batch.input_ids.clone()
+        ids[:, 0] = hf.config.text_config.bos_token_id
+        theirs = hf(pixel_values=pixels, input_ids=ids, attention_mask=batch.attention_mask).logits
     real = batch.attention_mask.bool()
     return (ours - theirs)[real].abs().max().item()
 
@@ -225,19 +233,13 @@ def retrieval(tmp_path_factory):
 def retrieval_gaps(model, tokenizer, hf, dtype=torch.float32) -> tuple[float, float]:
     """The largest |vltrain - transformers| of the ITC similarities (every image with every text) and
     of the ITM logits (each image with its text), on the same pixels and ids."""
-    pixels = torch.randn(len(TEXTS), 3, 32, 32, generator=torch.Generator().manual_seed(1), dtype=dtype)
-    batch = inputs(tokenizer, TEXTS, pixels)
-    model, hf = model.to(dtype), hf.to(dtype)
-    try:
-        with torch.no_grad():
-            enc = model.encode(batch)
-            similarity = enc.image_embeds @ enc.text_embeds.T
-            itm = model.itm_logits(enc.text_tokens, batch.attention_mask, enc.image_tokens)
-            given = dict(input_ids=batch.input_ids, pixel_values=pixels, attention_mask=batch.attention_mask)
-            theirs_similarity = hf(**given, use_itm_head=False).itm_score
-            theirs_itm = hf(**given).itm_score
-    finally:
-        model.float(), hf.float()
+    with same_inputs(model, tokenizer, hf, dtype) as (pixels, batch):
+        enc = model.encode(batch)
+        similarity = enc.image_embeds @ enc.text_embeds.T
+        itm = model.itm_logits(enc.text_tokens, batch.attention_mask, enc.image_tokens)
+        given = dict(input_ids=batch.input_ids, pixel_values=pixels, attention_mask=batch.attention_mask)
+        theirs_similarity = hf(**given, use_itm_head=False).itm_score
+        theirs_itm = hf(**given).itm_score
     return (similarity - theirs_similarity).abs().max().item(), (itm - theirs_itm).abs().max().item()
 
 
