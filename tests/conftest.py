@@ -51,14 +51,12 @@ atexit.register(shutil.rmtree, os.environ["XDG_CACHE_HOME"], True)
 
 @pytest.fixture
 def cli(tmp_path):
-    """Run ``python -m vltrain ARGS`` in a subprocess; returns the CompletedProcess."""
-    import subprocess
+    """Run ``python -m vltrain ARGS`` as a process of its own (forked from one that has imported
+    vltrain already, :mod:`kits.forkrun`); returns the CompletedProcess."""
+    from kits import forkrun
 
     def run(*args: str, timeout: float = 300, cwd: Path | None = None) -> subprocess.CompletedProcess:
-        return subprocess.run(
-            [sys.executable, "-m", "vltrain", *map(str, args)],
-            capture_output=True, text=True, timeout=timeout, cwd=cwd or tmp_path,
-        )
+        return forkrun.run(list(map(str, args)), timeout=timeout, cwd=cwd or tmp_path)
 
     return run
 

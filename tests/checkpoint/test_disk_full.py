@@ -109,7 +109,7 @@ def test_a_read_only_run_dir_stops_both_ranks_with_the_message(tmp_path_factory,
     waits for the other, none prints a traceback); torchrun's own summary names the code."""
     shapes = session_shapes(tmp_path_factory)
     with read_only(tmp_path / "ro") as ro:
-        proc = train(shapes, ro / "run")
+        proc = train(shapes, ro / "run", torchrun=True)
     lines = [x for x in proc.stderr.splitlines() if x.startswith("vltrain") and ": error: " in x]
     said = {x.split(": error: ", 1)[1] for x in lines}
     assert len(said) == 1, proc.stderr[-4000:]

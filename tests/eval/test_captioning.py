@@ -5,12 +5,10 @@ refusals."""
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
-from kits.multiproc import free_port
-from kits.runkit import finish, ok, session_shapes, start, train
+from kits.runkit import finish, launch, ok, session_shapes, train
 
 from vltrain.eval.caption_metrics import caption_scores
 
@@ -38,15 +36,13 @@ def coca(tmp_path_factory):
     return shapes, sets, run_dir, proc
 
 
-def vltrain(*args: str, nproc: int = 1) -> list[str]:
-    if nproc == 1:
-        return [sys.executable, "-m", "vltrain", *args]
-    return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-addr",
-            "127.0.0.1", "--master-port", str(free_port()), "-m", "vltrain", *args]
+def vltrain(*args: str, nproc: int = 1):
+    """``vltrain ARGS`` on ``nproc`` ranks, started."""
+    return launch(list(args), nproc)
 
 
-def captions_of(cmd: list[str]) -> list[str]:
-    proc = ok(finish(start(cmd), 180))
+def captions_of(started) -> list[str]:
+    proc = ok(finish(started, 180))
     return [line for line in proc.stdout.splitlines() if "\t" in line]
 
 
@@ -74,12 +70,12 @@ def test_captions_are_the_same_on_one_and_two_ranks_with_and_without_the_cache(c
 
 def test_eval_captions_scores_the_captions_caption_writes(coca, tmp_path):
     _, sets, run_dir, _ = coca
-    proc = ok(finish(start(vltrain("eval", str(run_dir), "--captions", str(sets), "--json")), 180))
+    proc = ok(finish(vltrain("eval", str(run_dir), "--captions", str(sets), "--json"), 180))
     metrics = json.loads(proc.stdout)
     data = json.loads(sets.read_text())["images"]
     paths = [str(sets.parent / im["filename"]) for im in data]
     out = tmp_path / "captions.jsonl"
-    ok(finish(start(vltrain("caption", str(run_dir), "--images", *paths, "--out", str(out))), 180))
+    ok(finish(vltrain("caption", str(run_dir), "--images", *paths, "--out", str(out)), 180))
     written = [json.loads(x) for x in out.read_text().splitlines()]
     assert [w["image"] for w in written] == paths
     scores = caption_scores({i: [im["sentences"][0]["raw"]] for i, im in enumerate(data)},
@@ -103,7 +99,7 @@ def test_captioning_mistakes_get_one_line(coca, tmp_path):
         ("eval", str(run_dir), "--captions", str(bad)): "expected COCO-style JSON",
     }
     for args, said in cases.items():
-        proc = finish(start(vltrain(*args)), 120)
+        proc = finish(vltrain(*args), 120)
         assert proc.returncode != 0 and said in proc.stderr, (args, proc.stderr[-2000:])
         assert "Traceback" not in proc.stderr, args
 

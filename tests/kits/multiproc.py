@@ -1,4 +1,4 @@
-"""Run a function on N real gloo processes (spawned) and collect what each returns.
+"""Run a function on N real gloo processes (forked from a fork server) and collect what each returns.
 
 Each rank returns a picklable value (tensors included); a rank that raises makes the whole run fail
 with its traceback, and a run that exceeds ``timeout`` is killed, so nothing can hang the suite.
@@ -13,7 +13,7 @@ import traceback
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from kits import forkrun
 
 
 PORTS = range(20000, 32000)
@@ -70,7 +70,7 @@ def run_world(fn, args: tuple = (), world: int = 2, timeout: float = 60.0, tmp_d
     import tempfile
 
     out_dir = tmp_dir or tempfile.mkdtemp(prefix="vltrain-mp-")
-    ctx = mp.get_context("spawn")
+    ctx = forkrun.context()  # a fresh process per rank, without importing torch and vltrain again
     port = free_port()
     procs = [ctx.Process(target=_worker, args=(r, world, port, fn, args, out_dir)) for r in range(world)]
     for p in procs:

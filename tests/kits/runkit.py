@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 import torch
+from kits import forkrun
 from kits.multiproc import free_port
 
 from vltrain.checkpoint.manager import find_checkpoint
@@ -69,16 +70,28 @@ def overrides(shapes: Path, run_dir: Path, **extra) -> list[str]:
 
 
 def train(shapes: Path, run_dir: Path, *, nproc: int = 2, max_restarts: int = 0, fault: str = "",
-          timeout: float = 120, **extra) -> subprocess.CompletedProcess:
-    """``vltrain train`` under torchrun (gloo on 127.0.0.1); ``fault`` sets VLTRAIN_FAULT. One process
-    with no restarts runs as a user starts it, ``python -m vltrain train`` with no launcher: the
-    same run, without the two CPU-seconds of torchrun's agent."""
-    if nproc == 1 and not max_restarts:
-        cmd = [sys.executable, "-m", "vltrain", "train", str(shapes / "base.yaml"), *overrides(shapes, run_dir, **extra)]
-        return finish(start(cmd, fault), timeout)
-    launch = ["--nproc-per-node", str(nproc), "--max-restarts", str(max_restarts),
-              "--master-addr", "127.0.0.1", "--master-port", str(free_port())]
-    return finish(start(train_command(shapes, run_dir, launch, **extra), fault), timeout)
+          torchrun: bool = False, timeout: float = 120, **extra) -> subprocess.CompletedProcess:
+    """``vltrain train`` on ``nproc`` ranks (gloo on 127.0.0.1); ``fault`` sets VLTRAIN_FAULT.
+
+    With no restarts, and no fault on more than one rank, the ranks are forked from processes that
+    have already imported vltrain (:mod:`kits.forkrun`: one process as ``python -m vltrain train``,
+    several joined through the environment as Slurm's ``srun`` starts them): the same run, without
+    the five CPU-seconds of imports per process or torchrun's agent. Restarts and faults on several
+    ranks need the agent, and run under torchrun, as does a test of torchrun's own part (``torchrun``)."""
+    if not (torchrun or max_restarts) and (nproc == 1 or not fault):
+        return finish(launch(["train", str(shapes / "base.yaml"), *overrides(shapes, run_dir, **extra)], nproc,
+                             fault=fault), timeout)
+    agent = ["--nproc-per-node", str(nproc), "--max-restarts", str(max_restarts),
+             "--master-addr", "127.0.0.1", "--master-port", str(free_port())]
+    return finish(start(train_command(shapes, run_dir, agent, **extra), fault), timeout)
+
+
+def launch(argv: list, nproc: int = 1, *, cwd: Path | None = None, fault: str = ""):
+    """Start ``vltrain ARGV`` on ``nproc`` ranks, forked (:mod:`kits.forkrun`); :func:`finish` waits."""
+    argv = [str(a) for a in argv]
+    if nproc == 1:
+        return forkrun.Forked(argv, cwd=cwd, env=launch_env(fault))
+    return forkrun.World(argv, nproc, free_port(), cwd=cwd, env=launch_env(fault))
 
 
 def train_here(cfg):
@@ -99,22 +112,31 @@ def train_command(shapes: Path, run_dir: Path, launch: list[str], **extra) -> li
             "-m", "vltrain", "train", str(shapes / "base.yaml"), *overrides(shapes, run_dir, **extra)]
 
 
-def start(cmd: list[str], fault: str = "") -> subprocess.Popen:
-    """Start a launcher in its own session, so that a timeout kills it, its workers and their loader workers."""
+def launch_env(fault: str = "") -> dict[str, str]:
+    """This process's environment, one thread per process, and VLTRAIN_FAULT as ``fault`` says."""
     env = dict(os.environ, OMP_NUM_THREADS="1")
     env.pop("VLTRAIN_FAULT", None)
     if fault:
         env["VLTRAIN_FAULT"] = fault
-    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+    return env
+
+
+def start(cmd: list[str], fault: str = "") -> subprocess.Popen:
+    """Start a launcher in its own session, so that a timeout kills it, its workers and their loader workers."""
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=launch_env(fault),
                             start_new_session=True)
 
 
-def finish(proc: subprocess.Popen, timeout: float) -> subprocess.CompletedProcess:
-    """Wait for a started launcher; past ``timeout`` kill its whole session and fail."""
+def finish(proc, timeout: float) -> subprocess.CompletedProcess:
+    """Wait for a started launcher (a Popen, or :mod:`kits.forkrun`'s); past ``timeout`` kill its
+    whole session and fail."""
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
+        if isinstance(proc, subprocess.Popen):
+            os.killpg(proc.pid, signal.SIGKILL)
+        else:
+            proc.kill()
         out, err = proc.communicate()
         raise AssertionError(f"timed out after {timeout} s:\n{out[-3000:]}\n{err[-6000:]}") from None
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)

@@ -3,16 +3,14 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
 from kits.modelkit import grads, make_batch, max_relative_error, rows, small_task
-from kits.multiproc import free_port
-from kits.runkit import assert_identical, assert_resumed_exactly, final_state, from_checkpoint, ok, session_shapes, train
+from kits.runkit import (assert_identical, assert_resumed_exactly, final_state, finish, from_checkpoint, launch, ok,
+                         session_shapes, train)
 
 from vltrain.data.batch import Batch
 from vltrain.objectives.losses import mim_loss, mlm_loss
@@ -159,14 +157,11 @@ def _two_sources(root: Path) -> Path:
 
 def _run(cfg: Path, shapes: Path, run_dir: Path, nproc: int, batch: int, *objectives: str, val: bool = False
          ) -> list[dict]:
-    launch = [sys.executable, "-m", "vltrain"] if nproc == 1 else [
-        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-addr", "127.0.0.1",
-        "--master-port", str(free_port()), "-m", "vltrain"]
     overrides = [f"run.dir={run_dir}", f"data.tokenizer={shapes / 'tokenizer.json'}", *([] if val else ["data.val=''"]),
                  "data.image_size=32", "data.max_text_length=16", f"data.batch_size={batch}", "data.num_workers=0",
                  "model.preset=tiny-clip", *objectives, "train.max_steps=4", "train.log_every=2", "train.threads=1", "train.precision=fp32",
                  "train.progress=false", "eval.every=0"]
-    proc = subprocess.run([*launch, "train", str(cfg), *overrides], capture_output=True, text=True, timeout=240)
+    proc = finish(launch(["train", cfg, *overrides], nproc), 240)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if '"loss"' in line]
 
@@ -220,10 +215,10 @@ def test_eval_reports_each_validation_source(tmp_path_factory, tmp_path):
                    f"    - {{path: {tmp_path / 'vb.jsonl'}, name: vb}}\n")
     run = tmp_path / "run"
     _run(cfg, shapes, run, 1, 8, val=True)
-    common = [sys.executable, "-m", "vltrain", "eval", str(run), "train.threads=1"]
+    common = ["eval", run, "train.threads=1"]
 
     def evaluate(*extra: str) -> dict:
-        proc = subprocess.run([*common, *extra, "--json"], capture_output=True, text=True, timeout=120)
+        proc = finish(launch([*common, *extra, "--json"]), 120)
         assert proc.returncode == 0, proc.stderr[-3000:]
         return json.loads(proc.stdout)
 

@@ -16,8 +16,8 @@ import torch
 from kits.pretrainedkit import make_clip, normalized
 import numpy as np
 from kits.multiproc import free_port
-from kits.runkit import (assert_identical, assert_resumed_exactly, final_state, finish, from_checkpoint, losses, ok,
-                         overrides, session_shapes, start, train)
+from kits.runkit import (assert_identical, assert_resumed_exactly, final_state, finish, from_checkpoint, launch, losses,
+                         ok, overrides, session_shapes, start, train)
 
 from vltrain.config.job import load_config
 from vltrain.data.dataset import build_dataset
@@ -221,11 +221,8 @@ def test_the_embedding_pass_splits_its_chunks_over_two_ranks_and_a_lost_chunk_is
     for image in {json.loads(x).get("image") for x in (data / "train.jsonl").read_text().splitlines()} - {None}:
         (data / image).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy(shapes / image, data / image)
-    args = ["-m", "vltrain", "data", "teacher-embed", str(teacher), str(data / "train.jsonl"), "--chunk-rows", "16",
-            "--batch-size", "8", "--workers", "0"]
-    launch = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
-              "--master-port", str(free_port())]
-    made = ok(finish(start([*launch, *args]), 240))
+    made = ok(finish(launch(["data", "teacher-embed", teacher, data / "train.jsonl", "--chunk-rows", "16",
+                             "--batch-size", "8", "--workers", "0"], 2), 240))
     assert "64 rows in 4 chunks; embedded 4 chunk(s) (64 rows, 0 chunk(s) done before)" in made.stdout
     (store,) = (data / ".vltrain-index").glob("train.jsonl-*/teacher-*")
     whole = np.load(store / "image.npy").copy()
@@ -255,6 +252,8 @@ def test_the_embedding_pass_splits_its_chunks_over_two_ranks_and_a_lost_chunk_is
     (tmp_path / "texts.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     args = ["-m", "vltrain", "data", "teacher-embed", str(broken), str(tmp_path / "texts.jsonl"), "--chunk-rows", "16",
             "--batch-size", "8", "--workers", "0"]
-    failed = finish(start([*launch[:-1], str(free_port()), *args]), 120)
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
+                "--master-port", str(free_port())]
+    failed = finish(start([*torchrun, *args]), 120)
     assert failed.returncode != 0
     assert "row 20 of " in failed.stderr and "the teacher's tokenizer" in failed.stderr

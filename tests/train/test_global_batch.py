@@ -2,7 +2,7 @@
 so a run continues its own trajectory on another number of ranks: the dual encoder (ITC, SigLIP,
 distillation from a teacher), the fusion model (ITC + ITM + MLM) and the captioning model (SigLIP
 + caption), with text-only and image-only rows in the data. Real
-processes: torchrun, gloo, 1 and 2 ranks."""
+processes (gloo), 1 and 2 ranks."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Training on images at their own shape (data.resize native): wide, tall and square images in one
 run, ranks whose micro-batches hold different grids, the same run on 1 and 2 ranks under a global
-batch, and an exact resume. Real processes: torchrun, gloo."""
+batch, and an exact resume. Real processes (gloo on 127.0.0.1)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The trainer end to end: one process vs torchrun, DDP and FSDP2, guards, gradient caching.
+"""The trainer end to end: one process vs two ranks, DDP and FSDP2, guards, gradient caching.
 
 Every run here is tiny (32 x 32 shapes, the tiny-clip preset, a few hundred rows) so that
 real multi-process runs take seconds on two cores.
@@ -7,12 +7,10 @@ real multi-process runs take seconds on two cores.
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from kits.multiproc import free_port
+from kits.runkit import finish, launch, ok
 
 from vltrain.train.metrics import read_jsonl
 
@@ -55,15 +53,8 @@ def overrides(shapes: Path, run_dir: Path, **extra) -> list[str]:
 
 
 def train(shapes: Path, run_dir: Path, nproc: int = 1, timeout: float = 240, **extra) -> list[dict]:
-    if nproc == 1:
-        cmd = [sys.executable, "-m", "vltrain"]
-    else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-               "--master-addr", "127.0.0.1", "--master-port", str(free_port()), "-m", "vltrain"]
-    cmd += ["train", "configs/demo.yaml", *overrides(shapes, run_dir, **extra)]
     repo = Path(__file__).resolve().parents[2]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=repo)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    ok(finish(launch(["train", "configs/demo.yaml", *overrides(shapes, run_dir, **extra)], nproc, cwd=repo), timeout))
     return [r for r in read_jsonl(run_dir / "metrics.jsonl") if "loss" in r]
 
 

@@ -1,8 +1,5 @@
 import json
 import os
-import signal
-import subprocess
-import sys
 import time
 
 import pytest
@@ -139,15 +136,15 @@ def launch_ranks(shapes, run, world, timeout=240, **extra):
     """``vltrain train`` as ``world`` processes joined by torchrun's environment variables (gloo on
     127.0.0.1), without torchrun: its agent stops the other ranks as soon as one exits, and a test
     of what each rank decides by itself must see each one's own exit code and message."""
+    from kits.forkrun import Forked
     from kits.multiproc import free_port
     from kits.runkit import finish, overrides
 
-    cmd = [sys.executable, "-m", "vltrain", "train", str(shapes / "base.yaml"), *overrides(shapes, run, **extra)]
+    argv = ["train", str(shapes / "base.yaml"), *overrides(shapes, run, **extra)]
     port = str(free_port())
-    procs = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
-                              env=dict(os.environ, OMP_NUM_THREADS="1", RANK=str(r), LOCAL_RANK=str(r),
-                                       WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
-                                       MASTER_ADDR="127.0.0.1", MASTER_PORT=port))
+    procs = [Forked(argv, env=dict(os.environ, OMP_NUM_THREADS="1", RANK=str(r), LOCAL_RANK=str(r),
+                                   WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
+                                   MASTER_ADDR="127.0.0.1", MASTER_PORT=port))
              for r in range(world)]
     deadline = time.monotonic() + timeout
     try:
@@ -155,7 +152,7 @@ def launch_ranks(shapes, run, world, timeout=240, **extra):
     finally:
         for p in procs:  # one rank hung: the others must not outlive the test
             if p.poll() is None:
-                os.killpg(p.pid, signal.SIGKILL)
+                p.kill()
                 p.communicate()
 
 
@@ -199,7 +196,8 @@ def test_under_torchrun_the_stop_is_one_message_and_no_rank_waits(tmp_path_facto
     from kits.runkit import session_shapes, train
 
     shapes = session_shapes(tmp_path_factory)
-    done = train(shapes, tmp_path / "run", timeout=240, data__train=rank0_bad_manifest(shapes, tmp_path), **OVER)
+    done = train(shapes, tmp_path / "run", timeout=240, data__train=rank0_bad_manifest(shapes, tmp_path), torchrun=True,
+                 **OVER)
     assert done.returncode == 1, done.stderr[-3000:]
     messages = said(done.stderr) + said(done.stderr, "[rank 1]")
     assert messages and len(set(messages)) == 1 and "failed to load by step 7" in messages[0], done.stderr[-3000:]

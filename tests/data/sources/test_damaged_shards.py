@@ -191,10 +191,6 @@ def test_two_ranks_train_on_img2dataset_shards_with_a_cut_one_and_resume_exactly
 
 def one_process(shapes: Path, run_dir: Path, **extra):
     """``vltrain train`` without torchrun (which adds its own report of a failed worker)."""
-    import sys
+    from kits.runkit import finish, launch, overrides
 
-    from kits.runkit import finish, overrides, start
-
-    cmd = [sys.executable, "-m", "vltrain", "train", str(shapes / "base.yaml"),
-           *overrides(shapes, run_dir, data__num_workers=0, **extra)]
-    return finish(start(cmd), 120)
+    return finish(launch(["train", shapes / "base.yaml", *overrides(shapes, run_dir, data__num_workers=0, **extra)]), 120)
