@@ -4,7 +4,9 @@ steps, with ``keep_freed_memory`` (the trainer's default on a CPU) and with glib
 Variants: ``keep`` (the trainer as it is); ``default`` (glibc's thresholds); ``trimN`` (``keep``,
 and every N steps glibc's ``malloc_trim(0)``, which hands back the freed pages anywhere in the
 heaps, called from a thread watching the step count); ``arenasN`` (``keep`` with at most N malloc
-arenas, set before anything allocates).
+arenas, set before anything allocates); ``mmapN`` (``keep``, but blocks of N MiB and more mapped
+and unmapped by themselves rather than carved from the heap); ``topN`` (``keep``, but a free top of
+the heap beyond N MiB handed back).
 
 Each variant trains ``configs/demo.yaml`` (tiny-albef; fp32 on a CPU without bf16 matrix
 instructions, as ``vltrain demo`` does) on the demo's shapes data in a process of its own; a
@@ -64,6 +66,10 @@ def child(data: Path, steps: int, variant: str, out: Path) -> None:
         if variant == "default":
             libc.mallopt(_M_MMAP_THRESHOLD, GLIBC_DEFAULT)
             libc.mallopt(_M_TRIM_THRESHOLD, GLIBC_DEFAULT)
+        elif variant.startswith("mmap"):
+            libc.mallopt(_M_MMAP_THRESHOLD, int(variant[len("mmap"):]) << 20)
+        elif variant.startswith("top"):
+            libc.mallopt(_M_TRIM_THRESHOLD, int(variant[len("top"):]) << 20)
         done = threading.Event()
 
         def trim() -> None:
