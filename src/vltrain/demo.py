@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import contextlib
 import io
-import os
 import tempfile
 from pathlib import Path
 
@@ -120,13 +119,14 @@ def measure_rate(cfg, vocab: int = TOKENIZER_VOCAB, steps: int = 3) -> float:
 
     from vltrain.model import build_model
     from vltrain.runtime.precision import Precision
+    from vltrain.runtime.cpus import usable_cpus
     from vltrain.runtime.world import keep_freed_memory
     from vltrain.train.build import build_task
     from vltrain.train.optim import build_optimizer
     from vltrain.train.step import plain_backward
 
     keep_freed_memory()
-    torch.set_num_threads(cfg.train.threads or (os.cpu_count() or 1))
+    torch.set_num_threads(cfg.train.threads or usable_cpus())
     model = build_model(cfg.model, vocab_size=vocab, pad_id=0, mask_id=4, image_size=cfg.data.image_size,
                         max_text_length=cfg.data.max_text_length)
     optimizer, precision = build_optimizer(model, cfg.train), Precision(cfg.train.precision, torch.device("cpu"))

@@ -204,6 +204,7 @@ def index(args: argparse.Namespace) -> int:
     from vltrain.data.index.open import open_indexed
     from vltrain.data.tokenizers import load_tokenizer
     from vltrain.errors import DataError, UsageError
+    from vltrain.runtime.cpus import usable_cpus
 
     tokenizer_path, max_len, csv_cfg, cache_dir = args.tokenizer, args.max_text_length, CsvConfig(), args.cache_dir
     storage_options, cache_limit_gb, retries = None, 50.0, 2
@@ -215,7 +216,7 @@ def index(args: argparse.Namespace) -> int:
         storage_options, cache_limit_gb = cfg.data.storage_options, cfg.data.cache_limit_gb
         retries = cfg.data.remote_retries
     tokenizer = load_tokenizer(tokenizer_path) if tokenizer_path else None
-    workers = args.workers or os.cpu_count() or 1
+    workers = args.workers or usable_cpus()
     dropped = 0
     for spec in args.sources:
         try:

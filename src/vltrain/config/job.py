@@ -105,7 +105,8 @@ class TrainConfig(Settings):
     timeout_s: float = 600.0
     """Process-group timeout: a rank that fails makes the others exit within this time."""
     threads: int = 0
-    """Intra-op threads per process (0: the machine's cores divided by the local world size)."""
+    """Intra-op threads per process (0: the CPUs this process may use, its affinity under taskset or Slurm,
+    divided by the local world size)."""
     deterministic: bool = False
     """CUDA: bit-identical runs (deterministic kernels, a fixed cuBLAS workspace, attention in the math
     backend), at a cost in speed. A CPU step is deterministic at any fixed thread count without it."""

@@ -17,7 +17,6 @@ one image slot more per replaced row.
 from __future__ import annotations
 
 import logging
-import os
 from bisect import bisect_right
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,6 +30,7 @@ from vltrain.data.images import ImageError, image_problem
 from vltrain.data.image_input import decode_for
 from vltrain.data.index.open import open_indexed
 from vltrain.data.index.reader import IndexedSource
+from vltrain.runtime.cpus import usable_cpus
 from vltrain.data.index.sizes import image_sizes
 from vltrain.data.native import patch_counts
 from vltrain.data.sources.manifests import Row, Source, refuse_malformed
@@ -298,7 +298,7 @@ class ImageTextDataset(torch.utils.data.Dataset):
 
         def count() -> np.ndarray:
             patch = cfg.native_patch()
-            workers = os.cpu_count() or 1
+            workers = usable_cpus()
             sizes = np.concatenate([image_sizes(s, workers=workers) for s in self.sources])
             has_image = np.concatenate([np.asarray(s.has_image()) for s in self.sources])
             return patch_counts(sizes, has_image, patch, cfg.max_patches, cfg.min_patches, cfg.upscale)
@@ -340,7 +340,7 @@ def build_dataset(
     for k, spec in enumerate(specs):
         try:
             source = open_indexed(spec.path, tokenizer, data_cfg.max_text_length, data_cfg.csv, cache_dir,
-                                  workers=os.cpu_count() or 1, storage_options=data_cfg.storage_options,
+                                  workers=usable_cpus(), storage_options=data_cfg.storage_options,
                                   cache_limit_gb=data_cfg.cache_limit_gb, retries=data_cfg.remote_retries)
         except DataError as e:
             if len(specs) == 1:

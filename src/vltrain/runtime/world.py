@@ -14,6 +14,7 @@ import os
 import torch
 
 from vltrain.errors import ConfigError
+from vltrain.runtime.cpus import usable_cpus
 from vltrain.runtime.distributed import World, init_distributed
 from vltrain.runtime.precision import cpu_has_bf16_matmul  # noqa: F401  (where the trainer and demo look)
 from vltrain.runtime.spmd import RECORDER
@@ -86,9 +87,9 @@ def setup_world(*, timeout_s: float = 600.0, device: str = "auto", threads: int 
     on CPU, the allocator's reuse of freed memory (``keep_freed_memory``); ``debug_spmd`` turns the
     SPMD check of every collective on (``vltrain.runtime.spmd``).
 
-    ``threads=0`` divides the machine's cores among the processes of this node, so that
-    ``torchrun --nproc-per-node 2`` on 2 cores gives each rank one thread instead of both
-    fighting over two.
+    ``threads=0`` divides the CPUs this process may use (``usable_cpus``) among the processes of
+    this node, so that ``torchrun --nproc-per-node 2`` on 2 cores gives each rank one thread instead
+    of both fighting over two.
     """
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     dev = pick_device(device, local_rank)
@@ -101,5 +102,5 @@ def setup_world(*, timeout_s: float = 600.0, device: str = "auto", threads: int 
     if dev.type == "cpu":
         keep_freed_memory()
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    torch.set_num_threads(threads or max(1, (os.cpu_count() or 1) // local_world))
+    torch.set_num_threads(threads or max(1, usable_cpus() // local_world))
     return World(rank, world_size, local_rank, dev)

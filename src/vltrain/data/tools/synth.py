@@ -20,6 +20,7 @@ from pathlib import Path
 from PIL import Image, ImageDraw
 
 from vltrain.errors import UserError
+from vltrain.runtime.cpus import usable_cpus
 
 COLORS: dict[str, tuple[int, int, int]] = {
     "red": (220, 40, 40),
@@ -226,7 +227,7 @@ def synthesize(
         raise UserError(f"--image-size must be >= 12, got {image_size}")
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    workers = workers or min(os.cpu_count() or 1, 8)
+    workers = workers or min(usable_cpus(), 8)
     paths = {"train": _write_split(out, "train", num, seed, (text_only_fraction, image_only_fraction), image_size,
                                    workers)}
     paths["val"] = _write_split(out, "val", val, seed, (0.0, 0.0), image_size, workers)
@@ -264,7 +265,7 @@ def synthesize_classify(out: str | Path, per_class: int, seed: int = 0, image_si
     for kind in KINDS:
         (out / kind).mkdir(parents=True, exist_ok=True)
         jobs += [(kind, i, seed, image_size, str(out / kind / f"{i:04d}.png")) for i in range(per_class)]
-    workers = workers or min(os.cpu_count() or 1, 8)
+    workers = workers or min(usable_cpus(), 8)
     if workers > 1 and len(jobs) > 200:
         with ProcessPoolExecutor(workers) as ex:
             list(ex.map(_classify_image, jobs, chunksize=64))

@@ -7,7 +7,6 @@ path that does not exist, a format it does not know).
 from __future__ import annotations
 
 import glob
-import os
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,6 +23,7 @@ from vltrain.data.sources.patterns import is_shard_pattern
 from vltrain.data.sources.shards import shard_paths
 from vltrain.data.tokenizers import load_tokenizer
 from vltrain.errors import DataError, UsageError
+from vltrain.runtime.cpus import usable_cpus
 
 CHECK_SIZE = 32
 """Images are fully decoded to this size: it catches truncation without the cost of a full resize."""
@@ -86,7 +86,7 @@ def _check_source(source: Source, workers: int, progress: bool = False) -> list[
     from tqdm import tqdm
 
     n = len(source)
-    workers = workers or os.cpu_count() or 1
+    workers = workers or usable_cpus()
     chunk = max(64, -(-n // (workers * 16)))
     starts = list(range(0, n, chunk))
     bar = tqdm(total=n, desc=f"validating {source.name}", unit="row", disable=not progress, leave=False)
