@@ -19,5 +19,6 @@ def group_threads() -> list[str]:
 
 
 code = main(sys.argv[1:])
-print(f"rank {os.environ.get('RANK', '0')}: group threads left: {group_threads()}", flush=True)
+sys.stdout.write(f"rank {os.environ.get('RANK', '0')}: group threads left: {group_threads()}\n")  # one write: ranks share it
+sys.stdout.flush()
 sys.exit(code)

@@ -102,6 +102,15 @@ def _add_caption_parser(sub) -> None:
     c.set_defaults(func=caption)
 
 
+def say(line: str, stream=None) -> None:
+    """``line`` and its line break in one write. Under torchrun the ranks share the launcher's
+    streams unbuffered (``python -u``), and ``print`` writes the text and its line break apart, so
+    another rank's output could land between them."""
+    stream = stream or sys.stdout
+    stream.write(line + "\n")
+    stream.flush()
+
+
 def train(args: argparse.Namespace) -> int:
     """``vltrain train CONFIG [key=value ...]`` (under torchrun or in one process)."""
     from vltrain.config.job import load_config
@@ -132,8 +141,7 @@ def train(args: argparse.Namespace) -> int:
             raise SystemExit(1) from None
         # a fault of vltrain's own: the line naming the failed rank, then its traceback; the other
         # ranks then fail on the broken group (or are stopped by torchrun), within train.timeout_s
-        print(f"vltrain: rank {trainer.world.rank} failed at step {trainer.step}: {type(e).__name__}: {e}",
-              file=sys.stderr, flush=True)
+        say(f"vltrain: rank {trainer.world.rank} failed at step {trainer.step}: {type(e).__name__}: {e}", sys.stderr)
         raise
     finally:
         trainer.close(clean)
@@ -142,9 +150,9 @@ def train(args: argparse.Namespace) -> int:
         lost = log.lost if log is not None else 0
         counts = ", ".join([f"{bad} replaced"] * bool(bad) + [f"{lost} lost in damaged files"] * bool(lost))
         replaced = f"  bad samples: {counts} ({trainer.run_dir / 'bad_samples.jsonl'})" if counts else ""
-        print(f"run: {trainer.run_dir}  steps: {trainer.step}  skipped: {trainer.guard.total}{replaced}")
+        say(f"run: {trainer.run_dir}  steps: {trainer.step}  skipped: {trainer.guard.total}{replaced}")
         if metrics:
-            print(f"eval: {format_metrics(metrics)}")
+            say(f"eval: {format_metrics(metrics)}")
     return 0
 
 
