@@ -42,7 +42,7 @@ def context():
 def _main(argv: list[str], cwd: str, env: dict[str, str], out: str, err: str) -> None:
     """The forked process: a session of its own, then ``python -m vltrain ARGV`` in ``cwd``."""
     os.setsid()
-    multiprocessing.set_start_method(None, force=True)  # a fork server's child would start its own by it
+    multiprocessing.set_start_method(None, force=True)  # its loader workers by fork, as in a plain process
     os.chdir(cwd)
     os.environ.clear()
     os.environ.update(env)
@@ -133,11 +133,8 @@ class World:
     def _wait(self, timeout: float | None) -> None:
         deadline = None if timeout is None else time.monotonic() + timeout
         stopping_since = None
-        while True:
+        while self.poll() is None:
             codes = [r.poll() for r in self.ranks]
-            if all(c is not None for c in codes):
-                self.returncode = 0 if not any(codes) else 1
-                return
             now = time.monotonic()
             if deadline is not None and now >= deadline:
                 raise subprocess.TimeoutExpired(self.args, timeout)
@@ -151,6 +148,9 @@ class World:
             connection.wait(left, timeout=0.5 if deadline is None else max(0.0, min(0.5, deadline - now)))
 
     def poll(self) -> int | None:
+        codes = [r.poll() for r in self.ranks]
+        if self.returncode is None and all(c is not None for c in codes):
+            self.returncode = 0 if not any(codes) else 1
         return self.returncode
 
     def kill(self) -> None:
