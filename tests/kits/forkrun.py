@@ -112,6 +112,12 @@ class Forked:
         return out, err
 
 
+def rank_env(env: dict[str, str], rank: int, nproc: int, port: int) -> dict[str, str]:
+    """``env`` with what a launcher gives rank ``rank`` of ``nproc`` on this machine (the store on 127.0.0.1:``port``)."""
+    return dict(env, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc),
+                MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+
+
 class World:
     """``vltrain ARGV`` on ``nproc`` ranks, each a :class:`Forked` process, joined through the
     environment (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``/``MASTER_PORT``: rank 0 holds the store) as
@@ -123,9 +129,8 @@ class World:
 
     def __init__(self, argv: list[str], nproc: int, port: int, *, cwd: Path | str | None = None,
                  env: dict[str, str] | None = None):
-        base = dict(os.environ if env is None else env, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                    WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc))
-        self.ranks = [Forked(argv, cwd=cwd, env=dict(base, RANK=str(r), LOCAL_RANK=str(r))) for r in range(nproc)]
+        base = dict(os.environ if env is None else env)
+        self.ranks = [Forked(argv, cwd=cwd, env=rank_env(base, r, nproc, port)) for r in range(nproc)]
         self.args = self.ranks[0].args
         self.pid = self.ranks[0].pid
         self.returncode: int | None = None

@@ -66,10 +66,7 @@ def main(argv: list[str] | None = None) -> int:
         rank = os.environ.get("RANK", "0")
         if rank == "0" or getattr(e, "label", "error") == "error":
             where = "" if rank == "0" else f"[rank {rank}]"
-            # one write of the whole line: ranks share the launcher's stderr, and print() writes the
-            # text and its line break apart, so another rank's line could land between them
-            sys.stderr.write(f"vltrain{where}: {getattr(e, 'label', 'error')}: {e}\n")
-            sys.stderr.flush()
+            model_commands.say(f"vltrain{where}: {getattr(e, 'label', 'error')}: {e}", sys.stderr)
         return e.exit_code
     except KeyboardInterrupt:
         print("vltrain: interrupted", file=sys.stderr)

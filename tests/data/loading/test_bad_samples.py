@@ -136,16 +136,13 @@ def launch_ranks(shapes, run, world, timeout=240, **extra):
     """``vltrain train`` as ``world`` processes joined by torchrun's environment variables (gloo on
     127.0.0.1), without torchrun: its agent stops the other ranks as soon as one exits, and a test
     of what each rank decides by itself must see each one's own exit code and message."""
-    from kits.forkrun import Forked
+    from kits.forkrun import Forked, rank_env
     from kits.multiproc import free_port
     from kits.runkit import finish, overrides
 
     argv = ["train", str(shapes / "base.yaml"), *overrides(shapes, run, **extra)]
-    port = str(free_port())
-    procs = [Forked(argv, env=dict(os.environ, OMP_NUM_THREADS="1", RANK=str(r), LOCAL_RANK=str(r),
-                                   WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
-                                   MASTER_ADDR="127.0.0.1", MASTER_PORT=port))
-             for r in range(world)]
+    port = free_port()
+    procs = [Forked(argv, env=rank_env(dict(os.environ, OMP_NUM_THREADS="1"), r, world, port)) for r in range(world)]
     deadline = time.monotonic() + timeout
     try:
         return [finish(p, max(1.0, deadline - time.monotonic())) for p in procs]
