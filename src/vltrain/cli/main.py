@@ -18,6 +18,7 @@ from typing import NoReturn
 
 from vltrain.cli import data_commands, model_commands
 from vltrain.errors import UserError
+from vltrain.runtime import allocator
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -74,7 +75,13 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run() -> NoReturn:
-    """The process's way in and out: the ``vltrain`` command and ``python -m vltrain``."""
+    """The process's way in and out: the ``vltrain`` command and ``python -m vltrain``. First, where
+    the system has TCMalloc, the process starts again on it (``vltrain.runtime.allocator``)."""
+    try:
+        allocator.restart_with_tcmalloc()
+    except UserError as e:
+        model_commands.say(f"vltrain: error: {e}", sys.stderr)
+        leave(e.exit_code)
     try:
         code = main()
     except SystemExit as e:

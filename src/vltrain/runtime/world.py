@@ -14,6 +14,7 @@ import os
 import torch
 
 from vltrain.errors import ConfigError
+from vltrain.runtime import allocator
 from vltrain.runtime.cpus import usable_cpus
 from vltrain.runtime.distributed import World, init_distributed
 from vltrain.runtime.precision import cpu_has_bf16_matmul  # noqa: F401  (where the trainer and demo look)
@@ -84,8 +85,9 @@ def make_deterministic(device: torch.device) -> None:
 def setup_world(*, timeout_s: float = 600.0, device: str = "auto", threads: int = 0, tf32: bool = True,
                 debug_spmd: bool = False, deterministic: bool = False) -> World:
     """Join torchrun's process group (or run alone), pick the device, matmul precision, threads and,
-    on CPU, the allocator's reuse of freed memory (``keep_freed_memory``); ``debug_spmd`` turns the
-    SPMD check of every collective on (``vltrain.runtime.spmd``).
+    on CPU under glibc's malloc, its reuse of freed memory (``keep_freed_memory``; TCMalloc, which
+    the ``vltrain`` command preloads where installed, needs no tuning: ``vltrain.runtime.allocator``);
+    ``debug_spmd`` turns the SPMD check of every collective on (``vltrain.runtime.spmd``).
 
     ``threads=0`` divides the CPUs this process may use (``usable_cpus``) among the processes of
     this node, so that ``torchrun --nproc-per-node 2`` on 2 cores gives each rank one thread instead
@@ -99,7 +101,7 @@ def setup_world(*, timeout_s: float = 600.0, device: str = "auto", threads: int 
     allow_tf32(dev, tf32)
     if deterministic:
         make_deterministic(dev)
-    if dev.type == "cpu":
+    if dev.type == "cpu" and allocator.loaded() == "glibc":
         keep_freed_memory()
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     torch.set_num_threads(threads or max(1, usable_cpus() // local_world))

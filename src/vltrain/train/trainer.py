@@ -36,6 +36,7 @@ from vltrain.data.tokenizers import Tokenizer
 from vltrain.errors import UserError
 from vltrain.eval.evaluator import Evaluator, append_eval, check_early_stop_metric, format_metrics
 from vltrain.model import VLModel
+from vltrain.runtime import allocator
 from vltrain.runtime.distributed import all_gather_object, host_sums, release_mesh
 from vltrain.runtime.faults import maybe_fail
 from vltrain.runtime.precision import Precision
@@ -220,6 +221,8 @@ class Trainer:
         if self.world.is_main:
             self._say_init()
             log.info(self.resolved.batch)
+            if self.device.type == "cpu":
+                log.info(allocator.describe())
             self.run_dir.mkdir(parents=True, exist_ok=True)
             self.cfg.save(self.run_dir / "config.yaml")
             clear_marker(self.run_dir)
