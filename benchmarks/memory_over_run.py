@@ -14,7 +14,12 @@ thread samples ``/proc/self/statm`` and glibc's ``mallinfo2`` (all arenas) every
 table prints the sample nearest each reported step.
 
     PYTHONPATH=src python benchmarks/memory_over_run.py --data data/shapes [--steps 1000] [--every 100]
-        [--variants keep,default]
+        [--variants keep,default] [--nproc 2] [--native]
+
+``--nproc 2`` runs each variant on 2 ranks under torchrun (one thread each) and prints each rank's
+column; ``--native`` trains on copies of the images at five aspect ratios (3:1 to 1:3, written once
+beside the data) with ``data.resize: native`` within 9 patches, so the image side's shapes vary from
+batch to batch too.
 
 ``--data`` is a folder ``vltrain demo`` wrote (train.jsonl, tokenizer.json).
 """
@@ -43,8 +48,31 @@ class MallInfo2(ctypes.Structure):
                                                 "fsmblks", "uordblks", "fordblks", "keepcost")]
 
 
-def child(data: Path, steps: int, variant: str, out: Path) -> None:
-    """One run in this process; samples written to ``out`` as JSON lines."""
+NATIVE_SIZES = ((144, 48), (96, 48), (48, 48), (48, 96), (48, 144))
+"""The ``--native`` copies' sizes (width, height), in turn."""
+
+
+def native_data(data: Path) -> Path:
+    """``data``'s training rows with each image resized to one of NATIVE_SIZES (written once)."""
+    from PIL import Image
+
+    out = data / "native.jsonl"
+    if not out.exists():
+        (data / "native").mkdir(exist_ok=True)
+        rows = [json.loads(x) for x in (data / "train.jsonl").read_text().splitlines()]
+        for i, row in enumerate(rows):
+            if "image" in row:
+                image = Image.open(data / row["image"]).resize(NATIVE_SIZES[i % len(NATIVE_SIZES)],
+                                                               Image.Resampling.BICUBIC)
+                row["image"] = f"native/{i}.png"
+                image.save(data / row["image"])
+        out.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return out
+
+
+def child(data: Path, steps: int, variant: str, out: Path, native: bool) -> None:
+    """One run in this process (one rank of it under torchrun); samples written to ``out`` as JSON
+    lines."""
     libc = ctypes.CDLL("libc.so.6")
     libc.mallinfo2.restype = MallInfo2
     if variant.startswith("arenas"):  # before torch starts any thread
@@ -56,50 +84,67 @@ def child(data: Path, steps: int, variant: str, out: Path) -> None:
 
     trim_every = int(variant[len("trim"):]) if variant.startswith("trim") else 0
     page = os.sysconf("SC_PAGE_SIZE")
-    with tempfile.TemporaryDirectory() as run:
-        cfg = load_config(demo_config_path(), [f"run.dir={run}", f"data.train={data / 'train.jsonl'}", "data.val=''",
-                                               f"data.tokenizer={data / 'tokenizer.json'}", f"train.max_steps={steps}",
-                                               "train.log_every=100000", "eval.every=0", "train.progress=false",
-                                               "model.preset=tiny-albef",  # the model of the recorded figures
-                                               *fp32_here()])
-        trainer = Trainer(cfg)  # keep_freed_memory() ran in its set-up
-        if variant == "default":
-            libc.mallopt(_M_MMAP_THRESHOLD, GLIBC_DEFAULT)
-            libc.mallopt(_M_TRIM_THRESHOLD, GLIBC_DEFAULT)
-        elif variant.startswith("mmap"):
-            libc.mallopt(_M_MMAP_THRESHOLD, int(variant[len("mmap"):]) << 20)
-        elif variant.startswith("top"):
-            libc.mallopt(_M_TRIM_THRESHOLD, int(variant[len("top"):]) << 20)
-        done = threading.Event()
+    rank = int(os.environ.get("RANK", "0"))
+    run = out.with_name(f"{out.stem}-run")  # one folder for all ranks, in the parent's
+    out = out.with_name(f"{out.stem}.rank{rank}.jsonl")
+    train = ["data.train=" + str(data / "native.jsonl"), "data.resize=native", "data.max_patches=9"] if native \
+        else [f"data.train={data / 'train.jsonl'}"]
+    cfg = load_config(demo_config_path(), [f"run.dir={run}", *train, "data.val=''",
+                                           f"data.tokenizer={data / 'tokenizer.json'}", f"train.max_steps={steps}",
+                                           "train.log_every=100000", "eval.every=0", "train.progress=false",
+                                           "model.preset=tiny-albef",  # the model of the recorded figures
+                                           *fp32_here()])
+    trainer = Trainer(cfg)  # keep_freed_memory() ran in its set-up
+    if variant == "default":
+        libc.mallopt(_M_MMAP_THRESHOLD, GLIBC_DEFAULT)
+        libc.mallopt(_M_TRIM_THRESHOLD, GLIBC_DEFAULT)
+    elif variant.startswith(("mmap", "thp")):
+        libc.mallopt(_M_MMAP_THRESHOLD, int(variant.lstrip("mmapth")) << 20)
+    elif variant.startswith("top"):
+        libc.mallopt(_M_TRIM_THRESHOLD, int(variant[len("top"):]) << 20)
+    done = threading.Event()
 
-        def trim() -> None:
-            trimmed = 0
+    def trim() -> None:
+        trimmed = 0
+        while not done.is_set():
+            if trainer.step // trim_every > trimmed:
+                trimmed = trainer.step // trim_every
+                libc.malloc_trim(0)
+            done.wait(0.01)
+
+    if trim_every:
+        threading.Thread(target=trim, daemon=True).start()
+
+    def sample() -> None:
+        with open(out, "w") as f:
             while not done.is_set():
-                if trainer.step // trim_every > trimmed:
-                    trimmed = trainer.step // trim_every
-                    libc.malloc_trim(0)
-                done.wait(0.01)
+                m = libc.mallinfo2()
+                with open("/proc/self/statm") as statm:
+                    rss = int(statm.read().split()[1]) * page
+                f.write(json.dumps({"step": trainer.step, "time": time.perf_counter(), "rss": rss,
+                                    "in_use": m.uordblks + m.hblkhd, "kept_free": m.fordblks}) + "\n")
+                f.flush()
+                done.wait(1.0)
 
-        if trim_every:
-            threading.Thread(target=trim, daemon=True).start()
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    trainer.train()
+    done.set()
+    sampler.join()
+    trainer.close()
 
-        def sample() -> None:
-            with open(out, "w") as f:
-                while not done.is_set():
-                    m = libc.mallinfo2()
-                    with open("/proc/self/statm") as statm:
-                        rss = int(statm.read().split()[1]) * page
-                    f.write(json.dumps({"step": trainer.step, "time": time.perf_counter(), "rss": rss,
-                                        "in_use": m.uordblks + m.hblkhd, "kept_free": m.fordblks}) + "\n")
-                    f.flush()
-                    done.wait(1.0)
 
-        sampler = threading.Thread(target=sample, daemon=True)
-        sampler.start()
-        trainer.train()
-        done.set()
-        sampler.join()
-        trainer.close()
+PRELOADS = {"jemalloc": "libjemalloc.so.2", "tcmalloc": "libtcmalloc_minimal.so.4"}
+
+
+def variant_env(variant: str) -> dict[str, str]:
+    """What a variant sets before its process starts: another allocator preloaded, or glibc's
+    transparent huge pages for what it maps (``thpN``: ``mmapN`` with ``glibc.malloc.hugetlb=1``)."""
+    if variant in PRELOADS:
+        return {"LD_PRELOAD": PRELOADS[variant]}
+    if variant.startswith("thp"):
+        return {"GLIBC_TUNABLES": "glibc.malloc.hugetlb=1"}
+    return {}
 
 
 def table(samples: dict[str, list[dict]], every: int) -> None:
@@ -127,19 +172,28 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=1000)
     p.add_argument("--every", type=int, default=100)
     p.add_argument("--variants", default="keep,default")
+    p.add_argument("--nproc", type=int, default=1)
+    p.add_argument("--native", action="store_true")
     p.add_argument("--child", nargs=2, metavar=("VARIANT", "OUT"), help=argparse.SUPPRESS)
     a = p.parse_args()
     if a.child:
-        child(a.data, a.steps, a.child[0], Path(a.child[1]))
+        child(a.data, a.steps, a.child[0], Path(a.child[1]), a.native)
         return
+    if a.native:
+        native_data(a.data)
     samples = {}
     with tempfile.TemporaryDirectory() as tmp:
         for variant in a.variants.split(","):
             out = Path(tmp) / f"{variant}.jsonl"
-            env = dict(os.environ, PYTHONPATH=str(REPO / "src"))
-            subprocess.run([sys.executable, __file__, "--data", str(a.data), "--steps", str(a.steps),
-                            "--child", variant, str(out)], check=True, env=env)
-            samples[variant] = [json.loads(x) for x in out.read_text().splitlines()]
+            env = dict(os.environ, PYTHONPATH=str(REPO / "src"), **variant_env(variant))
+            launch = [sys.executable] if a.nproc == 1 else [
+                sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(a.nproc)]
+            subprocess.run([*launch, __file__, "--data", str(a.data), "--steps", str(a.steps),
+                            *(["--native"] if a.native else []), "--child", variant, str(out)], check=True, env=env)
+            for rank in range(a.nproc):
+                name = variant if a.nproc == 1 else f"{variant}, rank {rank}"
+                lines = out.with_name(f"{out.stem}.rank{rank}.jsonl").read_text().splitlines()
+                samples[name] = [json.loads(x) for x in lines]
     table(samples, a.every)
 
 
