@@ -99,8 +99,8 @@ class LossConfig(Settings):
     mim_ratio: float = 0.6
     """The share of an image's patches image_mim masks."""
     caption: float = 2.0
-    """Weight of the captioning loss (presets with a decoder: tiny-coca, coca-vit-b32; ignored
-    without one; 0: no decoder): next-token cross-entropy of the decoder reading the image tokens,
+    """Weight of the captioning loss (presets with a decoder: tiny-coca, tiny-coca-lite, coca-vit-b32;
+    ignored without one; 0: no decoder): next-token cross-entropy of the decoder reading the image tokens,
     on image-text rows, and as a plain language model on text-only rows. 2: OpenCLIP's CoCa default."""
     caption_label_smoothing: float = 0.0
     """Label smoothing of the captioning loss, in [0, 1)."""
