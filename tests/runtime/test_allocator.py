@@ -49,6 +49,7 @@ def execs(monkeypatch):
         raise Exec(path, argv, env)
 
     monkeypatch.setattr(allocator.os, "execve", record)
+    monkeypatch.delitem(sys.modules, "torch", raising=False)  # as at the command's start
     for name in (allocator.ENV, allocator.STARTED, "LD_PRELOAD", "CONDA_PREFIX", "LD_LIBRARY_PATH",
                  "TCMALLOC_LARGE_ALLOC_REPORT_THRESHOLD"):
         monkeypatch.delenv(name, raising=False)
@@ -81,6 +82,15 @@ def test_no_restart_once_started_under_a_preloaded_allocator_or_on_glibc_by_choi
     execs.setenv("CONDA_PREFIX", str(tmp_path))
     for key, value in setting.items():
         execs.setenv(key, value)
+    allocator.restart_with_tcmalloc()  # returns: no Exec
+
+
+def test_a_process_that_loaded_torch_is_not_started_again(execs, tmp_path):
+    """A fork of a process with torch loaded (a test's fork server) has allocated on glibc already,
+    and its command line is its parent's."""
+    _library(tmp_path)
+    execs.setenv("CONDA_PREFIX", str(tmp_path))
+    execs.setitem(sys.modules, "torch", object())
     allocator.restart_with_tcmalloc()  # returns: no Exec
 
 

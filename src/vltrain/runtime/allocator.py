@@ -74,9 +74,12 @@ def loaded() -> str:
 
 def restart_with_tcmalloc() -> None:
     """Start this command again with TCMalloc preloaded, where ``VLTRAIN_MALLOC`` and the system
-    allow; returns (doing nothing) otherwise. Call before anything large is allocated."""
+    allow; returns (doing nothing) otherwise, and in a process that has loaded torch already (a
+    fork of one, as a test's fork server makes, must not start the parent's command line again)."""
     wanted = choice()
     if wanted == "glibc" or not sys.platform.startswith("linux") or os.environ.get(STARTED):
+        return
+    if "torch" in sys.modules:  # it has allocated on glibc already, or this is a fork of a process that had
         return
     preloaded = os.environ.get("LD_PRELOAD", "")
     if any(name in preloaded for name in KNOWN):
