@@ -15,7 +15,7 @@ clip-vit-l14      ViT-L/14, text 768w/12d/12h, embed 768 49,408      77      224
 albef-base        ViT-B/16 + text 768w/6d + 6 fusion     30,522      30      256    208,945,155
 tiny-coca         tiny-clip, causal text + 2 decoder     1,000       32      48     2,112,385
 tiny-coca-itm     tiny-coca + 1 fusion layer, ITM        1,000       32      48     2,377,475
-tiny-coca-lite    tiny-coca, 2 text blocks, 1 decoder   1,000       32      48     1,649,537
+tiny-coca-lite    tiny-coca, 2 text blocks, 1 decoder    1,000       32      48     1,649,537
 coca-vit-b32      OpenCLIP's coca_ViT-B-32               49,408      76      224    253,560,065
 ================  =====================================  ==========  ======  =====  ===========
 
@@ -129,7 +129,7 @@ def tiny_coca() -> Architecture:
 def tiny_coca_lite() -> Architecture:
     """tiny-coca with one text block and one decoder block fewer: the text side takes most of a step
     on the synthetic shapes (about 30 tokens a caption against 9 patches an image), so this one
-    trains about 1.5x as many samples/s on a CPU; the demo's model."""
+    trains 1.2-1.5x as many samples/s on a 2-core CPU (docs/benchmarks.md#demo); the demo's model."""
     arch = tiny_coca()
     arch.text.depth, arch.decoder.depth = 2, 1
     return arch
