@@ -87,7 +87,7 @@ def child(data: Path, steps: int, variant: str, out: Path, native: bool) -> None
     rank = int(os.environ.get("RANK", "0"))
     run = out.with_name(f"{out.stem}-run")  # one folder for all ranks, in the parent's
     out = out.with_name(f"{out.stem}.rank{rank}.jsonl")
-    train = ["data.train=" + str(data / "native.jsonl"), "data.resize=native", "data.max_patches=9"] if native \
+    train = [f"data.train={data / 'native.jsonl'}", "data.resize=native", "data.max_patches=9"] if native \
         else [f"data.train={data / 'train.jsonl'}"]
     cfg = load_config(demo_config_path(), [f"run.dir={run}", *train, "data.val=''",
                                            f"data.tokenizer={data / 'tokenizer.json'}", f"train.max_steps={steps}",
@@ -99,7 +99,7 @@ def child(data: Path, steps: int, variant: str, out: Path, native: bool) -> None
         libc.mallopt(_M_MMAP_THRESHOLD, GLIBC_DEFAULT)
         libc.mallopt(_M_TRIM_THRESHOLD, GLIBC_DEFAULT)
     elif variant.startswith(("mmap", "thp")):
-        libc.mallopt(_M_MMAP_THRESHOLD, int(variant.lstrip("mmapth")) << 20)
+        libc.mallopt(_M_MMAP_THRESHOLD, int(variant.removeprefix("mmap").removeprefix("thp")) << 20)
     elif variant.startswith("top"):
         libc.mallopt(_M_TRIM_THRESHOLD, int(variant[len("top"):]) << 20)
     done = threading.Event()

@@ -54,8 +54,11 @@ def keep_freed_memory(mmap_threshold: int = 32 << 20, trim_threshold: int = 1 <<
     cost: ``docs/benchmarks.md#trainer-step-throughput-fp32-vs-bf16-autocast-mfu``). Raising the
     mmap threshold to its maximum (32 MiB) and the trim threshold to 1 GiB keeps the memory in the
     process, at the price of a higher resident size between steps. Returns False where the C
-    library is not glibc (then nothing changes).
+    library is not glibc, or another allocator is preloaded (``vltrain.runtime.allocator``; then
+    nothing changes).
     """
+    if allocator.loaded() != "glibc":
+        return False
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
         mallopt = libc.mallopt
@@ -101,7 +104,7 @@ def setup_world(*, timeout_s: float = 600.0, device: str = "auto", threads: int 
     allow_tf32(dev, tf32)
     if deterministic:
         make_deterministic(dev)
-    if dev.type == "cpu" and allocator.loaded() == "glibc":
+    if dev.type == "cpu":
         keep_freed_memory()
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     torch.set_num_threads(threads or max(1, usable_cpus() // local_world))
