@@ -11,7 +11,8 @@ the heap beyond N MiB handed back).
 Each variant trains ``configs/demo.yaml`` (tiny-albef; fp32 on a CPU without bf16 matrix
 instructions, as ``vltrain demo`` does) on the demo's shapes data in a process of its own; a
 thread samples ``/proc/self/statm`` and glibc's ``mallinfo2`` (all arenas) every second, and the
-table prints the sample nearest each reported step.
+table prints the sample nearest each reported step; a second table prints the step rate between
+reported steps, so that a run that slows as it goes shows.
 
     PYTHONPATH=src python benchmarks/memory_over_run.py --data data/shapes [--steps 1000] [--every 100]
         [--variants keep,default] [--nproc 2] [--native]
@@ -160,10 +161,19 @@ def table(samples: dict[str, list[dict]], every: int) -> None:
             most = max((x["rss"] for x in rows if step - every < x["step"] <= step), default=r["rss"])
             cells.append(f"{r['rss'] / gib:.2f} ({most / gib:.2f}) / {r['in_use'] / gib:.2f} / {r['kept_free'] / gib:.2f}")
         print(f"| {step} | " + " | ".join(cells) + " |")
+    print("\n| steps | " + " | ".join(f"{v}: steps/s" for v in samples) + " |")
+    print("|---:|" + "---:|" * len(samples))
+    bounds = [1, *range(every, last + 1, every)]
+    for lo, hi in zip(bounds, bounds[1:]):
+        print(f"| {lo}-{hi} | " + " | ".join(f"{rate(rows, lo, hi):.2f}" for rows in samples.values()) + " |")
     for name, rows in samples.items():
-        trained = [r for r in rows if r["step"] > 0]
-        rate = (trained[-1]["step"] - trained[0]["step"]) / max(trained[-1]["time"] - trained[0]["time"], 1e-9)
-        print(f"{name}: {rate:.2f} steps/s")
+        print(f"{name}: {rate(rows, 1, last):.2f} steps/s")
+
+
+def rate(rows: list[dict], lo: int, hi: int) -> float:
+    """Steps per second between the samples nearest steps ``lo`` and ``hi``."""
+    a, b = (min(rows, key=lambda x: abs(x["step"] - step)) for step in (lo, hi))
+    return (b["step"] - a["step"]) / max(b["time"] - a["time"], 1e-9)
 
 
 def main() -> None:
