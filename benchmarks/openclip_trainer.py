@@ -249,7 +249,7 @@ def main() -> None:
         for variant in args.variants.split(","):
             results.append((f"vltrain ({variant})", run_vltrain(args, work, shards, precision, variant)))
         for name, r in results:
-            print(f"| {precision} | {name} | {r['hwm'] / 1024:,.0f} MB | {r['pss'] / 1024:,.0f} MB | "
+            print(f"| {precision} | {name} | {r['hwm'] / 1024:,.0f} MiB | {r['pss'] / 1024:,.0f} MiB | "
                   f"{r['rate']:.1f} | {r['wall']:.0f} s |", flush=True)
         base = results[0][1]
         for name, r in results[1:]:
