@@ -171,8 +171,10 @@ def table(samples: dict[str, list[dict]], every: int) -> None:
 
 
 def rate(rows: list[dict], lo: int, hi: int) -> float:
-    """Steps per second between the samples nearest steps ``lo`` and ``hi``."""
-    a, b = (min(rows, key=lambda x: abs(x["step"] - step)) for step in (lo, hi))
+    """Steps per second from the first sample at step ``lo`` or later to the last at ``hi`` or
+    earlier (so a run's start-up, at step 0, is left out)."""
+    a = next(x for x in rows if x["step"] >= lo)
+    b = next(x for x in reversed(rows) if x["step"] <= hi)
     return (b["step"] - a["step"]) / max(b["time"] - a["time"], 1e-9)
 
 
