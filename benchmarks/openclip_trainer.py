@@ -24,7 +24,7 @@ What is measured, for each side in a process of its own, one after the other:
   optimizer-step hook).
 
 The model: a ViT-16 image tower (128 px, width 256, 6 blocks) and a text tower of OpenCLIP's
-vocabulary (49,408 tokens, context 77, width 256, 6 blocks), embedding 256: 22.4M parameters. Its
+vocabulary (49,408 tokens, context 77, width 256, 6 blocks), embedding 256: 22.5M parameters. Its
 open_clip config goes in with ``open_clip.add_model_config``; its random initial weights are made
 once by open_clip and given to both (vltrain's ``model.init``). vltrain reads captions with
 OpenCLIP's tokenizer rebuilt as a ``tokenizer.json`` (``vltrain tokenizer from-openclip``), the
@@ -190,11 +190,13 @@ def run_openclip(args, work: Path, shards: Path, precision: str) -> dict:
     env.pop("PYTHONPATH", None)
     watch, wall = measure(cmd, env, work / f"openclip-{precision}.log")
     times = json.loads(times_file.read_text())
-    return {"hwm": watch.hwm_kb, "pss": watch.pss_kb, "wall": wall, "steps": len(times),
+    return {"hwm": watch.hwm_kb, "pss": watch.pss_kb, "wall": wall,
             "rate": rate(times, list(range(1, len(times) + 1)), args.warm, args.batch)}
 
 
 def run_vltrain(args, work: Path, shards: Path, precision: str, variant: str) -> dict:
+    from vltrain.train.metrics import read_jsonl
+
     run = work / f"vltrain-{precision}-{variant}"
     shutil.rmtree(run, ignore_errors=True)  # a run folder with a checkpoint would resume
     (work / "empty.yaml").write_text("{}\n")
@@ -209,9 +211,8 @@ def run_vltrain(args, work: Path, shards: Path, precision: str, variant: str) ->
         cmd.append("data.pad_multiple=77")
     env = {**os.environ, "VLTRAIN_MALLOC": "auto" if variant == "fixed" else variant, "PYTHONPATH": str(REPO / "src")}
     watch, wall = measure(cmd, env, work / f"vltrain-{precision}-{variant}.log")
-    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if '"step"' in x]
-    rows = [r for r in rows if "samples_per_s" in r]
-    return {"hwm": watch.hwm_kb, "pss": watch.pss_kb, "wall": wall, "steps": rows[-1]["step"],
+    rows = [r for r in read_jsonl(run / "metrics.jsonl") if "samples_per_s" in r]  # the training lines
+    return {"hwm": watch.hwm_kb, "pss": watch.pss_kb, "wall": wall,
             "rate": rate([r["time"] for r in rows], [r["step"] for r in rows], args.warm, args.batch)}
 
 
