@@ -36,6 +36,19 @@ def test_packing_keeps_every_text_token_and_each_rows_first_position():
     assert torch.equal(padded.reshape(-1, 3)[packed.index], x) and padded[~keep].abs().sum() == 0
 
 
+@pytest.mark.parametrize("multiple", [16, 64, 1000])
+def test_a_pack_multiple_rounds_the_token_count_up_with_padding_positions(multiple):
+    _, mask = _batch(LENGTHS)
+    plain, rounded = packed_tokens(mask, "packed"), packed_tokens(mask, "packed", multiple)
+    real = len(plain.index)
+    assert rounded.real == real and torch.equal(rounded.index[:real], plain.index)
+    assert len(rounded.index) == min(-(-real // multiple) * multiple, mask.numel())  # 1000: every position
+    extra = rounded.index[real:]
+    keep = mask.bool().clone()
+    keep[:, 0] = True
+    assert not keep.reshape(-1)[extra].any() and len(set(rounded.index.tolist())) == len(rounded.index)
+
+
 @pytest.mark.parametrize("lengths,layout", [
     ([20, 19, 20, 18, 20, 20, 17, 20], "auto"),  # similar lengths (budget batching): too little to skip
     (LENGTHS, "padded"),
@@ -50,13 +63,16 @@ def test_packed_packs_whatever_it_saves():
     assert len(packed_tokens(mask, "packed").index) == 154
 
 
-@pytest.mark.parametrize("pooling,causal,bert", [("eos", True, False), ("mean", False, False), ("first", False, False),
-                                                 ("first", False, True), ("eos", True, True)])
-def test_packed_tower_computes_what_the_padded_one_does(pooling, causal, bert):
-    """``bert``: BLIP's text tower (an embedding norm, post-norm layers, no final norm)."""
+@pytest.mark.parametrize("pooling,causal,bert,multiple", [
+    ("eos", True, False, 1), ("mean", False, False, 1), ("first", False, False, 1), ("first", False, True, 1),
+    ("eos", True, True, 1), ("eos", True, False, 64), ("mean", False, True, 64),
+])
+def test_packed_tower_computes_what_the_padded_one_does(pooling, causal, bert, multiple):
+    """``bert``: BLIP's text tower (an embedding norm, post-norm layers, no final norm); ``multiple``:
+    the token count rounded up with padding positions, whose results must not reach any row."""
     torch.manual_seed(0)
     cfg = TextTowerConfig(vocab_size=50, max_length=32, width=32, depth=2, heads=4, pooling=pooling, causal=causal,
-                          layout="packed", embed_norm=bert, post_norm=bert)
+                          layout="packed", embed_norm=bert, post_norm=bert, pack_multiple=multiple)
     packed = TextTransformer(cfg).double()
     padded = TextTransformer(replace(cfg, layout="padded")).double()
     padded.load_state_dict(packed.state_dict())
@@ -64,6 +80,9 @@ def test_packed_tower_computes_what_the_padded_one_does(pooling, causal, bert):
     (t1, p1), (t0, p0) = packed(ids, mask), padded(ids, mask)
     assert t1.shape == t0.shape and p1.shape == p0.shape
     text = mask.bool()
+    keep = text.clone()
+    keep[:, 0] = True
+    assert t1[~keep].abs().sum() == 0  # padding positions come back zero, rounded or not
     torch.testing.assert_close(t1[text], t0[text], rtol=1e-10, atol=1e-12)
     torch.testing.assert_close(p1, p0, rtol=1e-10, atol=1e-12)
     g1 = torch.autograd.grad(p1.square().sum() + t1[text].sum(), list(packed.parameters()))
@@ -110,6 +129,19 @@ def test_auto_packs_on_cpu_and_the_setting_is_checked():
     assert load_config(None, ["model.text.layout=padded"]).model.text.layout == "padded"
     with pytest.raises(ConfigError, match="model.text.layout"):
         load_config(None, ["model.text.layout=sometimes"])
+    assert load_config(None, ["model.text.pack_multiple=64"]).model.text.pack_multiple == 64
+    with pytest.raises(ConfigError, match="model.text.pack_multiple"):
+        load_config(None, ["model.text.pack_multiple=0"])
+
+
+def test_a_pack_multiple_gives_the_blocks_rounded_row_counts():
+    cfg = TextTowerConfig(vocab_size=50, max_length=32, width=32, depth=1, heads=4, pooling="eos", pack_multiple=64)
+    seen = []
+    tower = TextTransformer(cfg)
+    tower.blocks[0].register_forward_pre_hook(lambda module, args: seen.append(args[0].shape))
+    for lengths in (LENGTHS, [n // 2 + 1 for n in LENGTHS]):
+        tower(*_batch(lengths))
+    assert seen == [torch.Size([320, 32]), torch.Size([192, 32])]  # 269 and 148 tokens
 
 
 def test_a_bert_tower_norms_its_embeddings_and_ends_in_its_last_layers_norm():

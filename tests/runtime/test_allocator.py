@@ -101,7 +101,7 @@ def test_tcmalloc_asked_for_and_missing_says_how_to_install_it(execs, tmp_path):
         allocator.restart_with_tcmalloc()
     execs.setenv(allocator.ENV, "auto")
     allocator.restart_with_tcmalloc()  # nothing to preload: glibc, no Exec
-    assert "libtcmalloc-minimal4" in allocator.describe()
+    assert "libtcmalloc-minimal4" in allocator.describe() and "model.text.pack_multiple=64" in allocator.describe()
 
 
 def test_the_environments_own_library_comes_before_the_systems(execs, tmp_path):

@@ -114,11 +114,15 @@ class Packed:
     batch: int
     length: int
     mask: torch.Tensor | None
+    real: int = -1
+    """How many of ``index``'s first positions are text; those after it are padding positions that
+    round the row count up (``packed_tokens``' ``multiple``). -1: all of them."""
 
     def unpack(self, x: torch.Tensor) -> torch.Tensor:
-        """[tokens, W] -> [batch, length, W], zero where no token was kept."""
+        """[tokens, W] -> [batch, length, W], zero where no token was kept. ``x`` may hold only the
+        first rows (the text ones): the rest of the layout is zero then."""
         out = x.new_zeros(self.batch * self.length, x.shape[-1])
-        return out.index_copy(0, self.index, x).view(self.batch, self.length, x.shape[-1])
+        return out.index_copy(0, self.index[: x.shape[0]], x).view(self.batch, self.length, x.shape[-1])
 
 
 @dataclass

@@ -39,7 +39,8 @@ def _text_tower(model_cfg: ModelConfig, arch: Architecture, vocab_size: int, max
     if not model_cfg.text.hf_path:
         pooling = pooling or arch.text.pooling
         return TextTransformer(replace(arch.text, vocab_size=vocab_size, max_length=max_text_length, pooling=pooling,
-                                       layout=model_cfg.text.layout), image_width)
+                                       layout=model_cfg.text.layout, pack_multiple=model_cfg.text.pack_multiple),
+                               image_width)
     if pooling == "appended":
         raise ConfigError("model.text.pooling: appended (an appended class token) is for vltrain's own text tower, "
                           "not model.text.hf_path; use first, eos or mean")

@@ -21,6 +21,10 @@ class TextConfig(Settings):
     """auto | packed | padded: our own text tower runs its projections and MLPs over the text tokens
     alone, packed, instead of over the batch padded to its longest caption; auto: on a CPU, when
     that skips a fifth of the positions (``vltrain.model.text.packed_tokens``)."""
+    pack_multiple: int = 1
+    """Packed, round the batch's token count up to a multiple of this (padding positions fill the
+    rest, their results dropped): a run's text matrices then take a few sizes rather than a new
+    one per batch. 1: the text tokens alone."""
 
 
 @dataclass
@@ -188,6 +192,8 @@ class ModelConfig(Settings):
             )
         if self.text.layout not in TEXT_LAYOUTS:
             raise ConfigError(f"model.text.layout must be {', '.join(TEXT_LAYOUTS)}, got {self.text.layout!r}")
+        if self.text.pack_multiple < 1:
+            raise ConfigError(f"model.text.pack_multiple must be 1 or more, got {self.text.pack_multiple}")
         if self.embed_dim < 0:
             raise ConfigError(f"model.embed_dim must be >= 0, got {self.embed_dim}")
         distilling = self.loss.distill or self.loss.distill_sigmoid

@@ -69,6 +69,10 @@ class TextTowerConfig:
     at text positions are the same (to float rounding); tokens at padding positions come back
     zero, and every consumer masks those out. Not with ``last`` pooling, which reads the batch's
     last position."""
+    pack_multiple: int = 1
+    """Packed, the token count rounded up to a multiple of this with padding positions (whose
+    results are dropped), so that a run's matrix sizes repeat instead of changing with every
+    batch's captions (``packed_tokens``)."""
 
 
 def _eos(tokens: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
@@ -96,7 +100,7 @@ MIN_SAVING = 0.2
 TEXT_LAYOUTS = ("auto", "packed", "padded")
 
 
-def packed_tokens(attention_mask: torch.Tensor, layout: str) -> Packed | None:
+def packed_tokens(attention_mask: torch.Tensor, layout: str, multiple: int = 1) -> Packed | None:
     """The text tokens of a padded batch, to run packed (``Packed``), or None to run it padded.
 
     A batch of captions padded to its longest spends much of the text tower on padding (captions
@@ -114,7 +118,11 @@ def packed_tokens(attention_mask: torch.Tensor, layout: str) -> Packed | None:
     index = keep.reshape(-1).nonzero().squeeze(1)
     if layout == "auto" and len(index) > (1 - MIN_SAVING) * keep.numel():
         return None
-    return Packed(index, keep.shape[0], keep.shape[1], None)
+    real = len(index)
+    extra = min(-real % multiple, keep.numel() - real)
+    if extra:
+        index = torch.cat([index, (~keep).reshape(-1).nonzero().squeeze(1)[:extra]])
+    return Packed(index, keep.shape[0], keep.shape[1], None, real)
 
 
 class TextTransformer(nn.Module):
@@ -151,7 +159,7 @@ class TextTransformer(nn.Module):
         if self.cls_token is not None:
             return self._forward_appended(input_ids, attention_mask)
         last = self.cfg.pooling == "last"  # reads the batch's last position, padded or not
-        packed = None if last else packed_tokens(attention_mask, self.cfg.layout)
+        packed = None if last else packed_tokens(attention_mask, self.cfg.layout, self.cfg.pack_multiple)
         if packed is None:
             mask = (key_padding_mask if last else text_mask)(attention_mask, self.cfg.causal)
             embedded = self._embed(input_ids)
@@ -162,7 +170,7 @@ class TextTransformer(nn.Module):
         x = self.token_embedding(input_ids.reshape(-1)[packed.index]) + self.pos_embed.index_select(0, packed.index % n)
         x = self._embedded(x)
         x = self._last(run_blocks(self.blocks, x, packed, checkpointing=self.checkpointing))
-        tokens = packed.unpack(x)
+        tokens = packed.unpack(x[: packed.real])
         return self._embed(input_ids) if self.fuses else tokens, pool(tokens, attention_mask, self.cfg.pooling)
 
     def fuse(self, embedded: torch.Tensor, mask: torch.Tensor, image: torch.Tensor,

@@ -1,10 +1,12 @@
 """The C heap a CPU run's tensors come from: TCMalloc where the system has it, else glibc's malloc.
 
-A CPU step frees and allocates activations of a slightly different size every step (captions at
-their own widths, packed tokens). glibc's malloc either hands these back to the kernel and faults
-them in zeroed again every step (its default thresholds: 0.57x the step rate of the alternative on
-a 2-core AVX2 EPYC) or keeps them (``keep_freed_memory``), and then its heap fragments: the
-resident size grew to ten times the memory in use over 3,000 steps. TCMalloc (gperftools'
+A CPU step frees and allocates activations of a slightly different size every step (the text
+tower's packed tokens, a new count with every batch's captions). glibc's malloc either hands these
+back to the kernel and faults them in zeroed again every step (its default thresholds: 0.57x the
+step rate of the alternative on a 2-core AVX2 EPYC) or keeps them (``keep_freed_memory``), and then
+its heap fragments: the resident size grew to ten times the memory in use over 3,000 steps. A few
+sizes, repeated, do not fragment it (``model.text.pack_multiple``:
+``docs/benchmarks.md#what-fragments-glibcs-heap``). TCMalloc (gperftools'
 ``libtcmalloc_minimal``) reuses freed spans of nearby sizes and hands idle ones back gradually;
 there a long run's resident size stays flat and the step is faster
 (``docs/benchmarks.md#resident-memory-over-a-run``). PyTorch's own CPU launcher
@@ -105,4 +107,5 @@ def describe() -> str:
     if find_tcmalloc():
         return (f"memory allocator: glibc's malloc (TCMalloc is installed: the vltrain command preloads it "
                 f"unless {ENV}=glibc)")
-    return f"memory allocator: glibc's malloc (TCMalloc keeps a long run's memory flat and steps faster: {INSTALL})"
+    return (f"memory allocator: glibc's malloc (TCMalloc keeps a long run's memory flat and steps faster: {INSTALL}; "
+            f"without it, model.text.pack_multiple=64 keeps the text tower's sizes few, which bounds glibc's heap)")
