@@ -6,7 +6,9 @@ and every N steps glibc's ``malloc_trim(0)``, which hands back the freed pages a
 heaps, called from a thread watching the step count); ``arenasN`` (``keep`` with at most N malloc
 arenas, set before anything allocates); ``mmapN`` (``keep``, but blocks of N MiB and more mapped
 and unmapped by themselves rather than carved from the heap); ``topN`` (``keep``, but a free top of
-the heap beyond N MiB handed back).
+the heap beyond N MiB handed back). ``+packN`` after any of them adds
+``model.text.pack_multiple=N`` (``keep+pack64``): the text tower's packed token count rounded up
+to a multiple of N, so that its sizes repeat.
 
 Each variant trains ``configs/demo.yaml`` (tiny-albef; fp32 on a CPU without bf16 matrix
 instructions, as ``vltrain demo`` does) on the demo's shapes data in a process of its own; a
@@ -15,12 +17,12 @@ table prints the sample nearest each reported step; a second table prints the st
 reported steps, so that a run that slows as it goes shows.
 
     PYTHONPATH=src python benchmarks/memory_over_run.py --data data/shapes [--steps 1000] [--every 100]
-        [--variants keep,default] [--nproc 2] [--native]
+        [--variants keep,default] [--nproc 2] [--native] [--set KEY=VALUE ...]
 
 ``--nproc 2`` runs each variant on 2 ranks under torchrun (one thread each) and prints each rank's
 column; ``--native`` trains on copies of the images at five aspect ratios (3:1 to 1:3, written once
 beside the data) with ``data.resize: native`` within 9 patches, so the image side's shapes vary from
-batch to batch too.
+batch to batch too. ``--set KEY=VALUE`` (repeatable) adds a config override to every variant.
 
 ``--data`` is a folder ``vltrain demo`` wrote (train.jsonl, tokenizer.json).
 """
@@ -71,9 +73,23 @@ def native_data(data: Path) -> Path:
     return out
 
 
-def child(data: Path, steps: int, variant: str, out: Path, native: bool) -> None:
+def split_variant(variant: str) -> tuple[str, list[str]]:
+    """(the allocator variant, config overrides) of a variant name: ``keep+pack64`` is ``keep`` with
+    ``model.text.pack_multiple=64``."""
+    base, *mods = variant.split("+")
+    overrides = []
+    for mod in mods:
+        if not (mod.startswith("pack") and mod[len("pack"):].isdigit()):
+            raise SystemExit(f"--variants: {variant!r}: after a + comes packN (model.text.pack_multiple=N)")
+        overrides.append(f"model.text.pack_multiple={mod[len('pack'):]}")
+    return base, overrides
+
+
+def child(data: Path, steps: int, variant: str, out: Path, native: bool, overrides: list[str]) -> None:
     """One run in this process (one rank of it under torchrun); samples written to ``out`` as JSON
     lines."""
+    variant, own = split_variant(variant)
+    overrides = [*overrides, *own]
     libc = ctypes.CDLL("libc.so.6")
     libc.mallinfo2.restype = MallInfo2
     if variant.startswith("arenas"):  # before torch starts any thread
@@ -94,7 +110,7 @@ def child(data: Path, steps: int, variant: str, out: Path, native: bool) -> None
                                            f"data.tokenizer={data / 'tokenizer.json'}", f"train.max_steps={steps}",
                                            "train.log_every=100000", "eval.every=0", "train.progress=false",
                                            "model.preset=tiny-albef",  # the model of the recorded figures
-                                           *fp32_here()])
+                                           *fp32_here(), *overrides])
     trainer = Trainer(cfg)  # keep_freed_memory() ran in its set-up
     if variant == "default":
         libc.mallopt(_M_MMAP_THRESHOLD, GLIBC_DEFAULT)
@@ -186,10 +202,12 @@ def main() -> None:
     p.add_argument("--variants", default="keep,default")
     p.add_argument("--nproc", type=int, default=1)
     p.add_argument("--native", action="store_true")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="a config override for every variant (data.pad_multiple=32: one text width)")
     p.add_argument("--child", nargs=2, metavar=("VARIANT", "OUT"), help=argparse.SUPPRESS)
     a = p.parse_args()
     if a.child:
-        child(a.data, a.steps, a.child[0], Path(a.child[1]), a.native)
+        child(a.data, a.steps, a.child[0], Path(a.child[1]), a.native, a.set)
         return
     if a.native:
         native_data(a.data)
@@ -197,11 +215,12 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for variant in a.variants.split(","):
             out = Path(tmp) / f"{variant}.jsonl"
-            env = dict(os.environ, PYTHONPATH=str(REPO / "src"), **variant_env(variant))
+            env = dict(os.environ, PYTHONPATH=str(REPO / "src"), **variant_env(split_variant(variant)[0]))
             launch = [sys.executable] if a.nproc == 1 else [
                 sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(a.nproc)]
             subprocess.run([*launch, __file__, "--data", str(a.data), "--steps", str(a.steps),
-                            *(["--native"] if a.native else []), "--child", variant, str(out)], check=True, env=env)
+                            *(["--native"] if a.native else []),
+                            *(f"--set={x}" for x in a.set), "--child", variant, str(out)], check=True, env=env)
             for rank in range(a.nproc):
                 name = variant if a.nproc == 1 else f"{variant}, rank {rank}"
                 lines = out.with_name(f"{out.stem}.rank{rank}.jsonl").read_text().splitlines()

@@ -8,7 +8,7 @@ Neither open_clip_train nor img2dataset is a dependency of vltrain; each runs fr
         'webdataset<=0.2.86' braceexpand pandas
     python -m venv /tmp/i2dv && /tmp/i2dv/bin/pip install img2dataset
     PYTHONPATH=src python benchmarks/openclip_trainer.py --openclip-python /tmp/ocv/bin/python \\
-        --img2dataset /tmp/i2dv/bin/img2dataset [--precision fp32,bf16] [--steps 250] [--variants auto,glibc,fixed]
+        --img2dataset /tmp/i2dv/bin/img2dataset [--precision fp32,bf16] [--steps 250] [--variants auto,glibc,fixed,rounded]
 
 (On a CPU build of torch, torchvision's import fails on its two ``register_fake`` lines for ``nms``
 and ``qnms`` in ``torchvision/_meta_registrations.py``; guard them with ``if hasattr(...)`` or a
@@ -31,8 +31,12 @@ OpenCLIP's tokenizer rebuilt as a ``tokenizer.json`` (``vltrain tokenizer from-o
 same ids. The shards: shapes images of 96-400 px at several aspect ratios, served on 127.0.0.1 and
 downloaded by img2dataset with its defaults (256 px, ``border``), 1,000 samples per shard.
 vltrain runs as its command does (``vltrain train``, so on TCMalloc where the system has it);
-``--variants auto,glibc`` adds a row on glibc's malloc, and ``fixed`` one with every caption padded
-to 77 tokens as OpenCLIP pads them (the same matmul shapes every step).
+``--variants auto,glibc`` adds a row on glibc's malloc. A variant may name text shapes after a
+``+`` (alone: on the command's own allocator): ``fixed`` pads every caption to 77 tokens as OpenCLIP
+does and runs the text tower over the padded batch (the same matmul shapes every step);
+``rounded`` packs the text tokens as the default does but rounds their count up to a multiple of
+256 (``model.text.pack_multiple``: a few shapes, rather than a new one per batch). So
+``--variants auto,glibc,fixed,glibc+rounded`` tells the allocator's share from the shapes'.
 """
 
 from __future__ import annotations
@@ -194,6 +198,15 @@ def run_openclip(args, work: Path, shards: Path, precision: str) -> dict:
             "rate": rate(times, list(range(1, len(times) + 1)), args.warm, args.batch)}
 
 
+SHAPES = {
+    # every caption padded to 77 tokens and the text tower run over the padded batch: OpenCLIP's shapes
+    "fixed": ["data.pad_multiple=77", "model.text.layout=padded"],
+    # the text tokens packed (the default on a CPU), their count rounded up to a multiple of 256
+    "rounded": ["model.text.pack_multiple=256"],
+}
+"""A variant's text shapes (``--variants auto+rounded``), as config overrides."""
+
+
 def run_vltrain(args, work: Path, shards: Path, precision: str, variant: str) -> dict:
     from vltrain.train.metrics import read_jsonl
 
@@ -207,9 +220,12 @@ def run_vltrain(args, work: Path, shards: Path, precision: str, variant: str) ->
            f"train.max_steps={args.steps}", f"train.precision={precision}", f"train.threads={args.threads}",
            "train.lr=5e-4", "train.weight_decay=0.2", f"train.warmup_steps={args.steps // 10}", "train.grad_clip=0",
            "train.log_every=10", "train.progress=false", "checkpoint.every=0", "checkpoint.save_initial=never"]
-    if variant == "fixed":
-        cmd.append("data.pad_multiple=77")
-    env = {**os.environ, "VLTRAIN_MALLOC": "auto" if variant == "fixed" else variant, "PYTHONPATH": str(REPO / "src")}
+    allocator, *shapes = variant.split("+")
+    if allocator in SHAPES:  # "fixed" alone: on the command's own allocator
+        allocator, shapes = "auto", [allocator]
+    for shape in shapes:
+        cmd += SHAPES[shape]
+    env = {**os.environ, "VLTRAIN_MALLOC": allocator, "PYTHONPATH": str(REPO / "src")}
     watch, wall = measure(cmd, env, work / f"vltrain-{precision}-{variant}.log")
     rows = [r for r in read_jsonl(run / "metrics.jsonl") if "samples_per_s" in r]  # the training lines
     return {"hwm": watch.hwm_kb, "pss": watch.pss_kb, "wall": wall,
@@ -228,8 +244,14 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--workers", type=int, default=1)
     ap.add_argument("--variants", default="auto", help="vltrain's runs, comma-separated: auto, tcmalloc or glibc "
-                    "(VLTRAIN_MALLOC), or fixed (auto with every caption padded to 77 tokens, OpenCLIP's text shapes)")
+                    "(VLTRAIN_MALLOC), each optionally +fixed (OpenCLIP's text shapes: padded to 77) or +rounded "
+                    "(packed, rounded to 256 tokens); fixed or rounded alone run on auto")
     args = ap.parse_args()
+    for variant in args.variants.split(","):
+        allocator, *shapes = variant.split("+")
+        if allocator not in ("auto", "tcmalloc", "glibc", *SHAPES) or any(x not in SHAPES for x in shapes):
+            ap.error(f"--variants: {variant!r} is not auto, tcmalloc or glibc, with +fixed or +rounded, "
+                     "nor fixed or rounded alone")
     from vltrain.data.tools.openclip_tokenizer import openclip_tokenizer
 
     work = args.work.resolve()
