@@ -114,9 +114,9 @@ class Packed:
     batch: int
     length: int
     mask: torch.Tensor | None
-    real: int = -1
-    """How many of ``index``'s first positions are text; those after it are padding positions that
-    round the row count up (``packed_tokens``' ``multiple``). -1: all of them."""
+    real: int
+    """How many of ``index``'s first positions are text; those after them are padding positions
+    that round the row count up (``packed_tokens``' ``multiple``)."""
 
     def unpack(self, x: torch.Tensor) -> torch.Tensor:
         """[tokens, W] -> [batch, length, W], zero where no token was kept. ``x`` may hold only the
