@@ -207,6 +207,17 @@ SHAPES = {
 """A variant's text shapes (``--variants auto+rounded``), as config overrides."""
 
 
+def parse_variant(variant: str) -> tuple[str, list[str]]:
+    """(VLTRAIN_MALLOC, config overrides) of a variant: ``glibc+rounded``, or ``fixed`` alone (on auto)."""
+    allocator, *shapes = variant.split("+")
+    if allocator in SHAPES:
+        allocator, shapes = "auto", [allocator, *shapes]
+    if allocator not in ("auto", "tcmalloc", "glibc") or any(x not in SHAPES for x in shapes):
+        raise ValueError(f"--variants: {variant!r} is not auto, tcmalloc or glibc, with +fixed or +rounded, "
+                         "nor fixed or rounded alone")
+    return allocator, [o for shape in shapes for o in SHAPES[shape]]
+
+
 def run_vltrain(args, work: Path, shards: Path, precision: str, variant: str) -> dict:
     from vltrain.train.metrics import read_jsonl
 
@@ -220,11 +231,8 @@ def run_vltrain(args, work: Path, shards: Path, precision: str, variant: str) ->
            f"train.max_steps={args.steps}", f"train.precision={precision}", f"train.threads={args.threads}",
            "train.lr=5e-4", "train.weight_decay=0.2", f"train.warmup_steps={args.steps // 10}", "train.grad_clip=0",
            "train.log_every=10", "train.progress=false", "checkpoint.every=0", "checkpoint.save_initial=never"]
-    allocator, *shapes = variant.split("+")
-    if allocator in SHAPES:  # "fixed" alone: on the command's own allocator
-        allocator, shapes = "auto", [allocator]
-    for shape in shapes:
-        cmd += SHAPES[shape]
+    allocator, overrides = parse_variant(variant)
+    cmd += overrides
     env = {**os.environ, "VLTRAIN_MALLOC": allocator, "PYTHONPATH": str(REPO / "src")}
     watch, wall = measure(cmd, env, work / f"vltrain-{precision}-{variant}.log")
     rows = [r for r in read_jsonl(run / "metrics.jsonl") if "samples_per_s" in r]  # the training lines
@@ -248,10 +256,10 @@ def main() -> None:
                     "(packed, rounded to 256 tokens); fixed or rounded alone run on auto")
     args = ap.parse_args()
     for variant in args.variants.split(","):
-        allocator, *shapes = variant.split("+")
-        if allocator not in ("auto", "tcmalloc", "glibc", *SHAPES) or any(x not in SHAPES for x in shapes):
-            ap.error(f"--variants: {variant!r} is not auto, tcmalloc or glibc, with +fixed or +rounded, "
-                     "nor fixed or rounded alone")
+        try:
+            parse_variant(variant)
+        except ValueError as e:
+            ap.error(str(e))
     from vltrain.data.tools.openclip_tokenizer import openclip_tokenizer
 
     work = args.work.resolve()
