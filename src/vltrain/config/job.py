@@ -69,9 +69,10 @@ class TrainConfig(Settings):
     """AdamW epsilon."""
     grad_clip: float = 1.0
     """Clip the global gradient norm to this (0: no clipping)."""
-    precision: Literal["fp32", "bf16", "fp16"] = "bf16"
+    precision: Literal["fp32", "bf16", "fp16", "fp64"] = "bf16"
     """fp32; bf16 autocast (CPU and GPU); fp16 autocast with loss scaling. Weights and optimizer state
-    stay fp32."""
+    stay fp32. fp64: everything in float64 (weights, activations, losses, optimizer state), several
+    times slower: for checking the math, where fp32's rounding would hide a small change."""
     seed: int = 0
     """Seed of the initial weights, the data order and every rank's generators."""
     accumulation: int = 1

@@ -85,11 +85,12 @@ class Batch:
         modality_weights: ModalityWeights | None = None,
         source_loss_weights: list[float] | None = None,
         teacher: TeacherInputs | None = None,
+        pixel_dtype: torch.dtype = torch.float32,
     ) -> "ModelInputs":
         """The batch on ``device`` with normalized pixels. Per-row weights, unless all are 1: the
         modality's weight (``data.modality_weights``) times the source's ``loss_weight``. With a
         distillation ``teacher``: its view of the rows (normalized with its statistics), or its
-        stored embeddings."""
+        stored embeddings. ``pixel_dtype``: fp32, or fp64 for an fp64 run."""
         batch = self.to(device, non_blocking=True)  # pinned by the loader on CUDA
         row_weights = None
         w = modality_weights or ModalityWeights()
@@ -101,7 +102,7 @@ class Batch:
             per_source = torch.tensor(source_loss_weights, dtype=torch.float32, device=batch.ids.device)[batch.source]
             row_weights = per_source if row_weights is None else row_weights * per_source
         return ModelInputs(
-            pixels=batch.pixels(mean, std), input_ids=batch.input_ids, attention_mask=batch.attention_mask,
+            pixels=batch.pixels(mean, std, pixel_dtype), input_ids=batch.input_ids, attention_mask=batch.attention_mask,
             has_image=batch.has_image, has_text=batch.has_text, ids=batch.ids, row_weights=row_weights,
             source=batch.source, counts=self.counts, grids=batch.grids, segments=batch.segments,
             patch_index=batch.patch_index, image_slots=batch.image_slots,
@@ -134,10 +135,13 @@ def normalize_pixels(
     pixel_values: torch.Tensor, mean: list[float], std: list[float], dtype: torch.dtype = torch.float32
 ) -> torch.Tensor:
     """uint8 [B,3,H,W] -> (x/255 - mean) / std, as one fused scale-and-shift. Patches [B, N, 3 * p * p]
-    (channel, y, x within a patch) take each channel's statistics over its p * p values."""
+    (channel, y, x within a patch) take each channel's statistics over its p * p values. Computed in
+    fp32, or in fp64 for an fp64 ``dtype``: CPU kinds round fp32's fused multiply-add differently
+    (FMA or not), and an fp64 run must not inherit that."""
     dev = pixel_values.device
-    m = torch.tensor(mean, dtype=torch.float32, device=dev)
-    s = torch.tensor(std, dtype=torch.float32, device=dev)
+    wide = torch.float64 if dtype == torch.float64 else torch.float32
+    m = torch.tensor(mean, dtype=wide, device=dev)
+    s = torch.tensor(std, dtype=wide, device=dev)
     if pixel_values.dim() == 3:
         per_channel = pixel_values.shape[-1] // 3
         m, s = m.repeat_interleave(per_channel), s.repeat_interleave(per_channel)
@@ -145,4 +149,4 @@ def normalize_pixels(
         m, s = m.view(-1, 1, 1), s.view(-1, 1, 1)
     scale = 1.0 / (255.0 * s)
     shift = -m / s
-    return torch.addcmul(shift, pixel_values.float(), scale).to(dtype)
+    return torch.addcmul(shift, pixel_values.to(wide), scale).to(dtype)

@@ -16,6 +16,7 @@ from torch import nn
 from vltrain.model.blocks import MLP, Block, LayerNorm, attention, block_flops, mlp_width, run_blocks
 from vltrain.pixels import drop_packed, packed_places, patchify, unpack
 from vltrain.types import Tokens, real_patches
+from vltrain.runtime.precision import at_least_fp32
 
 VISION_POOLINGS = ("cls", "mean", "map", "attn_pool")
 
@@ -160,7 +161,7 @@ class VisionTransformer(nn.Module):
         every token attends only to its own image's real patches (and class token): what an image
         becomes does not depend on its padding or its batch. Padded positions come out as tokens
         no pooling reads."""
-        x = F.linear(patches, self.patch_embed.weight.flatten(1), self.patch_embed.bias)
+        x = self.project_patches(patches)
         if patch_mask is not None:
             x = torch.where(patch_mask[..., None], mask_token.to(x.dtype), x)
         n = x.shape[1]
@@ -190,7 +191,7 @@ class VisionTransformer(nn.Module):
         tokens [S, K + N, W], the row of each position [S, K + N] and K (0 without a class token).
         Attention stays inside each image, so each image's tokens are the ones it gets alone.
         ``width``: the most patches an image has (N unless the sequences were shortened to kept patches)."""
-        x = F.linear(patches, self.patch_embed.weight.flatten(1), self.patch_embed.bias)
+        x = self.project_patches(patches)
         positions = resize_positions(self.pos_embed[self.num_prefix:], self.cfg.image_size // self.cfg.patch_size,
                                      grids, x.shape[1] if width is None else width)
         x = x + positions[segments.clamp(min=0), patch_index].to(x.dtype)
@@ -235,8 +236,13 @@ class VisionTransformer(nn.Module):
         """[B, 3, H, W] -> [B, patches, width]: the stride-p convolution written as one matmul over
         non-overlapping p x p patches: the same weights, without the convolution's slow CPU backward
         (``docs/benchmarks.md#trainer-step-throughput-fp32-vs-bf16-autocast-mfu``)."""
-        patches = patchify(pixels, self.cfg.patch_size)
-        return F.linear(patches, self.patch_embed.weight.flatten(1), self.patch_embed.bias)
+        return self.project_patches(patchify(pixels, self.cfg.patch_size))
+
+    def project_patches(self, patches: torch.Tensor) -> torch.Tensor:
+        """[..., 3 * p * p] flattened patches -> [..., width]. Pixels arrive in fp32; an fp64 tower
+        (``train.precision: fp64``) takes them in its own dtype."""
+        weight = self.patch_embed.weight
+        return F.linear(patches.to(weight.dtype), weight.flatten(1), self.patch_embed.bias)
 
     @property
     def num_tokens(self) -> int:
@@ -291,15 +297,16 @@ class AttentionPool(nn.Module):
         return (y + self.mlp(self.norm(y)))[:, 0]
 
 
-def axis_weights(cells: torch.Tensor, grid: int, index: torch.Tensor) -> torch.Tensor:
+def axis_weights(cells: torch.Tensor, grid: int, index: torch.Tensor,
+                 dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """[B, length, grid]: how much each of ``grid`` table cells gives to output cell ``index`` of an
     axis resized to ``cells`` [B] cells: a triangle filter as wide as the larger of one output cell
     and one table cell, normalized, centres aligned (``F.interpolate``'s bilinear with antialias,
     ``align_corners=False``)."""
-    step = grid / cells.to(torch.float32)[:, None]  # table cells per output cell
+    step = grid / cells.to(dtype)[:, None]  # table cells per output cell
     width = step.clamp(min=1.0)
-    centre = (index.to(torch.float32) + 0.5) * step - 0.5
-    source = torch.arange(grid, dtype=torch.float32, device=cells.device)
+    centre = (index.to(dtype) + 0.5) * step - 0.5
+    source = torch.arange(grid, dtype=dtype, device=cells.device)
     w = (1.0 - (source - centre[..., None]).abs() / width[..., None]).clamp(min=0.0)
     return w / w.sum(dim=-1, keepdim=True)
 
@@ -311,17 +318,18 @@ def resize_positions(table: torch.Tensor, grid: int, grids: torch.Tensor, length
 
     Resizing is linear in the table, so each position is a weighted sum of the table's cells: one
     matmul of fixed shape for the whole batch, whatever the grids (no per-shape graph, no host
-    sync), computed in fp32."""
+    sync), computed in fp32 (fp64 in an fp64 run)."""
     position = torch.arange(length, device=grids.device)[None, :]
     rows, cols = grids[:, :1], grids[:, 1:]
     inside = position < rows * cols
     row = torch.where(inside, position // cols, 0)
     col = torch.where(inside, position % cols, 0)
-    wy = axis_weights(grids[:, 0], grid, row)
-    wx = axis_weights(grids[:, 1], grid, col)
+    table = at_least_fp32(table)
+    wy = axis_weights(grids[:, 0], grid, row, table.dtype)
+    wx = axis_weights(grids[:, 1], grid, col, table.dtype)
     weights = (wy[..., :, None] * wx[..., None, :]).flatten(2)  # [B, length, grid²]
     with torch.autocast(table.device.type, enabled=False):
-        return weights.to(table.device) @ table.float()
+        return weights.to(table.device) @ table
 
 
 class AttentionalPooler(nn.Module):

@@ -45,6 +45,7 @@ import torch.nn.functional as F
 
 from vltrain.objectives.losses import GlobalBatch, _row_weights, masked, scale_of
 from vltrain.runtime.distributed import all_gather_no_grad, all_gather_with_grad
+from vltrain.runtime.precision import at_least_fp32
 from vltrain.types import Rows
 
 
@@ -61,8 +62,8 @@ def _teacher_logits(scale: torch.Tensor, bias: torch.Tensor | None, left: torch.
                     ) -> torch.Tensor:
     """The teacher's logits: a target, so without a gradient path."""
     with torch.no_grad():
-        logits = scale.float() * left.float() @ right.float().t()
-        return logits if bias is None else logits + bias.float()
+        logits = at_least_fp32(scale) * at_least_fp32(left) @ at_least_fp32(right).t()
+        return logits if bias is None else logits + at_least_fp32(bias)
 
 
 def _soft_cross_entropy(teacher: torch.Tensor, student: torch.Tensor, excluded: torch.Tensor) -> torch.Tensor:
@@ -87,16 +88,16 @@ def distill_loss(
     valid = rows.has_image & rows.has_text
     w = _row_weights(valid, rows.row_weights)
     g = GlobalBatch.build(ids, valid, w, image_embeds, text_embeds, teacher.image, teacher.text)
-    all_images = all_gather_with_grad(image_embeds.float(), g.shapes[0])
-    all_texts = all_gather_with_grad(text_embeds.float(), g.shapes[1])
-    teacher_images = all_gather_no_grad(teacher.image.float(), g.shapes[2])
-    teacher_texts = all_gather_no_grad(teacher.text.float(), g.shapes[3])
+    all_images = all_gather_with_grad(at_least_fp32(image_embeds), g.shapes[0])
+    all_texts = all_gather_with_grad(at_least_fp32(text_embeds), g.shapes[1])
+    teacher_images = all_gather_no_grad(at_least_fp32(teacher.image), g.shapes[2])
+    teacher_texts = all_gather_no_grad(at_least_fp32(teacher.text), g.shapes[3])
     excluded = _excluded(ids, g)
     scale = scale_of(logit_scale)
     i2t = _soft_cross_entropy(_teacher_logits(teacher.scale, None, teacher.image, teacher_texts),
-                              scale * image_embeds.float() @ all_texts.t(), excluded)
+                              scale * at_least_fp32(image_embeds) @ all_texts.t(), excluded)
     t2i = _soft_cross_entropy(_teacher_logits(teacher.scale, None, teacher.text, teacher_images),
-                              scale * text_embeds.float() @ all_images.t(), excluded)
+                              scale * at_least_fp32(text_embeds) @ all_images.t(), excluded)
     per_row = (i2t + t2i) / 2
     if rows_out is not None:
         rows_out.append(per_row.detach())
@@ -119,11 +120,11 @@ def distill_sigmoid_loss(
     valid = rows.has_image & rows.has_text
     w = _row_weights(valid, rows.row_weights)
     g = GlobalBatch.build(ids, valid, w, text_embeds, teacher.text)
-    all_texts = all_gather_with_grad(text_embeds.float(), g.shapes[0])
-    teacher_texts = all_gather_no_grad(teacher.text.float(), g.shapes[1])
-    student = scale_of(logit_scale) * image_embeds.float() @ all_texts.t()
+    all_texts = all_gather_with_grad(at_least_fp32(text_embeds), g.shapes[0])
+    teacher_texts = all_gather_no_grad(at_least_fp32(teacher.text), g.shapes[1])
+    student = scale_of(logit_scale) * at_least_fp32(image_embeds) @ all_texts.t()
     if logit_bias is not None:
-        student = student + logit_bias.float()
+        student = student + at_least_fp32(logit_bias)
     p = torch.sigmoid(_teacher_logits(teacher.scale, teacher.bias, teacher.image, teacher_texts))
     pairs = -(p * F.logsigmoid(student) + (1 - p) * F.logsigmoid(-student))
     per_row = pairs.masked_fill(_excluded(ids, g), 0.0).sum(dim=1)

@@ -30,6 +30,7 @@ from vltrain.runtime.distributed import (
     exchange_shapes,
     world_info,
 )
+from vltrain.runtime.precision import at_least_fp32
 from vltrain.types import Rows
 
 MAX_LOGIT_SCALE = math.log(100.0)
@@ -82,7 +83,7 @@ def _row_weights(valid: torch.Tensor, weights: torch.Tensor | None) -> torch.Ten
 
 def scale_of(logit_scale: torch.Tensor) -> torch.Tensor:
     """exp(logit_scale), the inverse temperature, clamped at 100 as in CLIP."""
-    return logit_scale.float().clamp(max=MAX_LOGIT_SCALE).exp()
+    return at_least_fp32(logit_scale).clamp(max=MAX_LOGIT_SCALE).exp()
 
 
 def itc_loss(
@@ -100,16 +101,16 @@ def itc_loss(
     valid = rows.has_image & rows.has_text
     w = _row_weights(valid, rows.row_weights)
     g = GlobalBatch.build(ids, valid, w, image_embeds, text_embeds)
-    all_images = all_gather_with_grad(image_embeds.float(), g.shapes[0])
-    all_texts = all_gather_with_grad(text_embeds.float(), g.shapes[1])
+    all_images = all_gather_with_grad(at_least_fp32(image_embeds), g.shapes[0])
+    all_texts = all_gather_with_grad(at_least_fp32(text_embeds), g.shapes[1])
     scale = scale_of(logit_scale)
     b = ids.shape[0]
     target = torch.arange(b, device=ids.device) + g.offset
     # negatives: valid columns whose id differs from the row's; the positive column stays.
     excluded = (ids[:, None] == g.ids[None, :]) | ~g.valid[None, :]
     excluded[torch.arange(b, device=ids.device), target] = False
-    i2t = masked(scale * image_embeds.float() @ all_texts.t(), excluded)
-    t2i = masked(scale * text_embeds.float() @ all_images.t(), excluded)
+    i2t = masked(scale * at_least_fp32(image_embeds) @ all_texts.t(), excluded)
+    t2i = masked(scale * at_least_fp32(text_embeds) @ all_images.t(), excluded)
     per_row = F.cross_entropy(i2t, target, reduction="none") + F.cross_entropy(t2i, target, reduction="none")
     if rows_out is not None:
         rows_out.append(per_row.detach() / 2)
@@ -133,10 +134,10 @@ def siglip_loss(
     valid = rows.has_image & rows.has_text
     w = _row_weights(valid, rows.row_weights)
     g = GlobalBatch.build(ids, valid, w, text_embeds)
-    all_texts = all_gather_with_grad(text_embeds.float(), g.shapes[0])
-    logits = scale_of(logit_scale) * image_embeds.float() @ all_texts.t()
+    all_texts = all_gather_with_grad(at_least_fp32(text_embeds), g.shapes[0])
+    logits = scale_of(logit_scale) * at_least_fp32(image_embeds) @ all_texts.t()
     if logit_bias is not None:
-        logits = logits + logit_bias.float()
+        logits = logits + at_least_fp32(logit_bias)
     labels = (ids[:, None] == g.ids[None, :]).float() * 2 - 1
     pairs = g.valid[None, :].float()
     per_row = -(F.logsigmoid(labels * logits) * pairs).sum(dim=1)
@@ -169,7 +170,7 @@ def sample_negatives(
         ok = col_ok if col_ok.dim() == 2 else col_ok[None, :]
         allowed = ok & (row_ids[:, None] != col_ids[None, :])
         found = allowed.any(dim=1)
-        s = sim.float().masked_fill(~allowed, float("-inf"))
+        s = at_least_fp32(sim).masked_fill(~allowed, float("-inf"))
         top = s.amax(dim=1, keepdim=True)
         top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
         p = (s - top).exp()
@@ -193,7 +194,7 @@ def itm_loss(logits: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor, 
     """Weighted mean cross-entropy of matched (1) / not matched (0) over the pairs with weight > 0.
     ``rows_out`` receives each pair's cross-entropy (detached). ``denominator`` replaces the local
     sum of weights (a global one: the step's over every rank and micro-batch)."""
-    ce = F.cross_entropy(logits.float(), labels, reduction="none")
+    ce = F.cross_entropy(at_least_fp32(logits), labels, reduction="none")
     if rows_out is not None:
         rows_out.append(ce.detach())
     return _over((weights * ce).sum(), weights.sum() if denominator is None else denominator)
@@ -238,7 +239,7 @@ def mlm_loss(logits: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor |
     zero when none is picked: MLM's masked tokens, captioning's next tokens.
     ``rows_out`` receives each row's mean over its picked tokens (detached; 0 where none).
     ``denominator`` replaces the local weighted count of picked tokens."""
-    ce = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=-100, reduction="none",
+    ce = F.cross_entropy(at_least_fp32(logits).flatten(0, 1), labels.flatten(), ignore_index=-100, reduction="none",
                          label_smoothing=label_smoothing)
     if rows_out is not None:
         picked = (labels != -100).float()
@@ -270,7 +271,7 @@ def mim_loss(prediction: torch.Tensor, target: torch.Tensor, patch_mask: torch.T
     (``MIM_BETA``), a mean over masked patches weighted by their row's weight; zero when nothing is
     masked. ``rows_out`` receives each row's mean over its masked patches (detached).
     ``denominator`` replaces the local weighted count of masked patches."""
-    per_patch = F.smooth_l1_loss(prediction.float(), target.float(), reduction="none", beta=MIM_BETA).mean(dim=-1)
+    per_patch = F.smooth_l1_loss(at_least_fp32(prediction), at_least_fp32(target), reduction="none", beta=MIM_BETA).mean(dim=-1)
     m = patch_mask.float()
     if rows_out is not None:
         rows_out.append((per_patch.detach() * m).sum(dim=1) / m.sum(dim=1).clamp(min=1))

@@ -26,6 +26,7 @@ import torch.nn.functional as F
 
 from vltrain.objectives.losses import GlobalBatch, _row_weights, masked, scale_of
 from vltrain.runtime.distributed import issue, world_info
+from vltrain.runtime.precision import at_least_fp32
 from vltrain.types import Rows
 
 
@@ -178,7 +179,7 @@ def itc_loss_ring(image_embeds, text_embeds, logit_scale, rows: Rows, rows_out: 
     g = GlobalBatch.build(ids, valid, w)
     total = torch.where(g.weight_total > 0, g.weight_total, torch.ones_like(g.weight_total))
     coef = w * g.world / total / 2
-    return _RingITC.apply(image_embeds.float(), text_embeds.float(), scale_of(logit_scale), ids, valid, coef,
+    return _RingITC.apply(at_least_fp32(image_embeds), at_least_fp32(text_embeds), scale_of(logit_scale), ids, valid, coef,
                           max(g.sizes), rows_out)
 
 
@@ -191,6 +192,6 @@ def siglip_loss_ring(image_embeds, text_embeds, logit_scale, logit_bias, rows: R
     g = GlobalBatch.build(ids, valid, w)
     total = torch.where(g.weight_total > 0, g.weight_total, torch.ones_like(g.weight_total))
     coef = w * g.world / total
-    bias = logit_bias.float() if logit_bias is not None else image_embeds.new_zeros((), dtype=torch.float32)
-    return _RingSigLIP.apply(image_embeds.float(), text_embeds.float(), scale_of(logit_scale), bias, ids, valid,
+    bias = at_least_fp32(logit_bias) if logit_bias is not None else image_embeds.new_zeros((), dtype=at_least_fp32(image_embeds).dtype)
+    return _RingSigLIP.apply(at_least_fp32(image_embeds), at_least_fp32(text_embeds), scale_of(logit_scale), bias, ids, valid,
                              coef, max(g.sizes), rows_out)

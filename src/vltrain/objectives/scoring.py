@@ -52,6 +52,7 @@ from vltrain.objectives.losses import (
 from vltrain.objectives.ring import itc_loss_ring, siglip_loss_ring
 from vltrain.pixels import kept_patches, packed_places, patchify, unpack
 from vltrain.runtime.distributed import all_gather_no_grad, all_gather_with_grad, exchange_shapes, pad_to
+from vltrain.runtime.precision import at_least_fp32
 from vltrain.types import Encoded, ModelInputs, ModelPasses, ModelSpec, Rows, Tokens, real_patches
 
 
@@ -240,8 +241,8 @@ class Objectives:
         attention_mask = pad_to(inputs.attention_mask, (b, cols.attention_mask.shape[1]))
         with torch.no_grad():
             scale = scale_of(logit_scale)
-            sim_i2t = scale * enc.image_embeds.detach().float() @ cols.text_embeds.float().t()
-            sim_t2i = scale * enc.text_embeds.detach().float() @ cols.image_embeds.float().t()
+            sim_i2t = scale * at_least_fp32(enc.image_embeds.detach()) @ at_least_fp32(cols.text_embeds).t()
+            sim_t2i = scale * at_least_fp32(enc.text_embeds.detach()) @ at_least_fp32(cols.image_embeds).t()
         neg_text, text_found = sample_negatives(sim_i2t, ids, cols.ids, text_ok, key.uniform(Stream.ITM_TEXT, ids, 1)[:, 0])
         neg_image, image_found = sample_negatives(sim_t2i, ids, cols.ids, image_ok,
                                                   key.uniform(Stream.ITM_IMAGE, ids, 1)[:, 0])

@@ -48,7 +48,7 @@ from vltrain.objectives.keyed import StepKey
 from vltrain.objectives.scoring import Objectives
 from vltrain.runtime.distributed import World, all_reduce_sum
 from vltrain.runtime.faults import maybe_overflow
-from vltrain.runtime.precision import Precision
+from vltrain.runtime.precision import Precision, at_least_fp32
 from vltrain.train.parallelize import clip_grad_norm, gradient_sync, reduce_replicated_grads
 from vltrain.train.task import ContrastiveCache, GeneratorState
 from vltrain.types import ModelInputs, Rows
@@ -66,7 +66,7 @@ class StepLosses:
     def add(self, new: dict[str, torch.Tensor], scale: float) -> None:
         """Accumulate ``scale`` times each of ``new`` (detached, fp32) into ``losses``."""
         for k, v in new.items():
-            v = v.detach().float() * scale
+            v = at_least_fp32(v.detach()) * scale
             self.losses[k] = self.losses[k] + v if k in self.losses else v
 
 
@@ -88,8 +88,8 @@ class Agreed:
         """The packet ``[nonfinite, samples, loss, *losses by name]`` summed over the ranks, the
         losses then divided by the world size: the one place that knows its layout."""
         names = sorted(result.losses)
-        packet = torch.cat([nonfinite.float().reshape(1), samples, result.loss.float().reshape(1),
-                            *[result.losses[k].float().reshape(1) for k in names]])
+        packet = torch.cat([nonfinite.float().reshape(1), samples, at_least_fp32(result.loss).reshape(1),
+                            *[at_least_fp32(result.losses[k]).reshape(1) for k in names]])
         if world_size > 1:
             packet = all_reduce_sum(packet)
             packet[2:] /= world_size
@@ -196,9 +196,9 @@ def plain_backward(
         with gradient_sync(wrapped, i == n - 1):
             with autocast():
                 out = wrapped("all", m)
-            loss = out.loss.float() * loss_scale / n
+            loss = at_least_fp32(out.loss) * loss_scale / n
             backward(loss)
-        result.loss += loss.detach()
+        result.loss = result.loss + loss.detach()  # an fp64 run widens the fp32 zero
         result.add(out.losses, 1.0 / n)
         result.rows.append((m.source, out.rows))
     return result
@@ -215,8 +215,8 @@ def _cache(wrapped: nn.Module, micro: list[ModelInputs], autocast, loss_scale: f
             states.append(GeneratorState(device))
             with autocast():
                 enc = wrapped("encode", m)
-            img_cache.append(enc.image_embeds.float())
-            txt_cache.append(enc.text_embeds.float())
+            img_cache.append(at_least_fp32(enc.image_embeds))
+            txt_cache.append(at_least_fp32(enc.text_embeds))
 
     img_all = torch.cat(img_cache).requires_grad_(True)
     txt_all = torch.cat(txt_cache).requires_grad_(True)
@@ -225,7 +225,7 @@ def _cache(wrapped: nn.Module, micro: list[ModelInputs], autocast, loss_scale: f
     with gradient_sync(wrapped, False):
         with autocast():
             closs, row_losses = wrapped("contrastive", img_all, txt_all, rows)
-        g_img, g_txt = torch.autograd.grad(closs.float() * loss_scale, [img_all, txt_all])
+        g_img, g_txt = torch.autograd.grad(at_least_fp32(closs) * loss_scale, [img_all, txt_all])
     bounds = [0]
     for m in micro:
         bounds.append(bounds[-1] + len(m))
@@ -244,15 +244,15 @@ def gradcache_backward(
     micro-batches' other objectives); return those losses. Gradient caching's (c) after :func:`_cache`."""
     n = len(micro)
     cache, closs, row_losses, states = _cache(wrapped, micro, autocast, loss_scale)
-    result = StepLosses(closs.detach().float() * loss_scale, {"contrastive": closs.detach().float()})
+    result = StepLosses(at_least_fp32(closs.detach()) * loss_scale, {"contrastive": at_least_fp32(closs.detach())})
     result.rows.append((cache.rows.source, row_losses))
     for i, m in enumerate(micro):
         with gradient_sync(wrapped, i == n - 1):
             with autocast():
                 contrastive, other = wrapped("replay", m, cache, i, states[i])
-            other_loss = other.loss.float() * loss_scale / n
+            other_loss = at_least_fp32(other.loss) * loss_scale / n
             backward(contrastive + other_loss)
-        result.loss += other_loss.detach()
+        result.loss = result.loss + other_loss.detach()
         result.add(other.losses, 1.0 / n)
         result.rows.append((m.source, other.rows))
     return result

@@ -28,6 +28,7 @@ from torch import nn
 
 from vltrain.model.model import VLModel
 from vltrain.objectives.scoring import ObjectiveOutput, Objectives
+from vltrain.runtime.precision import at_least_fp32
 from vltrain.types import ModelInputs, Rows, Tokens
 
 
@@ -69,14 +70,14 @@ class ContrastiveCache:
         (a surrogate with the exact gradient). The last micro-batch rebuilds the full loss from the
         cache with its live slice in place, so the temperature gets its gradient exactly once."""
         lo, hi = self.bounds[i], self.bounds[i + 1]
-        img, txt = image_embeds.float(), text_embeds.float()
+        img, txt = at_least_fp32(image_embeds), at_least_fp32(text_embeds)
         if i < len(self.bounds) - 2:
             return (img * self.image_grad[lo:hi]).sum() + (txt * self.text_grad[lo:hi]).sum()
         cached_img, cached_txt = self.image_embeds.detach(), self.text_embeds.detach()
         full_img = torch.cat([cached_img[:lo], img, cached_img[hi:]])
         full_txt = torch.cat([cached_txt[:lo], txt, cached_txt[hi:]])
         loss = objectives.contrastive(full_img, full_txt, self.rows, model.logit_scale, model.logit_bias)
-        return loss.float() * self.loss_scale
+        return at_least_fp32(loss) * self.loss_scale
 
 
 class Task(nn.Module):

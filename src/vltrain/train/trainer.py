@@ -149,14 +149,16 @@ class Trainer:
         """The tokenizer, the model with the same initial weights on every rank (kept by rank 0 when
         ``checkpoint.save_initial`` asks), and the precision it trains in."""
         tc = self.cfg.train
+        precision = Precision(tc.precision, self.device)
         torch.manual_seed(tc.seed)
         tokenizer = build_tokenizer(self.cfg)
-        model = build_model_for(self.cfg, tokenizer, self.device)
+        with precision.weights_dtype():
+            model = build_model_for(self.cfg, tokenizer, self.device)
         if self.init_checkpoint is not None:
             load_weights(self.init_checkpoint, model)
         freeze_towers(model, tc.freeze, tc.unlock_last)
         self._save_initial(model)
-        return tokenizer, model, Precision(tc.precision, self.device)
+        return tokenizer, model, precision
 
     def _build_teacher(self):
         """The distillation teacher (``model.teacher``), opened and sharded like the student, and what
@@ -320,7 +322,7 @@ class Trainer:
         data = self.cfg.data
         loss_weights = [s.loss_weight for s in self.sources]
         inputs = [b.to_model_inputs(self.device, data.mean, data.std, data.modality_weights, loss_weights,
-                                    self.loader.teacher)
+                                    self.loader.teacher, self.precision.pixel_dtype)
                   for b in micro]
         result = self.stepper(inputs, self.step)
         if self.ema is not None:
