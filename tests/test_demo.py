@@ -28,9 +28,11 @@ def test_demo_trains_to_a_falling_loss(cli, tmp_path):
     assert "zero-shot shape kind (180 images, 6 classes)" in proc.stdout and "(chance: 0.167)" in proc.stdout
     assert evals[-1]["zeroshot/shapes/num_images"] == 180
     # the demo model captions: the held-out images' metrics, and a few captions beside the truth
-    assert evals[-1]["captions/shapes/num_images"] > 50 and evals[-1]["captions/shapes/cider"] >= 0
+    assert evals[-1]["captions/shapes/num_images"] > 50 and evals[-1]["captions/shapes/cider"] > 0
     assert "captions of " in proc.stdout and "held-out images (greedy): BLEU-4 = " in proc.stdout
     assert proc.stdout.count("  truth:     ") == 4 and proc.stdout.count("  generated: ") == 4
+    generated = [line.split("generated: ", 1)[1] for line in proc.stdout.splitlines() if "  generated: " in line]
+    assert all(caption.split() for caption in generated), generated
 
 
 def test_step_count_fits_the_time_budget_within_bounds():

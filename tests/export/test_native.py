@@ -7,7 +7,7 @@ import json
 import numpy as np
 import pytest
 import torch
-from kits.runkit import overrides, session_shapes, train_here
+from kits.runkit import assert_same_recall, overrides, session_shapes, train_here
 
 from vltrain.config.job import load_config
 from vltrain.errors import UserError
@@ -64,10 +64,15 @@ def test_export_then_embed_gives_the_trainers_embeddings(trained, tmp_path, cli)
     np.testing.assert_allclose(np.linalg.norm(got, axis=1), 1.0, atol=1e-5)
     np.testing.assert_allclose(got, want, atol=1e-5)
 
-    # vltrain eval takes the exported folder
-    proc = cli("eval", out, "train.threads=1", "eval.batch_size=16", "--data", shapes / "val.jsonl", "--json")
+    # vltrain eval takes the exported folder, and scores it as it scores the run it came from
+    args = ("train.threads=1", "eval.batch_size=16", "train.precision=fp32", "--data", shapes / "val.jsonl", "--json")
+    proc = cli("eval", out, *args)
     assert proc.returncode == 0, proc.stderr
-    assert 0.0 <= json.loads(proc.stdout)["t2i_r1"] <= 1.0
+    exported = json.loads(proc.stdout)
+    proc = cli("eval", trainer.run_dir, *args)
+    assert proc.returncode == 0, proc.stderr
+    assert_same_recall(exported, json.loads(proc.stdout))
+
 
 
 @pytest.mark.slow

@@ -15,6 +15,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 from kits import forkrun
 from kits.multiproc import free_port
@@ -242,3 +243,12 @@ def assert_recalls(metrics: dict, prefix: str, images: int, captions: int, reran
                 assert metrics[f"{prefix}itm_{d}_r{k}"] == metrics[f"{prefix}{d}_r{k}"], (d, k, metrics)
             # the re-ranked first candidate is one of the embedding's top rerank_k
             assert metrics[f"{prefix}itm_{d}_r1"] <= metrics[f"{prefix}{d}_r{past[0]}"], (d, metrics)
+
+
+def assert_same_recall(got: dict, want: dict) -> None:
+    """Every recall of ``want`` in ``got``, to one query of ``num_pairs`` (embeddings equal to float
+    rounding can swap a near tie)."""
+    keys = [k for k in want if "_r" in k and k.split("_r")[-1].isdigit()]
+    assert keys and want["num_pairs"] == got["num_pairs"] > 0
+    for k in keys:
+        assert got[k] == pytest.approx(want[k], abs=1 / want["num_pairs"] + 1e-9), (k, got, want)
