@@ -11,6 +11,7 @@ from collections import defaultdict
 from pathlib import Path
 
 import pytest
+import torch
 from kits.runkit import (final_state, from_checkpoint, losses, metric_rows, model_distance, ok, session_shapes, train,
                          worst)
 
@@ -64,7 +65,7 @@ UNIMODAL = {"model__loss__text_mlm": 0.3, "model__loss__image_mim": 0.3, "model_
 patch dropout on every step (MIM's own pass keeps every position). Trained with the EMA case."""
 BUDGET = {"data__batching": "budget"}
 """Budget steps: 3 to 12 rows under 96 text positions and 12 images per step (the defaults)."""
-EMA = {"train__ema__decay": 0.8, "train__ema__warmup": "true", **UNIMODAL}
+EMA = {"train__ema__decay": 0.8, "train__ema__warmup": "true", "checkpoint__save_initial": "always", **UNIMODAL}
 """ITC with the weight EMA and the unimodal objectives: the averages agree on every split, and after
 the resume on 1 rank."""
 TEACHER = "hf-clip-teacher"
@@ -108,7 +109,7 @@ def splits(request, tmp_path_factory):
 
 
 @pytest.mark.timeout(600)
-def test_one_global_batch_split_three_ways_trains_the_same_model(splits):
+def test_one_global_batch_split_three_ways_trains_the_same_model(splits, tmp_path):
     _, done = splits
     (ref, proc), *others = done.values()
     rows = "at most " if "batching=budget" in " ".join(proc.args) else ""
@@ -125,6 +126,7 @@ def test_one_global_batch_split_three_ways_trains_the_same_model(splits):
     if "patch_dropout" in " ".join(proc.args):
         until = "steps 1 to 10" if "tiny-albef" in str(proc.args) else "every step"
         assert "patch dropout: each image drops" in proc.stderr and until in proc.stderr
+        assert_patch_dropout_changes_the_first_step(splits[0], ref, tmp_path)
     base = losses(ref)
     assert len(base) == STEPS
     for run_dir, _ in others:
@@ -134,6 +136,36 @@ def test_one_global_batch_split_three_ways_trains_the_same_model(splits):
         assert model_distance(final_state(run_dir), final_state(ref)) < TOL
         if "ema.decay" in " ".join(proc.args):
             assert model_distance(final_state(run_dir), final_state(ref), "ema.weights.") < TOL
+    if "ema.decay" in " ".join(proc.args):
+        assert_the_ema_moved_towards_the_weights(ref)
+
+
+def assert_patch_dropout_changes_the_first_step(shapes: Path, ref: Path, tmp_path: Path) -> None:
+    """The same run without patch dropout, one step: another loss (the log line alone would not
+    show that any patch was dropped)."""
+    loss = ref.parent.name.removeprefix("global-batch-").rstrip("0123456789")
+    settings = {**LOSSES[loss], "model__vision__patch_dropout": 0, "model__vision__patch_dropout_until": 0,
+                "train__max_steps": 1}
+    ok(run(shapes, tmp_path / "no-dropout", 1, **settings))
+    assert losses(tmp_path / "no-dropout")[0] != losses(ref)[0]
+
+
+def assert_the_ema_moved_towards_the_weights(run_dir: Path) -> None:
+    """The EMA left the initial weights (RUN_DIR/init.safetensors) and is nearer the trained ones
+    than they are: an EMA that never updated would still be the initial weights."""
+    from safetensors.torch import load_file
+
+    state = final_state(run_dir)
+    names = [k.removeprefix("ema.weights.") for k in state if k.startswith("ema.weights.")]
+    init = load_file(run_dir / "init.safetensors")
+
+    def flat(get) -> torch.Tensor:
+        return torch.cat([get(name).flatten().double() for name in names])
+
+    ema, weights = flat(lambda n: state[f"ema.weights.{n}"]), flat(lambda n: state[f"model.{n}"])
+    start = flat(lambda n: init[n])
+    travelled = (weights - start).norm()
+    assert (ema - weights).norm() < 0.9 * travelled and (ema - start).norm() > 0.1 * travelled
 
 
 @pytest.mark.timeout(600)
