@@ -7,7 +7,7 @@ class-per-folder set (one shape per image) classified zero-shot by shape kind.
 CPUs differ widely in training speed (bf16 matmuls above all: AMX, AVX-512 bf16, neither), so
 the demo does not fix its step count: it times a short run of its own config on its own data
 (``probe_rate``) and trains as many steps as fit ``TRAIN_SECONDS``, between ``MIN_STEPS`` (enough
-to meet the demo's retrieval target: ``docs/benchmarks.md#demo``) and ``MAX_STEPS``, rounded down
+to meet the demo's retrieval target: ``docs/benchmarks/demo.md#demo``) and ``MAX_STEPS``, rounded down
 to a multiple of ``STEP_QUANTUM`` so a given machine gets the same count run after run.
 ``train.max_steps=N`` pins it.
 """
@@ -28,7 +28,7 @@ from vltrain.runtime.world import cpu_has_bf16_matmul
 NUM_TRAIN, NUM_VAL, TEXT_ONLY_FRACTION = 20_000, 1_000, 0.2
 """20,000 rows rather than 10,000: at the 600-step floor the model saw each of 8,000 pairs about 8
 times and generalized less to new captions (held-out R@1 0.789 against 0.814 on an Intel Xeon
-with AMX: docs/benchmarks.md#demo); writing them takes seconds."""
+with AMX: docs/benchmarks/demo.md#demo); writing them takes seconds."""
 CLASSIFY_PER_CLASS = 30
 """The zero-shot set: one shape per image, 30 of each of the 6 kinds (a second or two per evaluation)."""
 TRAIN_SECONDS, MIN_STEPS, MAX_STEPS, STEP_QUANTUM = 170.0, 600, 1000, 100

@@ -165,18 +165,18 @@ class DataConfig(Settings):
     jpeg_draft_ratio: float = 1.0
     """JPEGs may be decoded at 1/2, 1/4 or 1/8 scale down to this fraction of image_size, then
     upsampled: 1.0 never upsamples (exact); 0.8 decodes a 500x375 photo at 250x188 for 224, a
-    faster decode for a slightly softer image (docs/benchmarks.md, "Data pipeline")."""
+    faster decode for a slightly softer image (docs/benchmarks/data.md, "Data pipeline")."""
     jpeg_decoder: Literal["auto", "pillow"] = "auto"
     """auto: JPEGs are decoded by simplejpeg when it is installed, else by Pillow. simplejpeg
     decodes straight into one array and scales in the DCT by any of 1/8 .. 5/8 (Pillow: 1/2, 1/4,
     1/8 only), so a 500x375 photo going to 224 is decoded at 313x235 instead of in full: fewer
     pixels decoded and resized, at the price of pixels close to Pillow's but not identical (the
-    speed and the distance: docs/benchmarks.md, "Data pipeline").
+    speed and the distance: docs/benchmarks/data.md, "Data pipeline").
     pillow: always Pillow, for pixels identical to other Pillow-based pipelines."""
     interpolation: Literal["bicubic", "bilinear"] = "bicubic"
     """Resize filter (antialiased, on uint8). Bicubic is the filter CLIP-family checkpoints are
     preprocessed with; bilinear is a little cheaper and further from a Lanczos reference
-    (docs/benchmarks.md, "Data pipeline")."""
+    (docs/benchmarks/data.md, "Data pipeline")."""
     max_image_pixels: int = MAX_IMAGE_PIXELS
     """Decompression-bomb guard: images with more pixels are rejected as bad samples."""
     tokenizer: str = ""
@@ -193,7 +193,7 @@ class DataConfig(Settings):
     packer alike. 0 picks per batching: 8 with fixed batching (tensor-core friendly, few
     distinct widths to compile); 1 with budget batching, which groups rows by exact length and
     whose batches vary in rows anyway (so compiled code sees dynamic shapes either way), where
-    rounding short captions to 8 would cost text positions for little gain (docs/benchmarks.md,
+    rounding short captions to 8 would cost text positions for little gain (docs/benchmarks/data.md,
     "Padding and dynamic batching")."""
     csv: CsvConfig = field(default_factory=CsvConfig)
     cache_dir: str = ""
@@ -234,7 +234,7 @@ class DataConfig(Settings):
     per sample). N > 0: the windowed shuffle (vltrain.data.schedule.window): blocks (tar shards, or runs of
     4096 manifest rows) in a random order, N blocks at a time shuffled together, so a loader reads
     a few shards at a time and a rank holds O(one window). For remote shards and datasets of
-    hundreds of millions of rows; 16 to 64 mixes well (docs/benchmarks.md, "Data at scale")."""
+    hundreds of millions of rows; 16 to 64 mixes well (docs/benchmarks/data.md, "Data at scale")."""
     remainder: Literal["pad", "drop"] = "pad"
     """Equal batch counts on every rank: pad the epoch by repeating samples, or drop the tail."""
     batching: Literal["fixed", "budget"] = "fixed"

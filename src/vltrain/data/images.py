@@ -3,7 +3,7 @@
 Normalization is not done here: it is one float op per batch where the batch lands
 (``Batch.pixels``), so workers move 4x fewer bytes and do no float math. The resize runs on
 the uint8 pixels with torch's antialiased bicubic kernel, as close to a Lanczos reference as
-Pillow's bicubic and cheaper (docs/benchmarks.md, "Data pipeline", the resize table).
+Pillow's bicubic and cheaper (docs/benchmarks/data.md, "Data pipeline", the resize table).
 
 JPEGs (most real data) are decoded by simplejpeg when it is installed: libjpeg-turbo writing
 straight into one numpy array, at the smallest M/8 scale that still covers the output (DCT
@@ -44,7 +44,7 @@ SIXTEEN_BIT_MODES = ("I;16", "I;16L", "I;16B", "I;16N")
 # The M of the M/8 scales simplejpeg may decode at. libjpeg-turbo's SIMD inverse DCTs are for
 # 1/8, 2/8, 4/8 and 8/8; the other scales run in plain C. 3/8 and 5/8 still pay through the
 # smaller resize; 6/8 and 7/8 measured slower than a full decode plus resize, so they are skipped
-# (docs/benchmarks.md, "Data pipeline").
+# (docs/benchmarks/data.md, "Data pipeline").
 JPEG_SCALES = (1, 2, 3, 4, 5, 8)
 JPEG_START = b"\xff\xd8"
 ORIENTATIONS = {
@@ -167,7 +167,7 @@ def load_jpeg(
     At the scales Pillow's draft also uses (1/2, 1/4, 1/8, full) the pixels are Pillow's; at
     3/8 and 5/8 the DCT scaling filters differently from the resize it saves, so the resized
     result differs slightly from Pillow's (bounded per size by tests/data/test_images.py;
-    measured in docs/benchmarks.md, "Data pipeline")."""
+    measured in docs/benchmarks/data.md, "Data pipeline")."""
     try:
         h, w, colorspace, _ = simplejpeg.decode_jpeg_header(data)
     except ValueError:

@@ -3,9 +3,9 @@
 Attention goes through ``attention``: ``F.scaled_dot_product_attention`` (flash / memory-efficient
 kernels on GPUs, the fused flash kernel for fp32 on CPU), except for bf16/fp16 on a CPU that
 multiplies bf16 in hardware (AVX-512 BF16, AMX), where two plain matmuls and a softmax beat both CPU
-kernels (figures: ``docs/benchmarks.md#cpu-attention-in-bf16``). Without those instructions a bf16
+kernels (figures: ``docs/benchmarks/cpu-training.md#cpu-attention-in-bf16``). Without those instructions a bf16
 batched matmul is emulated and the flash kernel wins over a whole step
-(``docs/benchmarks.md#one-step-against-transformers``).
+(``docs/benchmarks/cpu-training.md#one-step-against-transformers``).
 Nothing here casts dtypes: under bf16 autocast the matmuls run in bf16 and the layer norms in fp32,
 as autocast decides.
 """

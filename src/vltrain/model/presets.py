@@ -129,7 +129,7 @@ def tiny_coca() -> Architecture:
 def tiny_coca_lite() -> Architecture:
     """tiny-coca with one text block and one decoder block fewer: the text side takes most of a step
     on the synthetic shapes (about 30 tokens a caption against 9 patches an image), so this one
-    trains 1.2-1.5x as many samples/s on a 2-core CPU (docs/benchmarks.md#demo); the demo's model."""
+    trains 1.2-1.5x as many samples/s on a 2-core CPU (docs/benchmarks/demo.md#demo); the demo's model."""
     arch = tiny_coca()
     arch.text.depth, arch.decoder.depth = 2, 1
     return arch

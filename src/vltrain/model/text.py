@@ -109,7 +109,7 @@ def packed_tokens(attention_mask: torch.Tensor, layout: str, multiple: int = 1) 
     of every row is kept, so a row without text gives the same finite vector as padded. ``auto``
     packs on a CPU only: on a GPU, finding the tokens waits for the device, and the step is bound
     by kernel launches at the sizes where padding costs most
-    (``docs/benchmarks.md#one-step-against-transformers``).
+    (``docs/benchmarks/cpu-training.md#one-step-against-transformers``).
     """
     if layout == "padded" or (layout == "auto" and attention_mask.device.type != "cpu"):
         return None

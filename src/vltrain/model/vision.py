@@ -235,7 +235,7 @@ class VisionTransformer(nn.Module):
     def embed_patches(self, pixels: torch.Tensor) -> torch.Tensor:
         """[B, 3, H, W] -> [B, patches, width]: the stride-p convolution written as one matmul over
         non-overlapping p x p patches: the same weights, without the convolution's slow CPU backward
-        (``docs/benchmarks.md#trainer-step-throughput-fp32-vs-bf16-autocast-mfu``)."""
+        (``docs/benchmarks/cpu-training.md#trainer-step-throughput-fp32-vs-bf16-autocast-mfu``)."""
         return self.project_patches(patchify(pixels, self.cfg.patch_size))
 
     def project_patches(self, patches: torch.Tensor) -> torch.Tensor:

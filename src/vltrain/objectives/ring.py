@@ -13,7 +13,7 @@ this rank's own rows and a few numbers per row, whatever W.
 
 The cost is communication in turns rather than at once: W - 1 passes of a block forward and W in
 the backward (the last one carries only gradients home), with a block's arithmetic between passes
-(memory and bytes against gathering: ``docs/benchmarks.md#communication-per-step``). Values and
+(memory and bytes against gathering: ``docs/benchmarks/cpu-training.md#communication-per-step``). Values and
 gradients equal ``losses.itc_loss`` and ``losses.siglip_loss`` up to the order of floating-point
 sums (``tests/test_ring.py``); select it with ``model.loss.contrastive_impl: ring``.
 """

@@ -6,10 +6,10 @@ back to the kernel and faults them in zeroed again every step (its default thres
 step rate of the alternative on a 2-core AVX2 EPYC) or keeps them (``keep_freed_memory``), and then
 its heap fragments: the resident size grew to ten times the memory in use over 3,000 steps. A few
 sizes, repeated, do not fragment it (``model.text.pack_multiple``:
-``docs/benchmarks.md#what-fragments-glibcs-heap``). TCMalloc (gperftools'
+``docs/benchmarks/memory.md#what-fragments-glibcs-heap``). TCMalloc (gperftools'
 ``libtcmalloc_minimal``) reuses freed spans of nearby sizes and hands idle ones back gradually;
 there a long run's resident size stays flat and the step is faster
-(``docs/benchmarks.md#resident-memory-over-a-run``). PyTorch's own CPU launcher
+(``docs/benchmarks/memory.md#resident-memory-over-a-run``). PyTorch's own CPU launcher
 (``torch.backends.xeon.run_cpu``) preloads it for the same reason.
 
 A C allocator has to be in place before the process's first allocation, so the ``vltrain``

@@ -66,7 +66,7 @@ BF16_CPU_FLAGS = ("avx512_bf16", "amx_bf16")
 def cpu_has_bf16_matmul(cpuinfo: str = "/proc/cpuinfo") -> bool:
     """Whether this CPU multiplies bf16 matrices in hardware (AVX-512 BF16 or AMX). Without either,
     bf16 autocast emulates them and runs many times slower than fp32
-    (``docs/benchmarks.md#zero-shot-evaluation-speed``). Where the flags cannot be read, True."""
+    (``docs/benchmarks/cpu-training.md#zero-shot-evaluation-speed``). Where the flags cannot be read, True."""
     try:
         with open(cpuinfo) as f:
             flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), None)

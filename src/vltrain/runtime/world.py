@@ -51,7 +51,7 @@ def keep_freed_memory(mmap_threshold: int = 32 << 20, trim_threshold: int = 1 <<
 
     By default glibc serves allocations above a few MiB with fresh ``mmap`` pages and returns freed
     heap tops to the kernel, so every step's activations page-fault in zeroed memory again (the
-    cost: ``docs/benchmarks.md#trainer-step-throughput-fp32-vs-bf16-autocast-mfu``). Raising the
+    cost: ``docs/benchmarks/cpu-training.md#trainer-step-throughput-fp32-vs-bf16-autocast-mfu``). Raising the
     mmap threshold to its maximum (32 MiB) and the trim threshold to 1 GiB keeps the memory in the
     process, at the price of a higher resident size between steps. Returns False where the C
     library is not glibc, or another allocator is preloaded (``vltrain.runtime.allocator``; then

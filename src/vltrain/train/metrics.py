@@ -44,7 +44,7 @@ def measure_cpu_peak(dtype: torch.dtype = torch.bfloat16, n: int = 1024, seconds
     another rank, a test suite) slows some of them. Each window is timed by the clock and by the
     CPU time its threads got, whichever gives the higher rate: on 2 cores busy with two other
     processes, the clock read 0.45 of the quiet peak and the CPU time 0.88 of it
-    (``docs/benchmarks.md#the-cpu-peak-behind-mfu``). :class:`Throughput` raises it further if a
+    (``docs/benchmarks/cpu-training.md#the-cpu-peak-behind-mfu``). :class:`Throughput` raises it further if a
     step beats it."""
     if dtype in _CPU_PEAK:
         return _CPU_PEAK[dtype]
@@ -160,7 +160,7 @@ def memory_bytes(device: torch.device) -> int:
 
     On a CPU the resident size includes what the C allocator keeps of freed memory for reuse
     (``keep_freed_memory``): it grows over the first hundreds of steps and then levels off while
-    the memory in use stays flat (docs/benchmarks.md#resident-memory-over-a-run)."""
+    the memory in use stays flat (docs/benchmarks/memory.md#resident-memory-over-a-run)."""
     if device.type == "cuda":
         return int(torch.cuda.memory_allocated(device))
     try:

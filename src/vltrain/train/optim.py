@@ -97,7 +97,7 @@ def implementation(groups: list[dict]) -> dict[str, bool]:
     The fused kernel updates a parameter in one pass over it and its two moments, with no
     temporaries; ``foreach`` makes several passes, and on the CPU it allocates a full-size
     temporary per parameter for each of them. On the CPU the fused step is some 8x faster for a
-    CLIP's 63M parameters (``docs/benchmarks.md#one-step-against-transformers``). Both handle
+    CLIP's 63M parameters (``docs/benchmarks/cpu-training.md#one-step-against-transformers``). Both handle
     FSDP2's DTensor parameters. The two round differently (up to 2e-7 relative per step), so a
     run keeps one: a resumed checkpoint brings back the implementation it was saved with.
     """

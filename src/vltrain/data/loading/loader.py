@@ -49,7 +49,7 @@ def _sample_seeds(seed: int, epoch: int, indices: list[int]) -> list[int]:
 
 def _seed_all(seed: int) -> None:
     # Not torch.manual_seed: it also seeds every accelerator and records a stack trace for
-    # lazy device init, far slower (docs/benchmarks.md, "Data pipeline"). Workers draw on the CPU
+    # lazy device init, far slower (docs/benchmarks/data.md, "Data pipeline"). Workers draw on the CPU
     # generator only.
     torch.default_generator.manual_seed(seed)
     random.seed(seed)
