@@ -133,6 +133,46 @@ def test_a_checkpoint_without_an_average_is_refused_with_what_to_do(tmp_path_fac
     assert proc.returncode != 0 and "holds no EMA weights" in proc.stderr and "Traceback" not in proc.stderr
 
 
+def run_files(run) -> dict[str, bytes]:
+    """Every file of a run folder, by its path in the folder."""
+    return {str(p.relative_to(run)): p.read_bytes() for p in sorted(run.rglob("*")) if p.is_file()}
+
+
+@pytest.mark.timeout(300)
+def test_a_resume_that_would_drop_the_average_is_refused_and_changes_nothing(tmp_path_factory, tmp_path, cli):
+    """Without train.ema the next checkpoints would lack the average and checkpoint.keep would delete
+    the ones that hold it: refused in one line naming the setting; train.resume_drop=[ema] goes on."""
+    shapes = session_shapes(tmp_path_factory)
+    run = tmp_path / "run"
+    settings = {"data__num_workers": 0, "checkpoint__every": 2, "checkpoint__keep": 1}
+    train_here(load_config(None, overrides(shapes, run, train__max_steps=4, train__ema__decay=0.9, **settings)))
+    before = run_files(run)
+    args = overrides(shapes, run, train__max_steps=6, **settings)
+    proc = cli("train", shapes / "base.yaml", *args)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert "holds state this run would leave behind: its EMA weights" in proc.stderr
+    assert "train.resume_drop=[ema]" in proc.stderr
+    assert run_files(run) == before
+    ok(cli("train", shapes / "base.yaml", *args, "train.resume_drop=[ema]"))
+    assert not any(k.startswith("ema.") for k in final_state(run))
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("change", ["train.ema.decay=0.9", "model.preset=tiny-albef",
+                                    "model.loss.distill=1 model.teacher.path=no-such-teacher"])
+def test_a_refused_resume_leaves_every_file_of_the_run_as_it_was(change, tmp_path_factory, tmp_path, cli):
+    shapes = session_shapes(tmp_path_factory)
+    run = tmp_path / "run"
+    settings = {"data__num_workers": 0, "checkpoint__every": 2}
+    train_here(load_config(None, overrides(shapes, run, train__max_steps=2, **settings)))
+    before = run_files(run)
+    args = overrides(shapes, run, train__max_steps=4, **settings)
+    proc = cli("train", shapes / "base.yaml", *args, *change.split())
+    assert proc.returncode != 0 and "Traceback" not in proc.stderr and "error:" in proc.stderr, proc.stderr
+    assert run_files(run) == before
+    ok(cli("train", run / "config.yaml", "train.max_steps=4"))  # the documented resume still works
+
+
 @pytest.mark.timeout(600)
 def test_two_ranks_under_fsdp2_stopped_and_resumed_keep_the_average_bit_identical(tmp_path_factory, tmp_path):
     shapes = session_shapes(tmp_path_factory)

@@ -188,6 +188,14 @@ def save_initial_weights(run_dir: Path, model: torch.nn.Module) -> None:
         write_weights(path, model.state_dict(), {"format": "pt"})
 
 
+def left_behind(path: Path, names: list[str]) -> str:
+    """The line for a resume that would leave ``names`` of the checkpoint's states behind."""
+    held = {"ema": "its EMA weights (train.ema): resume with the run's train.ema settings to keep them"}
+    why = "; ".join(held.get(name, f"its {name} state") for name in names)
+    return (f"checkpoint {path} holds state this run would leave behind: {why}. Nothing was changed; to "
+            f"go on without it, resume with train.resume_drop=[{','.join(names)}]")
+
+
 # ---------------------------------------------------------------------------------------------
 # The checkpointer
 
@@ -216,8 +224,10 @@ class Checkpointer:
 
     def __init__(self, cfg: CheckpointConfig, run_dir: str | Path, states: dict[str, Stateful],
                  rank_states: dict[str, Stateful] | None = None, config_yaml: str = "",
-                 files: dict[str, str | Path] | None = None):
+                 files: dict[str, str | Path] | None = None, drop: tuple[str, ...] = ()):
         self.cfg = cfg
+        self.drop = drop
+        """States a resumed checkpoint may hold that ``states`` lack (``train.resume_drop``)."""
         self.folder = Path(run_dir) / cfg.folder
         self.states = states
         self.rank_states = rank_states or {}
@@ -431,6 +441,9 @@ class Checkpointer:
             raise UserError(said(path))
         if missing:
             raise UserError(f"checkpoint {path} has no {', '.join(missing)} state (it holds {', '.join(saved)})")
+        left = [name for name in saved if name not in self.states and name not in self.drop]
+        if left:
+            raise UserError(left_behind(path, left))
         if state["world_size"] != self.world_size:
             return state, None
         try:

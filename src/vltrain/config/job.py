@@ -99,6 +99,10 @@ class TrainConfig(Settings):
     projections, temperature and heads at lr. 1.0: every parameter at lr (docs/checkpoints.md#fine-tuning)."""
     resume: str = "auto"
     """auto (latest complete checkpoint of run.dir) | never | a checkpoint path."""
+    resume_drop: list[str] = field(default_factory=list)
+    """State the resumed checkpoint holds that this run may leave behind: [ema] resumes an EMA run
+    without its averages. Without it such a resume is refused, since the next checkpoints would not
+    hold them and checkpoint.keep would delete the ones that do."""
     log_every: int = 10
     """Log a metrics line every N steps (and at the last step)."""
     max_nonfinite_steps: int = 5
@@ -148,6 +152,10 @@ class TrainConfig(Settings):
                               f"got {self.layer_decay}")
         self._validate_unlock()
         self.ema.validate()
+        stray = [name for name in self.resume_drop if name not in DROPPABLE]
+        if stray:
+            raise ConfigError(f"train.resume_drop names {', '.join(stray)}; it takes only "
+                              f"{', '.join(DROPPABLE)} (state a checkpoint may hold that a run may leave behind)")
 
     def _validate_unlock(self) -> None:
         counts = self.unlock_last if isinstance(self.unlock_last, dict) else {t: self.unlock_last for t in self.freeze}
@@ -160,6 +168,10 @@ class TrainConfig(Settings):
         if stray:
             raise ConfigError(f"train.unlock_last names {', '.join(stray)}, not in train.freeze {self.freeze}: "
                               "a tower that is not frozen trains whole")
+
+
+DROPPABLE = ("ema",)
+"""What ``train.resume_drop`` may name: a checkpoint's states a run can go on without."""
 
 
 @dataclass

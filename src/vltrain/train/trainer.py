@@ -121,8 +121,9 @@ class Trainer:
         # restores are exactly those the next step draws from
         files = {"tokenizer.json": self.tokenizer.path} if self.tokenizer.path else None
         self.checkpointer = Checkpointer(cfg.checkpoint, self.run_dir, self.stateful(), {"rng": self.rng},
-                                         config_yaml=cfg.to_yaml(), files=files)
+                                         config_yaml=cfg.to_yaml(), files=files, drop=tuple(tc.resume_drop))
         self.restored, cost = self._resume()
+        self._write_run_files()  # only now: a run refused by any check above has written no config
 
         self.metrics = MetricsLogger(self.run_dir, enabled=self.world.is_main, total_steps=tc.max_steps,
                                      progress=tc.progress, start_step=self.step, wandb=cfg.metrics, config=cfg.to_dict())
@@ -217,8 +218,7 @@ class Trainer:
             print(describe_preprocessing(self.cfg, self.resolved.imported_init), flush=True)
 
     def _prepare_run_dir(self) -> None:
-        """Rank 0: the run folder, its config.yaml (written once: the decided config), and no marker
-        of an earlier preemption; what model.init gave and the global batch, said."""
+        """Rank 0: the run folder; what model.init gave and the global batch, said."""
         check_writable(self.run_dir)  # on every rank: each stops with the message, none waits
         if self.world.is_main:
             self._say_init()
@@ -226,6 +226,11 @@ class Trainer:
             if self.device.type == "cpu":
                 log.info(allocator.describe())
             self.run_dir.mkdir(parents=True, exist_ok=True)
+
+    def _write_run_files(self) -> None:
+        """Rank 0, once every check has passed (the model, the teacher, the resume): the run's
+        config.yaml (the decided config), and no marker of an earlier preemption."""
+        if self.world.is_main:
             self.cfg.save(self.run_dir / "config.yaml")
             clear_marker(self.run_dir)
 
