@@ -102,8 +102,7 @@ class Trainer:
         # each rank's generators (the objectives' draws are keyed by step and sample instead)
         self.rng = self._seed_rank(tc.seed + 1 + self.world.rank)
         self.sources = source_specs(cfg.data.train)
-        self.source_meter = SourceMeter([s.display_name() for s in self.sources], list(self.objectives.loss_weights),
-                                        self.device)
+        self.source_meter = SourceMeter([s.display_name() for s in self.sources], list(self.objectives.loss_weights), self.device)
         self.loader = build_train_loader_for(cfg, self.tokenizer, self.world, self.run_dir, self.teacher_inputs)
         self.loader.elastic = bool(cfg.data.global_batch_size)
         self.global_batch = cfg.data.batch_size * tc.accumulation * self.world.world_size
@@ -123,7 +122,7 @@ class Trainer:
         self.checkpointer = Checkpointer(cfg.checkpoint, self.run_dir, self.stateful(), {"rng": self.rng},
                                          config_yaml=cfg.to_yaml(), files=files, drop=tuple(tc.resume_drop))
         self.restored, cost = self._resume()
-        self._write_run_files()  # only now: a run refused by any check above has written no config
+        self._write_run_files()  # only now: a run refused by any check above has written nothing
 
         self.metrics = MetricsLogger(self.run_dir, enabled=self.world.is_main, total_steps=tc.max_steps,
                                      progress=tc.progress, start_step=self.step, wandb=cfg.metrics, config=cfg.to_dict())
