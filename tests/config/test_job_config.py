@@ -55,3 +55,15 @@ def test_resolved_config_round_trips(tmp_path):
 def test_validation_says_what_to_do():
     with pytest.raises(ConfigError, match="data.batch_size must be >= 1"):
         load_config(None, ["data.batch_size=0"])
+
+
+def test_a_key_given_twice_in_a_yaml_file_is_refused_naming_both_lines(tmp_path):
+    """By default PyYAML keeps the last of two equal keys: a second model: section would silently
+    replace the first."""
+    path = tmp_path / "job.yaml"
+    path.write_text("model:\n  preset: tiny-clip\ntrain:\n  max_steps: 3\n  lr: 0.1\n  lr: 0.2\n")
+    with pytest.raises(ConfigError, match=r"job.yaml, line 6: key 'lr' is given twice \(first on line 5\)"):
+        load_config(path)
+    path.write_text("model:\n  preset: tiny-clip\ntrain:\n  max_steps: 3\nmodel:\n  preset: tiny-albef\n")
+    with pytest.raises(ConfigError, match=r"line 5: key 'model' is given twice \(first on line 1\); merge"):
+        load_config(path)

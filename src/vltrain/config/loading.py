@@ -19,15 +19,32 @@ import yaml
 from vltrain.errors import ConfigError
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """PyYAML's safe loader, except that a key given twice in one mapping is an error: by default the
+    last wins, and a second ``model:`` section silently replaces the first."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise ConfigError(f"line {key_node.start_mark.line + 1}: key {key!r} is given twice (first on line "
+                                  f"{seen[key]}); merge the two into one")
+            seen[key] = key_node.start_mark.line + 1
+        return super().construct_mapping(node, deep=deep)
+
+
 def read_yaml(path: str | Path) -> dict[str, Any]:
-    """A YAML file whose top level is a mapping of sections."""
+    """A YAML file whose top level is a mapping of sections, each key given once."""
     p = Path(path)
     if not p.is_file():
         raise ConfigError(f"config file {p} does not exist")
     try:
-        raw = yaml.safe_load(p.read_text()) or {}
+        raw = yaml.load(p.read_text(), Loader=_UniqueKeyLoader) or {}
     except yaml.YAMLError as e:
         raise ConfigError(f"{p} is not valid YAML: {e}") from None
+    except ConfigError as e:
+        raise ConfigError(f"{p}, {e}") from None
     if not isinstance(raw, dict):
         raise ConfigError(f"{p}: the top level must be a mapping of sections, got {type(raw).__name__}")
     return raw
