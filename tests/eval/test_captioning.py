@@ -103,11 +103,17 @@ def test_captioning_mistakes_get_one_line(coca, tmp_path):
         ("caption", str(run_dir), "--images", image, "--prompt", " ".join(["red"] * 40)):
             "context is 16: shorten the prompt",
         ("eval", str(run_dir), "--captions", str(bad)): "expected COCO-style JSON",
+        ("caption", str(run_dir), "--images", image, "--batch-size", "0"): "--batch-size: must be at least 1, got 0",
+        ("caption", str(run_dir), "--images", image, "--top-p", "0"): "--top-p: must be in (0, 1], got 0",
+        ("caption", str(run_dir), "--images", image, "--max-length", "0"): "--max-length: must be at least 1, got 0",
+        ("caption", str(run_dir), "--images", str(bad), str(bad)): "none of the 2 images could be read",
     }
     for args, said in cases.items():
         proc = finish(vltrain(*args), 120)
         assert proc.returncode != 0 and said in proc.stderr, (args, proc.stderr[-2000:])
         assert "Traceback" not in proc.stderr, args
+        if ": must be" in said or "could be read" in said:  # a usage error, 2; nothing to caption at run time, 1
+            assert proc.returncode == (2 if ": must be" in said else 1), (args, proc.returncode)
 
 
 def test_a_run_started_from_a_captioning_run_takes_its_decoder(coca, tmp_path):

@@ -12,6 +12,8 @@ import os
 import sys
 from pathlib import Path
 
+from vltrain.errors import DataError
+
 
 def _add_overrides(parser, help_text: str = "dotted overrides, e.g. train.lr=3e-4 data.batch_size=64") -> None:
     """Every command that reads a config takes overrides the same two ways: ``key=value`` after its
@@ -82,19 +84,41 @@ def add_parsers(sub) -> None:
     m.set_defaults(func=embed)
 
 
+def _at_least_one(text: str) -> int:
+    """An argparse type: a whole number of at least 1 (a usage error otherwise, exit 2)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def _probability(text: str) -> float:
+    """An argparse type: a probability in (0, 1] (0 would keep no token)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {value:g}")
+    return value
+
+
 def _add_caption_parser(sub) -> None:
     c = sub.add_parser("caption", help="captions of images from a model with a captioning decoder (torchrun-aware)")
     c.add_argument("model_dir", help="a run folder, a checkpoint or an exported model folder")
     c.add_argument("--images", nargs="+", required=True)
     search = c.add_mutually_exclusive_group()
     search.add_argument("--beam", type=int, default=1, help="beams of the search (default 1: greedy)")
-    search.add_argument("--top-p", type=float, default=0.0, dest="top_p",
-                        help="nucleus sampling: draw from the most likely tokens holding this probability")
+    search.add_argument("--top-p", type=_probability, default=None, dest="top_p",
+                        help="nucleus sampling: draw from the most likely tokens holding this probability, in (0, 1]")
     c.add_argument("--seed", type=int, default=0, help="--top-p's seed (each image's draws: this and its place)")
-    c.add_argument("--max-length", type=int, default=0, dest="max_length",
+    c.add_argument("--max-length", type=_at_least_one, default=None, dest="max_length",
                    help="tokens a caption may take, the start token included (default: the model's text length)")
     c.add_argument("--prompt", default="", help='text every caption starts with, e.g. "a photo of"')
-    c.add_argument("--batch-size", type=int, default=32, dest="batch_size", help="images per batch per rank")
+    c.add_argument("--batch-size", type=_at_least_one, default=32, dest="batch_size", help="images per batch per rank")
     c.add_argument("--no-cache", action="store_false", dest="cache",
                    help="recompute every position at each token instead of caching keys and values")
     c.add_argument("--out", default=None, help="write JSON lines {image, caption} here instead of printing")
@@ -292,9 +316,11 @@ def caption(args: argparse.Namespace) -> int:
     rank 0 writes."""
     from vltrain.eval.captioning import caption_images
 
-    rows = caption_images(Path(args.model_dir), args.images, overrides_of(args), beam=args.beam, top_p=args.top_p,
-                          seed=args.seed, max_length=args.max_length, prompt=args.prompt, batch_size=args.batch_size,
-                          cache=args.cache)
+    rows = caption_images(Path(args.model_dir), args.images, overrides_of(args), beam=args.beam,
+                          top_p=args.top_p or 0.0, seed=args.seed, max_length=args.max_length or 0, prompt=args.prompt,
+                          batch_size=args.batch_size, cache=args.cache)
+    if all(text is None for _, text in rows):
+        raise DataError(f"none of the {len(rows)} images could be read (vltrain data validate names why)")
     if os.environ.get("RANK", "0") != "0":
         return 0
     if args.out:
