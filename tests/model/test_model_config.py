@@ -15,6 +15,7 @@ from vltrain.config import job as config
         ("model.text.pooling=max", "first, eos, mean, last or appended"),
         ("model.loss.itm=-1", "model.loss.itm"),
         ("model.loss.mlm_probability=1.5", "mlm_probability"),
+        ("model.teacher.precomputed=true", "model.teacher.path names no teacher"),
     ],
 )
 def test_bad_model_config_names_the_key(override, message):

@@ -200,6 +200,10 @@ class ModelConfig(Settings):
         if distilling and not self.teacher.path:
             raise ConfigError("model.loss.distill and distill_sigmoid need a teacher: set model.teacher.path to a "
                               "run, checkpoint, export, Hugging Face folder or OpenCLIP file")
+        if self.teacher.precomputed and not self.teacher.path:
+            raise ConfigError("model.teacher.precomputed=true reads a teacher's stored embeddings, but "
+                              "model.teacher.path names no teacher: set it to the teacher they were made with, "
+                              "or drop model.teacher.precomputed")
         if self.teacher.path and not distilling:
             raise ConfigError(f"model.teacher.path {self.teacher.path} is set but no loss uses it: set "
                               "model.loss.distill (or distill_sigmoid, for a SigLIP student) > 0, or drop the teacher")
