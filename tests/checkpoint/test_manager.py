@@ -199,7 +199,11 @@ def test_refuses_code_in_the_index(tmp_path):
         def __reduce__(self):
             return (os.system, (f"touch {marker}",))
 
-    (tmp_path / "checkpoints" / "step-1" / ".metadata").write_bytes(pickle.dumps(Evil()))
+    step = tmp_path / "checkpoints" / "step-1"
+    (step / ".metadata").write_bytes(pickle.dumps(Evil()))
+    with pytest.raises(UserError, match=r"step-1 is damaged \(.metadata is"):  # its manifest sees the change
+        Job(tmp_path, CheckpointConfig()).ckpt.resume("auto")
+    (step / "files.json").unlink()  # one written without a manifest (or with it rewritten): the reader refuses
     with pytest.raises(UserError, match="not allowed"):
         Job(tmp_path, CheckpointConfig()).ckpt.resume("auto")
     assert not marker.exists()

@@ -45,6 +45,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
+from vltrain.checkpoint.integrity import write_manifest
 from vltrain.checkpoint.paths import (
     CONFIG_FILE,
     LATEST_FILE,
@@ -340,6 +341,7 @@ class Checkpointer:
                 shutil.copyfile(src, tmp / name)
         self._barrier()  # every rank's data and rank file is on disk
         if self.rank == 0:
+            write_manifest(tmp)
             final = self.folder / f"step-{step}"
             if final.exists():  # a run restarted with resume=never writes over its old steps
                 shutil.rmtree(final)

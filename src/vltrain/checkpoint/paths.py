@@ -18,13 +18,17 @@ The layouts it reads::
 
 from __future__ import annotations
 
+import logging
 import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from vltrain.checkpoint.integrity import damage
 from vltrain.config.job import load_config
 from vltrain.errors import UserError
 from vltrain.model.interop.pretrained import CHECKPOINT_SUFFIXES
+
+log = logging.getLogger(__name__)
 
 STATE_FILE = "state.json"
 CONFIG_FILE = "config.yaml"
@@ -101,6 +105,9 @@ def locate(path: str | Path, role: str = "") -> Located:
     if not p.is_dir():
         raise UserError(f"{name} does not exist; {accepted()}")
     if is_complete(p):
+        if (wrong := damage(p)) is not None:
+            raise UserError(f"checkpoint {p} is damaged ({wrong}); name an intact one, or the run folder for "
+                            "its newest intact checkpoint")
         return Located(p, CHECKPOINT, p)
     if all((p / f).is_file() for f in (WEIGHTS_FILE, TOKENIZER_FILE, CONFIG_FILE)):
         return Located(p, EXPORT)
@@ -152,11 +159,22 @@ def complete_checkpoints(folder: Path) -> list[Path]:
 
 
 def latest_checkpoint(folder: Path) -> Path | None:
-    """The checkpoint ``latest`` names if it is complete, else the newest complete one."""
+    """The checkpoint ``latest`` names if it is complete and intact, else the newest one that is. A
+    damaged one passed over is said in one line (:mod:`vltrain.checkpoint.integrity`)."""
     pointer = folder / LATEST_FILE
+    candidates = complete_checkpoints(folder)[::-1]
     if pointer.is_file():
         name = pointer.read_text().strip()
         if _STEP_DIR.match(name) and is_complete(folder / name):
-            return folder / name
-    found = complete_checkpoints(folder)
-    return found[-1] if found else None
+            candidates.insert(0, folder / name)
+    passed: list[str] = []
+    for path in dict.fromkeys(candidates):
+        wrong = damage(path)
+        if wrong is None:
+            if passed:
+                log.warning(f"{'; '.join(passed)}: using {path}, the newest intact checkpoint")
+            return path
+        passed.append(f"checkpoint {path} is damaged ({wrong})")
+    if passed:
+        raise UserError(f"{'; '.join(passed)}; no intact checkpoint is left in {folder}")
+    return None
