@@ -26,9 +26,12 @@ def test_the_manifest_finds_a_cut_a_flip_and_a_missing_file(tmp_path):
     (tmp_path / "a.bin").write_bytes(bytes(range(256)) * 40)
     (tmp_path / "sub").mkdir()
     (tmp_path / "sub" / "b.json").write_text("{}")
+    (tmp_path / "config.yaml").write_text("data:\n  upscale: true\n")
     assert damage(tmp_path) is None  # no manifest: a checkpoint older than manifests is taken as it is
     write_manifest(tmp_path)
     assert (tmp_path / MANIFEST).is_file() and damage(tmp_path) is None
+    (tmp_path / "config.yaml").write_text("data:\n  upscale: false\n")  # the config copy is the user's to edit
+    assert damage(tmp_path) is None
     flip(tmp_path / "a.bin")
     assert damage(tmp_path) == "a.bin is not as it was saved (its CRC-32 differs)"
     flip(tmp_path / "a.bin")

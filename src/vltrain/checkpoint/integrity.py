@@ -15,6 +15,9 @@ import zlib
 from pathlib import Path
 
 MANIFEST = "files.json"
+COPIES = ("config.yaml", "tokenizer.json")
+"""Copies of the run's config and tokenizer, kept so that a checkpoint folder rebuilds its model: not
+summed, since a user may edit them (a path that moved, a setting read at export)."""
 _CHUNK = 1 << 22
 
 
@@ -27,8 +30,8 @@ def crc32(path: Path) -> int:
 
 
 def write_manifest(folder: Path) -> None:
-    """``folder/files.json``: every other file's size and CRC-32, by name (recursive)."""
-    files = sorted(p for p in folder.rglob("*") if p.is_file() and p.name != MANIFEST)
+    """``folder/files.json``: the size and CRC-32 of every file the resume reads, by name (recursive)."""
+    files = sorted(p for p in folder.rglob("*") if p.is_file() and p.name not in (MANIFEST, *COPIES))
     entries = {str(p.relative_to(folder)): {"size": p.stat().st_size, "crc32": crc32(p)} for p in files}
     (folder / MANIFEST).write_text(json.dumps({"files": entries}, indent=1) + "\n")
 
