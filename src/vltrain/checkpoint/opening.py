@@ -33,6 +33,7 @@ from vltrain.data.config import DataConfig
 from vltrain.data.tokenizers import Tokenizer
 from vltrain.errors import UserError
 from vltrain.model import VLModel
+from vltrain.model.interop.pretrained import read_shapes, read_state_dict
 from vltrain.train.build import build_model_for, build_tokenizer, fit_native, resolve_init
 
 
@@ -100,11 +101,6 @@ def load_weights(found: Located, model: torch.nn.Module, ema: bool = False) -> N
     if found.kind != EXPORT:
         load_model_weights(found.weights, model, ema=ema)
         return
-    from safetensors import safe_open
-    from safetensors.torch import load_file
-
-    file = str(found.weights)
-    with safe_open(file, framework="pt") as f:
-        saved = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
-    check_shapes(file, saved, {k: tuple(v.shape) for k, v in model.state_dict().items()})
-    model.load_state_dict(load_file(file))
+    file = found.weights
+    check_shapes(str(file), read_shapes(file), {k: tuple(v.shape) for k, v in model.state_dict().items()})
+    model.load_state_dict(read_state_dict(file))

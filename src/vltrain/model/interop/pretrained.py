@@ -162,7 +162,7 @@ def read_state_dict(path: Path) -> dict[str, torch.Tensor]:
         try:
             return load_file(str(path))
         except Exception as e:  # safetensors raises its own error type on a bad header
-            raise UserError(f"cannot read {path}: {e}") from None
+            raise unreadable(path, e) from None
     return _unwrap(_torch_load(path), path)
 
 
@@ -175,8 +175,14 @@ def read_shapes(path: Path) -> dict[str, tuple[int, ...]]:
             with safe_open(str(path), framework="pt") as f:
                 return {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
         except Exception as e:
-            raise UserError(f"cannot read {path}: {e}") from None
+            raise unreadable(path, e) from None
     return {k: tuple(v.shape) for k, v in read_state_dict(path).items()}
+
+
+def unreadable(path: Path, e: Exception) -> UserError:
+    """A safetensors file that is cut short or is not one: a failure of the file, not of the command."""
+    return UserError(f"cannot read {path}: {e}; the file is damaged (cut short, or not safetensors): write it "
+                     "again, e.g. with `vltrain export`, or name another copy")
 
 
 def _module_names(links: list[Link]) -> list[str]:
