@@ -20,7 +20,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from vltrain.errors import UserError
+from vltrain.errors import UsageError, UserError
 from vltrain.model.interop.convert import OPENAI_MEAN, OPENAI_STD, Link, Preprocessing, linear, same
 from vltrain.model.presets import Architecture
 from vltrain.model.text import TextTowerConfig
@@ -58,8 +58,9 @@ def read_json(path: Path) -> dict[str, Any]:
 def family_of(config: dict[str, Any], source: Path) -> str:
     family = config.get("model_type", "")
     if family not in FAMILIES:
-        raise UserError(f"{source}/config.json has model_type {family!r}: model.init takes a Hugging Face "
-                        f"CLIPModel, SiglipModel or Siglip2Model folder (model_type clip, siglip or siglip2)")
+        raise UsageError(f"{source}/config.json has model_type {family!r}, which vltrain does not open: it opens "
+                        "Hugging Face folders of CLIPModel, SiglipModel, Siglip2Model and BLIP (BlipForConditional"
+                        "Generation, BlipForImageTextRetrieval): model_type clip, siglip, siglip2 or blip")
     return family
 
 
