@@ -49,15 +49,19 @@ def open_captions(path: str | Path, split: str = "test", image_root: str | Path 
 
 def _karpathy(data: dict, root: Path, split: str, p: Path) -> CaptionedImages:
     out = CaptionedImages([], [], [])
-    splits = set()
+    splits, in_split = set(), 0
     for im in data["images"]:
         splits.add(im.get("split"))
+        in_split += im.get("split") == split
         if im.get("split") != split or not im.get("sentences"):
             continue
         out.images.append(str(root / im.get("filepath", "") / im["filename"]))
         for s in im["sentences"]:
             out.captions.append(s["raw"] if isinstance(s, dict) else str(s))
             out.image_of.append(len(out.images) - 1)
+    if not out.images and in_split:
+        raise DataError(f"{p}: none of the {in_split} image(s) of split {split!r} has a reference caption (every "
+                        "'sentences' list is empty); captions are scored against references: give a file that has them")
     if not out.images and splits:
         raise DataError(f"{p}: no images in split {split!r} (its splits: {', '.join(sorted(map(str, splits)))})")
     return out
