@@ -25,7 +25,7 @@ from pathlib import Path
 
 from vltrain.checkpoint.integrity import damage
 from vltrain.config.job import load_config
-from vltrain.errors import UserError
+from vltrain.errors import UsageError, UserError
 from vltrain.model.interop.pretrained import CHECKPOINT_SUFFIXES
 
 log = logging.getLogger(__name__)
@@ -101,9 +101,9 @@ def locate(path: str | Path, role: str = "") -> Located:
     if p.is_file():
         if p.suffix in CHECKPOINT_SUFFIXES:
             return Located(p, OPENCLIP)
-        raise UserError(f"{name} is a file but not a checkpoint file; {accepted()}")
+        raise UsageError(f"{name} is a file but not a checkpoint file; {accepted()}")
     if not p.is_dir():
-        raise UserError(f"{name} does not exist; {accepted()}")
+        raise UsageError(f"{name} does not exist; {accepted()}")
     if is_complete(p):
         if (wrong := damage(p)) is not None:
             raise UserError(f"checkpoint {p} is damaged ({wrong}); name an intact one, or the run folder for "
@@ -122,13 +122,13 @@ def locate(path: str | Path, role: str = "") -> Located:
         found = latest_checkpoint(folder)
         if found is not None:
             return Located(p, kind, found)
-    raise UserError(f"{name} holds no complete checkpoint and no model; {accepted()}")
+    raise UsageError(f"{name} holds no complete checkpoint and no model; {accepted()}")
 
 
 def _newest(folder: Path, name: str) -> Path:
     found = latest_checkpoint(folder)
     if found is None:
-        raise UserError(f"{name} is a run folder, but {folder} holds no complete checkpoint (a step-N folder "
+        raise UsageError(f"{name} is a run folder, but {folder} holds no complete checkpoint (a step-N folder "
                         f"with {STATE_FILE}): the run saved none yet")
     return found
 
@@ -137,7 +137,7 @@ def find_checkpoint(path: str | Path) -> Path:
     """The vltrain checkpoint ``path`` names: a run's newest, a checkpoints folder's newest, or itself."""
     found = locate(path)
     if found.checkpoint is None:
-        raise UserError(f"{found.path} is {KINDS[found.kind]}, not a vltrain run or checkpoint")
+        raise UsageError(f"{found.path} is {KINDS[found.kind]}, not a vltrain run or checkpoint")
     return found.checkpoint
 
 

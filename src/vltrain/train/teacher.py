@@ -19,7 +19,7 @@ from vltrain.checkpoint.opening import model_config, open_model
 from vltrain.checkpoint.paths import EXPORT, HF_CONFIG, Located, locate
 from vltrain.config.job import JobConfig
 from vltrain.data.teacher_store import TeacherInputs, open_store, teacher_data
-from vltrain.errors import ConfigError, UserError
+from vltrain.errors import ConfigError, UsageError, UserError
 from vltrain.objectives.losses import scale_of
 from vltrain.types import Encoded, ModelInputs, TeacherEmbeds
 
@@ -45,8 +45,10 @@ def plan_teacher(cfg: JobConfig) -> TeacherPlan | None:
         return locate_teacher(t.path, "model.teacher.path", t.precomputed)
     except ConfigError:
         raise
-    except UserError as e:
+    except UsageError as e:  # no teacher there: the config's mistake
         raise ConfigError(f"model.teacher: the teacher cannot be opened: {e}") from None
+    except UserError as e:  # a teacher that is there but cannot be read: `vltrain data teacher-embed`'s exit code too
+        raise type(e)(f"model.teacher: the teacher cannot be opened: {e}") from None
 
 
 def locate_teacher(path: str, role: str, precomputed: bool = False) -> TeacherPlan:
