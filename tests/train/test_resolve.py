@@ -9,6 +9,7 @@ from kits.runkit import overrides, session_shapes, train_here
 from vltrain.checkpoint.paths import latest_checkpoint
 from vltrain.config.job import load_config
 from vltrain.data.dataset import build_dataset
+from vltrain.errors import ConfigError
 from vltrain.train.build import build_tokenizer
 from vltrain.train.resolve import resolve_run
 
@@ -16,10 +17,11 @@ from vltrain.train.resolve import resolve_run
 def test_the_pass_decides_what_the_model_and_the_world_imply_without_building_a_model(tmp_path_factory, tmp_path):
     shapes = session_shapes(tmp_path_factory)
     cfg = load_config(None, overrides(shapes, tmp_path / "run", data__resize="native", data__max_patches=8,
-                                      data__global_batch_size=8, model__loss__itm=0.5, model__loss__mlm=0.5))
+                                      data__global_batch_size=8))
     resolved = resolve_run(cfg, world_size=2)
     assert cfg.data.patch_size == 16  # tiny-clip's patches: the data knows it before any model exists
-    assert (cfg.model.loss.itm, cfg.model.loss.mlm) == (0.0, 0.0)  # a dual encoder has no fusion heads
+    # a dual encoder has no fusion heads and no decoder: the weights it cannot train say 0 in the saved config
+    assert (cfg.model.loss.itm, cfg.model.loss.mlm, cfg.model.loss.caption) == (0.0, 0.0, 0.0)
     assert (cfg.data.batch_size, cfg.train.accumulation) == (4, 1) and resolved.batch.startswith("global batch 8 =")
     with pytest.raises(AttributeError, match="DataConfig.batch_size: the config is decided and frozen"):
         cfg.data.batch_size = 2
@@ -42,3 +44,19 @@ def test_the_itm_group_is_decided_before_the_run_and_the_saved_config_is_the_one
     assert saved == trainer.cfg.to_yaml()
     assert (latest_checkpoint(tmp_path / "run" / "checkpoints") / "config.yaml").read_text() == saved
     assert load_config(tmp_path / "run" / "config.yaml").model.loss.itm_group_size == 2
+
+
+def test_a_weight_asked_for_a_head_the_model_lacks_is_refused_and_one_in_a_file_is_left_at_0(tmp_path):
+    """On the command line it is a demand the model cannot meet; a config file's loss section may serve
+    several presets (configs/demo.yaml's itm weight, for a preset with ITM)."""
+    with pytest.raises(ConfigError, match=r"model.loss.caption=2 needs a captioning decoder; model.loss.itm=1 needs "
+                                          r"a fusion encoder, which tiny-clip has not: .*Set model.loss.caption=0 "
+                                          r"model.loss.itm=0, or use a preset that has both \(tiny-coca-itm\)"):
+        resolve_run(load_config(None, ["model.loss.caption=2", "model.loss.itm=1"]), 1)
+    with pytest.raises(ConfigError, match=r"model.loss.mlm=0.5 needs a fusion encoder, which tiny-coca has not"):
+        resolve_run(load_config(None, ["model.preset=tiny-coca", "model.loss.mlm=0.5"]), 1)
+    yaml = tmp_path / "job.yaml"
+    yaml.write_text("model:\n  loss:\n    caption: 0.5\n    itm: 0.25\n")
+    cfg = load_config(yaml, ["model.preset=tiny-clip"])
+    resolve_run(cfg, 1)
+    assert (cfg.model.loss.caption, cfg.model.loss.itm) == (0.0, 0.0)

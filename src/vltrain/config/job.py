@@ -348,6 +348,12 @@ class JobConfig(Settings):
             node, default = getattr(node, part), getattr(default, part)
         return node != default
 
+    def asked(self, key: str) -> bool:
+        """Whether dotted ``key`` was given on the command line: asked for in this command. A config
+        file's section may serve several presets (configs/demo.yaml's ITM weight waits for a preset
+        with ITM), so a value there is not a demand that the model can meet."""
+        return key in getattr(self, "on_line", ())
+
 
 # ---------------------------------------------------------------------------------------------
 # Loading
@@ -360,4 +366,5 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         apply_override(JobConfig, raw, item)
     cfg = from_dict(JobConfig, raw)
     cfg.given = frozenset(dotted_keys(raw))
+    cfg.on_line = frozenset(item.partition("=")[0].strip() for item in overrides or [])
     return cfg

@@ -181,11 +181,16 @@ def _check_fits_init(cfg: JobConfig, tokenizer: Tokenizer, arch: Architecture) -
 
 def decide_objectives(cfg: JobConfig) -> None:
     """The objectives the run trains, in ``cfg``: those the architecture has no head for (ITM and MLM
-    without a fusion encoder) set to 0, so that a saved config says what the run trains;
+    without a fusion encoder, captioning without a decoder) set to 0, so that a saved config says what
+    the run trains, and refused where the user asked for them (given on the command line);
     ``itm_negatives: auto`` is group with ``data.global_batch_size`` (see :func:`itm_group`)."""
-    loss = cfg.model.loss
-    if cfg.model.architecture().fusion is None:
-        loss.itm, loss.mlm = 0.0, 0.0
+    loss, arch = cfg.model.loss, cfg.model.architecture()
+    lacking = [n for n, part in HEADS.items() if getattr(arch, part) is None]
+    asked = [n for n in lacking if getattr(loss, n) and cfg.asked(f"model.loss.{n}")]
+    if asked:
+        raise _no_head(cfg, asked)
+    for name in lacking:
+        setattr(loss, name, 0.0)
     if cfg.train.contrastive_accumulation == "gradcache" and not loss.contrastive:
         raise ConfigError("train.contrastive_accumulation: gradcache caches the contrastive loss's gradient, and no "
                           "contrastive objective is on (model.loss itc, siglip, distill); set it to none")
@@ -194,6 +199,24 @@ def decide_objectives(cfg: JobConfig) -> None:
     if loss.itm_negatives == "group" and cfg.data.batching == "budget":
         raise ConfigError("model.loss.itm_negatives: group needs data.batching: fixed (budget micro-batches differ "
                           "in size, so no group size divides them all); use local or global")
+
+
+HEADS = {"caption": "decoder", "itm": "fusion", "mlm": "fusion"}
+"""The objectives that need a part of the architecture, and that part."""
+
+
+def _no_head(cfg: JobConfig, names: list[str]) -> ConfigError:
+    """Weights asked for objectives whose heads the model has not: the run would silently train the rest."""
+    from vltrain.model.presets import PRESETS
+
+    heads = {"fusion": "a fusion encoder", "decoder": "a captioning decoder"}
+    said = [f"model.loss.{n}={getattr(cfg.model.loss, n):g} needs {heads[HEADS[n]]}" for n in names]
+    parts = {HEADS[n] for n in names}
+    having = [p for p, make in PRESETS.items() if all(getattr(make(), part) is not None for part in parts)]
+    model = cfg.model.preset or f"the model of {cfg.model.init}"
+    return ConfigError(f"{'; '.join(said)}, which {model} has not: the run would train without "
+                       f"{'it' if len(names) == 1 else 'them'}. Set {' '.join(f'model.loss.{n}=0' for n in names)}, "
+                       f"or use a preset that has {'it' if len(parts) == 1 else 'both'} ({', '.join(having)})")
 
 
 def build_task(cfg: JobConfig, model: VLModel) -> Task:
