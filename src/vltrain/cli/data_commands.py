@@ -343,7 +343,8 @@ def teacher_embed(args: argparse.Namespace) -> int:
             print(f"{p.source}: {p.rows:,} rows in {p.chunks} chunks; embedded {p.done_now} chunk(s) "
                   f"({p.rows_now:,} rows, {p.done_before} chunk(s) done before) in {p.seconds:.1f} s ({rate:,.0f} "
                   "rows/s); "
-                  f"{p.unreadable} unreadable image(s) stored as zeros (training replaces those samples)\n"
+                  f"{p.unreadable} row(s) the teacher could not read, stored as missing (training replaces those "
+                  f"samples; run this again once they are readable); filled {p.filled} row(s) missing before\n"
                   f"  {p.folder}")
     return 0
 

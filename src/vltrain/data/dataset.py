@@ -1,7 +1,8 @@
 """The map-style dataset over a list of sources: index -> one decoded, tokenized sample.
 
-A sample that cannot be read or decoded is replaced by another one chosen by a hash of its
-index, so every rank and every worker makes the same choice and batch sizes never change. The
+A sample that cannot be read or decoded, or whose stored teacher embeddings are missing (the
+teacher could not read it: :class:`~vltrain.data.teacher_store.MissingRow`), is replaced by another
+one chosen by a hash of its index, so every rank and every worker makes the same choice and batch sizes never change. The
 failure travels with the replacement into ``Batch.errors``. A source where every sample fails
 raises after a bounded number of tries: it never loops.
 
@@ -35,7 +36,7 @@ from vltrain.data.index.sizes import image_sizes
 from vltrain.data.native import patch_counts
 from vltrain.data.sources.manifests import Row, Source, refuse_malformed
 from vltrain.data.table import SampleTable
-from vltrain.data.teacher_store import TeacherInputs
+from vltrain.data.teacher_store import MissingRow, TeacherInputs
 from vltrain.data.tokenizers import Tokenizer
 from vltrain.errors import DataError
 
@@ -141,9 +142,10 @@ class ImageTextDataset(torch.utils.data.Dataset):
                 if errors and self.plan_aware:
                     self._fit_plan(sample, planned)
                 return sample
-            except (ImageError, OSError) as e:
+            except (ImageError, OSError, MissingRow) as e:
                 key, where = (row.key, row.where) if row else (f"{source.name}#{j}", f"row {j} of {source.name}")
-                reason = image_problem(e, row.image) if row else f"cannot read the row ({e})"
+                reason = f"no stored teacher embeddings: {e}" if isinstance(e, MissingRow) else \
+                    image_problem(e, row.image) if row else f"cannot read the row ({e})"
                 if self.on_error == "fail":
                     raise DataError(
                         f"bad sample {key!r} ({where}): {reason}\n"

@@ -8,6 +8,11 @@ identity (:func:`teacher_key`). It holds
 - ``meta.json``: the teacher's identity, the index it belongs to, the row count, the width, the
   dtype and the teacher's temperature (and SigLIP bias);
 - ``image.npy``, ``text.npy``: [rows, width] memory-mapped arrays, zeros where a row lacks that side;
+- ``missing.npy``: [rows] bool, the rows the teacher could not read (their image could not be read or
+  decoded, or the row itself): their embeddings are not stored, the training loader replaces them as
+  bad samples, and ``vltrain data teacher-embed`` run again tries them again. A store made before
+  this file existed has none: there a row with an image whose image embedding is all zeros was one
+  the teacher could not read (a teacher's embedding is never zero), and that is what it counts as;
 - ``uid.npy``: [rows] int64, each row's sample id (``stable_uid`` of its key), written with its
   embeddings: a row is read only if its id is the one the loader reads;
 - ``done.npy``: [chunks] bool, the chunks of ``chunk`` rows (meta.json's) written so far: what a
@@ -22,6 +27,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -34,8 +40,17 @@ if TYPE_CHECKING:
     from vltrain.data.config import DataConfig
     from vltrain.data.tokenizers import Tokenizer
 
+log = logging.getLogger(__name__)
+
 CHUNK = 1024
 """Rows per unit of work (and of resumption) of the embedding pass, unless it is given another."""
+DTYPE = "float16"
+"""How the embeddings are stored, unless the pass is given another."""
+
+
+class MissingRow(Exception):
+    """A row the teacher could not read when its embeddings were stored: the loader replaces the
+    sample as it does one whose image cannot be read (``bad_samples.jsonl``)."""
 
 
 def teacher_key(identity: dict) -> str:
@@ -78,6 +93,9 @@ class TeacherStore:
         self.text = np.load(self.folder / "text.npy", mmap_mode=mode)
         self.uid = np.load(self.folder / "uid.npy", mmap_mode=mode)
         self.done = np.load(self.folder / "done.npy", mmap_mode=mode)
+        marks = self.folder / "missing.npy"
+        self.missing = np.load(marks, mmap_mode=mode) if marks.exists() else None
+        """None in a store made before missing rows were marked (:meth:`lacks`)."""
 
     def __getstate__(self) -> dict:
         """To a loader worker: the folder, mapped again there (a pickled map would copy the arrays)."""
@@ -102,35 +120,68 @@ class TeacherStore:
                 return TeacherStore(folder, found, writable=True)
             raise DataError(f"{folder} holds teacher embeddings made otherwise ({found.rows} rows of width "
                             f"{found.width}, {found.dtype}, chunks of {found.chunk}); give the same settings to "
-                            "resume it, or remove it to make them again")
+                            f"resume it (--chunk-rows {found.chunk} --dtype {found.dtype}), or remove it to make them "
+                            "again")
         folder.mkdir(parents=True, exist_ok=True)
         for name in ("image", "text"):
             np.lib.format.open_memmap(folder / f"{name}.npy", mode="w+", dtype=meta.dtype,
                                       shape=(meta.rows, meta.width)).flush()
         np.lib.format.open_memmap(folder / "uid.npy", mode="w+", dtype=np.int64, shape=(meta.rows,)).flush()
+        np.save(folder / "missing.npy", np.zeros(meta.rows, dtype=bool))
         np.save(folder / "done.npy", np.zeros(-(-meta.rows // meta.chunk), dtype=bool))
         tmp = folder / "meta.json.tmp"
         tmp.write_text(meta.to_json())
         tmp.replace(folder / "meta.json")
         return TeacherStore(folder, meta, writable=True)
 
-    def write(self, chunk: int, image: np.ndarray, text: np.ndarray, uid: np.ndarray) -> None:
-        """Chunk ``chunk``'s rows, flushed before the chunk is marked done."""
+    def mark_missing(self, has_image: np.ndarray) -> None:
+        """Write ``missing.npy`` into a store made before it existed: the rows with an image (``has_image``,
+        the source index's) whose image embedding is all zeros (:meth:`lacks`), read a chunk at a time."""
+        lacking = np.zeros(self.meta.rows, dtype=bool)
+        for lo in range(0, self.meta.rows, self.meta.chunk):
+            hi = lo + self.meta.chunk
+            lacking[lo:hi] = np.asarray(has_image[lo:hi]) & ~np.any(self.image[lo:hi], axis=1)
+        tmp = self.folder / "missing.tmp.npy"
+        np.save(tmp, lacking)
+        tmp.replace(self.folder / "missing.npy")
+        self._map()
+
+    def write(self, chunk: int, image: np.ndarray, text: np.ndarray, uid: np.ndarray, missing: np.ndarray) -> None:
+        """Chunk ``chunk``'s rows (``missing``: those the teacher could not read), flushed before the
+        chunk is marked done."""
         lo = chunk * self.meta.chunk
-        hi = lo + len(uid)
-        self.image[lo:hi] = image
-        self.text[lo:hi] = text
-        self.uid[lo:hi] = uid
-        for a in (self.image, self.text, self.uid):
-            a.flush()
+        self.put(np.arange(lo, lo + len(uid)), image, text, uid, missing)
         self.done[chunk] = True
         self.done.flush()
+
+    def put(self, rows: np.ndarray, image: np.ndarray, text: np.ndarray, uid: np.ndarray, missing: np.ndarray) -> None:
+        """These rows' embeddings, flushed before their marks: a row read again is marked as read only
+        once its embeddings are on disk. A row still missing keeps zeros."""
+        keep = ~np.asarray(missing, dtype=bool)[:, None]
+        self.image[rows] = np.where(keep, image, 0)
+        self.text[rows] = np.where(keep, text, 0)
+        self.uid[rows] = uid
+        for a in (self.image, self.text, self.uid):
+            a.flush()
+        self.missing[rows] = missing
+        self.missing.flush()
+
+    def lacks(self, j: int, has_image: bool) -> bool:
+        """Whether row ``j`` is one the teacher could not read: marked so, or in a store made before
+        the marks, a row with an image whose image embedding is all zeros."""
+        if self.missing is not None:
+            return bool(self.missing[j])
+        return has_image and not np.any(self.image[j])
 
     def row(self, j: int, uid: int, has_image: bool, has_text: bool, where: str
             ) -> tuple[np.ndarray | None, np.ndarray | None]:
         """Row ``j``'s (image, text) embeddings as float32 (None for a side it lacks); ``where`` names
-        the row in an error. Refuses a row not yet embedded, or one that holds another sample."""
+        the row in an error. Refuses a row not yet embedded, or one that holds another sample; a row the
+        teacher could not read raises :class:`MissingRow`."""
         written = bool(self.done[j // self.meta.chunk])
+        if written and self.lacks(j, has_image):  # never read, so its id was never read either
+            raise MissingRow("the teacher could not read it when they were made; `vltrain data teacher-embed` run "
+                             "again fills the row in once it is readable")
         if not written or int(self.uid[j]) != uid:
             what = "has no teacher embeddings yet" if not written else \
                 "holds the embeddings of another sample (the source changed since they were made)"
@@ -154,7 +205,7 @@ def open_store(index_dir: Path, identity: dict, source: str, rows: int) -> Teach
     was made for other rows."""
     folder = store_dir(index_dir, identity)
     meta = _read_meta(folder)
-    run = f"vltrain data teacher-embed {identity.get('path', 'TEACHER')} {source}"
+    run = embed_command(identity.get("path", "TEACHER"), source, meta)
     if meta is None:
         others = sorted(p.name for p in Path(index_dir).glob("teacher-*"))
         also = (f" (it has embeddings of other teachers: {', '.join(others)}; model.teacher.path must name the "
@@ -170,7 +221,20 @@ def open_store(index_dir: Path, identity: dict, source: str, rows: int) -> Teach
     if missing:
         raise DataError(f"{source}: the teacher embeddings in {folder} are incomplete ({missing} of {store.chunks} "
                         f"chunks missing); finish them with `{run}` (it resumes)")
+    lacking = int(np.count_nonzero(store.missing)) if store.missing is not None else 0
+    if lacking:
+        log.info("%s: %d row(s) the teacher could not read have no stored embeddings: training replaces them as "
+                 "bad samples (bad_samples.jsonl); once they are readable, `%s` fills them in", source, lacking, run)
     return store
+
+
+def embed_command(teacher: str, source: str, meta: StoreMeta | None) -> str:
+    """The ``vltrain data teacher-embed`` line that makes, finishes or fills the store ``meta`` describes:
+    with the chunk size and dtype it was made with, which a resumed pass must repeat."""
+    given = "" if meta is None else "".join(
+        f" {flag} {value}" for flag, value, default in (("--chunk-rows", meta.chunk, CHUNK),
+                                                      ("--dtype", meta.dtype, DTYPE)) if value != default)
+    return f"vltrain data teacher-embed {teacher} {source}{given}"
 
 
 @dataclass

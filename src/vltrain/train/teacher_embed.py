@@ -8,8 +8,9 @@ chunks c with c mod world = r and writes each as soon as it is embedded, so a pa
 read as the training loader reads them for a teacher that runs: the same image bytes decoded at the
 teacher's size with its resize and statistics (on the student's decoding limits when ``--config``
 names the training config), the caption in the teacher's tokenizer. A row that cannot be read, or
-whose image cannot be decoded, gets zeros, never read: the training loader replaces such a sample
-by another row.
+whose image cannot be decoded, is stored as missing: the training loader replaces such a sample by
+another row, and the next pass reads the missing rows of its finished chunks again (a file restored
+in the meantime is then embedded).
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from vltrain.data.image_input import decode_for
 from vltrain.data.images import ImageError
 from vltrain.data.index.open import open_indexed
 from vltrain.data.loading.collate import Collator
-from vltrain.data.teacher_store import CHUNK, StoreMeta, TeacherStore, store_dir, teacher_data
+from vltrain.data.teacher_store import CHUNK, DTYPE, StoreMeta, TeacherStore, store_dir, teacher_data
 from vltrain.errors import DataError, UserError
 from vltrain.runtime.distributed import all_reduce_sum
 from vltrain.runtime.precision import Precision
@@ -51,6 +52,9 @@ class Pass:
     done_now: int
     rows_now: int
     unreadable: int
+    """Rows this pass could not read (stored as missing), the missing rows it read again included."""
+    filled: int
+    """Rows stored as missing before that this pass could read."""
     seconds: float
     folder: str
 
@@ -134,6 +138,8 @@ class Embedder:
         folder = store_dir(source.index_dir, self.identity)
         if self.world.is_main:
             store = TeacherStore.create(folder, meta)
+            if store.missing is None:  # made before missing rows were marked: find them once
+                store.mark_missing(source.has_image())
         if self.world.world_size > 1:
             dist.barrier()
         if not self.world.is_main:
@@ -141,52 +147,63 @@ class Embedder:
         return store
 
     def run(self, spec: str) -> Pass:
+        """This rank's chunks not yet written, then the rows of its written chunks stored as missing."""
         started = time.monotonic()
         source = self._open_source(spec)
         store = self._store(source)
-        rank, world = self.world.rank, self.world.world_size
+        rank, world, chunk = self.world.rank, self.world.world_size, store.meta.chunk
         mine = [c for c in range(store.chunks) if c % world == rank]
-        before = sum(bool(store.done[c]) for c in mine)
+        done = [c for c in mine if store.done[c]]
         todo = [c for c in mine if not store.done[c]]
-        tok = self.teacher.tokenizer
-        collate = Collator.for_data(tok.pad_id, self.data)
-        batches = _chunk_batches(todo, len(source), self.batch_size, store.meta.chunk)
-        loader = torch.utils.data.DataLoader(_Rows(source, self.data, tok), batch_sampler=batches,
-                                             num_workers=self.workers, collate_fn=_Collate(collate))
-        unreadable, parts, current, embedded = 0, [], None, 0
-        for rows, batch, samples in loader:
+        retry = [int(j) for c in done for j in np.flatnonzero(store.missing[c * chunk:(c + 1) * chunk]) + c * chunk]
+        unreadable, embedded, current, parts = 0, 0, None, []
+        for rows, batch, samples in self._batches(source, _chunk_batches(todo, len(source), self.batch_size, chunk)):
             embedded += len(rows)
-            chunk = rows[0] // store.meta.chunk
-            if current is not None and chunk != current:
+            if current is not None and rows[0] // chunk != current:
                 self._write(store, current, parts)
                 parts = []
-            current = chunk
+            current = rows[0] // chunk
             unreadable += sum(s.source for s in samples)
             parts.append(self._embed(batch, samples))
         if current is not None:
             self._write(store, current, parts)
-        counts = [before, len(todo), embedded, unreadable]
+        retried = [retry[k:k + self.batch_size] for k in range(0, len(retry), self.batch_size)]
+        for rows, batch, samples in self._batches(source, retried):
+            still = sum(s.source for s in samples)
+            store.put(np.array(rows), *self._embed(batch, samples))
+            unreadable, embedded = unreadable + still, embedded + len(rows)
+        counts = [len(done), len(todo), embedded, unreadable, len(retry) - int(np.count_nonzero(store.missing[retry]))]
         if world > 1:  # the whole world's counts
             counts = all_reduce_sum(torch.tensor(counts, dtype=torch.int64, device=self.world.device)).tolist()
         return Pass(spec, len(source), store.chunks, *counts, time.monotonic() - started, str(store.folder))
 
-    def _embed(self, batch, samples: list[Sample]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def _batches(self, source, batches: list[list[int]]):
+        """(rows, batch, samples) of each list of row indices, read by the loader's workers."""
+        if not batches:
+            return []
+        tok = self.teacher.tokenizer
+        return torch.utils.data.DataLoader(_Rows(source, self.data, tok), batch_sampler=batches,
+                                           num_workers=self.workers,
+                                           collate_fn=_Collate(Collator.for_data(tok.pad_id, self.data)))
+
+    def _embed(self, batch, samples: list[Sample]) -> tuple[np.ndarray, ...]:
+        """(image, text, uid, missing) of a batch's rows; ``missing``: the rows it could not read."""
         enc = self.teacher.encode(batch.to_model_inputs(self.world.device, self.data.mean, self.data.std))
         dtype = np.dtype(self.dtype)
         image, text = (x.float().cpu().numpy().astype(dtype) for x in (enc.image_embeds, enc.text_embeds))
-        return image, text, np.array([s.uid for s in samples], dtype=np.int64)
+        return (image, text, np.array([s.uid for s in samples], dtype=np.int64),
+                np.array([bool(s.source) for s in samples]))
 
     @staticmethod
     def _write(store: TeacherStore, chunk: int, parts: list) -> None:
-        image, text, uid = (np.concatenate([p[k] for p in parts]) for k in range(3))
-        store.write(chunk, image, text, uid)
+        store.write(chunk, *(np.concatenate([p[k] for p in parts]) for k in range(4)))
 
     def close(self, clean: bool = True) -> None:
         self.world.close(clean)
 
 
 def teacher_embed(teacher: str, sources: list[str], cfg: JobConfig | None = None, *, precision: str = "fp32",
-                  device: str = "auto", batch_size: int = 64, workers: int = 2, dtype: str = "float16",
+                  device: str = "auto", batch_size: int = 64, workers: int = 2, dtype: str = DTYPE,
                   chunk: int = CHUNK) -> list[Pass]:
     """Embed every row of each source with ``teacher`` (this rank's share of the chunks); what each pass did."""
     if not sources:
