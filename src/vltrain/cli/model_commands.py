@@ -288,11 +288,11 @@ def embed(args: argparse.Namespace) -> int:
     import torch
 
     from vltrain.checkpoint.opening import open_model
-    from vltrain.errors import UserError
+    from vltrain.errors import UsageError
     from vltrain.export.native import embed as embed_inputs
 
     if not args.images and not args.texts:
-        raise UserError("nothing to embed: give --images and/or --texts")
+        raise UsageError("nothing to embed: give --images and/or --texts")
     torch.set_grad_enabled(False)
     overrides = overrides_of(args) + ([f"data.tokenizer={args.tokenizer}"] if args.tokenizer else [])
     opened = open_model(args.model_dir, overrides)

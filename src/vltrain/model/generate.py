@@ -24,7 +24,7 @@ from typing import Callable
 
 import torch
 
-from vltrain.errors import UserError
+from vltrain.errors import UsageError
 from vltrain.types import Tokens
 
 
@@ -42,20 +42,20 @@ class Decoding:
     """Beam search ranks its finished beams by total log-probability / generated tokens ** this."""
 
     def check(self, prompt_length: int, context: int) -> None:
-        """One line for a setting that cannot work, naming it."""
+        """One line for a setting that cannot work, naming it: a usage error (exit 2)."""
         if self.beam < 1:
-            raise UserError(f"--beam must be >= 1 (1: greedy), got {self.beam}")
+            raise UsageError(f"--beam must be >= 1 (1: greedy), got {self.beam}")
         if self.top_p and self.beam > 1:
-            raise UserError("--top-p samples one caption per image; it does not combine with --beam")
+            raise UsageError("--top-p samples one caption per image; it does not combine with --beam")
         if not 0 <= self.top_p <= 1:
-            raise UserError(f"--top-p must be in (0, 1], got {self.top_p}")
+            raise UsageError(f"--top-p must be in (0, 1], got {self.top_p}")
         if self.max_length > context:
-            raise UserError(f"--max-length {self.max_length} exceeds the model's text context of {context} tokens")
+            raise UsageError(f"--max-length {self.max_length} exceeds the model's text context of {context} tokens")
         if prompt_length >= context:
-            raise UserError(f"the prompt takes {prompt_length} tokens with the start token, and the model's text "
+            raise UsageError(f"the prompt takes {prompt_length} tokens with the start token, and the model's text "
                             f"context is {context}: shorten the prompt")
         if prompt_length >= self.max_length:
-            raise UserError(f"the prompt takes {prompt_length} tokens with the start token, which leaves none of "
+            raise UsageError(f"the prompt takes {prompt_length} tokens with the start token, which leaves none of "
                             f"--max-length {self.max_length} to generate: raise --max-length (up to {context})")
 
 
