@@ -16,6 +16,7 @@ import torch.multiprocessing as mp
 from kits.multiproc import free_port
 from torch import nn
 
+from vltrain.checkpoint.integrity import MANIFEST
 from vltrain.checkpoint.manager import (
     Checkpointer,
     ModelState,
@@ -53,7 +54,8 @@ def toy_model(width: int = 8) -> nn.Module:
 class Job:
     """Model, optimizer, schedule and a counter, stepped with every RNG involved."""
 
-    def __init__(self, run_dir, cfg: CheckpointConfig, width: int = 8, wrap=None, init_seed: int = 0):
+    def __init__(self, run_dir, cfg: CheckpointConfig, width: int = 8, wrap=None, init_seed: int = 0,
+                 config_yaml: str = "model: {}\n"):
         torch.manual_seed(init_seed)
         self.model = toy_model(width)
         self.net = wrap(self.model) if wrap else self.model
@@ -62,7 +64,7 @@ class Job:
         self.counter = Counter()
         states = {"model": ModelState(self.net), "optimizer": OptimizerState(self.net, self.opt),
                   "scheduler": self.sched, "counter": self.counter}
-        self.ckpt = Checkpointer(cfg, run_dir, states, {"rng": RngState()}, config_yaml="model: {}\n")
+        self.ckpt = Checkpointer(cfg, run_dir, states, {"rng": RngState()}, config_yaml=config_yaml)
 
     def step(self):
         x = torch.randn(4, 6) * (1 + random.random()) + float(np.random.rand())
@@ -141,7 +143,7 @@ def test_layout_latest_keep_and_partial(tmp_path):
     (folder / "step-9").mkdir()
     (folder / "latest").write_text("step-9\n")
     assert latest_checkpoint(folder).name == "step-4"
-    Job(tmp_path, CheckpointConfig(every=1, keep=2))
+    Job(tmp_path, CheckpointConfig(every=1, keep=2)).ckpt.resume("auto")
     assert not (folder / ".tmp-step-5").exists()
 
 
@@ -189,6 +191,22 @@ def test_shape_mismatch_names_key_and_shapes(tmp_path):
     assert np.array_equal(before, wider.params())  # nothing was touched
 
 
+def test_a_checkpoint_that_does_not_fit_names_the_settings_behind_it(tmp_path):
+    """Another head or width comes from a setting: the line names it, with both values."""
+    saved = "model:\n  embed_dim: 8\n  loss: {itm: 1.0}\ntrain: {lr: 0.1}\n"
+    job = Job(tmp_path / "a", CheckpointConfig(), config_yaml=saved)
+    job.step()
+    job.ckpt.maybe_save(1, final=True)
+    here = "model:\n  embed_dim: 16\n  loss: {itm: 1.0}\ntrain: {lr: 0.2}\n"
+    with pytest.raises(UserError) as e:
+        Job(tmp_path / "b", CheckpointConfig(), width=16, config_yaml=here).ckpt.resume(str(tmp_path / "a"))
+    msg = str(e.value)
+    assert "'model.0.weight' has shape [8, 6] there but [16, 6] here" in msg
+    assert "its config differs from this run's in model.embed_dim (8 there, 16 here): resume with the " \
+           "checkpoint's settings" in msg
+    assert "train.lr" not in msg and "another model preset" not in msg and "\n" not in msg
+
+
 def test_refuses_code_in_the_index(tmp_path):
     job = Job(tmp_path, CheckpointConfig())
     job.step()
@@ -224,6 +242,9 @@ def test_async_save_snapshots_the_state(tmp_path):
     weights = read_tensors(find_checkpoint(tmp_path), "model.")
     assert torch.equal(weights["model.0.weight"], fresh[0].weight)
     assert set(weights) == {f"model.{k}" for k in fresh.state_dict()}
+    # the sums are made where the save is committed, over the files the background writer wrote
+    listed = json.loads((find_checkpoint(tmp_path) / MANIFEST).read_text())["files"]
+    assert {"__0_0.distcp", ".metadata", "state.json", "rank-0.json"} <= set(listed)
 
 
 def test_the_last_step_commits_an_async_save_of_itself_still_in_flight(tmp_path):

@@ -12,7 +12,7 @@ from kits.runkit import (
     assert_identical, assert_resumed_exactly, final_state, from_checkpoint, ok, overrides, session_shapes, train,
     train_here,
 )
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 from vltrain.checkpoint.paths import find_checkpoint
 from vltrain.checkpoint.storage import read_tensors
@@ -159,18 +159,27 @@ def test_a_resume_that_would_drop_the_average_is_refused_and_changes_nothing(tmp
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("change", ["train.ema.decay=0.9", "model.preset=tiny-albef",
-                                    "model.loss.distill=1 model.teacher.path=no-such-teacher"])
+                                    "model.loss.distill=1 model.teacher.path={teacher}"])
 def test_a_refused_resume_leaves_every_file_of_the_run_as_it_was(change, tmp_path_factory, tmp_path, cli):
+    """The issue's three: each was refused after config.yaml had been written over."""
     shapes = session_shapes(tmp_path_factory)
     run = tmp_path / "run"
     settings = {"data__num_workers": 0, "checkpoint__every": 2}
     train_here(load_config(None, overrides(shapes, run, train__max_steps=2, **settings)))
+    (partial := run / "checkpoints" / ".tmp-step-3").mkdir()  # a crash cut this save short
+    (partial / "__0_0.distcp").write_bytes(b"half")
     before = run_files(run)
+    teacher = tmp_path / "teacher"  # an export found and read, whose weights fail when it is opened
+    teacher.mkdir()
+    (teacher / "config.yaml").write_bytes((run / "config.yaml").read_bytes())
+    (teacher / "tokenizer.json").write_bytes((shapes / "tokenizer.json").read_bytes())
+    save_file({"other": torch.zeros(1)}, str(teacher / "model.safetensors"))
     args = overrides(shapes, run, train__max_steps=4, **settings)
-    proc = cli("train", shapes / "base.yaml", *args, *change.split())
+    proc = cli("train", shapes / "base.yaml", *args, *change.format(teacher=teacher).split())
     assert proc.returncode != 0 and "Traceback" not in proc.stderr and "error:" in proc.stderr, proc.stderr
     assert run_files(run) == before
     ok(cli("train", run / "config.yaml", "train.max_steps=4"))  # the documented resume still works
+    assert not partial.exists()
 
 
 @pytest.mark.timeout(600)

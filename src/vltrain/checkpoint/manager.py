@@ -37,6 +37,7 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+import yaml
 from torch.distributed.checkpoint import metadata as dcp_metadata
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
@@ -125,18 +126,20 @@ class Restored:
     """Per-rank states (RNG, per-rank data position) were restored: same world size, bit-exact."""
 
 
+FIT_HINT = "was it written with another model preset, embed_dim, data.image_size or tokenizer?"
+
+
 def check_shapes(source: str, saved: dict[str, tuple[int, ...]], wanted: dict[str, tuple[int, ...]]) -> None:
     """Refuse weights that do not fit, naming the first key that differs and both shapes."""
-    hint = "was it written with another model preset, embed_dim, data.image_size or tokenizer?"
     for key, shape in wanted.items():
         if key not in saved:
-            raise UserError(f"{source} has no tensor {key!r} that this model needs ({hint})")
+            raise UserError(f"{source} has no tensor {key!r} that this model needs ({FIT_HINT})")
         if tuple(saved[key]) != tuple(shape):
             raise UserError(f"{source} does not fit this model: {key!r} has shape {list(saved[key])} there "
-                            f"but {list(shape)} here ({hint})")
+                            f"but {list(shape)} here ({FIT_HINT})")
     for key in saved:
         if key not in wanted:
-            raise UserError(f"{source} holds {key!r}, which this model does not have ({hint})")
+            raise UserError(f"{source} holds {key!r}, which this model does not have ({FIT_HINT})")
 
 
 def _check_fits(path: Path, metadata: dcp_metadata.Metadata, targets: dict[str, torch.Tensor],
@@ -197,6 +200,31 @@ def left_behind(path: Path, names: list[str]) -> str:
             f"go on without it, resume with train.resume_drop=[{','.join(names)}]")
 
 
+SHAPING = ("model.", "data.image_size", "data.max_text_length", "data.tokenizer")
+"""The settings that decide the model's tensors (the teacher is not saved in checkpoints)."""
+
+
+def settings_apart(path: Path, config_yaml: str) -> str:
+    """For a checkpoint that does not fit: the settings that decide the model's tensors in which its
+    config and this run's differ, or "" when none is known."""
+    def flat(tree: Any, prefix: str = "") -> dict[str, Any]:
+        if not isinstance(tree, dict):
+            return {prefix[:-1]: tree}
+        return {k: v for key, sub in tree.items() for k, v in flat(sub, f"{prefix}{key}.").items()}
+
+    try:
+        there, here = flat(yaml.safe_load((path / CONFIG_FILE).read_text())), flat(yaml.safe_load(config_yaml))
+    except (OSError, yaml.YAMLError):
+        return ""
+    keys = [k for k in dict.fromkeys([*there, *here]) if k.startswith(SHAPING) and not k.startswith("model.teacher.")
+            and there.get(k) != here.get(k)]
+    if not keys:
+        return ""
+    apart = ", ".join(f"{k} ({there.get(k, 'unset')} there, {here.get(k, 'unset')} here)" for k in keys[:4])
+    return (f"its config differs from this run's in {apart}{' and more' if len(keys) > 4 else ''}: resume "
+            "with the checkpoint's settings, or give another run.dir to start a new run")
+
+
 # ---------------------------------------------------------------------------------------------
 # The checkpointer
 
@@ -244,8 +272,6 @@ class Checkpointer:
         hold the group until they end (``vltrain.runtime.distributed.group_threads``)."""
         # DCP's async writer runs collectives from a thread: it needs a group of its own
         self._async_group = dist.new_group(backend="gloo") if cfg.async_save and is_initialized() else None
-        if self.rank == 0:
-            self._remove_partial()
 
     # -- saving ------------------------------------------------------------------------------
 
@@ -377,7 +403,8 @@ class Checkpointer:
         return resume_target(resume, self.folder)
 
     def resume(self, resume: str) -> Restored | None:
-        """Resolve on rank 0 (so every rank loads the same one) and load; None if nothing to resume."""
+        """Resolve on rank 0 (so every rank loads the same one) and load; None if nothing to resume.
+        Only then, the run accepted, are the temporary folders of a save a crash cut short removed."""
         chosen: list[Any] = [None]
         if self.rank == 0:
             try:
@@ -388,7 +415,10 @@ class Checkpointer:
         chosen = [broadcast_object(chosen[0])]
         if isinstance(chosen[0], UserError):
             raise chosen[0]
-        return self.load(Path(chosen[0])) if chosen[0] is not None else None
+        restored = self.load(Path(chosen[0])) if chosen[0] is not None else None
+        if self.rank == 0:
+            self._remove_partial()
+        return restored
 
     def load(self, path: Path) -> Restored:
         """Put every state back from ``path``. Shapes are checked before anything is modified.
@@ -412,7 +442,11 @@ class Checkpointer:
         for name, st in self.states.items():
             split_tensors(st.state_dict(), name, targets)
         saved_keys = [k for name in self.states for k in tensor_keys(saved[name])]
-        _read_fitting(path, targets, saved_keys, no_dist=not is_initialized())
+        try:
+            _read_fitting(path, targets, saved_keys, no_dist=not is_initialized())
+        except UserError as e:  # the settings behind it, when the configs tell them, for the generic hint
+            apart = settings_apart(path, self.config_yaml)
+            raise UserError(str(e).replace(f" ({FIT_HINT})", f": {apart}") if apart else str(e)) from None
         for name, st in self.states.items():
             try:
                 st.load_state_dict(join_tensors(saved[name], targets))

@@ -176,5 +176,6 @@ def latest_checkpoint(folder: Path) -> Path | None:
             return path
         passed.append(f"checkpoint {path} is damaged ({wrong})")
     if passed:
-        raise UserError(f"{'; '.join(passed)}; no intact checkpoint is left in {folder}")
+        raise UserError(f"{'; '.join(passed)}; no intact checkpoint is left in {folder}: restore one from a "
+                        "copy (train.resume=never starts the run afresh and writes over them)")
     return None
