@@ -192,6 +192,7 @@ def siglip_loss_ring(image_embeds, text_embeds, logit_scale, logit_bias, rows: R
     g = GlobalBatch.build(ids, valid, w)
     total = torch.where(g.weight_total > 0, g.weight_total, torch.ones_like(g.weight_total))
     coef = w * g.world / total
-    bias = at_least_fp32(logit_bias) if logit_bias is not None else image_embeds.new_zeros((), dtype=at_least_fp32(image_embeds).dtype)
-    return _RingSigLIP.apply(at_least_fp32(image_embeds), at_least_fp32(text_embeds), scale_of(logit_scale), bias, ids, valid,
-                             coef, max(g.sizes), rows_out)
+    image_embeds, text_embeds = at_least_fp32(image_embeds), at_least_fp32(text_embeds)
+    bias = at_least_fp32(logit_bias) if logit_bias is not None else image_embeds.new_zeros(())
+    return _RingSigLIP.apply(image_embeds, text_embeds, scale_of(logit_scale), bias, ids, valid, coef, max(g.sizes),
+                             rows_out)
