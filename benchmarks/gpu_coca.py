@@ -35,7 +35,7 @@ from vltrain.model.builder import build_model
 from vltrain.model.config import ModelConfig
 from vltrain.model.interop.pretrained import load_pretrained, open_pretrained
 from vltrain.runtime.precision import Precision
-from vltrain.train.build import build_task
+from vltrain.compose.builders import build_task
 from vltrain.train.optim import build_optimizer
 from vltrain.train.step import plain_backward
 from vltrain.types import ModelInputs

@@ -94,7 +94,7 @@ def vltrain_step(folder: Path, precision: str, b: dict, device: torch.device, ov
     from vltrain.config.job import load_config
     from vltrain.runtime.precision import Precision
     from vltrain.runtime.world import keep_freed_memory
-    from vltrain.train.build import build_model_for, build_task, build_tokenizer, resolve_init
+    from vltrain.compose.builders import build_model_for, build_task, build_tokenizer, resolve_init
     from vltrain.train.optim import build_optimizer
     from vltrain.train.parallelize import compile_towers
     from vltrain.train.step import plain_backward

@@ -295,7 +295,7 @@ class TrainableModel(Protocol):
 class Settings:
     """A config section (a dataclass) that :func:`freeze` makes read-only.
 
-    A run decides its whole config in one pass (:mod:`vltrain.train.resolve`), saves it, and then
+    A run decides its whole config in one pass (:mod:`vltrain.compose.decide`), saves it, and then
     freezes it: what ``config.yaml`` says is what the run used, since nothing can change it later."""
 
     _frozen = False
@@ -303,7 +303,7 @@ class Settings:
     def __setattr__(self, name: str, value: Any) -> None:
         if self._frozen:
             raise AttributeError(f"{type(self).__name__}.{name}: the config is decided and frozen; set it in the "
-                                 "config, or decide it in vltrain.train.resolve before the run is built")
+                                 "config, or decide it in vltrain.compose.decide before the run is built")
         object.__setattr__(self, name, value)
 
 

@@ -124,7 +124,7 @@ def test_a_run_started_from_a_captioning_run_takes_its_decoder(coca, tmp_path):
     from vltrain.config.job import load_config
     from vltrain.errors import ConfigError
     from vltrain.model.config import ModelConfig
-    from vltrain.train.resolve import resolve_run
+    from vltrain.compose.decide import resolve_run
 
     shapes, _, run_dir, _ = coca
     for preset in ([], ["model.preset=''"]):

@@ -18,7 +18,7 @@ from kits.pretrainedkit import TEXTS, image_file, make_blip  # noqa: E402
 from kits.runkit import overrides, session_shapes, train_here  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 
-from vltrain.checkpoint.opening import open_model  # noqa: E402
+from vltrain.compose.opening import open_model  # noqa: E402
 from vltrain.config.job import load_config  # noqa: E402
 from vltrain.errors import UserError  # noqa: E402
 from vltrain.export.hf_blip import check_blip  # noqa: E402

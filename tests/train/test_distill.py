@@ -24,7 +24,7 @@ from vltrain.data.dataset import build_dataset
 from vltrain.data.loading.collate import Collator
 from vltrain.data.tokenizers import load_tokenizer
 from vltrain.errors import ConfigError, DataError
-from vltrain.train.resolve import resolve_run
+from vltrain.compose.decide import resolve_run
 from vltrain.train.teacher import Teacher, plan_teacher
 
 

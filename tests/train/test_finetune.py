@@ -62,7 +62,7 @@ def test_users_command_on_a_hugging_face_clip(tmp_path_factory, tmp_path, cli):
     from kits.pretrainedkit import make_clip
 
     from vltrain.export.native import export_model
-    from vltrain.train.build import build_model_for, build_tokenizer, resolve_init
+    from vltrain.compose.builders import build_model_for, build_tokenizer, resolve_init
 
     shapes = session_shapes(tmp_path_factory)
     make_clip(tmp_path / "clip")

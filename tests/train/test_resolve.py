@@ -10,8 +10,8 @@ from vltrain.checkpoint.paths import latest_checkpoint
 from vltrain.config.job import load_config
 from vltrain.data.dataset import build_dataset
 from vltrain.errors import ConfigError
-from vltrain.train.build import build_tokenizer
-from vltrain.train.resolve import resolve_run
+from vltrain.compose.builders import build_tokenizer
+from vltrain.compose.decide import resolve_run
 
 
 def test_the_pass_decides_what_the_model_and_the_world_imply_without_building_a_model(tmp_path_factory, tmp_path):

@@ -4,24 +4,24 @@ that starts from another run's weights, with a fresh optimizer and data order.
 The saved config gives what the weights need to load: every ``model.*`` key (but the distillation
 teacher and its loss weights, which were that run's recipe) and the preprocessing
 the position embeddings depend on, where this run's config does not set them, and the tokenizer
-saved with the weights (:mod:`vltrain.checkpoint.opening`'s rule). The weights are read by
-:func:`vltrain.checkpoint.opening.load_weights` once the model is built.
+saved with the weights (:mod:`vltrain.compose.opening`'s rule). The weights are read by
+:func:`vltrain.compose.opening.load_weights` once the model is built.
 """
 
 from __future__ import annotations
 
 import dataclasses
 
-from vltrain.checkpoint.opening import model_config
+from vltrain.compose.opening import model_config
 from vltrain.checkpoint.paths import VLTRAIN_KINDS, Located, locate
 from vltrain.config.job import JobConfig
 from vltrain.model.config import ModelConfig
-from vltrain.train.build import PREPROCESSING_KEYS
+from vltrain.compose.builders import PREPROCESSING_KEYS
 
 
 def vltrain_model(init: str) -> Located | None:
     """What ``model.init`` names if vltrain wrote it (a run, a checkpoint, an export); None when it is
-    empty or an imported checkpoint (:func:`vltrain.train.build.resolve_init` reads those)."""
+    empty or an imported checkpoint (:func:`vltrain.compose.builders.resolve_init` reads those)."""
     if not init:
         return None
     found = locate(init, role="model.init")

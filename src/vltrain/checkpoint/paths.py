@@ -3,7 +3,7 @@
 :func:`locate` tells the kinds of model vltrain opens apart: a run folder, a checkpoint (a
 ``step-N`` folder, or a ``checkpoints`` folder: its newest), an export (``vltrain export``), a
 Hugging Face CLIPModel / SiglipModel / Siglip2Model / BLIP folder, an OpenCLIP checkpoint file. Opening
-(:mod:`vltrain.checkpoint.opening`), the checkpointer's resume and ``model.init`` all ask it, so
+(:mod:`vltrain.compose.opening`), the checkpointer's resume and ``model.init`` all ask it, so
 that "which checkpoint is this path" has one answer. It only looks at files: nothing is loaded.
 
 The layouts it reads::

@@ -287,7 +287,7 @@ def embed(args: argparse.Namespace) -> int:
     import numpy as np
     import torch
 
-    from vltrain.checkpoint.opening import open_model
+    from vltrain.compose.opening import open_model
     from vltrain.errors import UsageError
     from vltrain.export.native import embed as embed_inputs
 

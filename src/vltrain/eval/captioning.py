@@ -165,11 +165,11 @@ def caption_images(path: Path, images: list[str], overrides: list[str], *, beam:
                    ) -> list[tuple[str, str | None]]:
     """``vltrain caption``: (path, caption) of each image, in order, on every rank; None for an image
     that could not be read (its reason is logged, with the count)."""
-    from vltrain.checkpoint.opening import model_config, open_model
+    from vltrain.compose.opening import model_config, open_model
     from vltrain.checkpoint.paths import locate
     from vltrain.runtime.precision import Precision
     from vltrain.runtime.world import setup_world
-    from vltrain.train.build import build_task
+    from vltrain.compose.builders import build_task
 
     found = locate(path)
     cfg = model_config(found, overrides)

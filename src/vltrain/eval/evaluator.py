@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from vltrain.checkpoint.opening import model_config, open_model
+from vltrain.compose.opening import model_config, open_model
 from vltrain.checkpoint.paths import IMPORTED, locate
 from vltrain.config.job import JobConfig
 from vltrain.data.dataset import source_specs
@@ -33,7 +33,7 @@ from vltrain.runtime.precision import Precision
 from vltrain.model.builder import has_decoder
 from vltrain.model.generate import Decoding
 from vltrain.runtime.world import setup_world
-from vltrain.train.build import build_task, build_val_loader
+from vltrain.compose.builders import build_task, build_val_loader
 
 log = logging.getLogger(__name__)
 
@@ -257,7 +257,7 @@ def format_table(m: dict[str, float]) -> str:
 def evaluate_run(path: Path, data: str | None = None, overrides: list[str] | None = None,
                  val: bool = True, ema: bool = False) -> dict[str, float]:
     """Metrics of any model vltrain opens (``vltrain eval``: a run's latest checkpoint, a checkpoint,
-    an export, a Hugging Face folder or an OpenCLIP file; :mod:`vltrain.checkpoint.opening`): its
+    an export, a Hugging Face folder or an OpenCLIP file; :mod:`vltrain.compose.opening`): its
     ``data.val`` (unless ``val`` is false) and its ``eval.zeroshot``, ``eval.retrieval`` and
     ``eval.captions`` sets;
     ``ema``: a run's EMA weights (``train.ema``)."""

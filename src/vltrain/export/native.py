@@ -7,7 +7,7 @@
     DIR/config.yaml         the run's resolved config, pointing at the tokenizer next to it
 
 safetensors holds tensors only, so loading an exported model runs no code from the file. The
-folder opens like any other model (:func:`vltrain.checkpoint.opening.open_model`), for ``vltrain
+folder opens like any other model (:func:`vltrain.compose.opening.open_model`), for ``vltrain
 embed``, ``vltrain eval`` and ``model.init``.
 ``--format hf`` writes a Hugging Face CLIPModel / SiglipModel / Siglip2Model folder instead
 (:mod:`vltrain.export.hf`), or a BlipForConditionalGeneration one for a BLIP captioner
@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from vltrain.checkpoint.manager import INITIAL_FILE, check_shapes
-from vltrain.checkpoint.opening import open_model
+from vltrain.compose.opening import open_model
 from vltrain.checkpoint.paths import CONFIG_FILE, TOKENIZER_FILE, WEIGHTS_FILE, Located
 from vltrain.checkpoint.storage import write_weights
 from vltrain.config.job import JobConfig

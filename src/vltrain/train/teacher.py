@@ -1,5 +1,5 @@
 """The teacher of distillation (``model.teacher``): opened through the one door
-(:func:`vltrain.checkpoint.opening.open_model`), frozen, and run without autograd under the run's
+(:func:`vltrain.compose.opening.open_model`), frozen, and run without autograd under the run's
 precision on its own view of each batch; or, with ``model.teacher.precomputed``, not run at all: the
 loader reads the embeddings ``vltrain data teacher-embed`` stored (:mod:`vltrain.data.teacher_store`).
 
@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from vltrain.checkpoint.opening import model_config, open_model
+from vltrain.compose.opening import model_config, open_model
 from vltrain.checkpoint.paths import EXPORT, HF_CONFIG, Located, locate
 from vltrain.config.job import JobConfig
 from vltrain.data.teacher_store import TeacherInputs, open_store, teacher_data

@@ -26,7 +26,7 @@ from vltrain.checkpoint.manager import (
     Restored,
     save_initial_weights,
 )
-from vltrain.checkpoint.opening import load_weights
+from vltrain.compose.opening import load_weights
 from vltrain.checkpoint.paths import latest_checkpoint
 from vltrain.checkpoint.space import QuietWrites, check_writable
 from vltrain.config.job import JobConfig
@@ -46,7 +46,7 @@ from vltrain.runtime.preemption import Preempted, PreemptionWatch, clear_marker,
 from vltrain.runtime.rng import RngState
 from vltrain.runtime.spmd import RECORDER
 from vltrain.runtime.world import setup_world
-from vltrain.train.build import (
+from vltrain.compose.builders import (
     describe_itm,
     build_model_for,
     build_task,
@@ -60,7 +60,7 @@ from vltrain.train.metrics import (GpuUtilization, MetricsLogger, Throughput, me
 from vltrain.train.nonfinite import NonFiniteGuard
 from vltrain.train.optim import build_optimizer, build_scheduler, freeze_towers
 from vltrain.train.parallelize import parallelize
-from vltrain.train.resolve import resolve_run
+from vltrain.compose.decide import resolve_run
 from vltrain.train.source_metrics import SourceMeter
 from vltrain.train.step import Step, StepResult
 from vltrain.train.teacher import Teacher, describe as describe_teacher, stored_inputs

@@ -22,7 +22,7 @@ from vltrain.errors import ConfigError, UserError  # noqa: E402
 from vltrain.eval.captioning import Prompt  # noqa: E402
 from vltrain.model.generate import Decoding, direct, generate  # noqa: E402
 from vltrain.model.interop.convert import OPENAI_MEAN  # noqa: E402
-from vltrain.train.build import build_model_for, build_tokenizer, resolve_init  # noqa: E402
+from vltrain.compose.builders import build_model_for, build_tokenizer, resolve_init  # noqa: E402
 from vltrain.types import ModelInputs  # noqa: E402
 
 CAPTIONER = "BlipForConditionalGeneration"
@@ -267,7 +267,7 @@ def test_retrieval_trains_every_parameter_and_without_itm_leaves_the_cross_atten
     from kits.modelkit import make_batch
 
     from vltrain.objectives.scoring import Objectives
-    from vltrain.train.task import Task
+    from vltrain.compose.task import Task
 
     folder, _, (_, _, cfg, _) = retrieval
     model = load(folder)[0].train()

@@ -14,7 +14,7 @@ from kits.pretrainedkit import TEXTS, clip_tokenizer, make_clip, normalized  # n
 from vltrain.config.job import load_config  # noqa: E402
 from vltrain.errors import UserError  # noqa: E402
 from vltrain.export.native import embed  # noqa: E402
-from vltrain.train.build import build_model_for, build_tokenizer, resolve_init  # noqa: E402
+from vltrain.compose.builders import build_model_for, build_tokenizer, resolve_init  # noqa: E402
 
 
 def _block(sd: dict, ours: str, hf: str) -> dict:

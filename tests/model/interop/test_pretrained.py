@@ -13,7 +13,7 @@ from vltrain.config.job import load_config  # noqa: E402
 from vltrain.errors import UserError  # noqa: E402
 from vltrain.export.native import embed  # noqa: E402
 from vltrain.model.interop.convert import OPENAI_MEAN  # noqa: E402
-from vltrain.train.build import build_model_for, build_tokenizer, resolve_init  # noqa: E402
+from vltrain.compose.builders import build_model_for, build_tokenizer, resolve_init  # noqa: E402
 
 
 def load(init, *overrides):

@@ -14,7 +14,7 @@ from kits.pretrainedkit import TEXTS, make_siglip2, normalized  # noqa: E402
 
 from vltrain.config.job import load_config  # noqa: E402
 from vltrain.export.native import embed  # noqa: E402
-from vltrain.train.build import build_model_for, build_tokenizer, fit_native, resolve_init  # noqa: E402
+from vltrain.compose.builders import build_model_for, build_tokenizer, fit_native, resolve_init  # noqa: E402
 
 # (width, height): aspect ratios 1:4 to 4:1, each at three sizes (small ones are enlarged to the budget)
 SHAPES = [(w * k, h * k) for w, h in ((10, 40), (20, 40), (30, 30), (40, 20), (40, 10)) for k in (1, 4, 15)]

@@ -24,7 +24,7 @@ from vltrain.model.interop.pretrained import Pretrained, load_pretrained, open_p
 from vltrain.model.presets import Architecture
 from vltrain.objectives.scoring import Objectives
 from vltrain.runtime.distributed import World
-from vltrain.train.task import Task
+from vltrain.compose.task import Task
 
 
 def tokenizer_path(cfg: JobConfig) -> str:
@@ -122,7 +122,7 @@ def build_model_for(cfg: JobConfig, tokenizer: Tokenizer, device: torch.device |
     vocab_size, max_text_length, arch = tokenizer.vocab_size, cfg.data.max_text_length, None
     if cfg.model.init or cfg.model.arch:
         if not cfg.model.arch:
-            raise ConfigError("model.init is set but not resolved: call vltrain.train.build.resolve_init(cfg) first")
+            raise ConfigError("model.init is set but not resolved: call vltrain.compose.builders.resolve_init(cfg) first")
         arch = Architecture.from_dict(cfg.model.arch)
         vocab_size, max_text_length = _check_fits_init(cfg, tokenizer, arch)
     model = build_model(

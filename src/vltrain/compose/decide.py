@@ -6,11 +6,11 @@ The pass, in order:
 
 1. ``model.init``: a vltrain run, checkpoint or export gives its model section, preprocessing and
    tokenizer (:func:`~vltrain.checkpoint.init_from.adopt_saved_model`); a Hugging Face folder or an
-   OpenCLIP file its architecture and preprocessing (:func:`~vltrain.train.build.resolve_init`).
+   OpenCLIP file its architecture and preprocessing (:func:`~vltrain.compose.builders.resolve_init`).
 2. The global batch: ``data.batch_size`` and ``train.accumulation`` for this world
-   (:func:`~vltrain.train.build.resolve_global_batch`), its budgets checked at the resolved lengths.
+   (:func:`~vltrain.compose.builders.resolve_global_batch`), its budgets checked at the resolved lengths.
 3. Images at their own shape: ``data.patch_size`` is the architecture's, so that data code never
-   needs a model (:func:`~vltrain.train.build.fit_native`).
+   needs a model (:func:`~vltrain.compose.builders.fit_native`).
 4. The objectives: those the architecture has no head for are set to 0, ``itm_negatives: auto``
    becomes group or local, and the ITM group size is chosen (the config's, else the checkpoint the
    run resumes from, else the default).
@@ -30,7 +30,7 @@ from vltrain.checkpoint.paths import Located
 from vltrain.config.job import JobConfig
 from vltrain.errors import UserError
 from vltrain.model.interop.pretrained import Pretrained
-from vltrain.train.build import (decide_objectives, fit_native, itm_group, resolve_global_batch,
+from vltrain.compose.builders import (decide_objectives, fit_native, itm_group, resolve_global_batch,
                                  resolve_init)
 from vltrain.train.teacher import TeacherPlan, plan_teacher
 from vltrain.types import freeze

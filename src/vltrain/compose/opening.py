@@ -9,7 +9,7 @@ The rules, the same for every command:
 
 - **Config.** A run or checkpoint: the config saved in the checkpoint (the run's when the checkpoint
   has none); an export: its config.yaml; a Hugging Face folder or an OpenCLIP file: ``model.init`` of
-  it (:func:`vltrain.train.build.resolve_init`), in fp32 unless ``train.precision`` is given (someone
+  it (:func:`vltrain.compose.builders.resolve_init`), in fp32 unless ``train.precision`` is given (someone
   else's checkpoint: its numbers as they are). Dotted overrides apply on top.
 - **Tokenizer.** The copy saved with the weights (a checkpoint's or an export's tokenizer.json), else
   ``data.tokenizer``; ``data.tokenizer`` is set to the one used, so that data built from the config
@@ -34,7 +34,7 @@ from vltrain.data.tokenizers import Tokenizer
 from vltrain.errors import UserError
 from vltrain.model import VLModel
 from vltrain.model.interop.pretrained import read_shapes, read_state_dict
-from vltrain.train.build import build_model_for, build_tokenizer, fit_native, resolve_init
+from vltrain.compose.builders import build_model_for, build_tokenizer, fit_native, resolve_init
 
 
 @dataclass
