@@ -307,14 +307,20 @@ class Settings:
         object.__setattr__(self, name, value)
 
 
-def freeze(settings: Any) -> None:
-    """Make ``settings`` and every section under it (lists of sections included) read-only."""
+def freeze(settings: Any) -> Any:
+    """Make ``settings`` and every section under it (lists of sections included) read-only; returns it."""
     if isinstance(settings, (list, tuple)):
         for item in settings:
             freeze(item)
-        return
+        return settings
     if not isinstance(settings, Settings):
-        return
+        return settings
     for value in vars(settings).values():
         freeze(value)
     object.__setattr__(settings, "_frozen", True)
+    return settings
+
+
+def revise(settings: Any, **changes: Any) -> Any:
+    """A frozen copy of the section ``settings`` with ``changes``: how a decided config changes."""
+    return freeze(replace(settings, **changes))

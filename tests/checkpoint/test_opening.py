@@ -1,4 +1,4 @@
-"""The one door: what a path is (``checkpoint/paths.py``) and opening it (``checkpoint/opening.py``)."""
+"""The one door: what a path is (``checkpoint/paths.py``) and opening it (``compose/opening.py``)."""
 
 from __future__ import annotations
 
@@ -7,6 +7,8 @@ import shutil
 
 import numpy as np
 import pytest
+import torch
+from safetensors.torch import save_file
 from kits.runkit import overrides, session_shapes, train_here
 
 from vltrain.checkpoint.paths import CHECKPOINT, EXPORT, HF, KINDS, OPENCLIP, RUN, find_checkpoint, locate
@@ -28,17 +30,27 @@ def test_each_kind_of_path_is_told_apart(tmp_path):
     export.mkdir()
     for name in ("model.safetensors", "tokenizer.json", "config.yaml"):
         (export / name).write_text("")
-    hf = tmp_path / "hf"
-    hf.mkdir()
-    (hf / "config.json").write_text("{}")
-    (tmp_path / "open_clip.pt").write_bytes(b"")
+    hf = {}
+    for name, config in (("clip", {"model_type": "clip"}), ("siglip", {"model_type": "siglip"}),
+                         ("siglip2", {"model_type": "siglip2"}),
+                         ("blip", {"model_type": "blip", "architectures": ["BlipForConditionalGeneration"]})):
+        hf[name] = tmp_path / f"hf-{name}"
+        hf[name].mkdir()
+        (hf[name] / "config.json").write_text(json.dumps(config))
+    torch.save({"text_projection": torch.zeros(2, 2)}, tmp_path / "open_clip.pt")
+    save_file({"text_decoder.ln_final.weight": torch.zeros(2)}, str(tmp_path / "coca.safetensors"))
 
     assert locate(tmp_path / "run") == locate(str(tmp_path / "run"))
     assert (locate(tmp_path / "run").kind, locate(tmp_path / "run").checkpoint) == (RUN, step)
     assert (locate(step).kind, locate(step).checkpoint) == (CHECKPOINT, step)
     assert (locate(step.parent).kind, locate(step.parent).checkpoint) == (CHECKPOINT, step)
     assert locate(export).kind == EXPORT and locate(export).weights == export / "model.safetensors"
-    assert locate(hf).kind == HF and locate(tmp_path / "open_clip.pt").kind == OPENCLIP
+    # the imported kinds, named by what they hold: model.init, eval and the teacher read the same answer
+    assert {name: locate(folder).kind for name, folder in hf.items()} == {
+        "clip": "hf-clip", "siglip": "hf-siglip", "siglip2": "hf-siglip2", "blip": "hf-blip"}
+    assert locate(tmp_path / "open_clip.pt").kind == "openclip"
+    assert locate(tmp_path / "coca.safetensors").kind == "openclip-coca"
+    assert {locate(hf["blip"]).family, locate(tmp_path / "coca.safetensors").family} == {HF, OPENCLIP}
     assert find_checkpoint(tmp_path / "run") == step
     with pytest.raises(UserError, match="is an exported model .*, not a vltrain run or checkpoint"):
         find_checkpoint(export)

@@ -1,26 +1,21 @@
-"""The one door to open a model: a path in, the model, its tokenizer, its config and its
-preprocessing out.
+"""The one door to open a model: a path (or a decided config) in, the model, its tokenizer, its
+config and its preprocessing out, for every purpose: ``vltrain eval``, ``embed``, ``caption`` and
+``export``, the distillation teacher, and ``model.init`` of a run.
 
-``vltrain eval``, ``embed`` and ``export`` open what they are given here, and ``model.init`` of a
-vltrain checkpoint or export reads its weights here (:func:`load_weights`). What the path is comes
-from :func:`vltrain.checkpoint.paths.locate`.
+What the path is comes from :func:`vltrain.checkpoint.paths.locate`; its config is decided by
+:func:`vltrain.compose.decide.decide` (:func:`~vltrain.compose.decide.model_config` says which config
+rebuilds it); the model is built with fresh weights (:func:`vltrain.compose.builders.build_model_for`)
+and then filled here, by :func:`fill`, the one reader of weights:
 
-The rules, the same for every command:
-
-- **Config.** A run or checkpoint: the config saved in the checkpoint (the run's when the checkpoint
-  has none); an export: its config.yaml; a Hugging Face folder or an OpenCLIP file: ``model.init`` of
-  it (:func:`vltrain.compose.builders.resolve_init`), in fp32 unless ``train.precision`` is given (someone
-  else's checkpoint: its numbers as they are). Dotted overrides apply on top.
-- **Tokenizer.** The copy saved with the weights (a checkpoint's or an export's tokenizer.json), else
-  ``data.tokenizer``; ``data.tokenizer`` is set to the one used, so that data built from the config
-  (evaluation) reads the same one. An imported checkpoint's is the tokenizer.json beside it unless
-  ``data.tokenizer`` names one (an OpenCLIP file may have none).
-- **Weights.** Built for the config, then filled: a checkpoint through DCP (any sharding), an export's
-  safetensors (shapes checked first), an imported checkpoint through ``model.init``'s conversion.
+- a vltrain checkpoint through DCP (any sharding; ``ema``: its EMA of the weights);
+- an export's safetensors (shapes checked first);
+- an imported checkpoint (Hugging Face, OpenCLIP) through its conversion
+  (:func:`vltrain.model.interop.pretrained.load_pretrained`), described once by the decide pass.
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,13 +23,16 @@ import torch
 
 from vltrain.checkpoint.manager import check_shapes, load_model_weights
 from vltrain.checkpoint.paths import EXPORT, IMPORTED, Located, locate
-from vltrain.config.job import JobConfig, load_config
+from vltrain.compose.builders import build_model_for, build_tokenizer
+from vltrain.compose.decide import Decided, model_config
+from vltrain.config.job import JobConfig
 from vltrain.data.config import DataConfig
 from vltrain.data.tokenizers import Tokenizer
 from vltrain.errors import UserError
 from vltrain.model import VLModel
-from vltrain.model.interop.pretrained import read_shapes, read_state_dict
-from vltrain.compose.builders import build_model_for, build_tokenizer, fit_native, resolve_init
+from vltrain.model.interop.pretrained import Pretrained, load_pretrained, read_shapes, read_state_dict
+
+log = logging.getLogger("vltrain")
 
 
 @dataclass
@@ -42,10 +40,11 @@ class Opened:
     """A model ready to use, with what it must be fed."""
 
     model: VLModel
-    """In eval mode, on the device asked for."""
+    """On the device asked for; in eval mode unless it was opened to train."""
     tokenizer: Tokenizer
     cfg: JobConfig
-    located: Located
+    located: Located | None
+    """Where its weights came from (None: a run's fresh weights)."""
 
     @property
     def preprocessing(self) -> DataConfig:
@@ -53,54 +52,37 @@ class Opened:
         return self.cfg.data
 
 
-def model_config(found: Located, overrides: list[str] | None = None) -> JobConfig:
-    """The config that rebuilds the model ``found`` holds (the module's rules), with ``overrides``."""
-    overrides = list(overrides or [])
-    if found.kind not in IMPORTED:
-        cfg = load_config(found.config_file(), overrides)
-    else:
-        cfg = load_config(None, [f"model.init={found.path}", *overrides])
-        resolve_init(cfg)
-        if not any(o.startswith("train.precision=") for o in overrides):
-            cfg.train.precision = "fp32"
-    fit_native(cfg)  # the patch side images are cut into: the architecture's
-    return cfg
-
-
-def open_tokenizer(found: Located, cfg: JobConfig) -> Tokenizer:
-    """The saved copy, else ``data.tokenizer``; ``cfg.data.tokenizer`` then names the one used."""
-    saved = found.saved_tokenizer()
-    if saved is not None:
-        cfg.data.tokenizer = str(saved)
-    return build_tokenizer(cfg)
-
-
-def open_model(path: str | Path | Located, overrides: list[str] | None = None, device: str | torch.device = "cpu",
-               cfg: JobConfig | None = None, ema: bool = False) -> Opened:
-    """Open whatever ``path`` is (:func:`~vltrain.checkpoint.paths.locate`); ``cfg``: the config
-    :func:`model_config` gave, when the caller has set more in it (``overrides`` then apply no more);
+def open_model(path: str | Path | Located | Decided, overrides: list[str] | None = None,
+               device: str | torch.device = "cpu", ema: bool = False, purpose: str = "eval") -> Opened:
+    """Open whatever ``path`` is (:func:`~vltrain.checkpoint.paths.locate`) for ``purpose``, its config
+    decided with ``overrides``; or the model a :class:`~vltrain.compose.decide.Decided` describes (a
+    run's, filled from its ``model.init``; a command's, when it decided more than the overrides say).
     ``ema``: a run's or checkpoint's EMA weights (``train.ema``) instead of its trained ones."""
-    found = path if isinstance(path, Located) else locate(path)
-    if ema and (found.kind in IMPORTED or found.kind == EXPORT):
+    decided = path if isinstance(path, Decided) else model_config(
+        path if isinstance(path, Located) else locate(path), overrides, purpose)
+    found = decided.weights
+    if ema and found is not None and (found.kind in IMPORTED or found.kind == EXPORT):
         raise UserError(f"--ema reads the EMA weights (train.ema) a vltrain run keeps in its checkpoints; "
                         f"{found.path} is {'an export' if found.kind == EXPORT else 'an imported checkpoint'}, "
                         "which holds one set of weights: drop --ema (an export made with --ema holds the EMA's)")
-    cfg = cfg if cfg is not None else model_config(found, overrides)
-    tokenizer = open_tokenizer(found, cfg)
-    model = build_model_for(cfg, tokenizer, load_init=found.kind in IMPORTED)
-    load_weights(found, model, ema=ema)
-    return Opened(model.to(device).eval(), tokenizer, cfg, found)
+    tokenizer = build_tokenizer(decided.cfg)
+    model = build_model_for(decided.cfg, tokenizer)  # on the CPU, filled there, then moved
+    if found is not None:
+        fill(model, found, ema=ema, source=decided.imported)
+    model = model.to(device)
+    return Opened(model if decided.purpose == "train" else model.eval(), tokenizer, decided.cfg, found)
 
 
-def load_weights(found: Located, model: torch.nn.Module, ema: bool = False) -> None:
-    """Fill ``model`` (on the CPU, built for the saved config) with the weights vltrain saved at
-    ``found`` (``ema``: a checkpoint's EMA of them); an imported checkpoint's were loaded as the
-    model was built."""
+def fill(model: torch.nn.Module, found: Located, ema: bool = False, source: Pretrained | None = None) -> None:
+    """Fill ``model`` (built for the decided config) with the weights at ``found``: a vltrain
+    checkpoint's (``ema``: its EMA of them), an export's, or an imported checkpoint's (``source``: its
+    description, from the decide pass)."""
     if found.kind in IMPORTED:
-        return
-    if found.kind != EXPORT:
+        for note in load_pretrained(model, source):
+            log.info("model.init: %s", note)
+    elif found.kind == EXPORT:
+        file = found.weights
+        check_shapes(str(file), read_shapes(file), {k: tuple(v.shape) for k, v in model.state_dict().items()})
+        model.load_state_dict(read_state_dict(file))
+    else:
         load_model_weights(found.weights, model, ema=ema)
-        return
-    file = found.weights
-    check_shapes(str(file), read_shapes(file), {k: tuple(v.shape) for k, v in model.state_dict().items()})
-    model.load_state_dict(read_state_dict(file))
