@@ -117,3 +117,34 @@ def test_the_commands_name_a_path_they_cannot_open_in_one_line(tmp_path, cli):
         proc = cli(*argv)
         assert proc.returncode != 0 and "Traceback" not in proc.stderr
         assert proc.stderr.strip().count("\n") == 0 and f"{tmp_path / 'nowhere'} does not exist" in proc.stderr
+
+
+def test_model_init_is_read_once_and_loaded_through_the_door_while_building_loads_nothing(tmp_path, monkeypatch):
+    """A run's ``model.init`` of an imported checkpoint: the decide pass describes it once, the door
+    fills the run's model with its weights, and the builder alone gives fresh ones."""
+    pytest.importorskip("transformers")
+    from kits.pretrainedkit import make_clip
+
+    import vltrain.compose.decide as decide_module
+    from vltrain.compose.builders import build_model_for
+    from vltrain.compose.opening import open_model
+
+    make_clip(tmp_path / "clip")
+    described = []
+    describe = decide_module.describe
+    monkeypatch.setattr(decide_module, "describe", lambda *a, **k: described.append(a[0]) or describe(*a, **k))
+    raw = load_config(None, [f"model.init={tmp_path / 'clip'}", "data.batch_size=2"])
+    decided = decide_module.decide(raw, 1, "train")
+    assert decided.weights.kind == "hf-clip" and decided.imported.kind == "hf-clip" and decided.cfg.train.precision \
+        == raw.train.precision  # a run keeps its precision; a model opened to use runs in fp32
+    opened = open_model(decided)
+    assert described == [tmp_path / "clip"]  # read once: by the pass, not again by the door
+    assert opened.model.training and opened.located == decided.weights
+    fresh = build_model_for(decided.cfg, opened.tokenizer).state_dict()
+    loaded = opened.model.state_dict()
+    towers = [k for k in loaded if k.startswith(("vision.", "text.", "image_proj.", "text_proj."))]
+    assert towers and not any(torch.equal(fresh[k], loaded[k]) for k in towers if loaded[k].numel() > 1 and
+                              loaded[k].float().std() > 0)
+    again = open_model(tmp_path / "clip")  # vltrain eval's way in: the same weights, in eval mode, in fp32
+    assert not again.model.training and again.cfg.train.precision == "fp32"
+    assert all(torch.equal(again.model.state_dict()[k], loaded[k]) for k in towers)
