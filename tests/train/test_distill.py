@@ -159,7 +159,7 @@ def test_a_live_teacher_and_its_stored_embeddings_train_the_same_run(tmp_path_fa
     teacher = hf_teacher(tmp_path_factory.getbasetemp())
     live = tmp_path / "live"
     proc = ok(_distil(shapes, live, teacher))
-    assert f"teacher {teacher} (hf): run live on 32 px images" in proc.stderr
+    assert f"teacher {teacher} (hf-clip): run live on 32 px images" in proc.stderr
     rows = [json.loads(x) for x in (live / "metrics.jsonl").read_text().splitlines() if '"loss/distill"' in x]
     assert len(rows) == 6 and all(r["loss/distill"] > 0 and r["loss/distill_sigmoid"] > 0 for r in rows)
 
