@@ -14,8 +14,8 @@ sys.path.insert(0, str(REPO / "src"))
 from vltrain.config.job import load_config  # noqa: E402
 from vltrain.demo import random_pairs  # noqa: E402
 from vltrain.model import build_model  # noqa: E402
-from vltrain.train.build import build_task  # noqa: E402
-from vltrain.train.task import Task  # noqa: E402
+from vltrain.compose.builders import build_task  # noqa: E402
+from vltrain.compose.task import Task  # noqa: E402
 from vltrain.types import ModelInputs  # noqa: E402
 
 VOCAB, PAD, MASK = 512, 0, 4

@@ -16,7 +16,7 @@ from pathlib import Path
 from vltrain.config.job import load_config
 from vltrain.data.dataset import build_dataset
 from vltrain.data.loading.loader import build_train_loader
-from vltrain.train.build import build_tokenizer
+from vltrain.compose.builders import build_tokenizer
 
 
 def repeat_manifest(data: Path, rows: int, name: str) -> Path:

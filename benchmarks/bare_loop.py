@@ -47,7 +47,7 @@ from pathlib import Path
 import torch
 from _demo_model import demo_config, load_average, sync
 
-from vltrain.train.build import build_task
+from vltrain.compose.builders import build_task
 from vltrain.train.metrics import CPU_FLAGS
 from vltrain.train.optim import build_optimizer
 

@@ -85,7 +85,7 @@ def loopback_tx() -> int:
 def _model(name: str, variant: str):
     from vltrain.config.job import load_config
     from vltrain.model import build_model
-    from vltrain.train.build import build_task
+    from vltrain.compose.builders import build_task
 
     _, negatives, impl = VARIANTS[variant]
     cfg = load_config(None, [f"model.preset={name}", *MODELS[name], f"model.loss.itm_negatives={negatives}",

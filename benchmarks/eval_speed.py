@@ -29,7 +29,7 @@ from vltrain.demo import measure_rate
 from vltrain.eval.embedding import Encoder
 from vltrain.eval.zeroshot import evaluate_zeroshot, open_zeroshot
 from vltrain.runtime.precision import Precision
-from vltrain.train.build import build_model_for, build_task
+from vltrain.compose.builders import build_model_for, build_task
 
 
 def zeroshot_rate(cfg, root: Path, tokenizer, repeats: int) -> tuple[float, int]:

@@ -33,9 +33,10 @@ from vltrain.config.job import load_config
 from vltrain.demo import random_pairs
 from vltrain.model.builder import build_model
 from vltrain.model.config import ModelConfig
-from vltrain.model.interop.pretrained import load_pretrained, open_pretrained
+from vltrain.checkpoint.paths import locate
+from vltrain.model.interop.pretrained import describe, load_pretrained
 from vltrain.runtime.precision import Precision
-from vltrain.train.build import build_task
+from vltrain.compose.builders import build_task
 from vltrain.train.optim import build_optimizer
 from vltrain.train.step import plain_backward
 from vltrain.types import ModelInputs
@@ -70,7 +71,7 @@ def parity(device: torch.device) -> dict[str, float]:
     torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = False, False
     ref = load_file(str(FIXTURE / "reference.safetensors"))
     theirs, _ = open_clip.create_model_from_pretrained(f"local-dir:{FIXTURE}", device=device)
-    source = open_pretrained(FIXTURE)
+    source = describe(FIXTURE, locate(FIXTURE).kind)
     ours = build_model(ModelConfig(preset="", arch=source.arch.to_dict()), vocab_size=300, pad_id=0, mask_id=None,
                        image_size=32, max_text_length=source.arch.text.max_length)
     load_pretrained(ours, source)

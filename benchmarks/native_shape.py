@@ -63,7 +63,7 @@ from vltrain.model import build_model
 from vltrain.model.presets import PRESETS
 from vltrain.runtime.precision import Precision, cpu_has_bf16_matmul
 from vltrain.runtime.world import keep_freed_memory
-from vltrain.train.build import build_task
+from vltrain.compose.builders import build_task
 from vltrain.train.optim import build_optimizer
 from vltrain.train.step import plain_backward
 

@@ -47,7 +47,8 @@ from vltrain.model.presets import PRESETS
 from vltrain.runtime.distributed import World
 from vltrain.runtime.precision import BF16_CPU_FLAGS, Precision, cpu_has_bf16_matmul
 from vltrain.runtime.world import keep_freed_memory
-from vltrain.train.build import build_task, fit_native
+from vltrain.compose.builders import build_task
+from vltrain.compose.rules import fit_native
 from vltrain.train.optim import build_optimizer, build_scheduler
 from vltrain.train.parallelize import parallelize
 from vltrain.train.step import Step

@@ -94,7 +94,9 @@ def vltrain_step(folder: Path, precision: str, b: dict, device: torch.device, ov
     from vltrain.config.job import load_config
     from vltrain.runtime.precision import Precision
     from vltrain.runtime.world import keep_freed_memory
-    from vltrain.train.build import build_model_for, build_task, build_tokenizer, resolve_init
+    from vltrain.compose.builders import build_task
+    from vltrain.compose.decide import decide
+    from vltrain.compose.opening import open_model
     from vltrain.train.optim import build_optimizer
     from vltrain.train.parallelize import compile_towers
     from vltrain.train.step import plain_backward
@@ -102,8 +104,8 @@ def vltrain_step(folder: Path, precision: str, b: dict, device: torch.device, ov
 
     keep_freed_memory()
     cfg = load_config(None, [f"model.init={folder}", f"train.precision={precision}", "train.lr=1e-5", *overrides])
-    resolve_init(cfg)
-    model = build_model_for(cfg, build_tokenizer(cfg)).to(device)
+    decided = decide(cfg)
+    cfg, model = decided.cfg, open_model(decided, device=device).model
     if cfg.train.compile:
         compile_towers(model)
     task, optimizer = build_task(cfg, model), build_optimizer(model, cfg.train)

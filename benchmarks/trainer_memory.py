@@ -34,7 +34,7 @@ def bare(preset: str, batch: int, size: int, steps: int, precision: str) -> floa
     from vltrain.model import build_model
     from vltrain.model.config import LossConfig, ModelConfig
     from vltrain.objectives.scoring import Objectives
-    from vltrain.train.task import Task
+    from vltrain.compose.task import Task
     from vltrain.types import ModelInputs
 
     torch.manual_seed(0)

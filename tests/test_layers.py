@@ -1,10 +1,12 @@
 """The package's layers: every import, function-level ones included, points down one chain.
 
-    errors -> types | pixels -> runtime -> data | model -> config -> objectives -> train -> checkpoint
-           -> export -> eval -> train.trainer | train.resolve -> demo -> cli
+    errors -> types | pixels -> runtime -> data | model -> config -> objectives -> checkpoint -> compose
+           -> export -> eval -> train -> demo -> cli
 
 A module may import its own layer and any layer below it, never one above; ``data`` and ``model``
-are side by side and import neither each other. ``objectives`` import no model class (only the
+are side by side and import neither each other. ``compose`` (the decided config, the builders, the
+task and the one door that opens a model) sits below every command that builds or opens a model
+(export, eval, train), so nothing in ``checkpoint``, ``eval`` or ``export`` imports ``train``. ``objectives`` import no model class (only the
 model's loss config): they score tensors. ``docs/architecture.md`` says why each layer sits
 where it does.
 """
@@ -23,11 +25,11 @@ LAYERS: list[tuple[str, ...]] = [
     ("data", "model"),
     ("config",),
     ("objectives",),
-    ("train",),
     ("checkpoint",),
+    ("compose",),
     ("export",),
     ("eval",),
-    ("train.trainer", "train.resolve", "train.teacher", "train.teacher_embed"),
+    ("train",),
     ("demo",),
     ("cli", "__main__", ""),
 ]
@@ -101,6 +103,16 @@ def upward_edges() -> list[str]:
 
 def test_every_import_points_down_the_layers():
     assert upward_edges() == []
+
+
+def test_what_opens_and_saves_models_imports_nothing_of_train():
+    """The builders and the door sit in ``compose``: checkpoints, evaluation and export reach them
+    without climbing into the trainer's package (``docs/architecture.md``, the layers)."""
+    known = modules()
+    found = sorted(f"vltrain.{name} imports vltrain.{target}" for name, path in known.items()
+                   if name.split(".")[0] in ("checkpoint", "eval", "export", "compose")
+                   for target in imports(name, path, known) if target.split(".")[0] == "train")
+    assert found == []
 
 
 def test_every_module_has_a_layer():
@@ -177,4 +189,4 @@ def test_an_upward_import_is_caught(tmp_path, monkeypatch):
         (fake / f).write_text("")
     (fake / "data" / "loader.py").write_text("def f():\n    from vltrain.train.trainer import Trainer\n")
     monkeypatch.setattr(__import__(__name__), "PACKAGE", fake)
-    assert upward_edges() == ["vltrain.data.loader (layer data) imports vltrain.train.trainer (layer train.trainer)"]
+    assert upward_edges() == ["vltrain.data.loader (layer data) imports vltrain.train.trainer (layer train)"]

@@ -121,7 +121,7 @@ def measure_rate(cfg, vocab: int = TOKENIZER_VOCAB, steps: int = 3) -> float:
     from vltrain.runtime.precision import Precision
     from vltrain.runtime.cpus import usable_cpus
     from vltrain.runtime.world import keep_freed_memory
-    from vltrain.train.build import build_task
+    from vltrain.compose.builders import build_task
     from vltrain.train.optim import build_optimizer
     from vltrain.train.step import plain_backward
 

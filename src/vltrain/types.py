@@ -295,7 +295,7 @@ class TrainableModel(Protocol):
 class Settings:
     """A config section (a dataclass) that :func:`freeze` makes read-only.
 
-    A run decides its whole config in one pass (:mod:`vltrain.train.resolve`), saves it, and then
+    A run decides its whole config in one pass (:mod:`vltrain.compose.decide`), saves it, and then
     freezes it: what ``config.yaml`` says is what the run used, since nothing can change it later."""
 
     _frozen = False
@@ -303,18 +303,24 @@ class Settings:
     def __setattr__(self, name: str, value: Any) -> None:
         if self._frozen:
             raise AttributeError(f"{type(self).__name__}.{name}: the config is decided and frozen; set it in the "
-                                 "config, or decide it in vltrain.train.resolve before the run is built")
+                                 "config, or decide it in vltrain.compose.decide before the run is built")
         object.__setattr__(self, name, value)
 
 
-def freeze(settings: Any) -> None:
-    """Make ``settings`` and every section under it (lists of sections included) read-only."""
+def freeze(settings: Any) -> Any:
+    """Make ``settings`` and every section under it (lists of sections included) read-only; returns it."""
     if isinstance(settings, (list, tuple)):
         for item in settings:
             freeze(item)
-        return
+        return settings
     if not isinstance(settings, Settings):
-        return
+        return settings
     for value in vars(settings).values():
         freeze(value)
     object.__setattr__(settings, "_frozen", True)
+    return settings
+
+
+def revise(settings: Any, **changes: Any) -> Any:
+    """A frozen copy of the section ``settings`` with ``changes``: how a decided config changes."""
+    return freeze(replace(settings, **changes))

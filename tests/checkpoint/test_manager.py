@@ -26,9 +26,10 @@ from vltrain.checkpoint.manager import (
     load_model_weights,
 )
 from vltrain.checkpoint.storage import join_tensors, read_tensors, split_tensors
-from vltrain.config.job import CheckpointConfig
+from vltrain.config.job import CheckpointConfig, load_config
 from vltrain.errors import UserError
 from vltrain.runtime.rng import RngState
+from vltrain.types import freeze
 
 
 class Counter:
@@ -55,7 +56,7 @@ class Job:
     """Model, optimizer, schedule and a counter, stepped with every RNG involved."""
 
     def __init__(self, run_dir, cfg: CheckpointConfig, width: int = 8, wrap=None, init_seed: int = 0,
-                 config_yaml: str = "model: {}\n"):
+                 config: list[str] | None = None):
         torch.manual_seed(init_seed)
         self.model = toy_model(width)
         self.net = wrap(self.model) if wrap else self.model
@@ -64,7 +65,7 @@ class Job:
         self.counter = Counter()
         states = {"model": ModelState(self.net), "optimizer": OptimizerState(self.net, self.opt),
                   "scheduler": self.sched, "counter": self.counter}
-        self.ckpt = Checkpointer(cfg, run_dir, states, {"rng": RngState()}, config_yaml=config_yaml)
+        self.ckpt = Checkpointer(cfg, run_dir, states, {"rng": RngState()}, config=freeze(load_config(None, config)))
 
     def step(self):
         x = torch.randn(4, 6) * (1 + random.random()) + float(np.random.rand())
@@ -193,13 +194,13 @@ def test_shape_mismatch_names_key_and_shapes(tmp_path):
 
 def test_a_checkpoint_that_does_not_fit_names_the_settings_behind_it(tmp_path):
     """Another head or width comes from a setting: the line names it, with both values."""
-    saved = "model:\n  embed_dim: 8\n  loss: {itm: 1.0}\ntrain: {lr: 0.1}\n"
-    job = Job(tmp_path / "a", CheckpointConfig(), config_yaml=saved)
+    saved = ["model.embed_dim=8", "model.loss.itm=1.0", "train.lr=0.1"]
+    job = Job(tmp_path / "a", CheckpointConfig(), config=saved)
     job.step()
     job.ckpt.maybe_save(1, final=True)
-    here = "model:\n  embed_dim: 16\n  loss: {itm: 1.0}\ntrain: {lr: 0.2}\n"
+    here = ["model.embed_dim=16", "model.loss.itm=1.0", "train.lr=0.2"]
     with pytest.raises(UserError) as e:
-        Job(tmp_path / "b", CheckpointConfig(), width=16, config_yaml=here).ckpt.resume(str(tmp_path / "a"))
+        Job(tmp_path / "b", CheckpointConfig(), width=16, config=here).ckpt.resume(str(tmp_path / "a"))
     msg = str(e.value)
     assert "'model.0.weight' has shape [8, 6] there but [16, 6] here" in msg
     assert "its config differs from this run's in model.embed_dim (8 there, 16 here): resume with the " \

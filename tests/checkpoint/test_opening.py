@@ -1,4 +1,4 @@
-"""The one door: what a path is (``checkpoint/paths.py``) and opening it (``checkpoint/opening.py``)."""
+"""The one door: what a path is (``checkpoint/paths.py``) and opening it (``compose/opening.py``)."""
 
 from __future__ import annotations
 
@@ -7,6 +7,8 @@ import shutil
 
 import numpy as np
 import pytest
+import torch
+from safetensors.torch import save_file
 from kits.runkit import overrides, session_shapes, train_here
 
 from vltrain.checkpoint.paths import CHECKPOINT, EXPORT, HF, KINDS, OPENCLIP, RUN, find_checkpoint, locate
@@ -28,17 +30,27 @@ def test_each_kind_of_path_is_told_apart(tmp_path):
     export.mkdir()
     for name in ("model.safetensors", "tokenizer.json", "config.yaml"):
         (export / name).write_text("")
-    hf = tmp_path / "hf"
-    hf.mkdir()
-    (hf / "config.json").write_text("{}")
-    (tmp_path / "open_clip.pt").write_bytes(b"")
+    hf = {}
+    for name, config in (("clip", {"model_type": "clip"}), ("siglip", {"model_type": "siglip"}),
+                         ("siglip2", {"model_type": "siglip2"}),
+                         ("blip", {"model_type": "blip", "architectures": ["BlipForConditionalGeneration"]})):
+        hf[name] = tmp_path / f"hf-{name}"
+        hf[name].mkdir()
+        (hf[name] / "config.json").write_text(json.dumps(config))
+    torch.save({"text_projection": torch.zeros(2, 2)}, tmp_path / "open_clip.pt")
+    save_file({"text_decoder.ln_final.weight": torch.zeros(2)}, str(tmp_path / "coca.safetensors"))
 
     assert locate(tmp_path / "run") == locate(str(tmp_path / "run"))
     assert (locate(tmp_path / "run").kind, locate(tmp_path / "run").checkpoint) == (RUN, step)
     assert (locate(step).kind, locate(step).checkpoint) == (CHECKPOINT, step)
     assert (locate(step.parent).kind, locate(step.parent).checkpoint) == (CHECKPOINT, step)
     assert locate(export).kind == EXPORT and locate(export).weights == export / "model.safetensors"
-    assert locate(hf).kind == HF and locate(tmp_path / "open_clip.pt").kind == OPENCLIP
+    # the imported kinds, named by what they hold: model.init, eval and the teacher read the same answer
+    assert {name: locate(folder).kind for name, folder in hf.items()} == {
+        "clip": "hf-clip", "siglip": "hf-siglip", "siglip2": "hf-siglip2", "blip": "hf-blip"}
+    assert locate(tmp_path / "open_clip.pt").kind == "openclip"
+    assert locate(tmp_path / "coca.safetensors").kind == "openclip-coca"
+    assert {locate(hf["blip"]).family, locate(tmp_path / "coca.safetensors").family} == {HF, OPENCLIP}
     assert find_checkpoint(tmp_path / "run") == step
     with pytest.raises(UserError, match="is an exported model .*, not a vltrain run or checkpoint"):
         find_checkpoint(export)
@@ -105,3 +117,34 @@ def test_the_commands_name_a_path_they_cannot_open_in_one_line(tmp_path, cli):
         proc = cli(*argv)
         assert proc.returncode != 0 and "Traceback" not in proc.stderr
         assert proc.stderr.strip().count("\n") == 0 and f"{tmp_path / 'nowhere'} does not exist" in proc.stderr
+
+
+def test_model_init_is_read_once_and_loaded_through_the_door_while_building_loads_nothing(tmp_path, monkeypatch):
+    """A run's ``model.init`` of an imported checkpoint: the decide pass describes it once, the door
+    fills the run's model with its weights, and the builder alone gives fresh ones."""
+    pytest.importorskip("transformers")
+    from kits.pretrainedkit import make_clip
+
+    import vltrain.compose.decide as decide_module
+    from vltrain.compose.builders import build_model_for
+    from vltrain.compose.opening import open_model
+
+    make_clip(tmp_path / "clip")
+    described = []
+    describe = decide_module.describe
+    monkeypatch.setattr(decide_module, "describe", lambda *a, **k: described.append(a[0]) or describe(*a, **k))
+    raw = load_config(None, [f"model.init={tmp_path / 'clip'}", "data.batch_size=2"])
+    decided = decide_module.decide(raw, 1, "train")
+    assert decided.weights.kind == "hf-clip" and decided.imported.kind == "hf-clip" and decided.cfg.train.precision \
+        == raw.train.precision  # a run keeps its precision; a model opened to use runs in fp32
+    opened = open_model(decided)
+    assert described == [tmp_path / "clip"]  # read once: by the pass, not again by the door
+    assert opened.model.training and opened.located == decided.weights
+    fresh = build_model_for(decided.cfg, opened.tokenizer).state_dict()
+    loaded = opened.model.state_dict()
+    towers = [k for k in loaded if k.startswith(("vision.", "text.", "image_proj.", "text_proj."))]
+    assert towers and not any(torch.equal(fresh[k], loaded[k]) for k in towers if loaded[k].numel() > 1 and
+                              loaded[k].float().std() > 0)
+    again = open_model(tmp_path / "clip")  # vltrain eval's way in: the same weights, in eval mode, in fp32
+    assert not again.model.training and again.cfg.train.precision == "fp32"
+    assert all(torch.equal(again.model.state_dict()[k], loaded[k]) for k in towers)

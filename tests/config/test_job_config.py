@@ -2,6 +2,7 @@ import pytest
 
 from vltrain.config.job import JobConfig, load_config
 from vltrain.errors import ConfigError
+from vltrain.types import freeze
 
 
 def test_defaults_and_overrides(tmp_path):
@@ -47,9 +48,12 @@ def test_sources_as_string_or_weighted_list():
 
 def test_resolved_config_round_trips(tmp_path):
     cfg = load_config(None, ["train.max_steps=7", "data.train=x.jsonl"])
-    cfg.save(tmp_path / "config.yaml")
+    with pytest.raises(ValueError, match="only a decided config is saved"):
+        cfg.save(tmp_path / "config.yaml")  # one not yet decided is never what a folder says it used
+    assert not (tmp_path / "config.yaml").exists()
+    freeze(cfg).save(tmp_path / "config.yaml")
     again = load_config(tmp_path / "config.yaml")
-    assert again == cfg
+    assert again == cfg and not list(tmp_path.glob("*.part"))
 
 
 def test_validation_says_what_to_do():

@@ -63,3 +63,21 @@ def test_the_command_that_finishes_a_store_repeats_its_chunk_size_and_dtype(tmp_
         "vltrain data teacher-embed T a.jsonl"
     assert embed_command("T", "a.jsonl", _store(tmp_path / "b", 2, "float32").meta) == \
         "vltrain data teacher-embed T a.jsonl --chunk-rows 2 --dtype float32"
+
+
+def test_the_teachers_view_of_the_data_is_a_new_frozen_copy():
+    """A decided config is never thawed: the teacher's data section is a frozen copy of the student's
+    with the teacher's preprocessing, and the student's is left as it was."""
+    from vltrain.data.config import DataConfig
+    from vltrain.data.teacher_store import teacher_data
+    from vltrain.types import freeze
+
+    student = freeze(DataConfig(train="rows.jsonl", image_size=48, resize="native", pack_images=True, patch_budget=64,
+                                batching="budget", max_patches=16, patch_size=8))
+    teacher = freeze(DataConfig(image_size=32, mean=[0.5, 0.5, 0.5], tokenizer="teacher.json"))
+    view = teacher_data(student, teacher)
+    assert (view.train, view.image_size, view.mean, view.tokenizer) == ("rows.jsonl", 32, [0.5, 0.5, 0.5], "teacher.json")
+    assert (view.pack_images, view.patch_budget) == (False, 0)
+    assert (student.image_size, student.pack_images, student.patch_budget) == (48, True, 64)
+    with pytest.raises(AttributeError, match="decided and frozen"):
+        view.image_size = 64

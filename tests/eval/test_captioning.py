@@ -124,13 +124,13 @@ def test_a_run_started_from_a_captioning_run_takes_its_decoder(coca, tmp_path):
     from vltrain.config.job import load_config
     from vltrain.errors import ConfigError
     from vltrain.model.config import ModelConfig
-    from vltrain.train.resolve import resolve_run
+    from vltrain.compose.decide import decide
 
     shapes, _, run_dir, _ = coca
     for preset in ([], ["model.preset=''"]):
         given = [o for o in overrides(shapes, tmp_path / "run") if not o.startswith("model.preset=")]
         cfg = load_config(None, [*given, *preset, f"model.init={run_dir}"])
-        resolve_run(cfg, 1)
-        assert cfg.model.preset == "tiny-coca" and cfg.model.loss.caption == 2
+        decided = decide(cfg, 1).cfg
+        assert decided.model.preset == "tiny-coca" and decided.model.loss.caption == 2
     with pytest.raises(ConfigError, match="unknown preset 'nope'"):
         ModelConfig(preset="nope").architecture()

@@ -75,7 +75,7 @@ def test_max_samples_scores_the_first_pairs_on_any_number_of_ranks(tmp_path):
     from vltrain.data.tools.synth import synthesize
     from vltrain.data.tools.tokenizer_training import source_texts, train_tokenizer
     from vltrain.runtime.distributed import World
-    from vltrain.train.build import build_tokenizer, build_val_loader
+    from vltrain.compose.builders import build_tokenizer, build_val_loader
 
     synthesize(tmp_path, 40, 0, text_only_fraction=0.3, seed=0, image_size=16)
     train_tokenizer(source_texts([str(tmp_path / "train.jsonl")]), tmp_path / "tok.json", vocab_size=120)

@@ -18,7 +18,7 @@ from kits.runkit import assert_same_recall, overrides, session_shapes, train_her
 from vltrain.config.job import load_config  # noqa: E402
 from vltrain.errors import UserError  # noqa: E402
 from vltrain.export.hf import hf_family  # noqa: E402
-from vltrain.checkpoint.opening import open_model  # noqa: E402
+from vltrain.compose.opening import open_model  # noqa: E402
 from vltrain.export.native import embed, export_model  # noqa: E402
 
 FAMILIES = {"clip": (make_clip, "CLIPModel", "CLIPImageProcessor"),
@@ -49,10 +49,10 @@ def test_a_run_from_model_init_says_and_saves_its_preprocessing(finetuned, capsy
     assert (saved.model.loss.siglip, saved.model.loss.itc) == ((1.0, 0.0) if family == "siglip" else (0.0, 1.0))
     # what the run built: the checkpoint's architecture, not the default preset; no ITM without its head
     assert saved.model.preset == "" and saved.model.loss.itm == 0.0
-    from vltrain.train.build import describe_preprocessing, resolve_init
+    from vltrain.compose.decide import decide, describe_preprocessing
 
-    cfg = load_config(None, [f"model.init={pretrained}"])
-    text = describe_preprocessing(cfg, resolve_init(cfg))
+    decided = decide(load_config(None, [f"model.init={pretrained}"]))
+    text = describe_preprocessing(decided.cfg, decided.imported)
     assert "32 px" in text and "lower-cased" in text and f"hf-{family}" in text
     assert ("fixed to 16 with id 1" in text) == (family == "siglip")
     # the run's config rebuilds the model without the checkpoint it started from

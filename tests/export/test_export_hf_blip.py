@@ -18,12 +18,13 @@ from kits.pretrainedkit import TEXTS, image_file, make_blip  # noqa: E402
 from kits.runkit import overrides, session_shapes, train_here  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 
-from vltrain.checkpoint.opening import open_model  # noqa: E402
+from vltrain.compose.opening import open_model  # noqa: E402
 from vltrain.config.job import load_config  # noqa: E402
 from vltrain.errors import UserError  # noqa: E402
 from vltrain.export.hf_blip import check_blip  # noqa: E402
 from vltrain.export.native import export_model  # noqa: E402
 from vltrain.model.generate import Decoding, direct, generate  # noqa: E402
+from vltrain.types import revise  # noqa: E402
 
 HEAD = "text_decoder.cls.predictions."
 RETRIEVAL = "BlipForImageTextRetrieval"
@@ -150,11 +151,11 @@ def test_a_folder_read_and_written_back_is_the_same_tensors(tmp_path, kind, tied
 def test_what_blip_cannot_hold_is_refused_in_one_line(finetuned):
     run, _ = finetuned
     opened = open_model(run)
-    opened.cfg.data.resize = "crop"
+    cropped = revise(opened.cfg, data=revise(opened.cfg.data, resize="crop"))  # the decided config is frozen
     with pytest.raises(UserError, match="BLIP's image processor squashes each image to a square, and this run read "
                                         "them with data.resize crop"):
-        check_blip(opened.model, opened.tokenizer, opened.cfg, "run")
-    opened.cfg.data.resize = "squash"
+        check_blip(opened.model, opened.tokenizer, cropped, "run")
+    assert opened.cfg.data.resize == "squash"
     opened.model.decoder.cfg.head = "linear"
     with pytest.raises(UserError, match="BlipForConditionalGeneration needs a captioning decoder of post-norm layers "
                                         "with BERT's LM head"):

@@ -22,7 +22,7 @@ from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers,
 from vltrain.config.job import load_config  # noqa: E402
 from vltrain.errors import UserError  # noqa: E402
 from vltrain.export.hf import hf_family  # noqa: E402
-from vltrain.checkpoint.opening import open_model  # noqa: E402
+from vltrain.compose.opening import open_model  # noqa: E402
 from vltrain.export.native import embed, export_model  # noqa: E402
 
 CAPTIONS = ["a dog", "A CAT", "dog cat a", "a red dog!", "cat dog " * 12]

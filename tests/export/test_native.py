@@ -11,7 +11,7 @@ from kits.runkit import assert_same_recall, overrides, session_shapes, train_her
 
 from vltrain.config.job import load_config
 from vltrain.errors import UserError
-from vltrain.checkpoint.opening import open_model
+from vltrain.compose.opening import open_model
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,7 @@ import torch
 from vltrain.model import VLModel, build_model
 from vltrain.model.config import LossConfig, ModelConfig
 from vltrain.objectives.scoring import Objectives
-from vltrain.train.task import Task
+from vltrain.compose.task import Task
 from vltrain.types import ModelInputs
 
 VOCAB, PAD, MASK, IMAGE, LENGTH = 50, 0, 1, 32, 8

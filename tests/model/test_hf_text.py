@@ -17,7 +17,7 @@ from vltrain.errors import UserError  # noqa: E402
 from vltrain.model import build_model, hf_tokenizer_file  # noqa: E402
 from vltrain.model.config import LossConfig, ModelConfig, TextConfig  # noqa: E402
 from vltrain.objectives.scoring import Objectives  # noqa: E402
-from vltrain.train.task import Task  # noqa: E402
+from vltrain.compose.task import Task  # noqa: E402
 from vltrain.types import ModelInputs  # noqa: E402
 
 WORDS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "a", "red", "blue", "small", "large", "circle", "square"]
@@ -110,7 +110,7 @@ def test_tokenizer_file_is_the_folders(tmp_path, bert_folder):
 def test_trainer_takes_the_encoders_tokenizer_when_none_is_given(bert_folder):
     from vltrain.config.job import load_config
     from vltrain.errors import ConfigError
-    from vltrain.train.build import build_model_for, build_tokenizer
+    from vltrain.compose.builders import build_model_for, build_tokenizer
 
     cfg = load_config(None, [f"model.text.hf_path={bert_folder}", "data.image_size=32", "data.max_text_length=8"])
     tokenizer = build_tokenizer(cfg)

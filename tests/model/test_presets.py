@@ -12,7 +12,7 @@ from vltrain.errors import UserError
 from vltrain.model import build_model, count_parameters, list_presets
 from vltrain.model.config import LossConfig, ModelConfig
 from vltrain.objectives.scoring import Objectives
-from vltrain.train.task import Task
+from vltrain.compose.task import Task
 from vltrain.types import ModelInputs
 
 

@@ -17,7 +17,7 @@ from vltrain.objectives.keyed import StepKey
 from vltrain.objectives.scoring import Objectives
 from vltrain.pixels import kept_patches
 from vltrain.pixels import patchify
-from vltrain.train.build import fit_native
+from vltrain.compose.rules import fit_native
 from vltrain.types import real_patches
 
 

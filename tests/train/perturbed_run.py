@@ -16,9 +16,9 @@ import torch
 
 
 def _nudge(every: bool) -> None:
-    import vltrain.train.trainer as trainer
+    import vltrain.compose.opening as opening
 
-    build = trainer.build_model_for
+    build = opening.build_model_for
 
     def nudged(*args, **kwargs):
         model = build(*args, **kwargs)
@@ -32,7 +32,7 @@ def _nudge(every: bool) -> None:
                 weight.view(-1)[0] += ulp.view(-1)[0]
         return model
 
-    trainer.build_model_for = nudged
+    opening.build_model_for = nudged
 
 
 def _mask_one_fewer() -> None:

@@ -24,8 +24,8 @@ from vltrain.data.dataset import build_dataset
 from vltrain.data.loading.collate import Collator
 from vltrain.data.tokenizers import load_tokenizer
 from vltrain.errors import ConfigError, DataError
-from vltrain.train.resolve import resolve_run
-from vltrain.train.teacher import Teacher, plan_teacher
+from vltrain.compose.decide import decide, plan_teacher
+from vltrain.train.teacher import Teacher
 
 
 def hf_teacher(root: Path, seed: int = 0) -> Path:
@@ -56,7 +56,7 @@ def test_each_row_reaches_the_teacher_at_its_size_statistics_and_tokenizer(tmp_p
     folder = hf_teacher(tmp_path_factory.getbasetemp())
     cfg = load_config(None, overrides(shapes, tmp_path / "run", data__image_size=48, model__loss__distill=1,
                                       model__teacher__path=folder))
-    plan = resolve_run(cfg, 1).teacher
+    plan = decide(cfg, 1).teacher
     assert plan.cfg.data.image_size == 32 and plan.cfg.data.mean != cfg.data.mean
     teacher = Teacher(plan, torch.device("cpu"), contextlib.nullcontext)
     inputs = teacher.inputs(cfg)
@@ -89,7 +89,7 @@ def test_each_row_reaches_the_teacher_at_its_size_statistics_and_tokenizer(tmp_p
     (broken / "tokenizer.json").write_text(json.dumps(spec))
     cfg = load_config(None, overrides(shapes, tmp_path / "run2", data__image_size=48, model__loss__distill=1,
                                       model__teacher__path=broken))
-    inputs = Teacher(resolve_run(cfg, 1).teacher, torch.device("cpu"), contextlib.nullcontext).inputs(cfg)
+    inputs = Teacher(decide(cfg, 1).teacher, torch.device("cpu"), contextlib.nullcontext).inputs(cfg)
     dataset = build_dataset(cfg.data, "train", student_tok, tmp_path, teacher=inputs)
     with pytest.raises(DataError, match=r"row \d+ of .*train.jsonl .*: the teacher's tokenizer .*no-unknown-token.* "
                                         "cannot read its caption"):
@@ -117,7 +117,7 @@ def test_a_teacher_at_native_shape_embeds_each_row_as_transformers_does(tmp_path
     (tmp_path / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     cfg = load_config(None, overrides(shapes, tmp_path / "run", data__train=tmp_path / "rows.jsonl", data__image_size=48,
                                       data__shuffle="false", model__loss__distill=1, model__teacher__path=folder))
-    plan = resolve_run(cfg, 1).teacher
+    plan = decide(cfg, 1).teacher
     assert (plan.cfg.data.resize, plan.cfg.data.max_patches, plan.cfg.data.patch_size) == ("native", 64, 8)
     teacher = Teacher(plan, torch.device("cpu"), contextlib.nullcontext)
     inputs = teacher.inputs(cfg)
@@ -159,7 +159,7 @@ def test_a_live_teacher_and_its_stored_embeddings_train_the_same_run(tmp_path_fa
     teacher = hf_teacher(tmp_path_factory.getbasetemp())
     live = tmp_path / "live"
     proc = ok(_distil(shapes, live, teacher))
-    assert f"teacher {teacher} (hf): run live on 32 px images" in proc.stderr
+    assert f"teacher {teacher} (hf-clip): run live on 32 px images" in proc.stderr
     rows = [json.loads(x) for x in (live / "metrics.jsonl").read_text().splitlines() if '"loss/distill"' in x]
     assert len(rows) == 6 and all(r["loss/distill"] > 0 and r["loss/distill_sigmoid"] > 0 for r in rows)
 
@@ -185,8 +185,8 @@ def test_a_live_teacher_and_its_stored_embeddings_train_the_same_run(tmp_path_fa
 
     # a run started from the distilled one takes its model, not its teacher
     follow = load_config(None, [f"model.init={live}", f"data.train={shapes / 'train.jsonl'}", f"run.dir={tmp_path / 'f'}"])
-    decided = resolve_run(follow, 1)
-    assert decided.teacher is None and follow.model.loss.distill == 0 and follow.model.teacher.path == ""
+    decided = decide(follow, 1)
+    assert decided.teacher is None and decided.cfg.model.loss.distill == 0 and decided.cfg.model.teacher.path == ""
 
     other = hf_teacher(tmp_path_factory.getbasetemp(), seed=1)
     refused = _distil(shapes, tmp_path / "other", other, model__teacher__precomputed="true")

@@ -62,7 +62,8 @@ def test_users_command_on_a_hugging_face_clip(tmp_path_factory, tmp_path, cli):
     from kits.pretrainedkit import make_clip
 
     from vltrain.export.native import export_model
-    from vltrain.train.build import build_model_for, build_tokenizer, resolve_init
+    from vltrain.compose.decide import decide
+    from vltrain.compose.opening import open_model
 
     shapes = session_shapes(tmp_path_factory)
     make_clip(tmp_path / "clip")
@@ -74,9 +75,7 @@ def test_users_command_on_a_hugging_face_clip(tmp_path_factory, tmp_path, cli):
                f"run.dir={run}", *small)
     assert proc.returncode == 0, proc.stderr[-3000:]
 
-    cfg = load_config(run / "config.yaml")
-    resolve_init(cfg)
-    pretrained = build_model_for(cfg, build_tokenizer(cfg)).state_dict()
+    pretrained = open_model(decide(load_config(run / "config.yaml"))).model.state_dict()  # the run's model.init
     initial = load_file(str(run / INITIAL_FILE))
     assert initial.keys() == pretrained.keys()
     assert all(torch.equal(initial[k], v) for k, v in pretrained.items())
@@ -89,7 +88,7 @@ def _fake_trainer(run_dir: Path, save_initial: str, init: str, main: bool = True
 
     cfg = load_config(None, [f"checkpoint.save_initial={save_initial}", f"model.init={init}"])
     return SimpleNamespace(cfg=cfg, world=SimpleNamespace(is_main=main), run_dir=run_dir, model=small_model(seed=seed),
-                           init_checkpoint=None)
+                           decided=SimpleNamespace(weights=Path(init) if init else None))
 
 
 @pytest.mark.parametrize("save_initial, init, main, written", [

@@ -206,7 +206,7 @@ def test_stopped_on_two_ranks_and_resumed_on_one_it_continues_the_same_trajector
 def test_indivisible_splits_are_refused_naming_what_works():
     from vltrain.config.job import JobConfig
     from vltrain.errors import ConfigError
-    from vltrain.train.build import resolve_global_batch
+    from vltrain.compose.rules import resolve_global_batch
 
     cfg = JobConfig()
     cfg.data.global_batch_size = 10
@@ -227,7 +227,7 @@ def test_a_captioner_without_a_contrastive_loss_accumulates_without_gradcache():
     captioner) there is none, so micro-batches accumulate plainly, and asking for it is refused."""
     from vltrain.config.job import load_config
     from vltrain.errors import ConfigError
-    from vltrain.train.build import decide_objectives, resolve_global_batch
+    from vltrain.compose.rules import decide_objectives, resolve_global_batch
 
     cfg = load_config(None, ["model.preset=tiny-coca", "model.loss.itc=0", "data.global_batch_size=12",
                              "data.micro_batch_size=2"])
@@ -241,7 +241,7 @@ def test_a_captioner_without_a_contrastive_loss_accumulates_without_gradcache():
 def test_budget_steps_that_cannot_feed_every_micro_batch_are_refused():
     from vltrain.config.job import JobConfig
     from vltrain.errors import ConfigError, UserError
-    from vltrain.train.build import resolve_global_batch
+    from vltrain.compose.rules import resolve_global_batch
 
     cfg = JobConfig()
     cfg.data.batching, cfg.data.global_batch_size, cfg.data.micro_batch_size = "budget", 16, 2
@@ -257,7 +257,7 @@ def test_budget_steps_that_cannot_feed_every_micro_batch_are_refused():
 
 
 def test_the_default_itm_group_depends_on_the_global_batch_alone():
-    from vltrain.train.build import default_itm_group
+    from vltrain.compose.rules import default_itm_group
 
     assert {g: default_itm_group(g) for g in (2, 8, 12, 16, 64, 100, 256, 1024, 4096, 32768, 13, 26)} == {
         2: 2, 8: 2, 12: 3, 16: 4, 64: 8, 100: 10, 256: 16, 1024: 32, 4096: 64, 32768: 64, 13: 13, 26: 2}
@@ -266,7 +266,7 @@ def test_the_default_itm_group_depends_on_the_global_batch_alone():
 def test_a_split_the_default_itm_groups_cannot_serve_is_refused_naming_what_works():
     from vltrain.errors import ConfigError
     from vltrain.model.config import LossConfig
-    from vltrain.train.build import itm_group
+    from vltrain.compose.rules import itm_group
 
     loss = LossConfig(itm=1.0, itm_negatives="group")
     for micro in (16, 8, 4):  # 1, 2 and 4 micro-batches: groups of 4 in each

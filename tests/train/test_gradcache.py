@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from vltrain.train.step import gradcache_backward, plain_backward
-from vltrain.train.task import Task
+from vltrain.compose.task import Task
 from vltrain.types import ModelInputs
 
 

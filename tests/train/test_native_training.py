@@ -21,7 +21,7 @@ from vltrain.data.index.open import open_indexed
 from vltrain.data.index.sizes import image_sizes
 from vltrain.data.native import patch_counts
 from vltrain.errors import ConfigError, UserError
-from vltrain.train.build import fit_native, resolve_global_batch
+from vltrain.compose.rules import fit_native, resolve_global_batch
 
 SIZES = [(64, 16), (16, 64), (32, 32), (48, 24), (24, 48), (40, 8), (8, 40), (96, 32)]
 """(width, height) of the images, in turn: 4:1 to 1:5, from 8 to 96 pixels on a side."""

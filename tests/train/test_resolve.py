@@ -10,15 +10,18 @@ from vltrain.checkpoint.paths import latest_checkpoint
 from vltrain.config.job import load_config
 from vltrain.data.dataset import build_dataset
 from vltrain.errors import ConfigError
-from vltrain.train.build import build_tokenizer
-from vltrain.train.resolve import resolve_run
+from vltrain.compose.builders import build_tokenizer
+from vltrain.compose.decide import decide
 
 
 def test_the_pass_decides_what_the_model_and_the_world_imply_without_building_a_model(tmp_path_factory, tmp_path):
     shapes = session_shapes(tmp_path_factory)
-    cfg = load_config(None, overrides(shapes, tmp_path / "run", data__resize="native", data__max_patches=8,
+    raw = load_config(None, overrides(shapes, tmp_path / "run", data__resize="native", data__max_patches=8,
                                       data__global_batch_size=8))
-    resolved = resolve_run(cfg, world_size=2)
+    as_loaded = raw.to_yaml()
+    resolved = decide(raw, world_size=2)
+    cfg = resolved.cfg
+    assert raw.to_yaml() == as_loaded  # the pass decides a copy: the config it was given is left as it was
     assert cfg.data.patch_size == 16  # tiny-clip's patches: the data knows it before any model exists
     # a dual encoder has no fusion heads and no decoder: the weights it cannot train say 0 in the saved config
     assert (cfg.model.loss.itm, cfg.model.loss.mlm, cfg.model.loss.caption) == (0.0, 0.0, 0.0)
@@ -52,11 +55,10 @@ def test_a_weight_asked_for_a_head_the_model_lacks_is_refused_and_one_in_a_file_
     with pytest.raises(ConfigError, match=r"model.loss.caption=2 needs a captioning decoder; model.loss.itm=1 needs "
                                           r"a fusion encoder, which tiny-clip has not: .*Set model.loss.caption=0 "
                                           r"model.loss.itm=0, or use a preset that has both \(tiny-coca-itm\)"):
-        resolve_run(load_config(None, ["model.loss.caption=2", "model.loss.itm=1"]), 1)
+        decide(load_config(None, ["model.loss.caption=2", "model.loss.itm=1"]), 1)
     with pytest.raises(ConfigError, match=r"model.loss.mlm=0.5 needs a fusion encoder, which tiny-coca has not"):
-        resolve_run(load_config(None, ["model.preset=tiny-coca", "model.loss.mlm=0.5"]), 1)
+        decide(load_config(None, ["model.preset=tiny-coca", "model.loss.mlm=0.5"]), 1)
     yaml = tmp_path / "job.yaml"
     yaml.write_text("model:\n  loss:\n    caption: 0.5\n    itm: 0.25\n")
-    cfg = load_config(yaml, ["model.preset=tiny-clip"])
-    resolve_run(cfg, 1)
+    cfg = decide(load_config(yaml, ["model.preset=tiny-clip"]), 1).cfg
     assert (cfg.model.loss.caption, cfg.model.loss.itm) == (0.0, 0.0)

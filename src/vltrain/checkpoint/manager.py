@@ -67,7 +67,7 @@ from vltrain.checkpoint.storage import (
     write_atomic,
     write_weights,
 )
-from vltrain.config.job import CheckpointConfig
+from vltrain.config.job import CheckpointConfig, JobConfig
 from vltrain.errors import UserError
 from vltrain.runtime.distributed import all_gather_object, barrier, broadcast_object, is_initialized, world_info
 from vltrain.runtime.faults import maybe_fail
@@ -247,12 +247,13 @@ class Checkpointer:
     (the RNG generators, a per-rank data position) and are saved by each rank to its own JSON file;
     they are restored only when the world size is unchanged. Put the RNG state last in
     ``rank_states``: it is restored last, after everything that consumes randomness.
-    ``config_yaml`` and ``files`` (name -> source, e.g. the tokenizer) are copied into every
-    checkpoint, so that one checkpoint folder is enough to rebuild the model.
+    ``config`` (the decided one, saved by :meth:`JobConfig.save`) and ``files`` (name -> source, e.g.
+    the tokenizer) are copied into every checkpoint, so that one checkpoint folder is enough to
+    rebuild the model.
     """
 
     def __init__(self, cfg: CheckpointConfig, run_dir: str | Path, states: dict[str, Stateful],
-                 rank_states: dict[str, Stateful] | None = None, config_yaml: str = "",
+                 rank_states: dict[str, Stateful] | None = None, config: JobConfig | None = None,
                  files: dict[str, str | Path] | None = None, drop: tuple[str, ...] = ()):
         self.cfg = cfg
         self.drop = drop
@@ -260,7 +261,7 @@ class Checkpointer:
         self.folder = Path(run_dir) / cfg.folder
         self.states = states
         self.rank_states = rank_states or {}
-        self.config_yaml = config_yaml
+        self.config = config
         self.files = {name: Path(src) for name, src in (files or {}).items()}
         self.rank, self.world_size = world_info()
         self._last_saved: int | None = None
@@ -361,8 +362,8 @@ class Checkpointer:
         if self.rank == 0:
             state = {"format": FORMAT_VERSION, "step": step, "world_size": self.world_size, "states": skeletons}
             write_atomic(tmp / STATE_FILE, json.dumps(state))
-            if self.config_yaml:
-                write_atomic(tmp / CONFIG_FILE, self.config_yaml)
+            if self.config is not None:
+                self.config.save(tmp / CONFIG_FILE)
             for name, src in self.files.items():
                 shutil.copyfile(src, tmp / name)
         self._barrier()  # every rank's data and rank file is on disk
@@ -445,7 +446,7 @@ class Checkpointer:
         try:
             _read_fitting(path, targets, saved_keys, no_dist=not is_initialized())
         except UserError as e:  # the settings behind it, when the configs tell them, for the generic hint
-            apart = settings_apart(path, self.config_yaml)
+            apart = settings_apart(path, self.config.to_yaml() if self.config is not None else "")
             raise UserError(str(e).replace(f" ({FIT_HINT})", f": {apart}") if apart else str(e)) from None
         for name, st in self.states.items():
             try:

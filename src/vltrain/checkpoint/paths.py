@@ -2,9 +2,10 @@
 
 :func:`locate` tells the kinds of model vltrain opens apart: a run folder, a checkpoint (a
 ``step-N`` folder, or a ``checkpoints`` folder: its newest), an export (``vltrain export``), a
-Hugging Face CLIPModel / SiglipModel / Siglip2Model / BLIP folder, an OpenCLIP checkpoint file. Opening
-(:mod:`vltrain.checkpoint.opening`), the checkpointer's resume and ``model.init`` all ask it, so
-that "which checkpoint is this path" has one answer. It only looks at files: nothing is loaded.
+Hugging Face CLIPModel / SiglipModel / Siglip2Model / BLIP folder, an OpenCLIP CLIP or CoCa checkpoint
+(the imported kinds, named by :func:`vltrain.model.interop.pretrained.imported_kind`). Opening
+(:mod:`vltrain.compose.opening`), the checkpointer's resume, ``model.init`` and the teacher all ask
+it, so that "what is this path" has one answer. It reads configs and tensor names, never weights.
 
 The layouts it reads::
 
@@ -26,7 +27,7 @@ from pathlib import Path
 from vltrain.checkpoint.integrity import damage
 from vltrain.config.job import load_config
 from vltrain.errors import UsageError, UserError
-from vltrain.model.interop.pretrained import CHECKPOINT_SUFFIXES
+from vltrain.model.interop.pretrained import CHECKPOINT_SUFFIXES, IMPORTED_KINDS, imported_kind
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +43,7 @@ DEFAULT_FOLDER = "checkpoints"
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 
 RUN, CHECKPOINT, EXPORT, HF, OPENCLIP = "run", "checkpoint", "export", "hf", "openclip"
+"""``HF`` and ``OPENCLIP``: the families of the imported kinds (:data:`IMPORTED`), as :attr:`Located.family` says."""
 KINDS = {
     RUN: "a run folder (config.yaml and its checkpoints)",
     CHECKPOINT: f"a checkpoint (a step-N folder with {STATE_FILE}, or a checkpoints folder)",
@@ -51,8 +53,9 @@ KINDS = {
 }
 VLTRAIN_KINDS = (RUN, CHECKPOINT, EXPORT)
 """Kinds vltrain wrote: their config and tokenizer are saved beside the weights."""
-IMPORTED = (HF, OPENCLIP)
-"""Kinds ``model.init`` reads: architecture and preprocessing come from the checkpoint."""
+IMPORTED = IMPORTED_KINDS
+"""Kinds someone else saved (hf-clip, hf-siglip, hf-siglip2, hf-blip, openclip, openclip-coca): their
+architecture and preprocessing come from the checkpoint."""
 
 
 @dataclass(frozen=True)
@@ -63,6 +66,11 @@ class Located:
     kind: str
     checkpoint: Path | None = None
     """RUN and CHECKPOINT: the ``step-N`` folder that holds the weights."""
+
+    @property
+    def family(self) -> str:
+        """The kind, with the imported ones by who saved them: ``hf``, ``openclip``, or :attr:`kind`."""
+        return self.kind.split("-")[0] if self.kind in IMPORTED else self.kind
 
     @property
     def weights(self) -> Path:
@@ -100,7 +108,7 @@ def locate(path: str | Path, role: str = "") -> Located:
     name = f"{role} {p}" if role else str(p)
     if p.is_file():
         if p.suffix in CHECKPOINT_SUFFIXES:
-            return Located(p, OPENCLIP)
+            return Located(p, imported_kind(p))
         raise UsageError(f"{name} is a file but not a checkpoint file; {accepted()}")
     if not p.is_dir():
         raise UsageError(f"{name} does not exist; {accepted()}")
@@ -111,10 +119,8 @@ def locate(path: str | Path, role: str = "") -> Located:
         return Located(p, CHECKPOINT, p)
     if all((p / f).is_file() for f in (WEIGHTS_FILE, TOKENIZER_FILE, CONFIG_FILE)):
         return Located(p, EXPORT)
-    if (p / HF_CONFIG).is_file() and not (p / CONFIG_FILE).is_file():
-        return Located(p, HF)
-    if (p / OPENCLIP_CONFIG).is_file():
-        return Located(p, OPENCLIP)
+    if (p / HF_CONFIG).is_file() and not (p / CONFIG_FILE).is_file() or (p / OPENCLIP_CONFIG).is_file():
+        return Located(p, imported_kind(p))
     if (p / CONFIG_FILE).is_file():
         folder = p / load_config(p / CONFIG_FILE).checkpoint.folder
         return Located(p, RUN, _newest(folder, name))
@@ -137,7 +143,7 @@ def find_checkpoint(path: str | Path) -> Path:
     """The vltrain checkpoint ``path`` names: a run's newest, a checkpoints folder's newest, or itself."""
     found = locate(path)
     if found.checkpoint is None:
-        raise UsageError(f"{found.path} is {KINDS[found.kind]}, not a vltrain run or checkpoint")
+        raise UsageError(f"{found.path} is {KINDS[found.family]}, not a vltrain run or checkpoint")
     return found.checkpoint
 
 

@@ -287,7 +287,7 @@ def embed(args: argparse.Namespace) -> int:
     import numpy as np
     import torch
 
-    from vltrain.checkpoint.opening import open_model
+    from vltrain.compose.opening import open_model
     from vltrain.errors import UsageError
     from vltrain.export.native import embed as embed_inputs
 
@@ -295,7 +295,7 @@ def embed(args: argparse.Namespace) -> int:
         raise UsageError("nothing to embed: give --images and/or --texts")
     torch.set_grad_enabled(False)
     overrides = overrides_of(args) + ([f"data.tokenizer={args.tokenizer}"] if args.tokenizer else [])
-    opened = open_model(args.model_dir, overrides)
+    opened = open_model(args.model_dir, overrides, purpose="embed")
     emb = embed_inputs(opened.model, opened.tokenizer, opened.cfg, args.images, args.texts)
     out = Path(args.out)
     if out.suffix == ".npz":  # two named arrays

@@ -8,6 +8,7 @@ Each component keeps its own config dataclass next to its code (``vltrain.data.c
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Union
@@ -336,7 +337,18 @@ class JobConfig(Settings):
         return yaml.safe_dump(self.to_dict(), sort_keys=False)
 
     def save(self, path: str | Path) -> None:
-        Path(path).write_text(self.to_yaml())
+        """Write ``config.yaml``, atomically: the one writer of a run's, a checkpoint's and an export's.
+        Only a decided config is saved (:func:`vltrain.compose.decide.decide` freezes it), so what a
+        folder's config says is what the command used."""
+        if not self._frozen:
+            raise ValueError("only a decided config is saved: decide it first (vltrain.compose.decide.decide)")
+        path = Path(path)
+        tmp = path.with_name(path.name + ".part")
+        with open(tmp, "w") as f:
+            f.write(self.to_yaml())
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
 
     def was_set(self, key: str) -> bool:
         """Whether dotted ``key`` was given (in the YAML file or an override) or differs from its

@@ -265,7 +265,7 @@ class DataConfig(Settings):
     def _validate_patches(self) -> None:
         """What the data alone decides of images at their own shape. What needs the architecture (the
         patch side) or may come from ``model.init`` (``resize``) is checked once the config pass has
-        both: ``vltrain.train.build.fit_native``."""
+        both: ``vltrain.compose.rules.fit_native``."""
         check_patch_budget(self.min_patches, self.max_patches)
         if self.patch_budget and self.batching != "budget":
             raise ConfigError("data.patch_budget plans batches by patch count, which budget batching does: set "
@@ -276,10 +276,10 @@ class DataConfig(Settings):
 
     def native_patch(self) -> int:
         """resize native: the side images are cut into, once the config pass has made it the model's
-        (``vltrain.train.build.fit_native``); data code reads it here, never from a model."""
+        (``vltrain.compose.rules.fit_native``); data code reads it here, never from a model."""
         if self.patch_size < 1:
             raise ConfigError("data.patch_size is not resolved: it is the model's patch size, which the config "
-                              "pass sets before any image is read (vltrain.train.build.fit_native)")
+                              "pass sets before any image is read (vltrain.compose.rules.fit_native)")
         return self.patch_size
 
     def resolve(self) -> ResolvedBatching:

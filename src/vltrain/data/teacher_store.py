@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from vltrain.errors import DataError
+from vltrain.types import revise
 
 if TYPE_CHECKING:
     from vltrain.data.config import DataConfig
@@ -273,12 +274,6 @@ def teacher_data(student: "DataConfig", teacher: "DataConfig") -> "DataConfig":
     limits, the teacher's image size, resize, interpolation, statistics, text length and cleaning, and
     for a teacher at native shape its patch budget and patch side. Its images are never packed: one
     per row, padded to its ``max_patches``."""
-    import copy
-
-    out = copy.deepcopy(student)
-    object.__setattr__(out, "_frozen", False)
-    for key in ("image_size", "resize", "interpolation", "mean", "std", "max_text_length", "text_clean", "tokenizer",
-                "max_patches", "min_patches", "upscale", "patch_size"):
-        setattr(out, key, copy.deepcopy(getattr(teacher, key)))
-    out.pack_images, out.patch_budget = False, 0
-    return out
+    keys = ("image_size", "resize", "interpolation", "mean", "std", "max_text_length", "text_clean", "tokenizer",
+            "max_patches", "min_patches", "upscale", "patch_size")
+    return revise(student, **{key: getattr(teacher, key) for key in keys}, pack_images=False, patch_budget=0)

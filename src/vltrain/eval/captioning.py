@@ -165,14 +165,15 @@ def caption_images(path: Path, images: list[str], overrides: list[str], *, beam:
                    ) -> list[tuple[str, str | None]]:
     """``vltrain caption``: (path, caption) of each image, in order, on every rank; None for an image
     that could not be read (its reason is logged, with the count)."""
-    from vltrain.checkpoint.opening import model_config, open_model
     from vltrain.checkpoint.paths import locate
+    from vltrain.compose.builders import build_task
+    from vltrain.compose.decide import model_config
+    from vltrain.compose.opening import open_model
     from vltrain.runtime.precision import Precision
     from vltrain.runtime.world import setup_world
-    from vltrain.train.build import build_task
 
-    found = locate(path)
-    cfg = model_config(found, overrides)
+    decided = model_config(locate(path), overrides, purpose="caption")
+    cfg = decided.cfg
     context = cfg.data.max_text_length
     decoding = Decoding(max_length or context, beam, top_p, seed, cache)
     decoding.check(0, context)
@@ -180,7 +181,7 @@ def caption_images(path: Path, images: list[str], overrides: list[str], *, beam:
                         tf32=cfg.train.tf32)
     clean = False
     try:
-        opened = open_model(found, device=world.device, cfg=cfg)
+        opened = open_model(decided, device=world.device)
         needs_decoder(opened.model, str(path))
         start = Prompt.of(opened.tokenizer, prompt, context, opened.model.text.cfg.start_id)
         decoding.check(len(start.ids), context)

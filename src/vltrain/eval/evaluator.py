@@ -18,8 +18,10 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from vltrain.checkpoint.opening import model_config, open_model
 from vltrain.checkpoint.paths import IMPORTED, locate
+from vltrain.compose.builders import build_task, build_val_loader
+from vltrain.compose.decide import model_config
+from vltrain.compose.opening import open_model
 from vltrain.config.job import JobConfig
 from vltrain.data.dataset import source_specs
 from vltrain.data.tokenizers import Tokenizer
@@ -33,7 +35,6 @@ from vltrain.runtime.precision import Precision
 from vltrain.model.builder import has_decoder
 from vltrain.model.generate import Decoding
 from vltrain.runtime.world import setup_world
-from vltrain.train.build import build_task, build_val_loader
 
 log = logging.getLogger(__name__)
 
@@ -257,14 +258,14 @@ def format_table(m: dict[str, float]) -> str:
 def evaluate_run(path: Path, data: str | None = None, overrides: list[str] | None = None,
                  val: bool = True, ema: bool = False) -> dict[str, float]:
     """Metrics of any model vltrain opens (``vltrain eval``: a run's latest checkpoint, a checkpoint,
-    an export, a Hugging Face folder or an OpenCLIP file; :mod:`vltrain.checkpoint.opening`): its
+    an export, a Hugging Face folder or an OpenCLIP file; :mod:`vltrain.compose.opening`): its
     ``data.val`` (unless ``val`` is false) and its ``eval.zeroshot``, ``eval.retrieval`` and
     ``eval.captions`` sets;
     ``ema``: a run's EMA weights (``train.ema``)."""
     found = locate(path)
-    cfg = model_config(found, list(overrides or []) + ([f"data.val={data}"] if data else []))
-    if not val:
-        cfg.data.val = ""
+    asked = ["data.val=''"] if not val else [f"data.val={data}"] if data else []
+    decided = model_config(found, list(overrides or []) + asked)
+    cfg = decided.cfg
     if not (cfg.data.val or cfg.eval.zeroshot or cfg.eval.retrieval or cfg.eval.captions):
         raise UserError(f"{path} names no data.val and no eval sets; pass --data VAL_MANIFEST, "
                         "--zeroshot DIR, --retrieval FILE or --captions FILE")
@@ -272,7 +273,7 @@ def evaluate_run(path: Path, data: str | None = None, overrides: list[str] | Non
                         tf32=cfg.train.tf32)
     clean = False
     try:
-        opened = open_model(found, device=world.device, cfg=cfg, ema=ema)
+        opened = open_model(decided, device=world.device, ema=ema)
         evaluator = Evaluator(cfg, opened.tokenizer, world)
         precision = Precision(cfg.train.precision, world.device)
         if world.is_main:

@@ -7,7 +7,7 @@
     DIR/config.yaml         the run's resolved config, pointing at the tokenizer next to it
 
 safetensors holds tensors only, so loading an exported model runs no code from the file. The
-folder opens like any other model (:func:`vltrain.checkpoint.opening.open_model`), for ``vltrain
+folder opens like any other model (:func:`vltrain.compose.opening.open_model`), for ``vltrain
 embed``, ``vltrain eval`` and ``model.init``.
 ``--format hf`` writes a Hugging Face CLIPModel / SiglipModel / Siglip2Model folder instead
 (:mod:`vltrain.export.hf`), or a BlipForConditionalGeneration one for a BLIP captioner
@@ -28,14 +28,15 @@ import numpy as np
 import torch
 
 from vltrain.checkpoint.manager import INITIAL_FILE, check_shapes
-from vltrain.checkpoint.opening import open_model
 from vltrain.checkpoint.paths import CONFIG_FILE, TOKENIZER_FILE, WEIGHTS_FILE, Located
 from vltrain.checkpoint.storage import write_weights
+from vltrain.compose.opening import open_model
 from vltrain.config.job import JobConfig
 from vltrain.errors import UserError
 from vltrain.export.hf import hf_family, write_hf
 from vltrain.export.hf_blip import check_blip, write_blip
 from vltrain.export.openclip import check_openclip, write_openclip
+from vltrain.types import revise
 
 log = logging.getLogger("vltrain")
 
@@ -50,7 +51,7 @@ def export_model(source: str | Path, out: str | Path, interpolate: float | None 
     if interpolate is not None and not 0.0 <= interpolate <= 1.0:
         raise UserError(f"--interpolate must be in [0, 1] (0: the initial weights, 1: the fine-tuned ones), "
                         f"got {interpolate}")
-    opened = open_model(source, ema=ema)
+    opened = open_model(source, ema=ema, purpose="export")
     model, tokenizer, cfg, found = opened.model, opened.tokenizer, opened.cfg, opened.located
     family = hf_family(model, tokenizer, str(found.weights), cfg) if fmt == "hf" else ""
     blip = check_blip(model, tokenizer, cfg, str(found.weights)) if family == "blip" else None
@@ -73,8 +74,7 @@ def export_model(source: str | Path, out: str | Path, interpolate: float | None 
         return out
     write_weights(out / WEIGHTS_FILE, model.state_dict(), metadata)
     tokenizer.save(out / TOKENIZER_FILE)
-    cfg.data.tokenizer = TOKENIZER_FILE
-    cfg.save(out / CONFIG_FILE)
+    revise(cfg, data=revise(cfg.data, tokenizer=TOKENIZER_FILE)).save(out / CONFIG_FILE)  # the copy beside it
     return out
 
 

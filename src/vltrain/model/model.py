@@ -3,7 +3,7 @@
 Scoring is not the model's: :mod:`vltrain.objectives.scoring` takes what ``encode`` returns and, for
 ITM, MLM and MIM, runs the passes this model offers (``itm_logits``, ``mlm_logits``,
 ``text_mlm_logits``, ``mim_prediction``: the :class:`vltrain.types.ModelPasses` protocol) on the
-inputs it chose; :class:`vltrain.train.task.Task` composes the two into what data parallelism wraps.
+inputs it chose; :class:`vltrain.compose.task.Task` composes the two into what data parallelism wraps.
 
 Every rank runs the same graph whatever its batch holds. A tower whose modality is absent from the
 whole local batch runs on one dummy row, and every tower output enters the loss through ``anchor``

@@ -1,6 +1,6 @@
 """Data parallelism (DDP or FSDP2), activation checkpointing and compilation of a task's model.
 
-What gets wrapped is the :class:`vltrain.train.task.Task`: DDP and FSDP2 only see ``forward``, and every
+What gets wrapped is the :class:`vltrain.compose.task.Task`: DDP and FSDP2 only see ``forward``, and every
 pass of a step (the whole step, or gradient caching's parts) goes through it by name.
 """
 
@@ -15,7 +15,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from vltrain.config.job import TrainConfig
 from vltrain.runtime.distributed import all_reduce_sum
-from vltrain.train.task import Task
+from vltrain.compose.task import Task
 from vltrain.types import TrainableModel
 
 

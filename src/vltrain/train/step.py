@@ -26,7 +26,7 @@ b. compute the contrastive loss over all cached embeddings, gathered across rank
    gradient with respect to the embeddings only;
 c. re-run each micro-batch with autograd and back-propagate ``sum(embedding * cached grad)`` plus
    its non-contrastive objectives (ITM, MLM); the last micro-batch rebuilds the full loss instead
-   (:meth:`vltrain.train.task.ContrastiveCache.term`).
+   (:meth:`vltrain.compose.task.ContrastiveCache.term`).
 
 Each micro-batch's RNG state is recorded before its encoding in (a) and restored before its encoding
 in (c), so any randomness in encoding repeats in both passes. The non-contrastive objectives (ITM
@@ -50,7 +50,7 @@ from vltrain.runtime.distributed import World, all_reduce_sum
 from vltrain.runtime.faults import maybe_overflow
 from vltrain.runtime.precision import Precision, at_least_fp32
 from vltrain.train.parallelize import clip_grad_norm, gradient_sync, reduce_replicated_grads
-from vltrain.train.task import ContrastiveCache, GeneratorState
+from vltrain.compose.task import ContrastiveCache, GeneratorState
 from vltrain.types import ModelInputs, Rows
 
 
@@ -187,7 +187,7 @@ def plain_backward(
 ) -> StepLosses:
     """Mean of the micro-batches' losses; each micro-batch's contrastive loss sees only itself.
 
-    ``wrapped`` is the (parallelized) :class:`vltrain.train.task.Task`. ``loss_scale`` multiplies the loss
+    ``wrapped`` is the (parallelized) :class:`vltrain.compose.task.Task`. ``loss_scale`` multiplies the loss
     before backward (e.g. a fault-injection NaN).
     """
     n = len(micro)

@@ -1,5 +1,5 @@
 """The teacher of distillation (``model.teacher``): opened through the one door
-(:func:`vltrain.checkpoint.opening.open_model`), frozen, and run without autograd under the run's
+(:func:`vltrain.compose.opening.open_model`), frozen, and run without autograd under the run's
 precision on its own view of each batch; or, with ``model.teacher.precomputed``, not run at all: the
 loader reads the embeddings ``vltrain data teacher-embed`` stored (:mod:`vltrain.data.teacher_store`).
 
@@ -11,52 +11,19 @@ from __future__ import annotations
 
 import hashlib
 import logging
-from dataclasses import dataclass
 
 import torch
 
-from vltrain.checkpoint.opening import model_config, open_model
-from vltrain.checkpoint.paths import EXPORT, HF_CONFIG, Located, locate
+from vltrain.checkpoint.paths import EXPORT, HF, HF_CONFIG, OPENCLIP, Located
+from vltrain.compose.decide import TeacherPlan
+from vltrain.compose.opening import open_model
 from vltrain.config.job import JobConfig
 from vltrain.data.teacher_store import TeacherInputs, open_store, teacher_data
-from vltrain.errors import ConfigError, UsageError, UserError
+from vltrain.errors import ConfigError
 from vltrain.objectives.losses import scale_of
 from vltrain.types import Encoded, ModelInputs, TeacherEmbeds
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class TeacherPlan:
-    """``model.teacher`` located, with the config that rebuilds it (its preprocessing in ``cfg.data``),
-    decided before anything is built."""
-
-    located: Located
-    cfg: JobConfig
-    precomputed: bool
-
-
-def plan_teacher(cfg: JobConfig) -> TeacherPlan | None:
-    """The run's teacher, found and its preprocessing read (nothing loaded); None without one."""
-    t = cfg.model.teacher
-    if not t.path:
-        return None
-    try:
-        return locate_teacher(t.path, "model.teacher.path", t.precomputed)
-    except ConfigError:
-        raise
-    except UsageError as e:  # no teacher there: the config's mistake
-        raise ConfigError(f"model.teacher: the teacher cannot be opened: {e}") from None
-    except UserError as e:  # a teacher that is there but cannot be read: `vltrain data teacher-embed`'s exit code too
-        raise type(e)(f"model.teacher: the teacher cannot be opened: {e}") from None
-
-
-def locate_teacher(path: str, role: str, precomputed: bool = False) -> TeacherPlan:
-    """``path`` located and the config that rebuilds it read (``role`` names it in errors). A teacher
-    that takes images at their own shape (SigLIP 2's NaFlex) gets them so, one per row, padded to its
-    ``data.max_patches``: :func:`vltrain.data.teacher_store.teacher_data`."""
-    found = locate(path, role=role)
-    return TeacherPlan(found, model_config(found), precomputed)
 
 
 def teacher_identity(found: Located) -> dict:
@@ -64,11 +31,11 @@ def teacher_identity(found: Located) -> dict:
     size in bytes, and a hash of the config that rebuilds it."""
     weights = found.weights.resolve()
     files = [weights] if weights.is_file() else sorted(p for p in weights.rglob("*") if p.is_file())
-    config = found.config_file() if found.kind != "openclip" else None
-    if found.kind == "hf":
+    config = found.config_file() if found.family != OPENCLIP else None
+    if found.family == HF:
         config = found.path / HF_CONFIG
     digest = hashlib.blake2b(config.read_bytes(), digest_size=8).hexdigest() if config else ""
-    return {"kind": found.kind, "path": str(found.path.resolve()), "weights": str(weights),
+    return {"kind": found.family, "path": str(found.path.resolve()), "weights": str(weights),
             "bytes": sum(p.stat().st_size for p in files), "config": digest}
 
 
@@ -77,7 +44,7 @@ class Teacher:
 
     def __init__(self, plan: TeacherPlan, device: torch.device, autocast, mesh=None):
         """``mesh``: the student's FSDP2 device mesh, to shard the teacher over (None: replicated)."""
-        opened = open_model(plan.located, cfg=plan.cfg, device=device)
+        opened = open_model(plan.decided, device=device)
         self.model = opened.model.requires_grad_(False).eval()
         self.tokenizer = opened.tokenizer
         self.data = plan.cfg.data

@@ -36,7 +36,8 @@ from vltrain.errors import DataError, UserError
 from vltrain.runtime.distributed import all_reduce_sum
 from vltrain.runtime.precision import Precision
 from vltrain.runtime.world import setup_world
-from vltrain.train.teacher import Teacher, locate_teacher, teacher_identity
+from vltrain.compose.decide import locate_teacher
+from vltrain.train.teacher import Teacher, teacher_identity
 
 log = logging.getLogger(__name__)
 

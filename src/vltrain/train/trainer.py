@@ -26,9 +26,12 @@ from vltrain.checkpoint.manager import (
     Restored,
     save_initial_weights,
 )
-from vltrain.checkpoint.opening import load_weights
 from vltrain.checkpoint.paths import latest_checkpoint
 from vltrain.checkpoint.space import QuietWrites, check_writable
+from vltrain.compose.builders import build_task, build_train_loader_for
+from vltrain.compose.decide import Decided, decide, describe_preprocessing
+from vltrain.compose.opening import open_model
+from vltrain.compose.rules import describe_itm
 from vltrain.config.job import JobConfig
 from vltrain.data.batch import Batch
 from vltrain.data.dataset import source_specs
@@ -46,21 +49,12 @@ from vltrain.runtime.preemption import Preempted, PreemptionWatch, clear_marker,
 from vltrain.runtime.rng import RngState
 from vltrain.runtime.spmd import RECORDER
 from vltrain.runtime.world import setup_world
-from vltrain.train.build import (
-    describe_itm,
-    build_model_for,
-    build_task,
-    build_tokenizer,
-    build_train_loader_for,
-    describe_preprocessing,
-)
 from vltrain.train.ema import WeightAverage
 from vltrain.train.metrics import (GpuUtilization, MetricsLogger, Throughput, memory_bytes, peak_flops,
                                    peak_memory_bytes, plot_curves, restart_cost)
 from vltrain.train.nonfinite import NonFiniteGuard
 from vltrain.train.optim import build_optimizer, build_scheduler, freeze_towers
 from vltrain.train.parallelize import parallelize
-from vltrain.train.resolve import resolve_run
 from vltrain.train.source_metrics import SourceMeter
 from vltrain.train.step import Step, StepResult
 from vltrain.train.teacher import Teacher, describe as describe_teacher, stored_inputs
@@ -69,7 +63,6 @@ log = logging.getLogger(__name__)
 
 class Trainer:
     def __init__(self, cfg: JobConfig):
-        self.cfg = cfg
         tc = cfg.train
         self.run_dir = Path(cfg.run.dir)
 
@@ -77,9 +70,10 @@ class Trainer:
         self.world = setup_world(timeout_s=tc.timeout_s, device=tc.device, threads=tc.threads, tf32=tc.tf32,
                                  debug_spmd=tc.debug_spmd, deterministic=tc.deterministic)
         self.device = self.world.device
-        # the config, decided once and frozen: what config.yaml says is what the run uses
-        self.resolved = resolve_run(cfg, self.world.world_size)
-        self.init_checkpoint, self.itm_source = self.resolved.saved_init, self.resolved.itm_source
+        # the config decided once, a frozen copy of the one given: what config.yaml says is what the run uses
+        self.decided: Decided = decide(cfg, self.world.world_size, "train")
+        self.cfg = cfg = self.decided.cfg
+        tc, self.itm_source = cfg.train, self.decided.itm_source
         self._prepare_run_dir()
 
         self.tokenizer, self.model, self.precision = self._build_model()  # the same weights on every rank
@@ -120,7 +114,7 @@ class Trainer:
         # restores are exactly those the next step draws from
         files = {"tokenizer.json": self.tokenizer.path} if self.tokenizer.path else None
         self.checkpointer = Checkpointer(cfg.checkpoint, self.run_dir, self.stateful(), {"rng": self.rng},
-                                         config_yaml=cfg.to_yaml(), files=files, drop=tuple(tc.resume_drop))
+                                         config=cfg, files=files, drop=tuple(tc.resume_drop))
         self.restored, cost = self._resume()
         self._write_run_files()  # only now: a run refused by any check above has written nothing
 
@@ -151,11 +145,9 @@ class Trainer:
         tc = self.cfg.train
         precision = Precision(tc.precision, self.device)
         torch.manual_seed(tc.seed)
-        tokenizer = build_tokenizer(self.cfg)
-        with precision.weights_dtype():
-            model = build_model_for(self.cfg, tokenizer, self.device)
-        if self.init_checkpoint is not None:
-            load_weights(self.init_checkpoint, model)
+        with precision.weights_dtype():  # fresh weights, filled from model.init if the run has one
+            opened = open_model(self.decided, device=self.device)
+        tokenizer, model = opened.tokenizer, opened.model
         freeze_towers(model, tc.freeze, tc.unlock_last)
         self._save_initial(model)
         return tokenizer, model, precision
@@ -164,7 +156,7 @@ class Trainer:
         """The distillation teacher (``model.teacher``), opened and sharded like the student, and what
         the loader makes for it; or, with stored embeddings, no teacher and a function that finds them
         beside the training sources' indexes. (None, None) without a teacher."""
-        plan = self.resolved.teacher
+        plan = self.decided.teacher
         if plan is None:
             return None, None
         if self.world.is_main:
@@ -203,25 +195,24 @@ class Trainer:
         """Rank 0 keeps the weights the run starts from (``checkpoint.save_initial``), before
         parallelize shards them: ``vltrain export --interpolate`` blends them with the trained ones."""
         when = self.cfg.checkpoint.save_initial
-        started_from = self.cfg.model.init or self.init_checkpoint
-        if self.world.is_main and (when == "always" or (when == "auto" and started_from)):
+        if self.world.is_main and (when == "always" or (when == "auto" and self.decided.weights is not None)):
             save_initial_weights(self.run_dir, model)
 
     def _say_init(self) -> None:
         """What ``model.init`` gave the run (rank 0): a vltrain run, checkpoint or export its model
         section, tokenizer and weights; another checkpoint its architecture and preprocessing."""
-        if self.init_checkpoint is not None:
-            print(f"model.init {self.init_checkpoint.weights}: saved by vltrain (its model section, tokenizer "
+        if self.decided.imported is not None:
+            print(describe_preprocessing(self.cfg, self.decided.imported), flush=True)
+        elif self.decided.weights is not None:
+            print(f"model.init {self.decided.weights.weights}: saved by vltrain (its model section, tokenizer "
                   "and weights; a new optimizer and schedule)", flush=True)
-        elif self.resolved.imported_init is not None:
-            print(describe_preprocessing(self.cfg, self.resolved.imported_init), flush=True)
 
     def _prepare_run_dir(self) -> None:
         """Rank 0: the run folder; what model.init gave and the global batch, said."""
         check_writable(self.run_dir)  # on every rank: each stops with the message, none waits
         if self.world.is_main:
             self._say_init()
-            log.info(self.resolved.batch)
+            log.info(self.decided.batch)
             if self.device.type == "cpu":
                 log.info(allocator.describe())
             self.run_dir.mkdir(parents=True, exist_ok=True)

@@ -20,7 +20,7 @@ from vltrain.errors import DataError
 from vltrain.model import build_model
 from vltrain.model.config import LossConfig, ModelConfig
 from vltrain.objectives.scoring import Objectives
-from vltrain.train.task import Task
+from vltrain.compose.task import Task
 
 
 def make_loader(t, *, rank=0, world_size=1, workers=0, run_dir=None, **kw) -> TrainLoader:

@@ -17,22 +17,23 @@ transformers = pytest.importorskip("transformers")
 from kits.datafiles import run_cli  # noqa: E402
 from kits.pretrainedkit import TEXTS, image_file, make_blip  # noqa: E402
 
-from vltrain.config.job import load_config  # noqa: E402
 from vltrain.errors import ConfigError, UserError  # noqa: E402
 from vltrain.eval.captioning import Prompt  # noqa: E402
 from vltrain.model.generate import Decoding, direct, generate  # noqa: E402
 from vltrain.model.interop.convert import OPENAI_MEAN  # noqa: E402
-from vltrain.train.build import build_model_for, build_tokenizer, resolve_init  # noqa: E402
+from vltrain.checkpoint.paths import locate  # noqa: E402
+from vltrain.compose.decide import model_config  # noqa: E402
+from vltrain.compose.opening import open_model  # noqa: E402
 from vltrain.types import ModelInputs  # noqa: E402
 
 CAPTIONER = "BlipForConditionalGeneration"
 
 
 def load(init, *overrides):
-    cfg = load_config(None, [f"model.init={init}", *overrides])
-    source = resolve_init(cfg)
-    tokenizer = build_tokenizer(cfg)
-    return build_model_for(cfg, tokenizer).eval(), tokenizer, cfg, source
+    """The model at ``init`` through the one door, and the checkpoint as the decide pass described it."""
+    decided = model_config(locate(init), list(overrides))
+    opened = open_model(decided)
+    return opened.model, opened.tokenizer, opened.cfg, decided.imported
 
 
 def _folder(tmp_path_factory, name, **kw):
@@ -267,7 +268,7 @@ def test_retrieval_trains_every_parameter_and_without_itm_leaves_the_cross_atten
     from kits.modelkit import make_batch
 
     from vltrain.objectives.scoring import Objectives
-    from vltrain.train.task import Task
+    from vltrain.compose.task import Task
 
     folder, _, (_, _, cfg, _) = retrieval
     model = load(folder)[0].train()

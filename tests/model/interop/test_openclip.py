@@ -11,10 +11,9 @@ transformers = pytest.importorskip("transformers")
 
 from kits.pretrainedkit import TEXTS, clip_tokenizer, make_clip, normalized  # noqa: E402
 
-from vltrain.config.job import load_config  # noqa: E402
 from vltrain.errors import UserError  # noqa: E402
 from vltrain.export.native import embed  # noqa: E402
-from vltrain.train.build import build_model_for, build_tokenizer, resolve_init  # noqa: E402
+from vltrain.compose.opening import open_model  # noqa: E402
 
 
 def _block(sd: dict, ours: str, hf: str) -> dict:
@@ -75,10 +74,8 @@ def _write(path, state, fmt: str):
 
 
 def _embeddings(init, *overrides):
-    cfg = load_config(None, [f"model.init={init}", *overrides])
-    resolve_init(cfg)
-    tokenizer = build_tokenizer(cfg)
-    model = build_model_for(cfg, tokenizer).eval()
+    opened = open_model(init, list(overrides))
+    model, tokenizer, cfg = opened.model, opened.tokenizer, opened.cfg
     pixels = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(5))
     with torch.no_grad():
         images = model._vision(pixels)[-1].numpy()

@@ -20,7 +20,8 @@ from vltrain.model.builder import build_model
 from vltrain.model.config import ModelConfig
 from vltrain.model.generate import Decoding, direct, generate
 from vltrain.model.interop.openclip_coca import architecture
-from vltrain.model.interop.pretrained import load_pretrained, open_pretrained
+from vltrain.checkpoint.paths import locate
+from vltrain.model.interop.pretrained import describe, load_pretrained
 from vltrain.model.presets import PRESETS
 
 FIXTURE = Path(__file__).parent / "fixtures" / "openclip-coca"
@@ -33,7 +34,9 @@ def reference() -> dict[str, torch.Tensor]:
 
 
 def _load(folder: Path):
-    source = open_pretrained(folder)
+    found = locate(folder)
+    assert found.kind == "openclip-coca"
+    source = describe(found.path, found.kind)
     model = build_model(ModelConfig(preset="", arch=source.arch.to_dict()), vocab_size=VOCAB, pad_id=PAD,
                         mask_id=None, image_size=32, max_text_length=source.arch.text.max_length)
     assert load_pretrained(model, source) == []  # every tensor placed, nothing fresh
@@ -129,7 +132,7 @@ def test_a_coca_checkpoint_without_its_config_is_refused_in_one_line(tmp_path):
     weights = tmp_path / "open_clip_model.safetensors"
     shutil.copy(FIXTURE / "open_clip_model.safetensors", weights)
     with pytest.raises(UserError, match="model config was not found.*open_clip_config.json"):
-        open_pretrained(weights)
+        describe(weights, locate(weights).kind)
 
 
 @pytest.mark.parametrize("change, message", [

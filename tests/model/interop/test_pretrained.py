@@ -7,20 +7,20 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
+from vltrain.checkpoint.paths import locate  # noqa: E402
+from vltrain.compose.decide import model_config  # noqa: E402
+from vltrain.compose.opening import open_model  # noqa: E402
 from kits.pretrainedkit import TEXTS, image_file, make_clip, make_siglip, normalized  # noqa: E402
 
-from vltrain.config.job import load_config  # noqa: E402
 from vltrain.errors import UserError  # noqa: E402
 from vltrain.export.native import embed  # noqa: E402
 from vltrain.model.interop.convert import OPENAI_MEAN  # noqa: E402
-from vltrain.train.build import build_model_for, build_tokenizer, resolve_init  # noqa: E402
 
 
 def load(init, *overrides):
-    cfg = load_config(None, [f"model.init={init}", *overrides])
-    resolve_init(cfg)
-    tokenizer = build_tokenizer(cfg)
-    return build_model_for(cfg, tokenizer).eval(), tokenizer, cfg
+    """The model at ``init`` through the one door, as ``model.init`` and ``vltrain eval`` open it."""
+    opened = open_model(init, list(overrides))
+    return opened.model, opened.tokenizer, opened.cfg
 
 
 def padded(tokenizer, texts, length=None, pad_id=None):
@@ -83,11 +83,9 @@ def test_clip_preprocessing_follows_the_checkpoint_unless_set(clip):
     assert d.mean == OPENAI_MEAN and d.tokenizer == str(folder / "tokenizer.json")
     assert cfg.model.arch["text"]["causal"] and cfg.model.arch["vision"]["act"] in ("quick_gelu", "gelu")
     assert model.logit_bias is None and cfg.model.loss.itc == 1.0
-    mine = load_config(None, [f"model.init={folder}", "data.mean=[0.5,0.5,0.5]", "data.max_text_length=8"])
-    resolve_init(mine)
+    mine = model_config(locate(folder), ["data.mean=[0.5,0.5,0.5]", "data.max_text_length=8"]).cfg
     assert mine.data.mean == [0.5, 0.5, 0.5] and mine.data.max_text_length == 8 and mine.data.std == d.std
-    saved = load_config(None, [f"model.init={folder}", "data.interpolation=bilinear"])
-    resolve_init(saved)
+    saved = model_config(locate(folder), ["data.interpolation=bilinear"]).cfg
     assert "interpolation: bilinear" in saved.to_yaml() and "image_size: 32" in saved.to_yaml()
 
 

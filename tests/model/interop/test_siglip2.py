@@ -12,20 +12,16 @@ transformers = pytest.importorskip("transformers")
 from PIL import Image  # noqa: E402
 from kits.pretrainedkit import TEXTS, make_siglip2, normalized  # noqa: E402
 
-from vltrain.config.job import load_config  # noqa: E402
 from vltrain.export.native import embed  # noqa: E402
-from vltrain.train.build import build_model_for, build_tokenizer, fit_native, resolve_init  # noqa: E402
+from vltrain.compose.opening import open_model  # noqa: E402
 
 # (width, height): aspect ratios 1:4 to 4:1, each at three sizes (small ones are enlarged to the budget)
 SHAPES = [(w * k, h * k) for w, h in ((10, 40), (20, 40), (30, 30), (40, 20), (40, 10)) for k in (1, 4, 15)]
 
 
 def load(init, *overrides):
-    cfg = load_config(None, [f"model.init={init}", *overrides])
-    resolve_init(cfg)
-    fit_native(cfg)
-    tokenizer = build_tokenizer(cfg)
-    return build_model_for(cfg, tokenizer).eval(), tokenizer, cfg
+    opened = open_model(init, list(overrides))
+    return opened.model, opened.tokenizer, opened.cfg
 
 
 @pytest.fixture(scope="module", params=["preprocessor", "processor"])

@@ -1,7 +1,9 @@
 """``model.init``: start from a Hugging Face CLIPModel / SiglipModel / BLIP folder or an OpenCLIP checkpoint.
 
-:func:`open_pretrained` reads what a checkpoint describes (its architecture and preprocessing)
-without loading its weights; :func:`load_pretrained` then fills a model built for that architecture.
+:func:`imported_kind` tells the kinds apart (for :func:`vltrain.checkpoint.paths.locate`, the one
+place that says what a path is); :func:`describe` reads what a checkpoint describes (its architecture
+and preprocessing) without loading its weights; :func:`load_pretrained` then fills a model built for
+that architecture.
 Every tensor the model's towers, projections and temperature need comes from the checkpoint, and
 every tensor of the checkpoint goes somewhere: anything else is an error naming the tensor. Heads
 the checkpoint has no weights for (ITM, MLM, MIM) start fresh, and are listed.
@@ -78,34 +80,37 @@ class Pretrained:
         return hf_blip.parts(self.arch) if self.kind == "hf-blip" else TOWER_PREFIXES
 
 
-def open_pretrained(path: str | Path, preset: str = "", quick_gelu: bool = False) -> Pretrained:
-    """The architecture and preprocessing of a checkpoint (``preset``: OpenCLIP's head counts)."""
-    p = Path(path).expanduser()
-    config = openclip_coca.find_config(p)
-    if p.is_dir() and config is not None and not (p / "config.json").is_file():
-        return _open_openclip(openclip_coca.find_weights(p), preset, quick_gelu, config)
-    if p.is_dir():
-        if not (p / "config.json").is_file():
-            raise UserError(f"model.init {p}: no config.json there; give a Hugging Face CLIPModel, SiglipModel or "
-                            "BLIP folder (save_pretrained) or an OpenCLIP checkpoint file")
+IMPORTED_KINDS = ("hf-clip", "hf-siglip", "hf-siglip2", "hf-blip", "openclip", "openclip-coca")
+"""What :func:`imported_kind` names: a Hugging Face folder's model type, an OpenCLIP CLIP or CoCa."""
+
+
+def imported_kind(p: Path) -> str:
+    """Which of :data:`IMPORTED_KINDS` ``p`` holds, read from its config.json or, for an OpenCLIP
+    checkpoint, its tensor names (safetensors: the header only). ``p`` is a folder with config.json or
+    an OpenCLIP config, or a checkpoint file (:func:`vltrain.checkpoint.paths.locate` asks)."""
+    if p.is_dir() and (p / "config.json").is_file():
         config = hf_clip.read_json(p / "config.json")
-        if hf_blip.is_blip(config):
-            arch = hf_blip.architecture(p, config)
-            return Pretrained(p, "hf-blip", arch, hf_blip.preprocessing(p, config, arch), f"in {p}/config.json")
-        family = hf_clip.family_of(config, p)
-        arch = hf_clip.architecture(p, config)
-        return Pretrained(p, f"hf-{family}", arch, hf_clip.preprocessing(p, config, arch), f"in {p}/config.json")
-    if not p.is_file():
-        raise UserError(f"model.init {p} does not exist (give a Hugging Face folder or an OpenCLIP checkpoint file)")
-    if p.suffix not in CHECKPOINT_SUFFIXES:
-        raise UserError(f"model.init {p}: an OpenCLIP checkpoint ends in {', '.join(CHECKPOINT_SUFFIXES)}")
-    return _open_openclip(p, preset, quick_gelu, config)
+        return "hf-blip" if hf_blip.is_blip(config) else f"hf-{hf_clip.family_of(config, p)}"
+    weights = openclip_coca.find_weights(p) if p.is_dir() else p
+    return "openclip-coca" if openclip_coca.MARKER in read_shapes(weights) else "openclip"
 
 
-def _open_openclip(p: Path, preset: str, quick_gelu: bool, config: Path | None) -> Pretrained:
+def describe(path: Path, kind: str, preset: str = "", quick_gelu: bool = False) -> Pretrained:
+    """The architecture and preprocessing of a checkpoint of ``kind`` (:func:`imported_kind`);
+    ``preset``: OpenCLIP's head counts. Nothing but its config and tensor shapes is read."""
+    if kind.startswith("hf-"):
+        config = hf_clip.read_json(path / "config.json")
+        arch = (hf_blip.architecture if kind == "hf-blip" else hf_clip.architecture)(path, config)
+        pre = (hf_blip.preprocessing if kind == "hf-blip" else hf_clip.preprocessing)(path, config, arch)
+        return Pretrained(path, kind, arch, pre, f"in {path}/config.json")
+    config = openclip_coca.find_config(path)
+    weights = openclip_coca.find_weights(path) if path.is_dir() else path
+    return _open_openclip(weights, kind, preset, quick_gelu, config)
+
+
+def _open_openclip(p: Path, kind: str, preset: str, quick_gelu: bool, config: Path | None) -> Pretrained:
     """An OpenCLIP checkpoint: CoCa from its model config, CLIP from its tensor shapes."""
-    shapes = read_shapes(p)
-    if openclip_coca.MARKER in shapes:
+    if kind == "openclip-coca":
         if config is None:
             raise openclip_coca.no_config(str(p))
         model_cfg = openclip_coca.read_model_config(config, str(p))
@@ -113,6 +118,7 @@ def _open_openclip(p: Path, preset: str, quick_gelu: bool, config: Path | None) 
         data = hf_clip.read_json(config) if config.name == openclip_coca.CONFIG_FILE else {}
         pre = openclip_coca.preprocessing(p, arch, data.get("preprocess_cfg", {}) if isinstance(data, dict) else {})
         return Pretrained(p, "openclip-coca", arch, pre, f"in {config}", weights=p)
+    shapes = read_shapes(p)
     arch = openclip.infer(shapes, str(p), quick_gelu)
     arch_from = "inferred from its tensor shapes"
     if preset:
