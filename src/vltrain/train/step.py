@@ -44,13 +44,14 @@ import torch
 from torch import nn
 
 from vltrain.config.job import TrainConfig
+from vltrain.model.passes import Encode
 from vltrain.objectives.keyed import StepKey
 from vltrain.objectives.scoring import Objectives
 from vltrain.runtime.distributed import World, all_reduce_sum
 from vltrain.runtime.faults import maybe_overflow
 from vltrain.runtime.precision import Precision, at_least_fp32
 from vltrain.train.parallelize import clip_grad_norm, gradient_sync, reduce_replicated_grads
-from vltrain.train.task import ContrastiveCache, GeneratorState
+from vltrain.train.task import Contrastive, ContrastiveCache, GeneratorState, Replay, Score
 from vltrain.types import ModelInputs, Rows
 
 
@@ -195,7 +196,7 @@ def plain_backward(
     for i, m in enumerate(micro):
         with gradient_sync(wrapped, i == n - 1):
             with autocast():
-                out = wrapped("all", m)
+                out = wrapped(Score(m))
             loss = at_least_fp32(out.loss) * loss_scale / n
             backward(loss)
         result.loss = result.loss + loss.detach()  # an fp64 run widens the fp32 zero
@@ -214,7 +215,7 @@ def _cache(wrapped: nn.Module, micro: list[ModelInputs], autocast, loss_scale: f
         for m in micro:
             states.append(GeneratorState(device))
             with autocast():
-                enc = wrapped("encode", m)
+                enc = wrapped(Encode(m))
             img_cache.append(at_least_fp32(enc.image_embeds))
             txt_cache.append(at_least_fp32(enc.text_embeds))
 
@@ -224,7 +225,7 @@ def _cache(wrapped: nn.Module, micro: list[ModelInputs], autocast, loss_scale: f
     # gradients to the embeddings only; no parameter gradient is touched or reduced here
     with gradient_sync(wrapped, False):
         with autocast():
-            closs, row_losses = wrapped("contrastive", img_all, txt_all, rows)
+            closs, row_losses = wrapped(Contrastive(img_all, txt_all, rows))
         g_img, g_txt = torch.autograd.grad(at_least_fp32(closs) * loss_scale, [img_all, txt_all])
     bounds = [0]
     for m in micro:
@@ -249,7 +250,7 @@ def gradcache_backward(
     for i, m in enumerate(micro):
         with gradient_sync(wrapped, i == n - 1):
             with autocast():
-                contrastive, other = wrapped("replay", m, cache, i, states[i])
+                contrastive, other = wrapped(Replay(m, cache, i, states[i]))
             other_loss = at_least_fp32(other.loss) * loss_scale / n
             backward(contrastive + other_loss)
         result.loss = result.loss + other_loss.detach()
