@@ -11,7 +11,7 @@ train`` always saves the last step, which a bare loop would not).
 
 Bare: a deep copy of the trainer's model taken before its first step (the same weights) with the
 same objectives (``build_task``), and per step: the batch to ``ModelInputs`` (uint8 pixels
-normalized, as the trainer does), ``zero_grad(set_to_none=True)``, ``task("all", inputs)``,
+normalized, as the trainer does), ``zero_grad(set_to_none=True)``, ``task(Score(inputs))``,
 ``loss.backward()``, ``clip_grad_norm_`` at ``train.grad_clip`` (foreach), and
 ``build_optimizer``'s AdamW (fused, the same two weight-decay groups, lr, betas, eps) ``.step()``.
 No scheduler (a constant lr: the same work), no metrics, no guards.
@@ -50,6 +50,7 @@ from _demo_model import demo_config, load_average, sync
 from vltrain.compose.builders import build_task
 from vltrain.train.metrics import CPU_FLAGS
 from vltrain.train.optim import build_optimizer
+from vltrain.compose.task import Score
 
 DEMO_PRESET = "tiny-coca-lite"
 
@@ -129,7 +130,7 @@ class BareLoop:
         for batch in batches:
             inputs = batch.to_model_inputs(self.device, self.data.mean, self.data.std)
             self.optimizer.zero_grad(set_to_none=True)
-            loss = self.task("all", inputs).loss
+            loss = self.task(Score(inputs)).loss
             loss.backward()
             if self.clip > 0:
                 torch.nn.utils.clip_grad_norm_(self.params, self.clip, foreach=True)

@@ -34,7 +34,7 @@ def bare(preset: str, batch: int, size: int, steps: int, precision: str) -> floa
     from vltrain.model import build_model
     from vltrain.model.config import LossConfig, ModelConfig
     from vltrain.objectives.scoring import Objectives
-    from vltrain.compose.task import Task
+    from vltrain.compose.task import Score, Task
     from vltrain.types import ModelInputs
 
     torch.manual_seed(0)
@@ -50,7 +50,7 @@ def bare(preset: str, batch: int, size: int, steps: int, precision: str) -> floa
             has_text=torch.ones(batch, dtype=torch.bool), ids=torch.arange(batch))
         opt.zero_grad(set_to_none=True)
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16"):
-            out = task("all", inputs)
+            out = task(Score(inputs))
         out.loss.backward()
         opt.step()
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from vltrain.eval.captions import open_captions
 from vltrain.eval.embedding import Embedded
 from vltrain.eval.retrieval import itm_rerank, multi_caption_recall, recall_with_rerank
+from vltrain.model.passes import ItmLogits
 from vltrain.types import Tokens
 
 
@@ -30,14 +31,17 @@ def test_multi_caption_protocol_on_a_hand_worked_case():
 
 
 class MatchingHead(torch.nn.Module):
-    """``task("itm", ...)``: a match when the text's first feature equals the image's (the pair's id)."""
+    """``task(ItmLogits(...))``: a match when the text's first feature equals the image's (the pair's id)."""
 
     def __init__(self):
         super().__init__()
         self.calls = 0
 
-    def forward(self, part, text_tokens, attention_mask, image_tokens):
-        assert part == "itm" and attention_mask.shape[1] == text_tokens.shape[1]
+    def forward(self, computation):
+        assert isinstance(computation, ItmLogits)
+        text_tokens, attention_mask, image_tokens = (computation.text_tokens, computation.attention_mask,
+                                                     computation.image_tokens)
+        assert attention_mask.shape[1] == text_tokens.shape[1]
         assert image_tokens.key_mask is None  # square images: every token real
         self.calls += 1
         match = (text_tokens[:, 0, 0] == image_tokens.values[:, 0, 0]).float() * 4 - 2

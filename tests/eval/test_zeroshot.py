@@ -14,6 +14,7 @@ from vltrain.data.config import DataConfig
 from vltrain.data.tools.tokenizer_training import train_tokenizer
 from vltrain.eval.embedding import Encoder
 from vltrain.eval.zeroshot import class_embeddings, evaluate_zeroshot, open_zeroshot
+from vltrain.model.passes import Encode
 
 CLASSES = ("cat", "dog", "bird")
 # (class folder, red level of the image): the toy maps red level k to class k's direction, so an
@@ -25,15 +26,16 @@ DIM = 4
 
 
 class ToyTask(torch.nn.Module):
-    """``task("encode", inputs)``: an image of red level k embeds as e_k (plus a little of e_3); a
+    """``task(Encode(inputs))``: an image of red level k embeds as e_k (plus a little of e_3); a
     text embeds as e_k when it holds class k's token. Other parts are not needed."""
 
     def __init__(self, class_tokens: list[list[int]]):
         super().__init__()
         self.class_tokens = torch.tensor(class_tokens)  # [class, forms]: with and without a space before
 
-    def forward(self, part, inputs):
-        assert part == "encode"
+    def forward(self, computation):
+        assert isinstance(computation, Encode)
+        inputs = computation.inputs
         level = (inputs.pixels[:, 0].mean(dim=(1, 2)) * 255 / 100).round().long().clamp(0, DIM - 1)
         image = F.normalize(F.one_hot(level, DIM).float() + 0.1 * F.one_hot(torch.full_like(level, 3), DIM), dim=-1)
         has = (inputs.input_ids[:, :, None, None] == self.class_tokens[None, None]).any(dim=3).any(dim=1)

@@ -23,7 +23,8 @@ from vltrain.config.job import load_config  # noqa: E402
 from vltrain.errors import UserError  # noqa: E402
 from vltrain.export.hf_blip import check_blip  # noqa: E402
 from vltrain.export.native import export_model  # noqa: E402
-from vltrain.model.generate import Decoding, direct, generate  # noqa: E402
+from vltrain.model.generate import Decoding, generate  # noqa: E402
+from vltrain.model.passes import direct  # noqa: E402
 from vltrain.types import revise  # noqa: E402
 
 HEAD = "text_decoder.cls.predictions."

@@ -9,7 +9,7 @@ import torch
 from vltrain.model import VLModel, build_model
 from vltrain.model.config import LossConfig, ModelConfig
 from vltrain.objectives.scoring import Objectives
-from vltrain.compose.task import Task
+from vltrain.compose.task import Score, Task
 from vltrain.types import ModelInputs
 
 VOCAB, PAD, MASK, IMAGE, LENGTH = 50, 0, 1, 32, 8
@@ -23,7 +23,7 @@ def small_model(preset: str = "tiny-clip", seed: int = 0, **loss) -> VLModel:
 
 
 def small_task(preset: str = "tiny-clip", seed: int = 0, **loss) -> Task:
-    """``small_model`` with the objectives of ``loss``: ``task("all", batch)`` scores a batch."""
+    """``small_model`` with the objectives of ``loss``: ``task(Score(batch))`` scores a batch."""
     model = small_model(preset, seed, **loss)
     return Task(model, Objectives(LossConfig(**loss), model.spec))
 

@@ -10,8 +10,10 @@ from kits.modelkit import MASK, PAD, VOCAB, make_batch, small_model, small_task
 from vltrain.errors import ConfigError, UserError
 from vltrain.model import build_model
 from vltrain.model.config import ModelConfig
-from vltrain.model.generate import Decoding, direct, generate
+from vltrain.model.generate import Decoding, generate
+from vltrain.model.passes import direct
 from vltrain.objectives.scoring import Objectives
+from vltrain.compose.task import Score
 from vltrain.types import Tokens
 
 START, END = 2, 3
@@ -53,7 +55,7 @@ def test_a_text_only_row_reads_no_image_and_trains_none_of_the_vision_tower():
     task = small_task("tiny-coca", itc=0, siglip=1)
     text_only = make_batch(4, seed=3, has_image=[False] * 4)
     task.objectives.loss_weights = {"caption": 1.0}  # the caption loss alone
-    task("all", text_only).loss.backward()
+    task(Score(text_only)).loss.backward()
     vision = [p.grad for p in task.model.vision.parameters()]
     assert all(g is not None and not g.any() for g in vision)
     assert any(p.grad.any() for p in task.model.decoder.parameters())
@@ -65,7 +67,7 @@ def test_the_caption_loss_predicts_each_next_token_of_the_rows_with_text():
     labels = Objectives.caption_labels(batch)
     assert torch.equal(labels[0, : batch.attention_mask[0].sum() - 1], batch.input_ids[0, 1: batch.attention_mask[0].sum()])
     assert (labels[3] == -100).all()  # image-only: nothing to predict
-    out = task("all", batch)
+    out = task(Score(batch))
     logits = _logits(task.model, batch)[:, :-1]
     picked = labels != -100
     expected = torch.nn.functional.cross_entropy(logits[picked], labels[picked])
@@ -77,7 +79,7 @@ def test_label_smoothing_raises_the_loss_of_a_confident_model():
     plain = small_task("tiny-coca")
     smooth = small_task("tiny-coca", caption_label_smoothing=0.1)
     batch = make_batch(4, seed=5)
-    assert not torch.equal(plain("all", batch).losses["caption"], smooth("all", batch).losses["caption"])
+    assert not torch.equal(plain(Score(batch)).losses["caption"], smooth(Score(batch)).losses["caption"])
 
 
 def _images(model, n=4, seed=0) -> Tokens:
@@ -344,7 +346,7 @@ def test_a_captioner_without_a_contrastive_objective_still_gives_every_parameter
     zero gradients, so DDP without find_unused_parameters and FSDP2 see every parameter."""
     task = small_task("tiny-coca", itc=0)
     assert set(task.objectives.loss_weights) == {"caption"}
-    out = task("all", make_batch(4, seed=4, has_image=[True, True, False, True]))
+    out = task(Score(make_batch(4, seed=4, has_image=[True, True, False, True])))
     assert set(out.losses) == {"caption"}
     out.loss.backward()
     missing = [n for n, p in task.model.named_parameters() if p.grad is None]

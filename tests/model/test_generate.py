@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from vltrain.model.generate import Decoding, generate
+from vltrain.model.passes import CaptionNext
 from vltrain.types import Tokens
 
 transformers = pytest.importorskip("transformers")
@@ -25,8 +26,9 @@ def gpt2():
 
 def ours(model, prefixes: torch.Tensor, decoding: Decoding) -> list[list[int]]:
     """vltrain's search, the prefix carried as each row's image tokens."""
-    def run(part, ids, image, has_image):
-        assert part == "caption_next"
+    def run(computation):
+        assert isinstance(computation, CaptionNext)
+        image, ids = computation.image_tokens, computation.ids
         return model(torch.cat([image.values[..., 0].long(), ids], dim=1)).logits[:, -1]
 
     with torch.no_grad():

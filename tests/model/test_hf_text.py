@@ -17,7 +17,7 @@ from vltrain.errors import UserError  # noqa: E402
 from vltrain.model import build_model, hf_tokenizer_file  # noqa: E402
 from vltrain.model.config import LossConfig, ModelConfig, TextConfig  # noqa: E402
 from vltrain.objectives.scoring import Objectives  # noqa: E402
-from vltrain.compose.task import Task  # noqa: E402
+from vltrain.compose.task import Score, Task  # noqa: E402
 from vltrain.types import ModelInputs  # noqa: E402
 
 WORDS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "a", "red", "blue", "small", "large", "circle", "square"]
@@ -58,7 +58,7 @@ def test_hf_text_tower_trains_every_parameter(bert_folder, preset):
     assert model.text.width == 32 and model.text.model.pooler is None
     assert all(m.p == 0 for m in model.text.modules() if isinstance(m, torch.nn.Dropout))
     batch = _batch(bert_folder, ["a red circle", "a large blue square", "small square", ""])
-    out = Task(model, Objectives(cfg.loss, model.spec))("all", batch)
+    out = Task(model, Objectives(cfg.loss, model.spec))(Score(batch))
     out.loss.backward()
     missing = [n for n, p in model.named_parameters() if p.grad is None]
     assert not missing
@@ -78,7 +78,7 @@ def test_hf_text_tower_checkpointing_is_exact(bert_folder):
         model.set_activation_checkpointing(enabled)
         # transformers checkpoints a layer's forward, inside the layer's hooks: count its first part
         with forward_calls(*(block.attention for block in model.text.blocks)) as counts:
-            Task(model, Objectives(cfg.loss, model.spec))("all", batch).loss.backward()
+            Task(model, Objectives(cfg.loss, model.spec))(Score(batch)).loss.backward()
         results.append(model.text.token_embedding.weight.grad.clone())
         calls.append(counts)
     assert calls == [[1, 1], [2, 2]]  # with checkpointing each layer is recomputed in the backward

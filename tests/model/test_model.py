@@ -8,6 +8,9 @@ import torch
 from kits.modelkit import forward_calls, grads, make_batch, max_relative_error, rows, small_model, small_task
 from kits.multiproc import run_world
 
+from vltrain.model.passes import Encode
+from vltrain.compose.task import Contrastive, Score
+
 MIXES = {
     "image-text": ([1, 1, 1, 1], [1, 1, 1, 1]),
     "text-only": ([0, 0, 0, 0], [1, 1, 1, 1]),
@@ -23,7 +26,7 @@ def test_every_parameter_gets_a_finite_gradient(model_name, mix):
     preset, loss = MODELS[model_name]
     model = small_task(preset, **loss)
     has_image, has_text = MIXES[mix]
-    out = model("all", make_batch(4, has_image=has_image, has_text=has_text, weights=True))
+    out = model(Score(make_batch(4, has_image=has_image, has_text=has_text, weights=True)))
     out.loss.backward()
     for name, p in model.named_parameters():
         assert p.grad is not None, name
@@ -36,7 +39,7 @@ def test_every_parameter_gets_a_finite_gradient(model_name, mix):
 
 def test_output_fields():
     model = small_task("tiny-albef", itm=1.0, mlm=1.0)
-    out = model("all", make_batch(4, has_image=[1, 0, 1, 1]))
+    out = model(Score(make_batch(4, has_image=[1, 0, 1, 1])))
     assert set(out.losses) == {"itc", "itm", "mlm"}
     assert out.image_embeds.shape == out.text_embeds.shape == (4, 128)
     torch.testing.assert_close(out.text_embeds.norm(dim=1), torch.ones(4))
@@ -49,16 +52,16 @@ def test_dual_encoder_ignores_fusion_objectives():
     task = small_task("tiny-clip", itm=1.0, mlm=1.0)
     assert task.model.fusion is None and task.model.itm_head is None and task.model.mlm_head is None
     assert set(task.objectives.loss_weights) == {"itc"}
-    assert set(task("all", make_batch(2)).losses) == {"itc"}
+    assert set(task(Score(make_batch(2))).losses) == {"itc"}
 
 
 def test_all_equals_the_objectives_of_encode():
     task = small_task("tiny-albef", itm=1.0)
     batch = make_batch(4, has_text=[1, 1, 0, 1])
     torch.manual_seed(5)
-    a = task("all", batch)
+    a = task(Score(batch))
     torch.manual_seed(5)
-    b = task.objectives.score(task.model, task("encode", batch), batch)
+    b = task.objectives.score(task.model, task(Encode(batch)), batch)
     assert torch.equal(a.loss, b.loss)
 
 
@@ -73,9 +76,9 @@ def test_gradient_cached_accumulation_is_exact(model_name):
 
     # reference: contrastive on the full batch, other objectives per micro-batch (as gradcache defines it)
     task = small_task(preset, **loss)
-    encs = [task("encode", m) for m in micro]
-    total, _ = task("contrastive", torch.cat([e.image_embeds for e in encs]), torch.cat([e.text_embeds for e in encs]),
-                    batch.rows())
+    encs = [task(Encode(m)) for m in micro]
+    total, _ = task(Contrastive(torch.cat([e.image_embeds for e in encs]), torch.cat([e.text_embeds for e in encs]),
+                    batch.rows()))
     torch.manual_seed(1)
     for e, m in zip(encs, micro):
         total = total + task.objectives.score(task.model, e, m, contrastive=False).loss
@@ -85,13 +88,13 @@ def test_gradient_cached_accumulation_is_exact(model_name):
     # gradcache: embeddings without a graph, contrastive gradient w.r.t. them, then replay per micro-batch
     cached = small_task(preset, **loss)
     with torch.no_grad():
-        encs = [cached("encode", m) for m in micro]
+        encs = [cached(Encode(m)) for m in micro]
     img = torch.cat([e.image_embeds for e in encs]).requires_grad_()
     txt = torch.cat([e.text_embeds for e in encs]).requires_grad_()
-    cached("contrastive", img, txt, batch.rows())[0].backward()
+    cached(Contrastive(img, txt, batch.rows()))[0].backward()
     torch.manual_seed(1)
     for i, m in enumerate(micro):
-        e = cached("encode", m)
+        e = cached(Encode(m))
         surrogate = (e.image_embeds * img.grad[i * 4 : (i + 1) * 4]).sum() + (e.text_embeds * txt.grad[i * 4 : (i + 1) * 4]).sum()
         out = cached.objectives.score(cached.model, e, m, contrastive=False)
         (surrogate + out.loss).backward()
@@ -108,7 +111,7 @@ def test_activation_checkpointing_keeps_gradients():
         towers = (task.model.vision, task.model.text, task.model.fusion)
         torch.manual_seed(0)
         with forward_calls(*(t.blocks[0] for t in towers)) as calls:
-            task("all", batch).loss.backward()
+            task(Score(batch)).loss.backward()
         runs[enabled] = task, calls
     (plain, once), (ckpt, twice) = runs[False], runs[True]
     assert once == [1, 1, 1] and twice == [2, 2, 2]
@@ -152,7 +155,7 @@ def _itm_worker(rank, world):
     # ids repeat across ranks (0..3 on both) and within rank 1; rank 1 row 3 has no text
     ids = [[0, 1, 2, 3], [0, 1, 3, 3]][rank]
     batch = make_batch(4, seed=rank, ids=ids, has_text=[1, 1, 1, 1] if rank == 0 else [1, 1, 1, 0])
-    enc = task("encode", batch)
+    enc = task(Encode(batch))
     draws = []
     for _ in range(50):
         pairs = task.objectives.itm_pairs(enc, batch, task.model.logit_scale)
@@ -178,7 +181,7 @@ def test_bf16_autocast(model_name):
     preset, loss = MODELS[model_name]
     model = small_task(preset, **loss)
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        out = model("all", make_batch(4, has_image=[1, 0, 1, 1], weights=True))
+        out = model(Score(make_batch(4, has_image=[1, 0, 1, 1], weights=True)))
     out.loss.backward()
     assert out.loss.dtype == torch.float32 and torch.isfinite(out.loss)
     assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters())

@@ -12,7 +12,7 @@ from vltrain.errors import UserError
 from vltrain.model import build_model, count_parameters, list_presets
 from vltrain.model.config import LossConfig, ModelConfig
 from vltrain.objectives.scoring import Objectives
-from vltrain.compose.task import Task
+from vltrain.compose.task import Score, Task
 from vltrain.types import ModelInputs
 
 
@@ -56,7 +56,7 @@ def test_tiny_preset_builds_and_runs_on_cpu():
     ids = torch.randint(1, vocab, (2, length))
     inputs = ModelInputs(torch.randn(2, 3, image, image), ids, torch.ones_like(ids), torch.ones(2, dtype=torch.bool),
                          torch.ones(2, dtype=torch.bool), torch.arange(2))
-    out = Task(model, Objectives(LossConfig(), model.spec))("all", inputs)
+    out = Task(model, Objectives(LossConfig(), model.spec))(Score(inputs))
     assert out.loss.ndim == 0 and torch.isfinite(out.loss)
 
 

@@ -14,6 +14,8 @@ from kits.modelkit import make_batch, small_task
 from kits.multiproc import run_world
 from torch.nn.parallel import DistributedDataParallel
 
+from vltrain.compose.task import Score
+
 STEPS = 4
 
 
@@ -36,7 +38,7 @@ def _ddp_worker(rank, world):
         checks = []
         for step in range(STEPS):
             opt.zero_grad(set_to_none=True)
-            out = ddp("all", _batch_for(rank, step))
+            out = ddp(Score(_batch_for(rank, step)))
             out.loss.backward()
             missing = [n for n, p in model.named_parameters() if p.grad is None]
             assert not missing, f"{name} step {step}: parameters without a gradient: {missing}"

@@ -12,6 +12,7 @@ from kits.multiproc import run_world
 
 from vltrain.objectives.keyed import StepKey
 from vltrain.objectives.losses import itc_loss, mask_tokens, mlm_loss, sample_negatives, siglip_loss
+from vltrain.compose.task import Score
 from vltrain.types import Rows
 
 
@@ -68,10 +69,10 @@ def test_rows_without_a_pair_change_nothing(objective):
     paired = rows(full, torch.tensor([0, 2, 4, 7]))
 
     reference = small_task(**loss)
-    out = reference("all", paired)
+    out = reference(Score(paired))
     out.loss.backward()
     mixed = small_task(**loss)
-    out_mixed = mixed("all", full)
+    out_mixed = mixed(Score(full))
     out_mixed.loss.backward()
 
     torch.testing.assert_close(out_mixed.losses[objective], out.losses[objective], rtol=1e-6, atol=1e-7)
@@ -161,7 +162,7 @@ def _equivalence_worker(rank, world):
     results = {}
     for name, (loss, split) in LOSSES.items():
         model = small_task(**loss)
-        out = model("all", rows(_global_batch(), slice(0, split) if rank == 0 else slice(split, 8)))
+        out = model(Score(rows(_global_batch(), slice(0, split) if rank == 0 else slice(split, 8))))
         out.loss.backward()
         g = grads(model)
         for v in g.values():  # what DDP does: average over ranks
@@ -183,7 +184,7 @@ def two_rank_results():
 @pytest.mark.parametrize("objective", LOSSES)
 def test_two_ranks_equal_one_process_with_the_global_batch(objective, two_rank_results):
     model = small_task(**LOSSES[objective][0])
-    out = model("all", _global_batch())
+    out = model(Score(_global_batch()))
     out.loss.backward()
     expected = grads(model)
     for per_rank in two_rank_results:

@@ -9,6 +9,7 @@ from kits.modelkit import make_batch, small_task
 
 from vltrain.objectives import scoring
 from vltrain.objectives.keyed import StepKey
+from vltrain.compose.task import Score
 
 LOSSES = {"itm": 0.5, "mlm": 0.3, "text_mlm": 0.2, "image_mim": 0.5, "image_mim_paired": True}
 
@@ -25,7 +26,7 @@ def test_the_masks_counted_are_the_masks_scored_and_drawn_once(monkeypatch):
     objectives = task.objectives
     micro = _micro()
     torch.manual_seed(0)
-    fresh = task("all", micro)  # no masks carried: drawn when scored, as outside training
+    fresh = task(Score(micro))  # no masks carried: drawn when scored, as outside training
     fresh_totals = objectives.local_totals([micro])
 
     calls = {"tokens": 0, "patches": 0}
@@ -45,7 +46,7 @@ def test_the_masks_counted_are_the_masks_scored_and_drawn_once(monkeypatch):
     assert calls == {"tokens": 2, "patches": 1}  # MLM, text MLM; MIM
     totals = objectives.local_totals([carried])
     torch.manual_seed(0)
-    out = task("all", carried)
+    out = task(Score(carried))
     assert calls == {"tokens": 2, "patches": 1}  # counting and scoring drew nothing more
 
     assert torch.equal(totals, fresh_totals)
@@ -62,6 +63,6 @@ def test_the_scored_masks_are_the_carried_ones():
     masked, labels = masks.mlm
     assert (labels != -100).any()
     none = replace(masks, mlm=(micro.input_ids, torch.full_like(labels, -100)))
-    out = task("all", replace(micro, masks=none))
+    out = task(Score(replace(micro, masks=none)))
     assert float(out.losses["mlm"].detach()) == 0.0 and not out.rows["mlm"].applies.any()
-    assert float(task("all", replace(micro, masks=masks)).losses["mlm"].detach()) > 0
+    assert float(task(Score(replace(micro, masks=masks))).losses["mlm"].detach()) > 0

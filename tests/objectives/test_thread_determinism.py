@@ -11,6 +11,8 @@ import pytest
 import torch
 from kits.modelkit import grads, make_batch, small_task
 
+from vltrain.compose.task import Score
+
 
 @pytest.fixture
 def two_threads():
@@ -31,7 +33,7 @@ def test_gradients_are_identical_run_after_run_at_two_threads(two_threads, prese
     for _ in range(4):
         task.zero_grad(set_to_none=True)
         torch.manual_seed(0)  # MLM masks and ITM negatives draw from the global generator
-        task("all", batch).loss.backward()
+        task(Score(batch)).loss.backward()
         runs.append(grads(task))
     for other in runs[1:]:
         different = [k for k in runs[0] if not torch.equal(runs[0][k], other[k])]

@@ -14,6 +14,7 @@ from kits.runkit import (assert_identical, assert_resumed_exactly, final_state, 
 
 from vltrain.data.batch import Batch
 from vltrain.objectives.losses import mim_loss, mlm_loss
+from vltrain.compose.task import Score
 
 PAIRED, TEXT_ONLY, IMAGE_ONLY = slice(0, 4), slice(4, 7), slice(7, 10)
 
@@ -26,7 +27,7 @@ def _batch():
 def _tower_grads(task, batch, tower: str) -> dict[str, torch.Tensor]:
     task.zero_grad(set_to_none=True)
     torch.manual_seed(0)
-    task("all", batch).loss.backward()
+    task(Score(batch)).loss.backward()
     return {k: v for k, v in grads(task).items() if k.startswith(f"model.{tower}.")}
 
 
@@ -46,7 +47,7 @@ def test_unpaired_rows_train_their_tower_only_through_their_objective(objective,
     assert not _changed(_tower_grads(off, full, tower), _tower_grads(off, without, tower))
     on = small_task("tiny-clip", **{objective: 1.0})
     assert _changed(_tower_grads(on, full, tower), _tower_grads(on, without, tower))
-    out = on("all", full)
+    out = on(Score(full))
     assert out.losses[objective] > 0
     applies = out.rows[objective].applies
     assert applies.any() and not applies[[i for i in range(10) if i not in range(10)[unpaired]]].any()
@@ -54,7 +55,7 @@ def test_unpaired_rows_train_their_tower_only_through_their_objective(objective,
 
 def test_unimodal_objectives_on_paired_rows_by_config():
     task = small_task("tiny-clip", text_mlm=1.0, image_mim=1.0, text_mlm_paired=True, image_mim_paired=True)
-    out = task("all", _batch())
+    out = task(Score(_batch()))
     mim = out.rows["image_mim"].applies.tolist()
     assert mim == [True] * 4 + [False] * 3 + [True] * 3
     text = out.rows["text_mlm"].applies  # rows with at least one masked token
@@ -66,7 +67,7 @@ def test_unimodal_objectives_on_paired_rows_by_config():
 def test_every_parameter_gets_a_gradient_whatever_the_rows(has_image, has_text):
     """A batch without rows for an objective still runs its modules (one dummy row): SPMD-safe."""
     task = small_task("tiny-albef", itm=1.0, mlm=1.0, text_mlm=1.0, image_mim=1.0)
-    task("all", make_batch(4, has_image=has_image, has_text=has_text)).loss.backward()
+    task(Score(make_batch(4, has_image=has_image, has_text=has_text))).loss.backward()
     missing = [n for n, p in task.named_parameters() if p.grad is None]
     assert not missing
     assert all(torch.isfinite(p.grad).all() for p in task.parameters())
@@ -90,7 +91,7 @@ def test_a_source_with_loss_weight_zero_changes_no_gradient():
 def _all_grads(task, batch) -> dict[str, torch.Tensor]:
     task.zero_grad(set_to_none=True)
     torch.manual_seed(0)
-    task("all", batch).loss.backward()
+    task(Score(batch)).loss.backward()
     return grads(task)
 
 

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from vltrain.train.step import gradcache_backward, plain_backward
-from vltrain.compose.task import Task
+from vltrain.compose.task import Score, Task
 from vltrain.types import ModelInputs
 
 
@@ -103,7 +103,7 @@ no_autocast = contextlib.nullcontext
 def big_batch_grads(model: Task, inputs: ModelInputs) -> tuple[dict, torch.Tensor]:
     """The reference: contrastive loss over the whole batch + mean ITM, one backward."""
     model.zero_grad()
-    out = model("all", inputs)
+    out = model(Score(inputs))
     out.loss.backward()
     return grads(model), out.loss.detach()
 
@@ -147,7 +147,7 @@ def test_plain_accumulation_is_mean_of_micro_batch_gradients():
     expected = None
     for m in micro:
         model.zero_grad()
-        (model("all", m).loss / 2).backward()
+        (model(Score(m)).loss / 2).backward()
         g = grads(model)
         expected = g if expected is None else {k: expected[k] + g[k] for k in g}
 

@@ -9,6 +9,7 @@ from kits.modelkit import make_batch, small_model, small_task
 from vltrain.config.job import TrainConfig
 from vltrain.train.optim import build_optimizer
 from vltrain.train.parallelize import compile_blocks, compile_towers, parallelize
+from vltrain.compose.task import Score
 
 CPU = torch.device("cpu")
 
@@ -33,7 +34,7 @@ def test_activation_checkpointing_recomputes_blocks_in_backward():
     calls = []
     block = model.model.vision.blocks[0]
     block.register_forward_pre_hook(lambda *_: calls.append(1))  # recomputation may stop early
-    wrapped("all", make_batch(4)).loss.backward()
+    wrapped(Score(make_batch(4))).loss.backward()
     assert len(calls) == 2
 
 
@@ -44,7 +45,7 @@ def _train(model, wrapped, steps: int) -> list[float]:
         # a different modality mix each step: the towers see a different number of rows
         has_image = [True] * 6 + [step % 2 == 0, False]
         has_text = [True] * 5 + [False, True, True]
-        out = wrapped("all", make_batch(8, seed=step, has_image=has_image, has_text=has_text))
+        out = wrapped(Score(make_batch(8, seed=step, has_image=has_image, has_text=has_text)))
         opt.zero_grad(set_to_none=True)
         out.loss.backward()
         opt.step()
@@ -101,8 +102,8 @@ def test_the_captioning_decoder_is_checkpointed_and_compiled_like_the_towers():
     calls = []
     checkpointed.model.decoder.blocks[0].register_forward_pre_hook(lambda *_: calls.append(1))
     batch = make_batch(6, seed=1, has_image=[True] * 4 + [False] * 2)
-    wrapped("all", batch).loss.backward()
-    eager("all", batch).loss.backward()
+    wrapped(Score(batch)).loss.backward()
+    eager(Score(batch)).loss.backward()
     assert len(calls) == 2
     for (name, a), b in zip(checkpointed.model.named_parameters(), eager.model.parameters()):
         assert torch.allclose(a.grad, b.grad, atol=1e-6), name

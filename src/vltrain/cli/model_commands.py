@@ -1,4 +1,4 @@
-"""``vltrain train | demo | eval | export | embed``: their arguments and handlers.
+"""``vltrain train | demo | eval | export | embed | caption``: their arguments and handlers.
 
 Each handler imports what it runs when it runs, so ``vltrain --help`` and the data commands do not
 pay for importing the trainer.
@@ -13,6 +13,16 @@ import sys
 from pathlib import Path
 
 from vltrain.errors import DataError
+
+
+MODEL_HELP = ("a run folder, a checkpoint, an exported model folder, or an imported model (a Hugging Face "
+              "CLIP, SigLIP, SigLIP 2 or BLIP folder, an OpenCLIP checkpoint)")
+"""What ``MODEL`` may be in every command that opens a model (eval, export, embed, caption)."""
+
+
+def _add_model(parser, also: str = "") -> None:
+    """The one positional argument of the commands that open a model: ``MODEL``, named alike in each."""
+    parser.add_argument("model", metavar="MODEL", help=MODEL_HELP + also)
 
 
 def _add_overrides(parser, help_text: str = "dotted overrides, e.g. train.lr=3e-4 data.batch_size=64") -> None:
@@ -42,8 +52,7 @@ def add_parsers(sub) -> None:
     d.set_defaults(func=demo)
 
     e = sub.add_parser("eval", help="retrieval and zero-shot metrics of a run's latest checkpoint or any model")
-    e.add_argument("path", help="a run folder, a checkpoint, an exported model folder, a Hugging Face "
-                                "CLIPModel/SiglipModel folder or an OpenCLIP checkpoint")
+    _add_model(e)
     e.add_argument("--data", default=None, help="val source (default: the run's data.val)")
     e.add_argument("--zeroshot", default=None, metavar="DIR",
                    help="zero-shot classification on a class-per-folder image set (or a manifest with labels)")
@@ -58,8 +67,7 @@ def add_parsers(sub) -> None:
     e.set_defaults(func=evaluate)
 
     x = sub.add_parser("export", help="write model.safetensors, the tokenizer and the config")
-    x.add_argument("run_dir", help="a run folder, a checkpoint, an exported model folder, a Hugging Face "
-                                   "CLIPModel/SiglipModel/BLIP folder or an OpenCLIP checkpoint")
+    _add_model(x)
     x.add_argument("--out", required=True)
     x.add_argument("--format", choices=["native", "hf", "openclip"], default="native",
                    help="native (vltrain's, the default), hf (a folder transformers' CLIPModel/SiglipModel/"
@@ -74,8 +82,7 @@ def add_parsers(sub) -> None:
     _add_caption_parser(sub)
 
     m = sub.add_parser("embed", help="normalized embeddings of images and texts from any model vltrain opens")
-    m.add_argument("model_dir", help="an exported model folder, a run folder, a Hugging Face CLIPModel/SiglipModel "
-                                     "folder or an OpenCLIP checkpoint")
+    _add_model(m)
     m.add_argument("--tokenizer", default=None, help="tokenizer.json (an OpenCLIP checkpoint without one beside it)")
     _add_overrides(m, "config values, e.g. model.preset=clip-vit-b16 or model.quick_gelu=true")
     m.add_argument("--images", nargs="*", default=[])
@@ -108,7 +115,7 @@ def _probability(text: str) -> float:
 
 def _add_caption_parser(sub) -> None:
     c = sub.add_parser("caption", help="captions of images from a model with a captioning decoder (torchrun-aware)")
-    c.add_argument("model_dir", help="a run folder, a checkpoint or an exported model folder")
+    _add_model(c, ", with a captioning decoder")
     c.add_argument("--images", nargs="+", required=True)
     search = c.add_mutually_exclusive_group()
     search.add_argument("--beam", type=int, default=1, help="beams of the search (default 1: greedy)")
@@ -239,7 +246,7 @@ def _print_captions(trainer, data: Path, metrics: dict) -> None:
 
 
 def evaluate(args: argparse.Namespace) -> int:
-    """``vltrain eval RUN_DIR``: metrics of the run's weights on its val set and evaluation sets, or on
+    """``vltrain eval MODEL``: metrics of the model's weights on its val set and evaluation sets, or on
     the sets the command line names."""
     from vltrain.eval.evaluator import evaluate_run, format_table, rounded
 
@@ -261,19 +268,19 @@ def evaluate(args: argparse.Namespace) -> int:
         overrides += [] if args.zeroshot else ["eval.zeroshot=[]"]
         overrides += [] if args.retrieval else ["eval.retrieval=[]"]
         overrides += [] if args.captions else ["eval.captions=[]"]
-    metrics = evaluate_run(Path(args.path), data=args.data, overrides=overrides, val=args.data is not None or not only_sets,
-                           ema=args.ema)
+    metrics = evaluate_run(Path(args.model), data=args.data, overrides=overrides,
+                           val=args.data is not None or not only_sets, ema=args.ema)
     if os.environ.get("RANK", "0") == "0":
         print(json.dumps(rounded(metrics), indent=1) if args.json else format_table(metrics))
     return 0
 
 
 def export(args: argparse.Namespace) -> int:
-    """``vltrain export RUN_DIR --out DIR [--interpolate ALPHA] [--ema]``."""
+    """``vltrain export MODEL --out DIR [--interpolate ALPHA] [--ema]``."""
     from vltrain.export.native import export_model
 
     alpha = args.interpolate
-    out = export_model(args.run_dir, args.out, interpolate=alpha, fmt=args.format, ema=args.ema)
+    out = export_model(args.model, args.out, interpolate=alpha, fmt=args.format, ema=args.ema)
     trained = "EMA" if args.ema else "fine-tuned"
     blend = f" (weights: {1 - alpha:g} x initial + {alpha:g} x {trained})" if alpha is not None else (
         " (the EMA weights)" if args.ema else "")
@@ -283,7 +290,7 @@ def export(args: argparse.Namespace) -> int:
 
 
 def embed(args: argparse.Namespace) -> int:
-    """``vltrain embed PATH --images a.jpg b.png --texts "..." --out emb.npy``."""
+    """``vltrain embed MODEL --images a.jpg b.png --texts "..." --out emb.npy``."""
     import numpy as np
     import torch
 
@@ -295,7 +302,7 @@ def embed(args: argparse.Namespace) -> int:
         raise UsageError("nothing to embed: give --images and/or --texts")
     torch.set_grad_enabled(False)
     overrides = overrides_of(args) + ([f"data.tokenizer={args.tokenizer}"] if args.tokenizer else [])
-    opened = open_model(args.model_dir, overrides, purpose="embed")
+    opened = open_model(args.model, overrides, purpose="embed")
     emb = embed_inputs(opened.model, opened.tokenizer, opened.cfg, args.images, args.texts)
     out = Path(args.out)
     if out.suffix == ".npz":  # two named arrays
@@ -316,7 +323,7 @@ def caption(args: argparse.Namespace) -> int:
     rank 0 writes."""
     from vltrain.eval.captioning import caption_images
 
-    rows = caption_images(Path(args.model_dir), args.images, overrides_of(args), beam=args.beam,
+    rows = caption_images(Path(args.model), args.images, overrides_of(args), beam=args.beam,
                           top_p=args.top_p or 0.0, seed=args.seed, max_length=args.max_length or 0, prompt=args.prompt,
                           batch_size=args.batch_size, cache=args.cache)
     if all(text is None for _, text in rows):

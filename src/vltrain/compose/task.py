@@ -4,24 +4,25 @@ It lives in ``train/``, above both: the model encodes and offers its passes, the
 tensors and import no model class, and this is the one place that holds the two together.
 
 DDP prepares its gradient reduction in ``forward`` and FSDP2 gathers the root's parameters there,
-so every pass that leads to a backward goes through ``Task.forward``, named by its part:
+so every pass that leads to a backward goes through ``Task.forward``. A pass is a value of the type
+of what it computes (a :class:`Computation`: its inputs, and ``run`` on the model and the
+objectives), so that ``task(Score(inputs))`` reads as what it returns:
 
-- ``task("all", inputs)``: encode and score every objective (plain accumulation, the demo);
-- ``task("encode", inputs)``: the embeddings only (evaluation, gradient caching's first pass);
-- ``task("contrastive", image_embeds, text_embeds, rows)``: the weighted ITC + SigLIP term on given
-  embeddings, and its per-row losses (gradient caching's loss over the cached global batch);
-- ``task("replay", inputs, cache, i, encode_rng)``: gradient caching's second pass
-  over micro-batch ``i`` (see :mod:`vltrain.train.step`);
-- ``task("itm", text_tokens, attention_mask, image_tokens)``: ITM logits [B, 2] of fused pairs
-  (evaluation's re-ranking: under FSDP2 the fusion encoder and the head are gathered only here);
-- ``task("caption_start" | "caption_step" | "caption_next", ...)``: caption
-  generation's passes (:mod:`vltrain.model.generate`).
+- :class:`Score`: encode and score every objective (plain accumulation, the demo);
+- :class:`Contrastive`: the weighted ITC + SigLIP term on given embeddings, and its per-row losses
+  (gradient caching's loss over the cached global batch);
+- :class:`Replay`: gradient caching's second pass over one micro-batch (see :mod:`vltrain.train.step`);
+- the passes that read the model alone, in :mod:`vltrain.model.passes` so that evaluation and
+  generation name them from below: ``Encode`` (the embeddings only: evaluation, gradient caching's
+  first pass), ``ItmLogits`` (evaluation's re-ranking: under FSDP2 the fusion encoder and the head
+  are gathered only here) and caption generation's ``CaptionStart``, ``CaptionStep`` and
+  ``CaptionNext`` (:mod:`vltrain.model.generate`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Protocol, TypeVar
 
 import torch
 from torch import nn
@@ -29,7 +30,7 @@ from torch import nn
 from vltrain.model.model import VLModel
 from vltrain.objectives.scoring import ObjectiveOutput, Objectives
 from vltrain.runtime.precision import at_least_fp32
-from vltrain.types import ModelInputs, Rows, Tokens
+from vltrain.types import ModelInputs, Rows
 
 
 class GeneratorState:
@@ -80,6 +81,15 @@ class ContrastiveCache:
         return at_least_fp32(loss) * self.loss_scale
 
 
+T = TypeVar("T", covariant=True)
+
+
+class Computation(Protocol[T]):
+    """What a pass through :class:`Task` computes: given the model and the objectives, a ``T``."""
+
+    def run(self, model: VLModel, objectives: Objectives) -> T: ...
+
+
 class Task(nn.Module):
     """``model`` (encodes; holds every parameter) with ``objectives`` (score; hold none)."""
 
@@ -88,42 +98,49 @@ class Task(nn.Module):
         self.model = model
         self.objectives = objectives
 
-    def forward(self, part: str, *args: Any) -> Any:
-        if part == "all":
-            return self.all(*args)
-        if part == "encode":
-            return self.model.encode(*args)
-        if part == "contrastive":
-            row_losses: dict = {}
-            image_embeds, text_embeds, rows = args
-            loss = self.objectives.contrastive(image_embeds, text_embeds, rows, self.model.logit_scale,
-                                               self.model.logit_bias, row_losses)
-            return loss, row_losses
-        if part == "replay":
-            return self.replay(*args)
-        if part == "itm":
-            return self.itm(*args)
-        if part in self.GENERATION:
-            return getattr(self.model, part)(*args)
-        raise ValueError(f"unknown task part {part!r}")
+    def forward(self, computation: Computation[T]) -> T:
+        return computation.run(self.model, self.objectives)
 
-    GENERATION = ("caption_start", "caption_step", "caption_next")
-    """The captioning decoder's generation passes (``VLModel``'s methods of these names), through
-    ``forward`` so that FSDP2 gathers the parameters they read."""
 
-    def all(self, inputs: ModelInputs) -> ObjectiveOutput:
-        return self.objectives.score(self.model, self.model.encode(inputs), inputs)
+@dataclass(frozen=True)
+class Score:
+    """Encode ``inputs`` and score every objective on them."""
 
-    def itm(self, text_tokens: torch.Tensor, attention_mask: torch.Tensor, image_tokens: Tokens) -> torch.Tensor:
-        return self.model.itm_logits(text_tokens, attention_mask, image_tokens)
+    inputs: ModelInputs
 
-    def replay(self, inputs: ModelInputs, cache: ContrastiveCache, i: int, encode_rng: GeneratorState
-               ) -> tuple[torch.Tensor, ObjectiveOutput]:
-        """Re-encode micro-batch ``i`` with the generator state of its first pass (so that any
-        randomness in encoding repeats), then score its non-contrastive objectives, whose draws are
-        keyed by the step and the samples (:mod:`vltrain.objectives.keyed`). Returns (contrastive
-        term, other objectives)."""
-        encode_rng.restore()
-        enc = self.model.encode(inputs)
-        contrastive = cache.term(self.objectives, self.model, enc.image_embeds, enc.text_embeds, i)
-        return contrastive, self.objectives.score(self.model, enc, inputs, contrastive=False)
+    def run(self, model: VLModel, objectives: Objectives) -> ObjectiveOutput:
+        return objectives.score(model, model.encode(self.inputs), self.inputs)
+
+
+@dataclass(frozen=True)
+class Contrastive:
+    """The weighted ITC + SigLIP term on given embeddings, and its per-row losses."""
+
+    image_embeds: torch.Tensor
+    text_embeds: torch.Tensor
+    rows: Rows
+
+    def run(self, model: VLModel, objectives: Objectives) -> tuple[torch.Tensor, dict]:
+        row_losses: dict = {}
+        loss = objectives.contrastive(self.image_embeds, self.text_embeds, self.rows, model.logit_scale,
+                                      model.logit_bias, row_losses)
+        return loss, row_losses
+
+
+@dataclass(frozen=True)
+class Replay:
+    """Gradient caching's second pass over micro-batch ``i``: re-encode it with the generator state
+    of its first pass (so that any randomness in encoding repeats), then score its non-contrastive
+    objectives, whose draws are keyed by the step and the samples (:mod:`vltrain.objectives.keyed`).
+    Returns (contrastive term, other objectives)."""
+
+    inputs: ModelInputs
+    cache: ContrastiveCache
+    i: int
+    encode_rng: GeneratorState
+
+    def run(self, model: VLModel, objectives: Objectives) -> tuple[torch.Tensor, ObjectiveOutput]:
+        self.encode_rng.restore()
+        enc = model.encode(self.inputs)
+        contrastive = self.cache.term(objectives, model, enc.image_embeds, enc.text_embeds, self.i)
+        return contrastive, objectives.score(model, enc, self.inputs, contrastive=False)

@@ -28,6 +28,7 @@ from vltrain.eval.captions import open_captions
 from vltrain.eval.embedding import Encoder, eval_mode
 from vltrain.eval.labeled import ImageListDataset
 from vltrain.model.generate import Decoding, generate
+from vltrain.model.passes import Encode
 from vltrain.runtime.distributed import all_gather_no_grad, all_reduce_sum, world_info
 
 log = logging.getLogger(__name__)
@@ -89,7 +90,7 @@ def caption_list(encoder: Encoder, loader: EvalLoader, prompt: Prompt, decoding:
             inputs = batch.to_model_inputs(encoder.device, encoder.data_cfg.mean, encoder.data_cfg.std)
             index = torch.arange(len(inputs)) + loader.offset + len(rows)
             with encoder.autocast():
-                tokens = encoder.wrapped("encode", inputs).image_tokens
+                tokens = encoder.wrapped(Encode(inputs)).image_tokens
                 rows += generate(encoder.wrapped, tokens, prompt.ids, prompt.end_id, prompt.pad_id, decoding,
                                  index=index, all_done=_agreed)
             present += inputs.has_image.tolist()

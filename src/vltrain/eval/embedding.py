@@ -20,6 +20,7 @@ from vltrain.data.config import DataConfig
 from vltrain.data.loading.loader import EvalLoader, build_eval_loader
 from vltrain.data.tokenizers import Tokenizer
 from vltrain.eval.labeled import TextListDataset
+from vltrain.model.passes import Encode
 from vltrain.runtime.distributed import all_gather_no_grad, pad_to
 from vltrain.types import Tokens
 
@@ -89,7 +90,7 @@ def embed_list(encoder: Encoder, loader: EvalLoader, side: str, keep_tokens: boo
     for batch in loader:
         inputs = batch.to_model_inputs(encoder.device, encoder.data_cfg.mean, encoder.data_cfg.std)
         with encoder.autocast():
-            enc = encoder.wrapped("encode", inputs)
+            enc = encoder.wrapped(Encode(inputs))
         image = side == "image"
         embeds.append((enc.image_embeds if image else enc.text_embeds).float())
         present.append(inputs.has_image if image else inputs.has_text)

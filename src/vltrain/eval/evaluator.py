@@ -30,6 +30,7 @@ from vltrain.eval.captioning import evaluate_captions, open_caption_set
 from vltrain.eval.embedding import Embedded, Encoder, cat_padded, eval_mode
 from vltrain.eval.retrieval import evaluate_retrieval, itm_rerank, multi_caption_recall, open_retrieval
 from vltrain.eval.zeroshot import evaluate_zeroshot, open_zeroshot
+from vltrain.model.passes import Encode
 from vltrain.runtime.distributed import World, all_gather_no_grad
 from vltrain.runtime.precision import Precision
 from vltrain.model.builder import has_decoder
@@ -106,7 +107,7 @@ def embed_pairs(encoder: Encoder, loader, keep_tokens: bool = False) -> Pairs:
         inputs = batch.to_model_inputs(encoder.device, encoder.data_cfg.mean, encoder.data_cfg.std)
         keep = inputs.has_image & inputs.has_text
         with encoder.autocast():
-            enc = encoder.wrapped("encode", inputs)
+            enc = encoder.wrapped(Encode(inputs))
         images = Embedded(enc.image_embeds[keep].float(), keep[keep])
         texts = Embedded(enc.text_embeds[keep].float(), keep[keep])
         if keep_tokens:

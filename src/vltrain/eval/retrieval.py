@@ -32,6 +32,7 @@ from vltrain.data.tokenizers import Tokenizer
 from vltrain.eval.captions import open_captions
 from vltrain.eval.embedding import Embedded, Encoder, embed_gathered, eval_mode, text_loader
 from vltrain.eval.labeled import ImageListDataset
+from vltrain.model.passes import ItmLogits
 from vltrain.runtime.distributed import all_gather_no_grad, world_info
 
 KS = (1, 5, 10)
@@ -103,7 +104,7 @@ def itm_scores(wrapped: nn.Module, pair_image: torch.Tensor, pair_text: torch.Te
         mask = texts.mask[txt]
         width = max(int(mask.sum(dim=1).max()), 1)  # one host sync per batch: drop all-padding columns
         with autocast():
-            logits = wrapped("itm", texts.tokens[txt, :width], mask[:, :width], images.tokens[img])
+            logits = wrapped(ItmLogits(texts.tokens[txt, :width], mask[:, :width], images.tokens[img]))
         out.append((logits[:, 1] - logits[:, 0]).float()[: max(b - a, 0)])
     return all_gather_no_grad(torch.cat(out))
 

@@ -1,11 +1,13 @@
 """Caption generation: greedy, beam search and nucleus (top-p) sampling over a captioning model's
 decoder, batched, with cached keys and values.
 
-The search calls the model through ``run(part, *args)``: the wrapped task (``Task.forward``, so that
-FSDP2 gathers the parameters) or :func:`direct` for a bare model. Each call is one of
-``VLModel.caption_start`` (the prompt, the image's cross-attention keys and values computed once),
-``caption_step`` (one new position on the cache) or, with ``cache=False``, ``caption_next`` (every
-position recomputed: what the cache is measured against).
+The search calls the model through ``run(computation)``: the wrapped task (``Task.forward``, so that
+FSDP2 gathers the parameters) or :func:`vltrain.model.passes.direct` for a bare model. Each
+computation is one of
+:class:`~vltrain.model.passes.CaptionStart` (``VLModel.caption_start``: the prompt, the image's cross-attention keys and
+values computed once), :class:`CaptionStep` (one new position on the cache) or, with
+``cache=False``, :class:`CaptionNext` (every position recomputed: what the cache is measured
+against).
 
 Beam search is transformers' ``generate`` (``num_beams``, ``length_penalty``, ``early_stopping`` off),
 step for step, so that an imported checkpoint captions as it does there (``tests/model/test_generate.py``
@@ -25,6 +27,7 @@ from typing import Callable
 import torch
 
 from vltrain.errors import UsageError
+from vltrain.model.passes import CaptionNext, CaptionStart, CaptionStep
 from vltrain.types import Tokens
 
 
@@ -57,11 +60,6 @@ class Decoding:
         if prompt_length >= self.max_length:
             raise UsageError(f"the prompt takes {prompt_length} tokens with the start token, which leaves none of "
                             f"--max-length {self.max_length} to generate: raise --max-length (up to {context})")
-
-
-def direct(model) -> Callable:
-    """``run`` for a bare model: its method of the part's name."""
-    return lambda part, *args: getattr(model, part)(*args)
 
 
 def _local_all(done: torch.Tensor) -> bool:
@@ -107,14 +105,14 @@ class _Stepper:
 
     def first(self, ids: torch.Tensor) -> torch.Tensor:
         if self.cached:
-            logits, self.cache = self.run("caption_start", self.image_tokens, self.has_image, ids)
+            logits, self.cache = self.run(CaptionStart(self.image_tokens, self.has_image, ids))
             return logits
-        return self.run("caption_next", ids, self.image_tokens, self.has_image)
+        return self.run(CaptionNext(ids, self.image_tokens, self.has_image))
 
     def next(self, ids: torch.Tensor) -> torch.Tensor:
         if self.cached:
-            return self.run("caption_step", ids[:, -1:], self.cache)
-        return self.run("caption_next", ids, self.image_tokens, self.has_image)
+            return self.run(CaptionStep(ids[:, -1:], self.cache))
+        return self.run(CaptionNext(ids, self.image_tokens, self.has_image))
 
     def keep(self, rows: torch.Tensor) -> None:
         """Only ``rows`` go on, in that order (beam search)."""

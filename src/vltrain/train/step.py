@@ -1,18 +1,25 @@
 """One optimizer step, in one place: what :meth:`Step.__call__` does, in order.
 
-1. **Key the micro-batches** (:meth:`Step.keyed`): the step's key, each micro-batch's masks drawn once,
-   and the averaged objectives' denominators (those masks counted) summed over every rank; a
-   distillation teacher that runs embeds each micro-batch here, without autograd.
-2. **Forward and backward** over the micro-batches: plain accumulation (:func:`plain_backward`), each
+1. **The teacher's pass** (distillation with a teacher that runs, :class:`vltrain.train.teacher.Teacher`):
+   each micro-batch embedded by the teacher on its own view of the rows, without autograd.
+2. **Key the micro-batches** (:meth:`Step.keyed`): the step's key, the patches each image keeps
+   under patch dropout, each micro-batch's masks drawn once, and the averaged objectives'
+   denominators (those masks counted) summed over every rank.
+3. **Forward and backward** over the micro-batches: plain accumulation (:func:`plain_backward`), each
    micro-batch's contrastive loss seeing only itself, or exact contrastive accumulation
    (:func:`gradcache_backward`). Both leave the gradient of the whole step in ``.grad``, reduced
    across ranks by the last backward, and return the step's losses averaged the way they were
    optimised.
-3. **The gradient**: replicated gradients reduced, unscaled, clipped.
-4. **One all-reduce of one packet** (:class:`Agreed`): whether some rank's loss or gradient norm is
+4. **The gradient**: replicated gradients reduced, unscaled, clipped.
+5. **One all-reduce of one packet** (:class:`Agreed`): whether some rank's loss or gradient norm is
    not finite, the samples, the losses; read by name.
-5. **The update or its skip** (:func:`apply_update`), the scaler, the schedule (a skipped step still
+6. **The update or its skip** (:func:`apply_update`), the scaler, the schedule (a skipped step still
    consumed its data: the schedule follows the step count).
+7. **The weight EMA** (``train.ema``, :class:`vltrain.train.ema.WeightAverage`), when the step is
+   due: the average takes the weights as the update (or its skip) left them.
+
+The trainer builds the parts (the teacher, the EMA, the objectives that draw the kept patches) and
+hands them to the step; only the step calls them, in this order (``docs/architecture.md``, "One step").
 
 Nothing here waits for the device (``tests/train/test_host_sync.py``): the skip is decided on the
 device, and the trainer reads what the host needs of it when it settles.
@@ -44,13 +51,15 @@ import torch
 from torch import nn
 
 from vltrain.config.job import TrainConfig
+from vltrain.model.passes import Encode
 from vltrain.objectives.keyed import StepKey
 from vltrain.objectives.scoring import Objectives
 from vltrain.runtime.distributed import World, all_reduce_sum
 from vltrain.runtime.faults import maybe_overflow
 from vltrain.runtime.precision import Precision, at_least_fp32
+from vltrain.train.ema import WeightAverage
 from vltrain.train.parallelize import clip_grad_norm, gradient_sync, reduce_replicated_grads
-from vltrain.compose.task import ContrastiveCache, GeneratorState
+from vltrain.compose.task import Contrastive, ContrastiveCache, GeneratorState, Replay, Score
 from vltrain.types import ModelInputs, Rows
 
 
@@ -110,24 +119,29 @@ class StepResult:
 
 
 class Step:
-    """One optimizer step over a step's micro-batches, given the parts it updates.
+    """One optimizer step over a step's micro-batches, given the parts it updates and calls.
 
     ``train`` is read at each step (``debug_nan_step`` and the like), not copied."""
 
     def __init__(self, wrapped: nn.Module, objectives: Objectives, params: list[torch.Tensor],
                  optimizer: torch.optim.Optimizer, scheduler, scaler: torch.amp.GradScaler,
-                 precision: Precision, train: TrainConfig, world: World, teacher=None):
+                 precision: Precision, train: TrainConfig, world: World, teacher=None,
+                 ema: WeightAverage | None = None):
         """``teacher``: a :class:`vltrain.train.teacher.Teacher` that embeds each micro-batch (None: no
-        teacher runs; stored teacher embeddings come with the micro-batches)."""
+        teacher runs; stored teacher embeddings come with the micro-batches). ``ema``: the weight
+        average it updates after each due step (None: no ``train.ema``)."""
         self.wrapped, self.objectives, self.params = wrapped, objectives, params
-        self.teacher = teacher
+        self.teacher, self.ema = teacher, ema
         self.optimizer, self.scheduler, self.scaler = optimizer, scheduler, scaler
         self.precision, self.train = precision, train
         self.world_size, self.rank = world.world_size, world.rank
 
     def __call__(self, micro: list[ModelInputs], step: int) -> StepResult:
-        """Step ``step`` (0-based: the steps done before it) over this rank's micro-batches."""
+        """Step ``step`` (0-based: the steps done before it) over this rank's micro-batches, its parts
+        in the order of the module docstring."""
         tc = self.train
+        if self.teacher is not None:
+            micro = [replace(m, teacher=self.teacher.embed(m)) for m in micro]
         inputs = self.keyed(micro, step)
         poison = step == tc.debug_nan_step and tc.debug_nan_rank in (-1, self.rank)
         backward_fn = gradcache_backward if tc.contrastive_accumulation == "gradcache" else plain_backward
@@ -154,16 +168,16 @@ class Step:
         self.scaler.update()
         lr = self.scheduler.get_last_lr()[0]
         self.scheduler.step()
+        if self.ema is not None:
+            self.ema.after_step(step + 1)
         return StepResult(agreed, grad_norm, lr, result.rows)
 
     def keyed(self, micro: list[ModelInputs], step: int) -> list[ModelInputs]:
-        """The step's key on each micro-batch: the objectives' draws keyed by (seed, step, sample),
-        its masks drawn once, and the averaged objectives' denominators (those masks counted) summed
-        over every rank and micro-batch (one small all-reduce), shared out so that the ranks' mean of
-        the micro-batches' mean is the global mean."""
+        """The step's key on each micro-batch: the draws keyed by (seed, step, sample), the patches
+        each image keeps, its masks drawn once, and the averaged objectives' denominators (those masks
+        counted) summed over every rank and micro-batch (one small all-reduce), shared out so that the
+        ranks' mean of the micro-batches' mean is the global mean."""
         key = StepKey(self.train.seed, step)
-        if self.teacher is not None:
-            micro = [replace(m, teacher=self.teacher.embed(m)) for m in micro]
         inputs = [replace(m, key=key) for m in micro]
         inputs = [replace(m, patch_keep=self.objectives.patch_keep(m)) for m in inputs]
         names = self.objectives.averaged
@@ -195,7 +209,7 @@ def plain_backward(
     for i, m in enumerate(micro):
         with gradient_sync(wrapped, i == n - 1):
             with autocast():
-                out = wrapped("all", m)
+                out = wrapped(Score(m))
             loss = at_least_fp32(out.loss) * loss_scale / n
             backward(loss)
         result.loss = result.loss + loss.detach()  # an fp64 run widens the fp32 zero
@@ -214,7 +228,7 @@ def _cache(wrapped: nn.Module, micro: list[ModelInputs], autocast, loss_scale: f
         for m in micro:
             states.append(GeneratorState(device))
             with autocast():
-                enc = wrapped("encode", m)
+                enc = wrapped(Encode(m))
             img_cache.append(at_least_fp32(enc.image_embeds))
             txt_cache.append(at_least_fp32(enc.text_embeds))
 
@@ -224,7 +238,7 @@ def _cache(wrapped: nn.Module, micro: list[ModelInputs], autocast, loss_scale: f
     # gradients to the embeddings only; no parameter gradient is touched or reduced here
     with gradient_sync(wrapped, False):
         with autocast():
-            closs, row_losses = wrapped("contrastive", img_all, txt_all, rows)
+            closs, row_losses = wrapped(Contrastive(img_all, txt_all, rows))
         g_img, g_txt = torch.autograd.grad(at_least_fp32(closs) * loss_scale, [img_all, txt_all])
     bounds = [0]
     for m in micro:
@@ -249,7 +263,7 @@ def gradcache_backward(
     for i, m in enumerate(micro):
         with gradient_sync(wrapped, i == n - 1):
             with autocast():
-                contrastive, other = wrapped("replay", m, cache, i, states[i])
+                contrastive, other = wrapped(Replay(m, cache, i, states[i]))
             other_loss = at_least_fp32(other.loss) * loss_scale / n
             backward(contrastive + other_loss)
         result.loss = result.loss + other_loss.detach()

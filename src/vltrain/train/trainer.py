@@ -83,14 +83,13 @@ class Trainer:
         self.wrapped = parallelize(task, tc, self.device)
         self.teacher, self.teacher_inputs = self._build_teacher()  # distillation's, if any; replicated or sharded
 
-        # optimizer, scheduler, gradient scaler; the step that uses them; the guard
+        # optimizer, scheduler, gradient scaler, the weight EMA; the step that uses and calls them; the guard
         self.optimizer = build_optimizer(self.model, tc)
         self.scheduler = build_scheduler(self.optimizer, tc)
         self.scaler = self.precision.grad_scaler()
-        self.stepper = Step(self.wrapped, self.objectives, [p for p in self.model.parameters() if p.requires_grad],
-                            self.optimizer, self.scheduler, self.scaler, self.precision, tc, self.world, self.teacher)
-        self.guard = NonFiniteGuard(tc.max_nonfinite_steps)
         self.ema = WeightAverage(tc.ema, self.model) if tc.ema.decay else None  # of the parallelized parameters
+        self.stepper = self._build_step()
+        self.guard = NonFiniteGuard(tc.max_nonfinite_steps)
         self.preemption, self.preempt_agreed, self.save_due = PreemptionWatch(), False, False
 
         # each rank's generators (the objectives' draws are keyed by step and sample instead)
@@ -168,6 +167,12 @@ class Trainer:
         if mesh is not None and self.world.is_main:
             log.info("teacher: sharded by FSDP2 over the student's device mesh")
         return teacher, teacher.inputs(self.cfg)
+
+    def _build_step(self) -> Step:
+        """The step, given what it updates and the parts it calls: the teacher and the weight EMA."""
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        return Step(self.wrapped, self.objectives, params, self.optimizer, self.scheduler, self.scaler, self.precision,
+                    self.cfg.train, self.world, teacher=self.teacher, ema=self.ema)
 
     @staticmethod
     def _seed_rank(seed: int) -> RngState:
@@ -308,8 +313,9 @@ class Trainer:
         return micro, time.perf_counter() - start
 
     def train_step(self, micro: list[Batch]) -> StepResult:
-        """One step over the micro-batches (:class:`vltrain.train.step.Step`: forward and backward,
-        the ranks' agreement, the update or its skip), then what the loop keeps of it.
+        """One step over the micro-batches (:class:`vltrain.train.step.Step`: the teacher's pass, the
+        keys and draws, forward and backward, the ranks' agreement, the update or its skip, the weight
+        EMA), then what the loop keeps of it.
 
         Nothing in a step waits for the device (``tests/train/test_host_sync.py``): the samples and
         the skip stay there, and the host reads them in :meth:`settle`.
@@ -320,8 +326,6 @@ class Trainer:
                                     self.loader.teacher, self.precision.pixel_dtype)
                   for b in micro]
         result = self.stepper(inputs, self.step)
-        if self.ema is not None:
-            self.ema.after_step(self.step + 1)
         agreed = result.agreed
         self.guard.record_on_device(agreed.skip)
         pending = self.samples_pending

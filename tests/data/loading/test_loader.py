@@ -20,7 +20,7 @@ from vltrain.errors import DataError
 from vltrain.model import build_model
 from vltrain.model.config import LossConfig, ModelConfig
 from vltrain.objectives.scoring import Objectives
-from vltrain.compose.task import Task
+from vltrain.compose.task import Score, Task
 
 
 def make_loader(t, *, rank=0, world_size=1, workers=0, run_dir=None, **kw) -> TrainLoader:
@@ -247,7 +247,7 @@ def _text_only_rank(rank, world_size, data_cfg):
     sizes, text_only_batches = [], 0
     for _ in range(100):
         b = next(loader)
-        out = ddp("all", b.to_model_inputs("cpu", data_cfg.mean, data_cfg.std))
+        out = ddp(Score(b.to_model_inputs("cpu", data_cfg.mean, data_cfg.std)))
         opt.zero_grad()
         out.loss.backward()
         opt.step()

@@ -19,11 +19,13 @@ from kits.pretrainedkit import TEXTS, image_file, make_blip  # noqa: E402
 
 from vltrain.errors import ConfigError, UserError  # noqa: E402
 from vltrain.eval.captioning import Prompt  # noqa: E402
-from vltrain.model.generate import Decoding, direct, generate  # noqa: E402
+from vltrain.model.generate import Decoding, generate  # noqa: E402
 from vltrain.model.interop.convert import OPENAI_MEAN  # noqa: E402
 from vltrain.checkpoint.paths import locate  # noqa: E402
 from vltrain.compose.decide import model_config  # noqa: E402
 from vltrain.compose.opening import open_model  # noqa: E402
+from vltrain.compose.task import Score  # noqa: E402
+from vltrain.model.passes import direct  # noqa: E402
 from vltrain.types import ModelInputs  # noqa: E402
 
 CAPTIONER = "BlipForConditionalGeneration"
@@ -275,7 +277,7 @@ def test_retrieval_trains_every_parameter_and_without_itm_leaves_the_cross_atten
     task = Task(model, Objectives(cfg.model.loss, model.spec))
     batch = make_batch(4, seed=1)
     batch.input_ids = batch.input_ids % 21  # the folder's vocabulary
-    out = task("all", batch)
+    out = task(Score(batch))
     assert set(out.losses) == {"itc", "itm"}
     out.loss.backward()
     assert all(p.grad is not None for p in model.parameters())

@@ -18,10 +18,11 @@ from tokenizers import Tokenizer, models, pre_tokenizers, processors
 from vltrain.errors import UserError
 from vltrain.model.builder import build_model
 from vltrain.model.config import ModelConfig
-from vltrain.model.generate import Decoding, direct, generate
+from vltrain.model.generate import Decoding, generate
 from vltrain.model.interop.openclip_coca import architecture
 from vltrain.checkpoint.paths import locate
 from vltrain.model.interop.pretrained import describe, load_pretrained
+from vltrain.model.passes import direct
 from vltrain.model.presets import PRESETS
 
 FIXTURE = Path(__file__).parent / "fixtures" / "openclip-coca"
