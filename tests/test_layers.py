@@ -1,6 +1,6 @@
 """The package's layers: every import, function-level ones included, points down one chain.
 
-    errors -> types | pixels -> runtime -> data | model -> config -> objectives -> train -> checkpoint
+    errors -> types | pixels | images -> runtime -> data | model -> config -> objectives -> train -> checkpoint
            -> export -> eval -> train.trainer | train.resolve -> demo -> cli
 
 A module may import its own layer and any layer below it, never one above; ``data`` and ``model``
@@ -18,7 +18,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "src" / "vltrain"
 
 LAYERS: list[tuple[str, ...]] = [
     ("errors",),
-    ("types", "pixels"),
+    ("types", "pixels", "images"),
     ("runtime",),
     ("data", "model"),
     ("config",),

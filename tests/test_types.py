@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from vltrain.types import Tokens, real_patches
+from vltrain.images import real_patches
+from vltrain.types import Tokens
 
 
 def test_square_tokens_are_all_real_and_attend_without_a_mask():

@@ -25,9 +25,9 @@ def test_batch_fields():
     ]
     b = Collator(pad_id=7, max_text_length=16, image_size=4)(samples)
     assert b.ids.tolist() == [1, 2, 3] and b.ids.dtype == torch.int64
-    assert b.pixel_values.dtype == torch.uint8 and b.pixel_values.shape == (3, 3, 4, 4)
-    assert b.pixel_values[0].unique().tolist() == [1]
-    assert b.pixel_values[2].unique().tolist() == [0]  # no image: zeros
+    assert b.images.pixels.dtype == torch.uint8 and b.images.pixels.shape == (3, 3, 4, 4)
+    assert b.images.pixels[0].unique().tolist() == [1]
+    assert b.images.pixels[2].unique().tolist() == [0]  # no image: zeros
     assert b.has_image.tolist() == [True, True, False]
     assert b.has_text.tolist() == [True, False, True]
     assert b.input_ids[0].tolist() == [1, 2, 3, 7, 7, 7, 7, 7]
@@ -52,10 +52,10 @@ def test_a_worker_collates_into_one_shared_buffer_that_arrives_as_the_same_batch
     loader = torch.utils.data.DataLoader(_Samples(), batch_size=3, num_workers=1, collate_fn=collate)
     got = list(loader)
     for g, e in zip(got, expected):
-        for name in ("ids", "pixel_values", "has_image", "has_text", "input_ids", "attention_mask", "source"):
-            a, b = getattr(g, name), getattr(e, name)
+        for name in ("ids", "images.pixels", "has_image", "has_text", "input_ids", "attention_mask", "source"):
+            a, b = g.tensors()[name], e.tensors()[name]
             assert a.dtype == b.dtype and torch.equal(a, b), name
         assert (g.counts, g.errors, g.num_truncated) == (e.counts, e.errors, e.num_truncated)
         # one buffer for every tensor, shared with the worker that wrote it
-        assert len({t.untyped_storage().data_ptr() for t in (g.ids, g.pixel_values, g.input_ids)}) == 1
-        assert g.pixel_values.is_shared()
+        assert len({t.untyped_storage().data_ptr() for t in (g.ids, g.images.pixels, g.input_ids)}) == 1
+        assert g.images.pixels.is_shared()

@@ -13,6 +13,7 @@ from vltrain.data.config import PAD_MULTIPLE, DataConfig, padded_width
 from vltrain.data.dataset import Sample
 from vltrain.data.loading.packing import class_slots, layout
 from vltrain.data.teacher_store import TeacherInputs
+from vltrain.images import Images
 
 
 def batch_buffers(shapes: dict[str, tuple[tuple[int, ...], torch.dtype]]) -> dict[str, torch.Tensor]:
@@ -180,7 +181,11 @@ class Collator:
         t["input_ids"].copy_(torch.from_numpy(input_ids))
         t["attention_mask"].copy_(torch.from_numpy(attention_mask))
         t["source"].copy_(torch.tensor([s.source for s in samples], dtype=torch.int64))
+        images = Images(t.pop("pixel_values"), t.pop("grids", None), t.pop("segments", None), t.pop("patch_index", None),
+                        t.pop("image_slots", None))
+        teacher = t.pop("teacher_pixel_values", None)
         return Batch(
+            images=images, teacher_images=None if teacher is None else Images(teacher, t.pop("teacher_grids", None)),
             **t,
             num_truncated=sum(s.truncated for s in samples),
             counts=(sum(s.image is not None for s in samples), sum(texts)),
