@@ -25,7 +25,7 @@ class Images:
     - square: ``pixels`` [B, 3, H, W], every patch real;
     - padded (``data.resize: native``): ``pixels`` [B, N, 3 * p * p], image i's first rows x cols
       patches (``grids[i]``), row by row, then zeros to N;
-    - packed (``data.pack_images``): ``pixels`` [S, N, 3 * p * p], several images to a sequence,
+    - packed: ``pixels`` [S, N, 3 * p * p], several images to a sequence,
       ``segments`` and ``patch_index`` saying whose patch each position holds.
 
     Whatever the layout, an image has N patch positions in the padded layout (a square one, its

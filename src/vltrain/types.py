@@ -137,7 +137,7 @@ class Tokens:
     fusion encoder and evaluation read the same mask and never work it out again.
 
     ``real`` is None when every token is real (square images): :attr:`mask` is then all true, and
-    attention takes :attr:`key_mask`, None, so the square path runs without a mask, as fast as it
+    attention takes :attr:`cross_mask`, None, so the square path runs without a mask, as fast as it
     would with no mask at all. Indexing, :meth:`cat` and :meth:`gathered` keep that form."""
 
     values: torch.Tensor
@@ -153,9 +153,9 @@ class Tokens:
         return torch.ones(self.values.shape[:2], dtype=torch.bool, device=self.values.device)
 
     @property
-    def key_mask(self) -> torch.Tensor | None:
-        """What attention over these tokens takes: the mask, or None when every token is real."""
-        return self.real
+    def cross_mask(self) -> torch.Tensor | None:
+        """What cross-attention to these tokens takes, [B, 1, 1, N] (bool), or None when every token is real."""
+        return None if self.real is None else self.real[:, None, None, :]
 
     def __len__(self) -> int:
         return int(self.values.shape[0])

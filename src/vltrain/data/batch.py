@@ -53,6 +53,12 @@ class Batch:
                 out |= {f"{f.name}.{k}": t for k, t in v.tensors().items()}
         return out
 
+    @staticmethod
+    def from_tensors(tensors: dict[str, torch.Tensor], **rest) -> "Batch":
+        """A batch from tensors named as :meth:`tensors` names them (``images.pixels``: a field of its
+        images), and its other fields."""
+        return _rebuild(tensors, rest)
+
     def __reduce__(self):
         """Tensors that are views of one buffer (a loader worker's, ``collate.batch_buffers``) are
         sent as that buffer, once, and viewed again on arrival; any others as usual."""

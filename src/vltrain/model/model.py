@@ -83,7 +83,7 @@ class VLModel(nn.Module):
         return tokens.values, tokens.real, self.image_proj(pooled)
 
     def _packed_images(self, images: Images, has_image: torch.Tensor):
-        """Packed images (``data.pack_images``): the tower runs on every packed sequence (one of padding
+        """Packed images (``Images.layout`` packed): the tower runs on every packed sequence (one of padding
         when the batch has no image) and gives each row's tokens in a row of its own, as the padded
         layout does. Rows without an image get zero embeddings (no gradient) and, for the fusion
         encoder, zero tokens of which only the first is real, as :meth:`_encode_present` gives them."""
@@ -172,7 +172,7 @@ class VLModel(nn.Module):
 
     def fuse(self, text_tokens: torch.Tensor, attention_mask: torch.Tensor, image_tokens: Tokens) -> torch.Tensor:
         """Text tokens attending to the real image tokens through the fusion encoder (fusion models only)."""
-        return self.fusion(text_tokens, attention_mask, image_tokens.values, image_tokens.key_mask)
+        return self.fusion(text_tokens, attention_mask, image_tokens)
 
     # -- the passes the objectives run (vltrain.types.ModelPasses) -----------------------------------
 
@@ -197,7 +197,7 @@ class VLModel(nn.Module):
                        has_image: torch.Tensor) -> torch.Tensor:
         """[B, L, V] next-token logits of the decoder over the text tower's tokens, reading the real
         image tokens in the rows that have an image (caption)."""
-        return self.decoder(text_tokens, attention_mask, image_tokens.values, image_tokens.key_mask, has_image)
+        return self.decoder(text_tokens, attention_mask, image_tokens, has_image)
 
     # -- generation (the decoder's; vltrain.model.generate drives it) ---------------------------
 
@@ -210,8 +210,7 @@ class VLModel(nn.Module):
                       ) -> tuple[torch.Tensor, DecoderCache]:
         """The next-token logits [B, V] after ``prompt_ids`` [B, P] (a start token, then any
         prompt), and the cache that generation extends one position at a time."""
-        cache = DecoderCache.empty(len(self.text.blocks), len(self.decoder.blocks), image_tokens.values,
-                                   image_tokens.key_mask, has_image)
+        cache = DecoderCache.empty(len(self.text.blocks), len(self.decoder.blocks), image_tokens, has_image)
         return self.caption_step(prompt_ids, cache), cache
 
     def caption_step(self, ids: torch.Tensor, cache: DecoderCache) -> torch.Tensor:
