@@ -54,7 +54,7 @@ from vltrain.data.table import SampleTable
 from vltrain.model.vision import VisionConfig, VisionTransformer
 from vltrain.pixels import kept_patches
 from vltrain.runtime.precision import cpu_has_bf16_matmul
-from vltrain.types import real_patches
+from vltrain.images import Images, real_patches
 
 PATCH = 16
 
@@ -126,7 +126,7 @@ def batch_inputs(grids: list[tuple[int, int]], budget: int, pack: bool, seed: in
     for (seq, offset), n in zip(places, counts):
         x[seq, offset:offset + n] = torch.randn(n, dim, generator=g)
     out = {"pixels": x, "grids": grid_t, "segments": segments, "patch_index": patch_index,
-           "image_slots": class_slots(places, counts, segments.shape[0])}
+           "slots": class_slots(places, counts, segments.shape[0])}
     return {k: v.to(device) for k, v in out.items()}
 
 
@@ -138,9 +138,7 @@ def step_time(tower: VisionTransformer, inputs: dict, dtype: torch.dtype | None,
         sync(device)
         start = time.perf_counter()
         with torch.autocast(device.type, dtype=dtype or torch.bfloat16, enabled=dtype is not None):
-            _, pooled = tower(inputs["pixels"], grids=inputs["grids"], segments=inputs.get("segments"),
-                              patch_index=inputs.get("patch_index"), image_slots=inputs.get("image_slots"),
-                              keep=inputs.get("keep"))
+            _, pooled = tower(Images(**inputs))
         pooled.float().square().mean().backward()
         sync(device)
         best = min(best, time.perf_counter() - start)

@@ -281,7 +281,7 @@ def step_rates(args: argparse.Namespace, precision: str, images: list[bytes]) ->
             if i:  # the first round warms up
                 times[m].append(t)
     rates = {m: {"sps": len(images) / statistics.median(times[m]), "decode_ms": decode[m] * 1e3} for m in cfgs}
-    grids = inputs["native"].grids
+    grids = inputs["native"].images.grids
     rates["native"]["real"] = float(grids.prod(dim=1).sum()) / (len(images) * side * side)
     return rates
 

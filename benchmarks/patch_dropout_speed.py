@@ -178,9 +178,9 @@ def table(preset: str, args: argparse.Namespace, steps: dict[str, int]) -> None:
     n = arms.kept(0.0)
     update = arms.update_seconds()
     base = args.batch / results[args.precisions[0], "square", 0.0]["sps"]
-    grids = arms.inputs["native padded"].grids
+    grids = arms.inputs["native padded"].images.grids
     real = float(grids.prod(dim=1).sum()) / (len(grids) * n)
-    sequences = arms.inputs["native packed"].pixels.shape[0]
+    sequences = arms.inputs["native packed"].images.pixels.shape[0]
     print(f"\n{preset}: {n} patches of {m.vision.cfg.patch_size} px at 224 px; native padded images fill {real:.0%} of "
           f"their {n} positions; packed, the {len(grids)} images take {sequences} sequences. Forward FLOPs per sample at dropout 0: vision {vision / 1e9:.2f} G, "
           f"text {text / 1e9:.2f} G ({arms.text_length} tokens), text share {text / (vision + text):.0%}. "

@@ -1,7 +1,7 @@
 """The package's layers: every import, function-level ones included, points down one chain.
 
-    errors -> types | pixels -> runtime -> data | model -> config -> objectives -> checkpoint -> compose
-           -> export -> eval -> train -> demo -> cli
+    errors -> types | pixels | images -> runtime -> data | model -> config -> objectives -> checkpoint
+           -> compose -> export -> eval -> train -> demo -> cli
 
 A module may import its own layer and any layer below it, never one above; ``data`` and ``model``
 are side by side and import neither each other. ``compose`` (the decided config, the builders, the
@@ -20,7 +20,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "src" / "vltrain"
 
 LAYERS: list[tuple[str, ...]] = [
     ("errors",),
-    ("types", "pixels"),
+    ("types", "pixels", "images"),
     ("runtime",),
     ("data", "model"),
     ("config",),

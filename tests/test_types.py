@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import torch
 
-from vltrain.types import Tokens, real_patches
+from vltrain.images import real_patches
+from vltrain.types import Tokens
 
 
 def test_square_tokens_are_all_real_and_attend_without_a_mask():
     square = Tokens(torch.randn(3, 5, 4))
-    assert square.key_mask is None
+    assert square.cross_mask is None
     assert square.mask.dtype == torch.bool and square.mask.all() and square.mask.shape == (3, 5)
     both = Tokens.cat([square, square.index_select(torch.tensor([2, 0]))])
     assert both.real is None and both.values.shape == (5, 5, 4)

@@ -1,6 +1,7 @@
-"""What every layer passes on: one micro-batch as the model takes it (:class:`ModelInputs`), the rows
-the objectives weigh (:class:`Rows`), what the model's ``encode`` returns (:class:`Encoded`; image
-tokens as :class:`Tokens`, with their mask), what the objectives know of a model
+"""What every layer passes on: one micro-batch as the model takes it (:class:`ModelInputs`, its images
+one :class:`~vltrain.images.Images`), the rows the objectives weigh (:class:`Rows`), what the
+model's ``encode`` returns (:class:`Encoded`; image tokens as :class:`Tokens`, with their mask),
+what the objectives know of a model
 (:class:`ModelSpec`) and the passes they ask of it (:class:`ModelPasses`), and what the trainer
 asks of a model besides encoding (:class:`TrainableModel`).
 
@@ -16,14 +17,16 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 from torch import nn
 
+from vltrain.images import Images
+
 
 @dataclass
 class ModelInputs:
     """One micro-batch as the model and the objectives take it: on the device, pixels normalized."""
 
-    pixels: torch.Tensor
-    """float [B, 3, H, W]; zeros where there is no image. With ``grids``: [B, N, 3 * p * p], each
-    image's patches (channel, y, x within a patch), row by row, then zeros to N."""
+    images: Images
+    """The images in their layout (square, at their own shape padded or packed, with the patches
+    patch dropout keeps): zeros where a row has none."""
     input_ids: torch.Tensor
     attention_mask: torch.Tensor
     has_image: torch.Tensor
@@ -37,21 +40,6 @@ class ModelInputs:
     counts: tuple[int, int] | None = None
     """How many rows have an image and how many have text, known on the host (the collator counts
     them): the model splits rows between its towers without asking the device (None: it asks)."""
-    grids: torch.Tensor | None = None
-    """int64 [B, 2]: the rows and columns of patches each image was resized to at its own shape
-    (``data.resize: native``); None for square images of ``data.image_size``."""
-    segments: torch.Tensor | None = None
-    """int64 [S, N] with packed images (``data.pack_images``): ``pixels`` is then [S, N, 3 * p * p],
-    several images per sequence, and this says which row's image each position holds (-1: padding)."""
-    patch_index: torch.Tensor | None = None
-    """int64 [S, N] with packed images: which patch of its image each position holds."""
-    image_slots: torch.Tensor | None = None
-    """int64 [S, K] with packed images: the rows whose images each sequence holds, in order (-1: none),
-    where a tower with a class token puts their class tokens."""
-    patch_keep: torch.Tensor | None = None
-    """int64 [B, K], ascending: patch dropout in a training step, the patches each image keeps (of
-    its ``data.image_size`` grid, or of the N positions of ``grids``); drawn keyed by the step and
-    the sample (``Objectives.patch_keep``). None: every patch."""
     key: Any = None
     """A ``vltrain.objectives.keyed.StepKey`` (typed loosely: the objectives sit above this layer): the
     step's seed, number and objective denominators, what the objectives' random draws are keyed by
@@ -115,12 +103,10 @@ class TeacherView:
     """A micro-batch as a distillation teacher takes it: images at its own size (or shape), normalized
     with its statistics, and captions in its tokenizer's ids (zeros and padding where a row lacks a side)."""
 
-    pixels: torch.Tensor
-    """float [B, 3, T, T]; a teacher at native shape: [B, N, 3 * p * p] patches, one image per row"""
+    images: Images
+    """Square [B, 3, T, T], or a teacher at native shape: padded, one image per row."""
     input_ids: torch.Tensor
     attention_mask: torch.Tensor
-    grids: torch.Tensor | None = None
-    """int64 [B, 2]: a teacher at native shape, each image's rows and columns of patches (None: square)"""
 
 
 @dataclass
@@ -151,7 +137,7 @@ class Tokens:
     fusion encoder and evaluation read the same mask and never work it out again.
 
     ``real`` is None when every token is real (square images): :attr:`mask` is then all true, and
-    attention takes :attr:`key_mask`, None, so the square path runs without a mask, as fast as it
+    attention takes :attr:`cross_mask`, None, so the square path runs without a mask, as fast as it
     would with no mask at all. Indexing, :meth:`cat` and :meth:`gathered` keep that form."""
 
     values: torch.Tensor
@@ -167,9 +153,9 @@ class Tokens:
         return torch.ones(self.values.shape[:2], dtype=torch.bool, device=self.values.device)
 
     @property
-    def key_mask(self) -> torch.Tensor | None:
-        """What attention over these tokens takes: the mask, or None when every token is real."""
-        return self.real
+    def cross_mask(self) -> torch.Tensor | None:
+        """What cross-attention to these tokens takes, [B, 1, 1, N] (bool), or None when every token is real."""
+        return None if self.real is None else self.real[:, None, None, :]
 
     def __len__(self) -> int:
         return int(self.values.shape[0])
@@ -205,14 +191,6 @@ class Encoded:
     """[B, L, Wt] the text tower's tokens (fusion and captioning models only); zeros where there is no text."""
     anchor: torch.Tensor
     """A zero scalar connected to every parameter ``encode`` used."""
-
-
-def real_patches(grids: torch.Tensor, length: int) -> torch.Tensor:
-    """[B, length] (bool): which of a padded batch's patch positions hold a patch, for images at their
-    own shape: each image's first rows x cols of ``grids`` [B, 2] (``ModelInputs.grids``). The vision
-    tower's mask of real tokens starts from it; masked image modelling draws its mask among them
-    before the tower runs."""
-    return torch.arange(length, device=grids.device) < (grids[:, 0] * grids[:, 1])[:, None]
 
 
 @dataclass(frozen=True)
@@ -267,10 +245,9 @@ class ModelPasses(Protocol):
         """[B, L, V] the decoder's next-token logits over the text tower's tokens, reading the image
         tokens in the rows where ``has_image``."""
 
-    def mim_prediction(self, pixels: torch.Tensor, patch_mask: torch.Tensor,
-                       grids: torch.Tensor | None = None) -> torch.Tensor:
-        """[B, patches, 3 * p * p] the pixels predicted for each patch, the masked ones entering as the
-        mask token; ``grids`` for images at their own shape, padded."""
+    def mim_prediction(self, images: Images, patch_mask: torch.Tensor) -> torch.Tensor:
+        """[B, patches, 3 * p * p] the pixels predicted for each patch of ``images`` (one to a row),
+        the masked ones entering as the mask token."""
 
 
 @runtime_checkable

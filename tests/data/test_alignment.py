@@ -89,11 +89,11 @@ def test_every_batch_row_is_the_source_row_with_its_id(tok, fmt, rows, batch_siz
                 assert bool(batch.has_image[r]) == (want["pixels"] is not None)
                 assert bool(batch.has_text[r]) == (want["text"] is not None)
                 if want["pixels"] is not None:
-                    pixels = batch.pixel_values[r]
+                    pixels = batch.images.pixels[r]
                     assert hashlib.sha256(pixels.numpy().tobytes()).hexdigest() == want["pixels"]
                     assert want["red"] is None or int(pixels[0, 0, 0]) == want["red"]
                 else:
-                    assert not batch.pixel_values[r].any()
+                    assert not batch.images.pixels[r].any()
                 ids = batch.input_ids[r][batch.attention_mask[r].bool()].tolist()
                 if want["text"] is not None:
                     assert tok.decode(ids) == want["text"]

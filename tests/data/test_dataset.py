@@ -237,8 +237,8 @@ def test_native_shape_samples_and_their_bad_inputs(tmp_path, tok):
     assert huge.key != "huge" and huge.errors[0][0] == "huge" and "data.max_image_pixels" in huge.errors[0][1]
     samples = [ds[i] for i in range(len(ds))]
     padded = Collator.for_data(tok.pad_id, c)(samples)
-    assert padded.pixel_values.shape == (7, 16, 48) and padded.grids[4].tolist() == [1, 16]
+    assert padded.images.pixels.shape == (7, 16, 48) and padded.images.grids[4].tolist() == [1, 16]
     assert [k for k, _ in padded.errors] == ["huge"]
     packed = Collator.for_data(tok.pad_id, DataConfig(**{**vars(c), "pack_images": True}))(samples)
-    real = sum(int(g.prod()) for g in packed.grids)
-    assert int((packed.segments >= 0).sum()) == real and packed.pixel_values.shape[1:] == (16, 48)
+    real = sum(int(g.prod()) for g in packed.images.grids)
+    assert int((packed.images.segments >= 0).sum()) == real and packed.images.pixels.shape[1:] == (16, 48)

@@ -42,7 +42,7 @@ class MatchingHead(torch.nn.Module):
         text_tokens, attention_mask, image_tokens = (computation.text_tokens, computation.attention_mask,
                                                      computation.image_tokens)
         assert attention_mask.shape[1] == text_tokens.shape[1]
-        assert image_tokens.key_mask is None  # square images: every token real
+        assert image_tokens.cross_mask is None  # square images: every token real
         self.calls += 1
         match = (text_tokens[:, 0, 0] == image_tokens.values[:, 0, 0]).float() * 4 - 2
         return torch.stack([-match, match], dim=1)

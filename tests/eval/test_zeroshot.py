@@ -36,7 +36,7 @@ class ToyTask(torch.nn.Module):
     def forward(self, computation):
         assert isinstance(computation, Encode)
         inputs = computation.inputs
-        level = (inputs.pixels[:, 0].mean(dim=(1, 2)) * 255 / 100).round().long().clamp(0, DIM - 1)
+        level = (inputs.images.pixels[:, 0].mean(dim=(1, 2)) * 255 / 100).round().long().clamp(0, DIM - 1)
         image = F.normalize(F.one_hot(level, DIM).float() + 0.1 * F.one_hot(torch.full_like(level, 3), DIM), dim=-1)
         has = (inputs.input_ids[:, :, None, None] == self.class_tokens[None, None]).any(dim=3).any(dim=1)
         text = F.normalize(F.pad(has.float(), (0, DIM - len(self.class_tokens))) + 1e-3, dim=-1)

@@ -19,6 +19,7 @@ from kits.runkit import overrides, session_shapes, train_here  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 
 from vltrain.compose.opening import open_model  # noqa: E402
+from vltrain.images import Images  # noqa: E402
 from vltrain.config.job import load_config  # noqa: E402
 from vltrain.errors import UserError  # noqa: E402
 from vltrain.export.hf_blip import check_blip  # noqa: E402
@@ -89,7 +90,7 @@ def _inputs(pixels, ids, mask=None):
     from vltrain.types import ModelInputs
 
     every = torch.ones(len(ids), dtype=torch.bool)
-    return ModelInputs(pixels=pixels, input_ids=ids, attention_mask=torch.ones_like(ids) if mask is None else mask,
+    return ModelInputs(images=Images(pixels), input_ids=ids, attention_mask=torch.ones_like(ids) if mask is None else mask,
                        has_image=every, has_text=every, ids=torch.arange(len(ids)))
 
 

@@ -10,6 +10,7 @@ from vltrain.model import VLModel, build_model
 from vltrain.model.config import LossConfig, ModelConfig
 from vltrain.objectives.scoring import Objectives
 from vltrain.compose.task import Score, Task
+from vltrain.images import Images
 from vltrain.types import ModelInputs
 
 VOCAB, PAD, MASK, IMAGE, LENGTH = 50, 0, 1, 32, 8
@@ -39,7 +40,7 @@ def make_batch(n: int, seed: int = 0, has_image=None, has_text=None, ids=None, w
     attention_mask = (torch.arange(LENGTH)[None, :] < lengths[:, None]).long()
     input_ids = torch.randint(2, VOCAB, (n, LENGTH), generator=g) * attention_mask
     return ModelInputs(
-        pixels=pixels, input_ids=input_ids, attention_mask=attention_mask, has_image=has_image, has_text=has_text,
+        images=Images(pixels), input_ids=input_ids, attention_mask=attention_mask, has_image=has_image, has_text=has_text,
         ids=torch.arange(n, dtype=torch.int64) if ids is None else torch.as_tensor(ids, dtype=torch.int64),
         row_weights=torch.rand(n, generator=g) + 0.5 if weights else None,
     )

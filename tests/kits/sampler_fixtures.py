@@ -65,7 +65,7 @@ class TableDataset(torch.utils.data.Dataset):
         image = torch.full((3, size, size), noise, dtype=torch.uint8) if self.t.has_image[i] else None
         return Sample(uid(i), f"row-{i}", image, [5 + (i + k) % 50 for k in range(n)], False, int(self.t.source[i]))
 
-collate = Collator(pad_id=0, max_text_length=1 << 16, image_size=4)
+collate = Collator(pad_id=0, max_text_length=1 << 16, images=4)
 """Pads text to the longest row rounded up to a multiple of 8 (the Collator's default)."""
 
 def fork_workers() -> None:

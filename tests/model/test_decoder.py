@@ -7,6 +7,7 @@ import pytest
 import torch
 from kits.modelkit import MASK, PAD, VOCAB, make_batch, small_model, small_task
 
+from vltrain.images import Images
 from vltrain.errors import ConfigError, UserError
 from vltrain.model import build_model
 from vltrain.model.config import ModelConfig
@@ -48,7 +49,7 @@ def test_a_text_only_row_reads_no_image_and_trains_none_of_the_vision_tower():
     model = small_model("tiny-coca")
     batch = make_batch(4, seed=2, has_image=[True, False, True, False])
     first = _logits(model, batch)
-    batch.pixels = torch.randn_like(batch.pixels)
+    batch.images = Images(torch.randn_like(batch.images.pixels))
     second = _logits(model, batch)
     assert torch.equal(first[1], second[1]) and torch.equal(first[3], second[3])
     assert not torch.allclose(first[0], second[0], atol=1e-4)
@@ -84,7 +85,7 @@ def test_label_smoothing_raises_the_loss_of_a_confident_model():
 
 def _images(model, n=4, seed=0) -> Tokens:
     with torch.no_grad():
-        return model.image_tokens(make_batch(n, seed=seed).pixels)
+        return model.image_tokens(make_batch(n, seed=seed).images)
 
 
 @pytest.mark.parametrize("decoding", [Decoding(8), Decoding(8, beam=3), Decoding(8, top_p=0.9, seed=1)],
@@ -198,8 +199,8 @@ def test_an_image_at_its_own_shape_reads_only_its_real_tokens():
     pixels = torch.randn(2, 9, 3 * p * p, generator=g)
     pixels[0, 6:] = 0  # the first image has 6 patches; the batch pads it to 9
     with torch.no_grad():
-        both = model.image_tokens(pixels, grids)
-        alone = model.image_tokens(pixels[:1, :6], grids[:1])
+        both = model.image_tokens(Images(pixels, grids))
+        alone = model.image_tokens(Images(pixels[:1, :6], grids[:1]))
     assert both.real is not None and not both.real[0].all()
     for decoding in (Decoding(8), Decoding(8, beam=3)):
         assert (generate(direct(model), both, [START], END, PAD, decoding)[0]
@@ -321,7 +322,7 @@ def test_blips_structure_reads_its_start_token_and_no_image_on_text_only_rows():
     first = _logits(model, batch)
     batch.input_ids[:, 0] = 7  # whatever the tokenizer put first, the tower reads its start token
     assert torch.equal(_logits(model, batch), first)
-    batch.pixels = torch.randn_like(batch.pixels)
+    batch.images = Images(torch.randn_like(batch.images.pixels))
     second = _logits(model, batch)
     assert torch.equal(first[1], second[1]) and not torch.allclose(first[0], second[0], atol=1e-4)
     text_only = make_batch(4, seed=3, has_image=[False] * 4)

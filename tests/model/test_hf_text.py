@@ -13,6 +13,7 @@ from kits.modelkit import forward_calls  # noqa: E402
 
 from tokenizers import Tokenizer, models, pre_tokenizers  # noqa: E402
 
+from vltrain.images import Images
 from vltrain.errors import UserError  # noqa: E402
 from vltrain.model import build_model, hf_tokenizer_file  # noqa: E402
 from vltrain.model.config import LossConfig, ModelConfig, TextConfig  # noqa: E402
@@ -47,7 +48,7 @@ def _batch(folder, texts, length=8):
         ids[i, : len(enc)] = torch.tensor(enc)
     mask = (ids != 0).long()
     n = len(texts)
-    return ModelInputs(pixels=torch.randn(n, 3, 32, 32), input_ids=ids, attention_mask=mask,
+    return ModelInputs(images=Images(torch.randn(n, 3, 32, 32)), input_ids=ids, attention_mask=mask,
                        has_image=torch.ones(n, dtype=torch.bool), has_text=mask.any(1), ids=torch.arange(n))
 
 

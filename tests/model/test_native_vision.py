@@ -7,6 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from vltrain.images import Images
 from vltrain.model.vision import VisionConfig, VisionTransformer, resize_positions
 
 GRIDS = torch.tensor([[4, 4], [2, 8], [8, 2], [3, 5], [1, 16], [5, 3]])
@@ -44,11 +45,11 @@ def test_an_image_depends_only_on_its_own_patches(pooling, class_token):
     vit = tower(pooling, class_token)
     x = patches(GRIDS)
     with torch.no_grad():
-        _, base = vit(x, grids=GRIDS)
+        _, base = vit(Images(x, GRIDS))
         changed = x.clone()
         changed[0] += 1.0  # another image in the batch
         changed[3, 15:] = 7.0  # the fourth image's padding
-        _, after = vit(changed, grids=GRIDS)
+        _, after = vit(Images(changed, GRIDS))
     assert not torch.equal(after[0], base[0])
     assert torch.equal(after[1:], base[1:])
 
@@ -57,8 +58,8 @@ def test_padded_and_alone_give_the_same_embedding():
     vit = tower()
     x = patches(GRIDS, length=20)
     with torch.no_grad():
-        _, together = vit(x, grids=GRIDS)
-        alone = [vit(x[i : i + 1, : int(GRIDS[i].prod())], grids=GRIDS[i : i + 1])[1] for i in range(len(GRIDS))]
+        _, together = vit(Images(x, GRIDS))
+        alone = [vit(Images(x[i : i + 1, : int(GRIDS[i].prod())], GRIDS[i : i + 1]))[1] for i in range(len(GRIDS))]
     torch.testing.assert_close(together, torch.cat(alone), atol=1e-6, rtol=0)
 
 
@@ -68,21 +69,21 @@ def test_the_square_table_grid_is_the_fixed_size_path():
     as_patches = images.reshape(2, 3, 4, 8, 4, 8).permute(0, 2, 4, 1, 3, 5).reshape(2, 16, 192)
     with torch.no_grad():
         _, fixed = vit(images)
-        _, native = vit(as_patches, grids=torch.tensor([[4, 4], [4, 4]]))
+        _, native = vit(Images(as_patches, torch.tensor([[4, 4], [4, 4]])))
     torch.testing.assert_close(native, fixed, atol=1e-5, rtol=0)
 
 
 def test_gradients_reach_the_table_and_bf16_runs():
     vit = tower().train()
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        _, pooled = vit(patches(GRIDS), grids=GRIDS)
+        _, pooled = vit(Images(patches(GRIDS), GRIDS))
     pooled.float().square().sum().backward()
     assert pooled.dtype == torch.bfloat16 and vit.pos_embed.grad.abs().sum() > 0
 
 
 def packed(x: torch.Tensor, grids: torch.Tensor, length: int = 16):
     """The padded patches ``x`` packed as the collator packs them: (pixels, {segments, patch_index,
-    image_slots})."""
+    slots})."""
     from vltrain.data.loading.packing import class_slots, layout
 
     sizes = grids.prod(-1).tolist()
@@ -91,7 +92,7 @@ def packed(x: torch.Tensor, grids: torch.Tensor, length: int = 16):
     for i, (seq, offset) in enumerate(places):
         out[seq, offset:offset + sizes[i]] = x[i, : sizes[i]]
     return out, {"segments": segments, "patch_index": patch_index,
-                 "image_slots": class_slots(places, sizes, segments.shape[0])}
+                 "slots": class_slots(places, sizes, segments.shape[0])}
 
 
 @pytest.mark.parametrize("pooling,class_token", [("map", False), ("mean", False), ("cls", True), ("mean", True),
@@ -103,10 +104,10 @@ def test_packed_and_padded_give_the_same_embeddings(pooling, class_token):
     grids = torch.cat([GRIDS, small])
     x = torch.cat([x, patches(small, seed=5)])
     pixels, layout = packed(x, grids)
-    assert layout["segments"].shape[0] < len(grids) and layout["image_slots"].shape[1] > 1  # really packed
+    assert layout["segments"].shape[0] < len(grids) and layout["slots"].shape[1] > 1  # really packed
     with torch.no_grad():
-        padded_tokens, padded = vit(x, grids=grids)
-        tokens, together = vit(pixels, grids=grids, **layout)
+        padded_tokens, padded = vit(Images(x, grids))
+        tokens, together = vit(Images(pixels, grids, **layout))
     torch.testing.assert_close(together, padded, atol=1e-6, rtol=0)
     # the tokens come out one image per row, as padded ones do, with the same mask (what the fusion
     # encoder, masked image modelling and evaluation read)
@@ -121,12 +122,12 @@ def test_a_packed_image_never_sees_another_images_patches(pooling, class_token):
     vit = tower(pooling, class_token)
     grids = torch.tensor([[2, 3], [1, 4], [2, 2], [1, 2]])  # 6 + 4 + 4 + 2: one sequence of 16
     pixels, layout = packed(patches(grids), grids)
-    assert layout["segments"].shape[0] == 1 and layout["image_slots"].tolist() == [[0, 1, 2, 3]]
+    assert layout["segments"].shape[0] == 1 and layout["slots"].tolist() == [[0, 1, 2, 3]]
     with torch.no_grad():
-        _, base = vit(pixels, grids=grids, **layout)
+        _, base = vit(Images(pixels, grids, **layout))
         changed = pixels.clone()
         changed[layout["segments"] == 1] += 3.0
-        _, after = vit(changed, grids=grids, **layout)
+        _, after = vit(Images(changed, grids, **layout))
     assert not torch.equal(after[1], base[1])
     keep = torch.tensor([0, 2, 3])
     assert torch.equal(after[keep], base[keep])
@@ -168,13 +169,13 @@ def test_the_fusion_encoder_reads_only_an_images_real_tokens():
 
     def itm(pixels: torch.Tensor, keyed: bool = True) -> torch.Tensor:
         with torch.no_grad():
-            tokens, _ = model.vision(pixels, grids=grids)
+            tokens, _ = model.vision(Images(pixels, grids))
             tokens = tokens if keyed else Tokens(tokens.values)  # every token taken as real
             return model.itm_head(model.fuse(model.text_tokens(ids, mask), mask, tokens))
 
     base = itm(x)
     with torch.no_grad():  # the tower's mask: its class token and each image's real patches
-        assert model.vision(x, grids=grids)[0].mask.tolist() == [
+        assert model.vision(Images(x, grids))[0].mask.tolist() == [
             [True, True, True, False, False], [True, True, True, False, False], [True, True, False, False, False]]
     garbage = x + 5.0 * (torch.arange(4) >= grids.prod(-1)[:, None])[..., None]  # the padding holds noise
     longer = torch.cat([x, torch.randn(3, 5, 3 * p * p)], dim=1)  # padded to 9 patches, not 4

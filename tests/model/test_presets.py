@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import vltrain.model.presets as presets
+from vltrain.images import Images
 from vltrain.errors import UserError
 from vltrain.model import build_model, count_parameters, list_presets
 from vltrain.model.config import LossConfig, ModelConfig
@@ -54,7 +55,7 @@ def test_tiny_preset_builds_and_runs_on_cpu():
                         image_size=image, max_text_length=length)
     assert sum(p.numel() for p in model.parameters()) == params
     ids = torch.randint(1, vocab, (2, length))
-    inputs = ModelInputs(torch.randn(2, 3, image, image), ids, torch.ones_like(ids), torch.ones(2, dtype=torch.bool),
+    inputs = ModelInputs(Images(torch.randn(2, 3, image, image)), ids, torch.ones_like(ids), torch.ones(2, dtype=torch.bool),
                          torch.ones(2, dtype=torch.bool), torch.arange(2))
     out = Task(model, Objectives(LossConfig(), model.spec))(Score(inputs))
     assert out.loss.ndim == 0 and torch.isfinite(out.loss)

@@ -12,6 +12,7 @@ import torch
 import torch._dynamo as dynamo
 from torch._dynamo.testing import CompileCounter
 
+from vltrain.images import Images
 from vltrain.data.loading.packing import class_slots, layout
 from vltrain.model import build_model
 from vltrain.model.config import ModelConfig
@@ -41,7 +42,7 @@ def native_inputs(grids: list[tuple[int, int]], pack: bool, length: int = 16, pa
     places, segments, patch_index = layout(counts, length)
     return (torch.randn(segments.shape[0], length, 3 * patch * patch),
             {"grids": torch.tensor(grids), "segments": segments, "patch_index": patch_index,
-             "image_slots": class_slots(places, counts, segments.shape[0])})
+             "slots": class_slots(places, counts, segments.shape[0])})
 
 
 def random_grids(rng: torch.Generator, most: int = 16) -> list[tuple[int, int]]:
@@ -66,7 +67,7 @@ def test_a_tower_of_images_at_their_own_shape_traces_once_and_compiles_a_bounded
                                            pre_norm=class_token, patch_bias=not class_token))
     dynamo.reset()
     pixels, kw = native_inputs([(2, 8), (4, 4), (1, 16), (3, 5)], pack)
-    explained = dynamo.explain(tower)(pixels, **kw)
+    explained = dynamo.explain(tower)(Images(pixels, **kw))
     assert (explained.graph_count, explained.graph_break_count) == (1, 0), explained.break_reasons
     dynamo.reset()
     counter = CompileCounter()
@@ -75,7 +76,7 @@ def test_a_tower_of_images_at_their_own_shape_traces_once_and_compiles_a_bounded
     for sweep in range(2):
         for _ in range(40):
             pixels, kw = native_inputs(random_grids(rng), pack)
-            torch.testing.assert_close(compiled(pixels, **kw)[1], tower(pixels, **kw)[1])
+            torch.testing.assert_close(compiled(Images(pixels, **kw))[1], tower(Images(pixels, **kw))[1])
         if sweep == 0:
             warm = counter.frame_count
     assert counter.frame_count == warm <= 5

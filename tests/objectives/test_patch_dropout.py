@@ -18,7 +18,7 @@ from vltrain.objectives.scoring import Objectives
 from vltrain.pixels import kept_patches
 from vltrain.pixels import patchify
 from vltrain.compose.rules import fit_native
-from vltrain.types import real_patches
+from vltrain.images import Images, real_patches
 
 
 @pytest.mark.parametrize("fraction", [0.25, 0.5, 0.75, 0.9])
@@ -86,15 +86,15 @@ def test_kept_patches_of_images_at_their_own_shape_encode_as_the_masked_batch(po
     keep = kept_patches(torch.rand(len(GRIDS), n, generator=torch.Generator().manual_seed(3)), real_patches(GRIDS, n),
                         0.5)
     with torch.no_grad():
-        tokens, pooled = vit(x, grids=GRIDS, keep=keep)
+        tokens, pooled = vit(Images(x, GRIDS, keep=keep))
         full, real = vit.embed_grids(x, GRIDS)
         p = vit.num_prefix
         masked = real.clone()
         masked[:, p:] = False
         masked[:, p:].scatter_(1, keep, real[:, p:].gather(1, keep))
         y = vit.norm(run_blocks(vit.blocks, vit.norm_pre(full) if vit.norm_pre else full, masked[:, None, None, :]))
-        want = vit.kept(y, keep)
-        assert torch.equal(tokens.real, vit.kept(masked, keep))
+        want = vit.patch_dropout(y, keep)
+        assert torch.equal(tokens.real, vit.patch_dropout(masked, keep))
         torch.testing.assert_close(tokens.values[tokens.real], want[tokens.real], atol=1e-5, rtol=0)
         torch.testing.assert_close(pooled, vit.pool(y, masked), atol=1e-5, rtol=0)
 
@@ -108,11 +108,11 @@ def test_square_images_keep_k_tokens_and_equal_the_same_patches_at_their_full_gr
     x = patchify(pixels, 8)
     keep = kept_patches(torch.rand(3, grid * grid, generator=torch.Generator().manual_seed(4)), None, 0.75)
     with torch.no_grad():
-        tokens, pooled = vit(pixels, keep=keep)
-        by_grid, pooled_grid = vit(x, grids=grids, keep=keep)
-        everything, _ = vit(pixels, keep=torch.arange(grid * grid).expand(3, -1))
+        tokens, pooled = vit(Images(pixels, keep=keep))
+        by_grid, pooled_grid = vit(Images(x, grids, keep=keep))
+        everything, _ = vit(Images(pixels, keep=torch.arange(grid * grid).expand(3, -1)))
         plain, _ = vit(pixels)
-        plain_grid, _ = vit(x, grids=grids)
+        plain_grid, _ = vit(Images(x, grids))
     torch.testing.assert_close(plain.values, plain_grid.values, atol=1e-5, rtol=0)  # what the comparison rests on
     assert tokens.real is None and tokens.values.shape == (3, vit.num_prefix + keep.shape[1], 32)
     torch.testing.assert_close(tokens.values, by_grid.values, atol=1e-5, rtol=0)
@@ -125,7 +125,7 @@ def test_a_model_in_a_training_step_encodes_kept_patches_and_every_one_otherwise
     drop = objectives(patch_dropout=0.5)
     batch = make_batch(4, has_image=[True, False, True, True])
     keyed = type(batch)(**{**vars(batch), "key": StepKey(0, 0)})
-    keyed = type(batch)(**{**vars(keyed), "patch_keep": drop.patch_keep(keyed)})
+    keyed = type(batch)(**{**vars(keyed), "images": keyed.images.kept(drop.patch_keep(keyed))})
     kept, every = model.encode(keyed), model.encode(batch)
     n = model.spec.num_patches
     assert kept.image_tokens.values.shape[1] == 1 + n // 2 and every.image_tokens.values.shape[1] == 1 + n
@@ -160,16 +160,16 @@ def test_packed_images_keep_their_kept_patches_in_shorter_sequences(pooling, cla
     keep = kept_patches(torch.rand(len(grids), n, generator=torch.Generator().manual_seed(3)), real_patches(grids, n),
                         fraction)
     shorter, segments, _ = drop_packed(pixels, real_patches(grids, n), layout["segments"], layout["patch_index"],
-                                       keep, layout["image_slots"].shape[1])
+                                       keep, layout["slots"].shape[1])
     kept = int(real_patches(grids, n).sum() - torch.floor(fraction * grids.prod(-1).double()).sum())
     assert int((segments >= 0).sum()) == kept  # every kept patch, and no other
-    assert shorter.shape[1] < n and shorter.shape[1] <= keep.shape[1] + layout["image_slots"].shape[1]
+    assert shorter.shape[1] < n and shorter.shape[1] <= keep.shape[1] + layout["slots"].shape[1]
     with torch.no_grad():
-        padded_tokens, padded = vit(x, grids=grids, keep=keep)
-        tokens, together = vit(pixels, grids=grids, keep=keep, **layout)
+        padded_tokens, padded = vit(Images(x, grids, keep=keep))
+        tokens, together = vit(Images(pixels, grids, **layout, keep=keep))
     torch.testing.assert_close(together, padded, atol=1e-5, rtol=0)
     assert torch.equal(tokens.real, padded_tokens.real)
     torch.testing.assert_close(tokens.values[tokens.real], padded_tokens.values[tokens.real], atol=1e-5, rtol=0)
     with torch.no_grad():
-        _, every = vit(pixels, grids=grids, **layout)
+        _, every = vit(Images(pixels, grids, **layout))
     assert not torch.allclose(every, together)  # the dropout took effect

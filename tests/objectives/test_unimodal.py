@@ -12,6 +12,7 @@ from kits.modelkit import grads, make_batch, max_relative_error, rows, small_tas
 from kits.runkit import (assert_identical, assert_resumed_exactly, final_state, finish, from_checkpoint, launch, ok,
                          session_shapes, train)
 
+from vltrain.images import Images
 from vltrain.data.batch import Batch
 from vltrain.objectives.losses import mim_loss, mlm_loss
 from vltrain.compose.task import Score
@@ -76,8 +77,8 @@ def test_every_parameter_gets_a_gradient_whatever_the_rows(has_image, has_text):
 def test_a_source_with_loss_weight_zero_changes_no_gradient():
     """Rows of weight 0 are absent from every objective: what they hold does not reach a gradient."""
     batch = replace(_batch(), row_weights=torch.tensor([1.0, 1.0, 0.0, 1.0, 1.0, 0.0, 1.0, 1.0, 0.0, 1.0]))
-    other = replace(batch, pixels=batch.pixels.clone(), input_ids=batch.input_ids.clone())
-    other.pixels[[2, 8]] = torch.randn_like(other.pixels[[2, 8]])
+    other = replace(batch, images=Images(batch.images.pixels.clone()), input_ids=batch.input_ids.clone())
+    other.images.pixels[[2, 8]] = torch.randn_like(other.images.pixels[[2, 8]])
     other.input_ids[[2, 5]] = (other.input_ids[[2, 5]] + 7) % 50 * (other.input_ids[[2, 5]] > 0)
     task = small_task("tiny-albef", itm=1.0, mlm=1.0, text_mlm=1.0, image_mim=1.0, siglip=0.5)
     a = {k: v for k, v in _all_grads(task, batch).items()}
@@ -129,7 +130,7 @@ def test_source_and_modality_weights_multiply_into_row_weights():
     from vltrain.data.config import ModalityWeights
 
     n = 4
-    batch = Batch(ids=torch.arange(n), pixel_values=torch.zeros(n, 3, 8, 8, dtype=torch.uint8),
+    batch = Batch(ids=torch.arange(n), images=Images(torch.zeros(n, 3, 8, 8, dtype=torch.uint8)),
                   has_image=torch.tensor([1, 1, 0, 1], dtype=torch.bool), has_text=torch.tensor([1, 0, 1, 1], dtype=torch.bool),
                   input_ids=torch.ones(n, 3, dtype=torch.long), attention_mask=torch.ones(n, 3, dtype=torch.long),
                   source=torch.tensor([0, 1, 1, 0]))
@@ -235,7 +236,7 @@ def test_eval_reports_each_validation_source(tmp_path_factory, tmp_path):
 def test_masked_image_modelling_of_images_at_their_own_shape_reads_and_predicts_real_patches_only():
     """image_mim on padded native patches: the keyed mask falls on real patches only, the target is
     the patches themselves, and noise in the padding changes neither the loss nor its gradients."""
-    from vltrain.types import real_patches
+    from vltrain.images import real_patches
 
     task = small_task(image_mim=1.0, image_mim_paired=True)
     model, objectives = task.model, task.objectives
@@ -244,14 +245,14 @@ def test_masked_image_modelling_of_images_at_their_own_shape_reads_and_predicts_
     batch = make_batch(len(grids), seed=3)
     real = real_patches(grids, n)
     pixels = torch.randn(len(grids), n, 3 * p * p, generator=torch.Generator().manual_seed(4)) * real[..., None]
-    inputs = replace(batch, pixels=pixels, grids=grids, counts=None)
+    inputs = replace(batch, images=Images(pixels, grids), counts=None)
     masks = objectives.draw(inputs)
     masked = masks.image_mim
     assert masked.shape == (4, n) and not (masked & ~real).any() and masked.any()
 
     def loss_and_grads(x):
         model.zero_grad(set_to_none=True)
-        loss = objectives._image_mim(model, replace(inputs, pixels=x), masks, {})
+        loss = objectives._image_mim(model, replace(inputs, images=Images(x, grids)), masks, {})
         loss.backward()
         return loss.detach(), {k: v.grad.clone() for k, v in model.vision.named_parameters() if v.grad is not None}
 

@@ -5,7 +5,8 @@ CHANGE is one of:
 - ``init-ulp``: every element of the patch embedding's initial weight moved up by one fp32 ulp
   (in an fp64 run too: the smallest change an fp32 initialization can make);
 - ``init-ulp-one``: one element of it moved up by one fp32 ulp;
-- ``mask``: each native-shape image's last real patch masked out of the vision tower's attention.
+- ``mask``: each native-shape image's last real patch taken for padding (``Images.real``), so masked
+  out of the vision tower's attention.
 """
 
 from __future__ import annotations
@@ -36,12 +37,12 @@ def _nudge(every: bool) -> None:
 
 
 def _mask_one_fewer() -> None:
-    import vltrain.model.vision as vision
+    import vltrain.images as images
 
     def one_fewer(grids: torch.Tensor, length: int) -> torch.Tensor:
         return torch.arange(length, device=grids.device) < (grids[:, 0] * grids[:, 1] - 1).clamp(min=1)[:, None]
 
-    vision.real_patches = one_fewer
+    images.real_patches = one_fewer
 
 
 if __name__ == "__main__":

@@ -73,10 +73,10 @@ def test_each_row_reaches_the_teacher_at_its_size_statistics_and_tokenizer(tmp_p
     batch = Collator.for_data(student_tok.pad_id, cfg.data, teacher=inputs)(samples)
     m = batch.to_model_inputs("cpu", cfg.data.mean, cfg.data.std, teacher=inputs)
     view = m.teacher_view
-    assert view.pixels.shape == (8, 3, 32, 32) and m.pixels.shape == (8, 3, 48, 48)
+    assert view.images.pixels.shape == (8, 3, 32, 32) and m.images.pixels.shape == (8, 3, 48, 48)
     mean, std = torch.tensor(plan.cfg.data.mean), torch.tensor(plan.cfg.data.std)
-    want = (batch.teacher_pixel_values.float() / 255 - mean[:, None, None]) / std[:, None, None]
-    torch.testing.assert_close(view.pixels, want, rtol=0, atol=1e-5)
+    want = (batch.teacher_images.pixels.float() / 255 - mean[:, None, None]) / std[:, None, None]
+    torch.testing.assert_close(view.images.pixels, want, rtol=0, atol=1e-5)
     assert bool((view.attention_mask.sum(1) > 0).eq(m.has_text).all())
     embeds = teacher.embed(m)
     assert embeds.image.shape == (8, 32) and embeds.scale.item() == pytest.approx(teacher.scale.item())
@@ -127,8 +127,8 @@ def test_a_teacher_at_native_shape_embeds_each_row_as_transformers_does(tmp_path
     samples = [dataset[i] for i in range(len(rows))]
     batch = Collator.for_data(student_tok.pad_id, cfg.data, teacher=inputs)(samples)
     m = batch.to_model_inputs("cpu", cfg.data.mean, cfg.data.std, teacher=inputs)
-    assert m.pixels.shape == (7, 3, 48, 48) and m.teacher_view.pixels.shape == (7, 64, 3 * 8 * 8)
-    grids = m.teacher_view.grids
+    assert m.images.pixels.shape == (7, 3, 48, 48) and m.teacher_view.images.pixels.shape == (7, 64, 3 * 8 * 8)
+    grids = m.teacher_view.images.grids
     assert len(set(map(tuple, grids[:6].tolist()))) > 3 and grids[6].tolist() == [1, 1]  # shapes vary; none for text
     assert all(int(g[0] * g[1]) <= 64 for g in grids)
     embeds = teacher.embed(m)

@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from vltrain.images import Images
 from vltrain.train.step import gradcache_backward, plain_backward
 from vltrain.compose.task import Score, Task
 from vltrain.types import ModelInputs
@@ -43,7 +44,7 @@ class StandIn(nn.Module):
     def encode(self, inputs: ModelInputs) -> Encoded:
         mask = inputs.attention_mask.unsqueeze(-1).float()
         txt = (self.text(inputs.input_ids) * mask).sum(1) / mask.sum(1).clamp(min=1)
-        return Encoded(F.normalize(self.vision(inputs.pixels), dim=-1), F.normalize(self.text_proj(txt), dim=-1))
+        return Encoded(F.normalize(self.vision(inputs.images.pixels), dim=-1), F.normalize(self.text_proj(txt), dim=-1))
 
 
 class StandInObjectives:
@@ -72,7 +73,7 @@ def make_inputs(n: int, seed: int = 0) -> ModelInputs:
     mask = (torch.rand(n, 6, generator=g) > 0.3).long()
     mask[:, 0] = 1
     return ModelInputs(
-        pixels=torch.randn(n, 3, 4, 4, generator=g), input_ids=torch.randint(0, 30, (n, 6), generator=g),
+        images=Images(torch.randn(n, 3, 4, 4, generator=g)), input_ids=torch.randint(0, 30, (n, 6), generator=g),
         attention_mask=mask, has_image=torch.ones(n, dtype=torch.bool),
         has_text=torch.rand(n, generator=g) > 0.2, ids=torch.arange(n),
     )
@@ -81,7 +82,7 @@ def make_inputs(n: int, seed: int = 0) -> ModelInputs:
 def split(m: ModelInputs, parts: int) -> list[ModelInputs]:
     size = m.ids.shape[0] // parts
     return [
-        ModelInputs(*(getattr(m, f)[i * size : (i + 1) * size] for f in ("pixels", "input_ids", "attention_mask",
+        ModelInputs(*(getattr(m, f)[i * size : (i + 1) * size] for f in ("images", "input_ids", "attention_mask",
                       "has_image", "has_text", "ids")))
         for i in range(parts)
     ]

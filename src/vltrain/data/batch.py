@@ -3,12 +3,13 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 
 import torch
 
 from vltrain.data.config import ModalityWeights
 from vltrain.data.teacher_store import TeacherInputs
+from vltrain.images import Images
 from vltrain.types import ModelInputs, TeacherEmbeds, TeacherView
 
 
@@ -22,18 +23,13 @@ class Batch:
     """
 
     ids: torch.Tensor  # int64 [B], stable_uid of each sample's key
-    pixel_values: torch.Tensor  # uint8 [B, 3, H, W]; at their own shape [B, N, 3 * p * p] patches
+    images: Images  # uint8 pixels [B, 3, H, W]; at their own shape [B, N, 3 * p * p] patches, padded or packed
     has_image: torch.Tensor  # bool [B]
     has_text: torch.Tensor  # bool [B]
     input_ids: torch.Tensor  # int64 [B, L]
     attention_mask: torch.Tensor  # int64 [B, L]
     source: torch.Tensor | None = None  # int64 [B], index of the source in a mixture
-    grids: torch.Tensor | None = None  # int64 [B, 2], rows and columns of patches (images at their own shape)
-    segments: torch.Tensor | None = None  # int64 [S, N], packed: the row whose patch each position holds (-1: none)
-    patch_index: torch.Tensor | None = None  # int64 [S, N], packed: which of that row's patches it is
-    image_slots: torch.Tensor | None = None  # int64 [S, K], packed: the rows each sequence holds (-1: none)
-    teacher_pixel_values: torch.Tensor | None = None  # uint8 [B, 3, T, T], a teacher that runs: its view
-    teacher_grids: torch.Tensor | None = None  # int64 [B, 2], a teacher at native shape: its grids (pixels [B, N, 3 * p * p])
+    teacher_images: Images | None = None  # a teacher that runs: its view, uint8 [B, 3, T, T] or at its own shape
     teacher_input_ids: torch.Tensor | None = None  # int64 [B, Lt], the captions in the teacher's tokenizer
     teacher_attention_mask: torch.Tensor | None = None  # int64 [B, Lt]
     teacher_image_embeds: torch.Tensor | None = None  # float32 [B, Dt], stored teacher embeddings
@@ -46,12 +42,30 @@ class Batch:
     def __len__(self) -> int:
         return int(self.ids.shape[0])
 
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """Every tensor of the batch by name, its images' as ``images.pixels``, ``images.grids``, ..."""
+        out = {}
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if isinstance(v, torch.Tensor):
+                out[f.name] = v
+            elif isinstance(v, Images):
+                out |= {f"{f.name}.{k}": t for k, t in v.tensors().items()}
+        return out
+
+    @staticmethod
+    def from_tensors(tensors: dict[str, torch.Tensor], **rest) -> "Batch":
+        """A batch from tensors named as :meth:`tensors` names them (``images.pixels``: a field of its
+        images), and its other fields."""
+        return _rebuild(tensors, rest)
+
     def __reduce__(self):
         """Tensors that are views of one buffer (a loader worker's, ``collate.batch_buffers``) are
         sent as that buffer, once, and viewed again on arrival; any others as usual."""
-        tensors = {f.name: getattr(self, f.name) for f in fields(self) if isinstance(getattr(self, f.name), torch.Tensor)}
+        tensors = self.tensors()
         storages = {t.untyped_storage().data_ptr() for t in tensors.values()}
-        rest = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in tensors}
+        rest = {f.name: getattr(self, f.name) for f in fields(self)
+                if not isinstance(getattr(self, f.name), (torch.Tensor, Images))}
         if len(storages) != 1 or not all(t.is_contiguous() and t.device.type == "cpu" for t in tensors.values()):
             return (_rebuild, (tensors, rest))
         storage = next(iter(tensors.values())).untyped_storage()
@@ -63,7 +77,7 @@ class Batch:
         kw = {}
         for f in fields(self):
             v = getattr(self, f.name)
-            kw[f.name] = fn(v) if isinstance(v, torch.Tensor) else v
+            kw[f.name] = fn(v) if isinstance(v, torch.Tensor) else v.map(fn) if isinstance(v, Images) else v
         return Batch(**kw)
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> "Batch":
@@ -75,7 +89,7 @@ class Batch:
 
     def pixels(self, mean: list[float], std: list[float], dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """Normalized float images, computed once per batch on the batch's device."""
-        return normalize_pixels(self.pixel_values, mean, std, dtype)
+        return normalize_pixels(self.images.pixels, mean, std, dtype)
 
     def to_model_inputs(
         self,
@@ -102,11 +116,9 @@ class Batch:
             per_source = torch.tensor(source_loss_weights, dtype=torch.float32, device=batch.ids.device)[batch.source]
             row_weights = per_source if row_weights is None else row_weights * per_source
         return ModelInputs(
-            pixels=batch.pixels(mean, std, pixel_dtype), input_ids=batch.input_ids, attention_mask=batch.attention_mask,
-            has_image=batch.has_image, has_text=batch.has_text, ids=batch.ids, row_weights=row_weights,
-            source=batch.source, counts=self.counts, grids=batch.grids, segments=batch.segments,
-            patch_index=batch.patch_index, image_slots=batch.image_slots,
-            **batch._teacher_inputs(teacher),
+            images=replace(batch.images, pixels=batch.pixels(mean, std, pixel_dtype)), input_ids=batch.input_ids,
+            attention_mask=batch.attention_mask, has_image=batch.has_image, has_text=batch.has_text, ids=batch.ids,
+            row_weights=row_weights, source=batch.source, counts=self.counts, **batch._teacher_inputs(teacher),
         )
 
     def _teacher_inputs(self, teacher: TeacherInputs | None) -> dict:
@@ -117,18 +129,27 @@ class Batch:
             scale, bias = teacher.constants(self.teacher_image_embeds.device)
             return {"teacher": TeacherEmbeds(self.teacher_image_embeds, self.teacher_text_embeds, scale, bias)}
         d = teacher.data
-        return {"teacher_view": TeacherView(normalize_pixels(self.teacher_pixel_values, d.mean, d.std),
-                                            self.teacher_input_ids, self.teacher_attention_mask, self.teacher_grids)}
+        images = self.teacher_images
+        return {"teacher_view": TeacherView(replace(images, pixels=normalize_pixels(images.pixels, d.mean, d.std)),
+                                            self.teacher_input_ids, self.teacher_attention_mask)}
 
 
 def _rebuild(tensors: dict, rest: dict) -> Batch:
-    return Batch(**tensors, **rest)
+    """A batch from :meth:`Batch.tensors` (``images.pixels``: a field of its images) and the rest."""
+    kw, images = dict(rest), {}
+    for name, t in tensors.items():
+        owner, _, field_name = name.rpartition(".")
+        if owner:
+            images.setdefault(owner, {})[field_name] = t
+        else:
+            kw[name] = t
+    return Batch(**kw, **{owner: Images(**parts) for owner, parts in images.items()})
 
 
 def _rebuild_flat(flat: torch.Tensor, layout: dict, rest: dict) -> Batch:
     storage = flat.untyped_storage()
     tensors = {k: torch.empty(0, dtype=dtype).set_(storage, offset, shape) for k, (dtype, offset, shape) in layout.items()}
-    return Batch(**tensors, **rest)
+    return _rebuild(tensors, rest)
 
 
 def normalize_pixels(

@@ -37,6 +37,7 @@ from vltrain.model.blocks import (
     run_blocks,
 )
 from vltrain.model.heads import MLMHead
+from vltrain.types import Tokens
 
 
 @dataclass
@@ -82,11 +83,9 @@ class DecoderCache:
     """The positions cached so far."""
 
     @staticmethod
-    def empty(text_depth: int, depth: int, image: torch.Tensor, image_mask: torch.Tensor | None,
-              has_image: torch.Tensor) -> "DecoderCache":
-        mask = None if image_mask is None else image_mask[:, None, None, :]
-        return DecoderCache([LayerCache() for _ in range(text_depth)], [LayerCache() for _ in range(depth)], image,
-                            mask, has_image.to(image.dtype)[:, None, None])
+    def empty(text_depth: int, depth: int, image: Tokens, has_image: torch.Tensor) -> "DecoderCache":
+        return DecoderCache([LayerCache() for _ in range(text_depth)], [LayerCache() for _ in range(depth)],
+                            image.values, image.cross_mask, has_image.to(image.values.dtype)[:, None, None])
 
     def select(self, index: torch.Tensor) -> "DecoderCache":
         """The cache of rows ``index`` (beam search keeps its best beams)."""
@@ -186,15 +185,14 @@ class CaptionDecoder(nn.Module):
             x = self.norm(x)
         return self.head(x) if self.head is not None else F.linear(x, self.embedding[0].weight)
 
-    def forward(self, text_tokens: torch.Tensor, attention_mask: torch.Tensor, image_tokens: torch.Tensor,
-                image_mask: torch.Tensor | None, has_image: torch.Tensor) -> torch.Tensor:
+    def forward(self, text_tokens: torch.Tensor, attention_mask: torch.Tensor, image_tokens: Tokens,
+                has_image: torch.Tensor) -> torch.Tensor:
         """[B, L, V] next-token logits of captions [B, L, W] (the causal text tower's tokens) reading
-        ``image_tokens`` [B, M, Wv] (``image_mask`` [B, M] bool: the real ones; None: all), except in
-        the rows where ``has_image`` is false."""
+        ``image_tokens``' real tokens [B, M, Wv], except in the rows where ``has_image`` is false."""
         mask = key_padding_mask(attention_mask, causal=True)
-        cross = None if image_mask is None else image_mask[:, None, None, :]
         gate = has_image.to(text_tokens.dtype)[:, None, None]
-        x = run_blocks(self.blocks, text_tokens, mask, image_tokens, cross, gate, checkpointing=self.checkpointing)
+        x = run_blocks(self.blocks, text_tokens, mask, image_tokens.values, image_tokens.cross_mask, gate,
+                       checkpointing=self.checkpointing)
         return self.logits(x)
 
     def step(self, text_tokens: torch.Tensor, cache: DecoderCache) -> torch.Tensor:

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from vltrain.model.blocks import CrossBlock, LayerNorm, block_flops, key_padding_mask, run_blocks
+from vltrain.types import Tokens
 
 
 @dataclass
@@ -43,15 +44,13 @@ class FusionEncoder(nn.Module):
         self.norm = None if cfg.shared else LayerNorm(width)
         self.checkpointing = False
 
-    def forward(self, text_tokens: torch.Tensor, attention_mask: torch.Tensor, image_tokens: torch.Tensor,
-                image_mask: torch.Tensor | None = None) -> torch.Tensor:
-        """``image_mask`` [B, M] (bool): the image tokens that are real, for images at their own shape
-        padded to a common length (None: all)."""
+    def forward(self, text_tokens: torch.Tensor, attention_mask: torch.Tensor, image_tokens: Tokens) -> torch.Tensor:
+        """Captions attending to ``image_tokens``' real tokens (all of a square image's)."""
         mask = key_padding_mask(attention_mask)
-        cross = None if image_mask is None else image_mask[:, None, None, :]
+        image, cross = image_tokens.values, image_tokens.cross_mask
         if self.text is not None:
-            return self.text[0].fuse(text_tokens, mask, image_tokens, cross)
-        x = run_blocks(self.blocks, text_tokens, mask, image_tokens, cross, checkpointing=self.checkpointing)
+            return self.text[0].fuse(text_tokens, mask, image, cross)
+        x = run_blocks(self.blocks, text_tokens, mask, image, cross, checkpointing=self.checkpointing)
         return self.norm(x)
 
     def flops(self, length: int, image_tokens: int) -> float:

@@ -23,6 +23,7 @@ from vltrain.model.decoder import CaptionDecoder, DecoderCache
 from vltrain.model.fusion import FusionEncoder
 from vltrain.model.heads import ITMHead, MIMHead, MLMHead, Projection
 from vltrain.model.weight_decay import default_no_weight_decay
+from vltrain.images import Images
 from vltrain.types import Encoded, ModelInputs, ModelSpec, Tokens
 
 
@@ -76,31 +77,26 @@ class VLModel(nn.Module):
         """Whether a part reads the towers' tokens (the fusion encoder, the decoder): ``encode`` keeps them."""
         return self.fusion is not None or self.decoder is not None
 
-    def _vision(self, pixels: torch.Tensor, grids: torch.Tensor | None = None, keep: torch.Tensor | None = None
-                ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
-        """(tokens, their mask of real ones or None: all real, embeddings) of images; ``keep``: the
-        patches each keeps (patch dropout)."""
-        tokens, pooled = self.vision(pixels, grids=grids, keep=keep)
+    def _vision(self, images: Images) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+        """(tokens, their mask of real ones or None: all real, embeddings) of images one to a row."""
+        tokens, pooled = self.vision(images)
         return tokens.values, tokens.real, self.image_proj(pooled)
 
-    def _packed_images(self, inputs: ModelInputs):
-        """Packed images (``data.pack_images``): the tower runs on every packed sequence (one of padding
+    def _packed_images(self, images: Images, has_image: torch.Tensor):
+        """Packed images (``Images.layout`` packed): the tower runs on every packed sequence (one of padding
         when the batch has no image) and gives each row's tokens in a row of its own, as the padded
         layout does. Rows without an image get zero embeddings (no gradient) and, for the fusion
         encoder, zero tokens of which only the first is real, as :meth:`_encode_present` gives them."""
-        tokens, pooled = self.vision(inputs.pixels, grids=inputs.grids, segments=inputs.segments,
-                                     patch_index=inputs.patch_index, image_slots=inputs.image_slots,
-                                     keep=inputs.patch_keep)
+        tokens, pooled = self.vision(images)
         embeds = self.image_proj(pooled)
         anchor = 0.0 * (tokens.values.float().mean() + embeds.float().mean())
-        has = inputs.has_image
-        embeds = torch.where(has[:, None], embeds, torch.zeros_like(embeds))
+        embeds = torch.where(has_image[:, None], embeds, torch.zeros_like(embeds))
         if not self.reads_tokens:
             return None, None, embeds, anchor
         first = torch.zeros_like(tokens.real)
         first[:, 0] = True
-        values = torch.where(has[:, None, None], tokens.values, torch.zeros_like(tokens.values))
-        return values, torch.where(has[:, None], tokens.real, first), embeds, anchor
+        values = torch.where(has_image[:, None, None], tokens.values, torch.zeros_like(tokens.values))
+        return values, torch.where(has_image[:, None], tokens.real, first), embeds, anchor
 
     def _text(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> tuple[torch.Tensor, None, torch.Tensor]:
         """(tokens, None, embeddings) of captions: their mask is ``attention_mask``, which the caller has."""
@@ -126,7 +122,7 @@ class VLModel(nn.Module):
         if n == b:
             tokens, real, embeds = fn(*inputs)
         else:
-            rows = (None if x is None else x.index_select(0, index) for x in inputs)
+            rows = (x.index_select(0, index) for x in inputs)
             tokens, real, embeds = fn(*(dummy if n == 0 else rows))
         anchor = 0.0 * (tokens.float().mean() + embeds.float().mean())
         if not self.reads_tokens:
@@ -148,16 +144,13 @@ class VLModel(nn.Module):
         return full_tokens, real, full_embeds, anchor
 
     def encode(self, inputs: ModelInputs) -> Encoded:
-        pixels, input_ids, attention_mask = inputs.pixels, inputs.input_ids, inputs.attention_mask
-        if inputs.segments is not None:
-            image_tokens, real, image_embeds, a_img = self._packed_images(inputs)
+        images, input_ids, attention_mask = inputs.images, inputs.input_ids, inputs.attention_mask
+        if images.layout == "packed":  # the tower runs on the sequences, whichever rows they hold
+            image_tokens, real, image_embeds, a_img = self._packed_images(images, inputs.has_image)
         else:
-            grids, keep = inputs.grids, inputs.patch_keep
-            images = (pixels, grids, keep)
-            dummy = (torch.zeros_like(pixels[:1]),  # at its own shape, the dummy image is one patch
-                     None if grids is None else torch.ones_like(grids[:1]), None if keep is None else keep[:1])
             image_tokens, real, image_embeds, a_img = self._encode_present(
-                self._vision, images, dummy, inputs.has_image, None if inputs.counts is None else inputs.counts[0],
+                self._vision, (images,), (images.dummy(),), inputs.has_image,
+                None if inputs.counts is None else inputs.counts[0],
             )
         text_tokens, _, text_embeds, a_txt = self._encode_present(
             self._text, (input_ids, attention_mask), (input_ids[:1], torch.ones_like(attention_mask[:1])),
@@ -171,16 +164,15 @@ class VLModel(nn.Module):
         tokens, _ = self.text(input_ids, attention_mask)
         return tokens
 
-    def masked_patch_tokens(self, pixels: torch.Tensor, patch_mask: torch.Tensor,
-                            grids: torch.Tensor | None = None) -> torch.Tensor:
-        """The vision tower's patch tokens [B, patches, W] with the masked patches replaced by the MIM
-        mask token (image_mim only); ``grids`` for images at their own shape, padded."""
-        tokens, _ = self.vision(pixels, patch_mask, self.mim_head.mask_token, grids=grids)
+    def masked_patch_tokens(self, images: Images, patch_mask: torch.Tensor) -> torch.Tensor:
+        """The vision tower's patch tokens [B, patches, W] of ``images`` (one to a row) with the masked
+        patches replaced by the MIM mask token (image_mim only)."""
+        tokens, _ = self.vision(images, patch_mask, self.mim_head.mask_token)
         return tokens.values[:, self.vision.num_prefix:]
 
     def fuse(self, text_tokens: torch.Tensor, attention_mask: torch.Tensor, image_tokens: Tokens) -> torch.Tensor:
         """Text tokens attending to the real image tokens through the fusion encoder (fusion models only)."""
-        return self.fusion(text_tokens, attention_mask, image_tokens.values, image_tokens.key_mask)
+        return self.fusion(text_tokens, attention_mask, image_tokens)
 
     # -- the passes the objectives run (vltrain.types.ModelPasses) -----------------------------------
 
@@ -205,21 +197,20 @@ class VLModel(nn.Module):
                        has_image: torch.Tensor) -> torch.Tensor:
         """[B, L, V] next-token logits of the decoder over the text tower's tokens, reading the real
         image tokens in the rows that have an image (caption)."""
-        return self.decoder(text_tokens, attention_mask, image_tokens.values, image_tokens.key_mask, has_image)
+        return self.decoder(text_tokens, attention_mask, image_tokens, has_image)
 
     # -- generation (the decoder's; vltrain.model.generate drives it) ---------------------------
 
-    def image_tokens(self, pixels: torch.Tensor, grids: torch.Tensor | None = None) -> Tokens:
-        """The vision tower's tokens of images (square, or at their own shape with ``grids``)."""
-        tokens, _ = self.vision(pixels, grids=grids)
+    def image_tokens(self, images: Images | torch.Tensor) -> Tokens:
+        """The vision tower's tokens of images (an :class:`~vltrain.images.Images`; a tensor: square)."""
+        tokens, _ = self.vision(images)
         return tokens
 
     def caption_start(self, image_tokens: Tokens, has_image: torch.Tensor, prompt_ids: torch.Tensor
                       ) -> tuple[torch.Tensor, DecoderCache]:
         """The next-token logits [B, V] after ``prompt_ids`` [B, P] (a start token, then any
         prompt), and the cache that generation extends one position at a time."""
-        cache = DecoderCache.empty(len(self.text.blocks), len(self.decoder.blocks), image_tokens.values,
-                                   image_tokens.key_mask, has_image)
+        cache = DecoderCache.empty(len(self.text.blocks), len(self.decoder.blocks), image_tokens, has_image)
         return self.caption_step(prompt_ids, cache), cache
 
     def caption_step(self, ids: torch.Tensor, cache: DecoderCache) -> torch.Tensor:
@@ -238,10 +229,9 @@ class VLModel(nn.Module):
         """[B, L, V] MLM logits of the text tower alone (text_mlm)."""
         return self.text_mlm_head(self.text_tokens(input_ids, attention_mask))
 
-    def mim_prediction(self, pixels: torch.Tensor, patch_mask: torch.Tensor,
-                       grids: torch.Tensor | None = None) -> torch.Tensor:
+    def mim_prediction(self, images: Images, patch_mask: torch.Tensor) -> torch.Tensor:
         """[B, patches, 3 * p * p] SimMIM's predicted pixels of every patch (image_mim)."""
-        return self.mim_head(self.masked_patch_tokens(pixels, patch_mask, grids))
+        return self.mim_head(self.masked_patch_tokens(images, patch_mask))
 
     # -- the model protocol (vltrain.model.weight_decay) -------------------------------------------
 

@@ -14,8 +14,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from vltrain.model.blocks import MLP, Block, LayerNorm, attention, block_flops, mlp_width, run_blocks
+from vltrain.images import Images
 from vltrain.pixels import drop_packed, packed_places, patchify, unpack
-from vltrain.types import Tokens, real_patches
+from vltrain.types import Tokens
 from vltrain.runtime.precision import at_least_fp32
 
 VISION_POOLINGS = ("cls", "mean", "map", "attn_pool")
@@ -83,57 +84,51 @@ class VisionTransformer(nn.Module):
         self.pooler = AttentionalPooler(cfg, self.width) if pooler else None
         self.norm = LayerNorm(self.width, eps=cfg.norm_eps)
         self.head = AttentionPool(cfg) if cfg.pooling == "map" else None
+        self.patch_dropout = PatchDropout(self.num_prefix)
         self.checkpointing = False
 
-    def forward(
-        self, pixels: torch.Tensor, patch_mask: torch.Tensor | None = None, mask_token: torch.Tensor | None = None,
-        grids: torch.Tensor | None = None, segments: torch.Tensor | None = None,
-        patch_index: torch.Tensor | None = None, image_slots: torch.Tensor | None = None,
-        keep: torch.Tensor | None = None,
-    ) -> tuple[Tokens, torch.Tensor]:
-        """One forward for every layout: embed (the only step that depends on it), then the pre-norm,
-        the blocks and the norm, attending within each image, then one pooling over each image's
-        tokens.
+    def forward(self, images: Images | torch.Tensor, patch_mask: torch.Tensor | None = None,
+                mask_token: torch.Tensor | None = None) -> tuple[Tokens, torch.Tensor]:
+        """One forward for every layout: embed (:meth:`embed`, the only step that depends on it),
+        then the pre-norm, the blocks and the norm, attending within each image, then one pooling
+        over each image's tokens.
 
-        ``pixels`` [B, 3, H, W] are square images: every token is real and nothing is masked (the
-        fast path: no mask is made or read). With ``grids`` [B, 2] they are the patches of images at
-        their own shape, one image per row (:meth:`embed_grids`) or packed (with ``segments``,
-        :meth:`embed_packed`). Whatever the layout in, the tokens come out one image per row, as
-        the padded layout has them (packed ones unpacked, :meth:`unpack`): the fusion encoder, the
-        pooling and evaluation read one layout. ``patch_mask`` [B, patches] (bool): those patches
-        enter as ``mask_token`` (masked image modelling; not packed). ``keep`` [B, K] (int64, ascending):
-        patch dropout, the only patches each image keeps after its positions are added
-        (``vltrain.pixels.kept_patches``): the blocks run on K tokens (and the class token) per row,
-        or packed, on sequences shortened to the kept patches (``vltrain.pixels.drop_packed``); the
-        tokens come out K (and the class token) per row either way."""
-        width = None if segments is None else segments.shape[1]  # the padded layout's positions per image
-        if segments is not None:
-            if keep is not None:  # only the kept patches enter the sequences, which shorten
-                images = width if image_slots is None else image_slots.shape[1]
-                pixels, segments, patch_index = drop_packed(pixels, real_patches(grids, width), segments, patch_index,
-                                                            keep, images)
-            x, positions, slots = self.embed_packed(pixels, grids, segments, patch_index, image_slots, width)
-            attend = (positions[:, :, None] == positions[:, None, :])[:, None]  # padding attends to padding
-        elif grids is not None:
-            x, real = self.embed_grids(pixels, grids, patch_mask, mask_token)
-            if keep is not None:
-                x, real = self.kept(x, keep), self.kept(real, keep)
-            attend = real[:, None, None, :]
-        else:
-            x, real, attend = self.embed_square(pixels, patch_mask, mask_token, keep), None, None
+        ``images``: an :class:`~vltrain.images.Images` (a tensor: square images). Whatever the layout
+        in, the tokens come out one image per row, as the padded layout has them (packed ones
+        unpacked, :meth:`unpack`): the fusion encoder, the pooling and evaluation read one layout.
+        ``patch_mask`` [B, patches] (bool): those patches enter as ``mask_token`` (masked image
+        modelling; not packed). Under patch dropout (``images.keep``) the tokens come out K (and the
+        class token) per row, whatever the layout (:class:`PatchDropout`)."""
+        if isinstance(images, torch.Tensor):
+            images = Images(images)
+        x, real, attend, lay_out = self.embed(images, patch_mask, mask_token)
         if self.norm_pre is not None:
             x = self.norm_pre(x)
         x = run_blocks(self.blocks, x, attend, checkpointing=self.checkpointing)
         if self.pooler is None:
             x = self.norm(x)
-        if segments is not None:
-            x, real = self.unpack(x, grids, segments, patch_index, image_slots if slots else None, width)
-            if keep is not None:  # the kept tokens of each row, as the padded layout gives them
-                x, real = self.kept(x, keep), self.kept(real, keep)
+        x, real = lay_out(x, real)
         if self.pooler is not None:
             x = self.norm(self.pooler(x, real))
             return Tokens(x[:, 1:], None), x[:, 0]
         return Tokens(x, real), self.pool(x, real)
+
+    def embed(self, images: Images, patch_mask: torch.Tensor | None = None, mask_token: torch.Tensor | None = None):
+        """The tower's one reader of the layout: ``images``' tokens with their positions, those patch
+        dropout keeps, which are real (None: all), what attention takes, and what lays the blocks'
+        output out one image per row: (tokens, real, attend, lay_out).
+
+        Square images (the fast path) make and read no mask. Images at their own shape, one to a row,
+        are :meth:`embed_grids`; packed ones :meth:`embed_packed`, whose sequences keep only the kept
+        patches and are unpacked after the blocks."""
+        keep = images.keep
+        if images.layout == "packed":
+            return self.embed_packed(images)
+        if images.layout == "padded":
+            x, real = self.embed_grids(images.pixels, images.grids, patch_mask, mask_token)
+            x, real = self.patch_dropout(x, keep), self.patch_dropout(real, keep)
+            return x, real, real[:, None, None, :], _as_is
+        return self.embed_square(images.pixels, patch_mask, mask_token, keep), None, None, _as_is
 
     def embed_square(self, pixels: torch.Tensor, patch_mask: torch.Tensor | None = None,
                      mask_token: torch.Tensor | None = None, keep: torch.Tensor | None = None) -> torch.Tensor:
@@ -144,8 +139,7 @@ class VisionTransformer(nn.Module):
             x = torch.where(patch_mask[..., None], mask_token.to(x.dtype), x)
         pos = self.pos_embed.to(x.dtype)
         x = x + pos[self.num_prefix:]
-        if keep is not None:
-            x = self.kept(x, keep, prefix=0)
+        x = self.patch_dropout(x, keep, prefix=0)
         if self.cls_token is not None:
             cls = (self.cls_token.to(x.dtype) + pos[0]).expand(x.shape[0], 1, -1)
             x = torch.cat([cls, x], dim=1)
@@ -165,7 +159,7 @@ class VisionTransformer(nn.Module):
         if patch_mask is not None:
             x = torch.where(patch_mask[..., None], mask_token.to(x.dtype), x)
         n = x.shape[1]
-        real = real_patches(grids, n)
+        real = Images(patches, grids).real
         table = self.pos_embed[self.num_prefix:]
         x = x + resize_positions(table, self.cfg.image_size // self.cfg.patch_size, grids, n).to(x.dtype)
         if self.cls_token is not None:
@@ -174,50 +168,47 @@ class VisionTransformer(nn.Module):
             real = torch.cat([real.new_ones(x.shape[0], 1), real], dim=1)
         return x, real
 
-    def kept(self, x: torch.Tensor, keep: torch.Tensor, prefix: int | None = None) -> torch.Tensor:
-        """The class token (``prefix`` positions, the tower's by default) and the kept patches of each
-        row of ``x`` [B, prefix + N, ...] (tokens or their mask): [B, prefix + K, ...]."""
-        prefix = self.num_prefix if prefix is None else prefix
-        index = keep.view(*keep.shape, *(1,) * (x.dim() - 2)).expand(-1, -1, *x.shape[2:])
-        return torch.cat([x[:, :prefix], x[:, prefix:].gather(1, index)], dim=1)
-
-    def embed_packed(self, patches: torch.Tensor, grids: torch.Tensor, segments: torch.Tensor,
-                     patch_index: torch.Tensor, image_slots: torch.Tensor | None = None, width: int | None = None,
-                     ) -> tuple[torch.Tensor, torch.Tensor, int]:
-        """Images packed several to a sequence: ``patches`` [S, N, 3 * p * p], ``segments`` [S, N] the
-        row (of ``grids`` [B, 2]) whose image each position holds (-1: padding), ``patch_index`` which
-        of its patches. With a class token, ``image_slots`` [S, K] (the rows each sequence holds) gives
-        the K positions put before each sequence's patches, one class token per image. Returns the
-        tokens [S, K + N, W], the row of each position [S, K + N] and K (0 without a class token).
-        Attention stays inside each image, so each image's tokens are the ones it gets alone.
-        ``width``: the most patches an image has (N unless the sequences were shortened to kept patches)."""
+    def embed_packed(self, images: Images):
+        """Images packed several to a sequence (:meth:`embed`'s four results): ``pixels`` [S, N, 3 * p * p],
+        ``segments`` [S, N] the row (of ``grids`` [B, 2]) whose image each position holds (-1:
+        padding), ``patch_index`` which of its patches; under patch dropout only the kept patches,
+        in sequences shortened to them (:meth:`PatchDropout.sequences`). With a class token,
+        ``slots`` [S, K] (the rows each sequence holds) gives the K positions put before each
+        sequence's patches, one class token per image. Attention stays inside each image, so each
+        image's tokens are the ones it gets alone."""
+        width = images.positions(self.cfg.patch_size)  # the padded layout's positions per image
+        patches, segments, patch_index = self.patch_dropout.sequences(images)
         x = self.project_patches(patches)
         positions = resize_positions(self.pos_embed[self.num_prefix:], self.cfg.image_size // self.cfg.patch_size,
-                                     grids, x.shape[1] if width is None else width)
+                                     images.grids, width)
         x = x + positions[segments.clamp(min=0), patch_index].to(x.dtype)
-        if self.cls_token is None:
-            return x, segments, 0
-        if image_slots is None:
-            raise ValueError("packed images through a tower with a class token need image_slots")
-        cls = (self.cls_token + self.pos_embed[0]).to(x.dtype).expand(*image_slots.shape, -1)
-        return torch.cat([cls, x], dim=1), torch.cat([image_slots, segments], dim=1), image_slots.shape[1]
+        owners, slots = segments, 0  # the row of each position
+        if self.cls_token is not None:
+            cls = (self.cls_token + self.pos_embed[0]).to(x.dtype).expand(*images.slots.shape, -1)
+            x, owners, slots = torch.cat([cls, x], dim=1), torch.cat([images.slots, segments], dim=1), images.slots.shape[1]
+        attend = (owners[:, :, None] == owners[:, None, :])[:, None]  # padding attends to padding
 
-    def unpack(self, x: torch.Tensor, grids: torch.Tensor, segments: torch.Tensor, patch_index: torch.Tensor,
-               image_slots: torch.Tensor | None, width: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """The tokens of packed sequences [S, K + N, W] (K class-token slots, :meth:`embed_packed`)
-        laid out one image per row, as :meth:`embed_grids` lays them: [B, prefix + N, W], its class
-        token first, then its patches, then tokens no reader reads; and which are real. A row
-        without an image (its grid 1 x 1) reads some other position, finite and unread.
-        ``image_slots``: None without class tokens."""
-        rows, length = grids.shape[0], segments.shape[1] if width is None else width
-        slots = 0 if image_slots is None else image_slots.shape[1]
+        def lay_out(x: torch.Tensor, real: None) -> tuple[torch.Tensor, torch.Tensor]:
+            x, real = self.unpack(x, images, segments, patch_index, slots)
+            return self.patch_dropout(x, images.keep), self.patch_dropout(real, images.keep)
+
+        return x, None, attend, lay_out
+
+    def unpack(self, x: torch.Tensor, images: Images, segments: torch.Tensor, patch_index: torch.Tensor,
+               slots: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The tokens of packed sequences [S, K + N', W] (``slots`` K class-token positions, then
+        patches placed by ``segments`` and ``patch_index``, :meth:`embed_packed`) laid out one image
+        per row, as :meth:`embed_grids` lays them: [B, prefix + N, W], its class token first, then its
+        patches, then tokens no reader reads; and which are real. A row without an image (its grid
+        1 x 1) reads some other position, finite and unread."""
+        rows, length = len(images), images.positions(self.cfg.patch_size)
         tokens = unpack(x[:, slots:], packed_places(segments, patch_index, rows, length))
-        real = real_patches(grids, length)
+        real = images.real
         if not slots:
             return tokens, real
         # each row's class token: where its slot is (a row without an image reads slot 0, unread)
-        place = torch.arange(image_slots.numel(), device=x.device)
-        at = image_slots.new_zeros(rows + 1).scatter_(0, (image_slots + 1).flatten(), place)[1:]
+        place = torch.arange(images.slots.numel(), device=x.device)
+        at = images.slots.new_zeros(rows + 1).scatter_(0, (images.slots + 1).flatten(), place)[1:]
         tokens = torch.cat([x[:, :slots].flatten(0, 1)[at][:, None], tokens], dim=1)
         return tokens, torch.cat([real.new_ones(rows, 1), real], dim=1)
 
@@ -267,6 +258,41 @@ class VisionTransformer(nn.Module):
         c = self.cfg
         hidden = mlp_width(c.width, c.mlp_ratio)
         return 2.0 * (2 * c.width**2 + 2 * n * c.width**2 + 2 * n * c.width + 2 * c.width * hidden)
+
+
+def _as_is(x: torch.Tensor, real: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The blocks' output of images one to a row: already laid out as the tower returns it."""
+    return x, real
+
+
+class PatchDropout(nn.Module):
+    """Patch dropout: the blocks see only the patches each image keeps (``Images.keep`` [B, K],
+    ascending), after their positions are added. Which ones is drawn keyed by the step and the
+    sample (``Objectives.patch_keep``, :func:`vltrain.pixels.kept_patches`), and the step hands them
+    in with the images; outside training there are none and every patch is seen. No parameters."""
+
+    def __init__(self, prefix: int):
+        super().__init__()
+        self.prefix = prefix
+
+    def forward(self, x: torch.Tensor, keep: torch.Tensor | None, prefix: int | None = None) -> torch.Tensor:
+        """The class token (``prefix`` positions, the tower's by default) and the kept patches of each
+        row of ``x`` [B, prefix + N, ...] (tokens or their mask): [B, prefix + K, ...]; ``x`` itself
+        when every patch is kept."""
+        if keep is None:
+            return x
+        prefix = self.prefix if prefix is None else prefix
+        index = keep.view(*keep.shape, *(1,) * (x.dim() - 2)).expand(-1, -1, *x.shape[2:])
+        return torch.cat([x[:, :prefix], x[:, prefix:].gather(1, index)], dim=1)
+
+    def sequences(self, images: Images) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Packed images' (pixels, segments, patch_index), each sequence keeping only its images' kept
+        patches and shortened to them (:func:`vltrain.pixels.drop_packed`); as they are when every
+        patch is kept."""
+        if images.keep is None:
+            return images.pixels, images.segments, images.patch_index
+        return drop_packed(images.pixels, images.real, images.segments, images.patch_index, images.keep,
+                           images.slots.shape[1])
 
 
 class AttentionPool(nn.Module):

@@ -50,10 +50,10 @@ from vltrain.objectives.losses import (
     siglip_loss,
 )
 from vltrain.objectives.ring import itc_loss_ring, siglip_loss_ring
-from vltrain.pixels import kept_patches, packed_places, patchify, unpack
+from vltrain.pixels import kept_patches
 from vltrain.runtime.distributed import all_gather_no_grad, all_gather_with_grad, exchange_shapes, pad_to
 from vltrain.runtime.precision import at_least_fp32
-from vltrain.types import Encoded, ModelInputs, ModelPasses, ModelSpec, Rows, Tokens, real_patches
+from vltrain.types import Encoded, ModelInputs, ModelPasses, ModelSpec, Rows, Tokens
 
 
 @dataclass
@@ -315,12 +315,12 @@ class Objectives:
     def _mim_rows(self, inputs: ModelInputs) -> torch.Tensor:
         return inputs.has_image & (~inputs.has_text | self.image_mim_paired)
 
-    def _patch_mask(self, inputs: ModelInputs, ids: torch.Tensor, grids: torch.Tensor | None) -> torch.Tensor:
-        """SimMIM's patch mask of these rows, keyed by (seed, step, sample id, patch); for images at
-        their own shape (``grids``), of their real patches only."""
-        patches = self.spec.num_patches if grids is None else inputs.pixels.shape[1]
-        mask = (inputs.key or UNKEYED).uniform(Stream.MIM_PATCH, ids, patches) < self.mim_ratio
-        return mask if grids is None else mask & real_patches(grids, patches)
+    def _patch_mask(self, inputs: ModelInputs) -> torch.Tensor:
+        """SimMIM's patch mask of the rows, keyed by (seed, step, sample id, patch), of each image's
+        real patches only."""
+        images = inputs.images
+        patches = images.positions(self.spec.patch_size)
+        return images.among_real((inputs.key or UNKEYED).uniform(Stream.MIM_PATCH, inputs.ids, patches) < self.mim_ratio)
 
     def _mlm(self, passes: ModelPasses, enc: Encoded, inputs: ModelInputs, masks: Masks,
              row_losses: dict[str, RowLosses]) -> torch.Tensor:
@@ -362,20 +362,14 @@ class Objectives:
         would save compute but make the vision tower's token count a per-row, per-rank variable."""
         applies = self._mim_rows(inputs)
         index, n = _present_rows(applies)
-        pixels = inputs.pixels  # images at their own shape come as patches already
-        if inputs.segments is not None:  # packed: one image per row, zeros past its patches, as padded
-            pixels = unpack(pixels, packed_places(inputs.segments, inputs.patch_index, len(inputs)))
-            pixels = pixels.masked_fill(~real_patches(inputs.grids, pixels.shape[1])[..., None], 0)
-        pixels = pixels.index_select(0, index) if n else torch.zeros_like(pixels[:1])
-        grids = inputs.grids
-        if grids is not None:
-            grids = grids.index_select(0, index) if n else torch.ones_like(grids[:1])
+        images = inputs.images.kept(None).unpacked()  # every patch, one image per row
+        images = images.index_select(0, index) if n else images.dummy()
         # the dummy row: nothing to predict
         patch_mask = masks.image_mim.index_select(0, index) if n else torch.zeros_like(masks.image_mim[:1])
-        prediction = passes.mim_prediction(pixels, patch_mask, grids)
+        prediction = passes.mim_prediction(images, patch_mask)
         weights = None if inputs.row_weights is None or not n else inputs.row_weights[index]
         per_row: list = []
-        target = pixels if grids is not None else patchify(pixels, self.spec.patch_size)
+        target = images.patches(self.spec.patch_size)
         loss = mim_loss(prediction, target, patch_mask, weights, per_row, _denominator(inputs, "image_mim"))
         row_losses["image_mim"] = RowLosses(_scatter(per_row[0], index, n, len(inputs)), applies)
         return loss
@@ -412,7 +406,7 @@ class Objectives:
         return Masks(
             mlm=self._mask(inputs, inputs.has_image & inputs.has_text) if "mlm" in on else None,
             text_mlm=self._mask(inputs, self._text_mlm_rows(inputs), text_tower=True) if "text_mlm" in on else None,
-            image_mim=self._patch_mask(inputs, inputs.ids, inputs.grids) if "image_mim" in on else None,
+            image_mim=self._patch_mask(inputs) if "image_mim" in on else None,
         )
 
     def patch_keep(self, inputs: ModelInputs) -> torch.Tensor | None:
@@ -422,10 +416,9 @@ class Objectives:
         key = inputs.key
         if key is None or self.kept_patch_count(key.step) is None:
             return None
-        grids = inputs.grids
-        patches = self.spec.num_patches if grids is None else inputs.pixels.shape[1]
-        draw = key.uniform(Stream.PATCH_KEEP, inputs.ids, patches)
-        return kept_patches(draw, None if grids is None else real_patches(grids, patches), self.patch_dropout)
+        images = inputs.images
+        draw = key.uniform(Stream.PATCH_KEEP, inputs.ids, images.positions(self.spec.patch_size))
+        return kept_patches(draw, images.real, self.patch_dropout)
 
     def kept_patch_count(self, step: int) -> int | None:
         """How many of a square image's patches the tower sees in training step ``step`` (0-based)

@@ -179,7 +179,7 @@ class Step:
         ranks' mean of the micro-batches' mean is the global mean."""
         key = StepKey(self.train.seed, step)
         inputs = [replace(m, key=key) for m in micro]
-        inputs = [replace(m, patch_keep=self.objectives.patch_keep(m)) for m in inputs]
+        inputs = [replace(m, images=m.images.kept(self.objectives.patch_keep(m))) for m in inputs]
         names = self.objectives.averaged
         if not names:
             return inputs
@@ -205,7 +205,7 @@ def plain_backward(
     before backward (e.g. a fault-injection NaN).
     """
     n = len(micro)
-    result = StepLosses(torch.zeros((), device=micro[0].pixels.device), {})
+    result = StepLosses(torch.zeros((), device=micro[0].images.pixels.device), {})
     for i, m in enumerate(micro):
         with gradient_sync(wrapped, i == n - 1):
             with autocast():
@@ -222,7 +222,7 @@ def _cache(wrapped: nn.Module, micro: list[ModelInputs], autocast, loss_scale: f
            ) -> tuple[ContrastiveCache, torch.Tensor, dict, list[GeneratorState]]:
     """Gradient caching's (a) and (b): the cache, the contrastive loss and its per-row losses, and
     each micro-batch's RNG state before its encoding."""
-    device = micro[0].pixels.device
+    device = micro[0].images.pixels.device
     states, img_cache, txt_cache = [], [], []
     with torch.no_grad():
         for m in micro:

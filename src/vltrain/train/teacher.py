@@ -70,9 +70,9 @@ class Teacher:
         view = inputs.teacher_view
         if view is None:
             raise ValueError("a teacher that runs needs the micro-batch's teacher_view (the loader makes it)")
-        taken = ModelInputs(pixels=view.pixels, input_ids=view.input_ids, attention_mask=view.attention_mask,
+        taken = ModelInputs(images=view.images, input_ids=view.input_ids, attention_mask=view.attention_mask,
                             has_image=inputs.has_image, has_text=inputs.has_text, ids=inputs.ids,
-                            counts=inputs.counts, grids=view.grids)
+                            counts=inputs.counts)
         enc = self.encode(taken)
         return TeacherEmbeds(enc.image_embeds.float(), enc.text_embeds.float(), self.scale, self.bias)
 

@@ -5,6 +5,7 @@ import time
 import pytest
 import torch
 
+from vltrain.images import Images
 from vltrain.data.batch import Batch
 from vltrain.data.loading.bad_samples import BadSampleLog
 from vltrain.errors import DataError
@@ -12,7 +13,7 @@ from vltrain.errors import DataError
 
 def batch(n, errors=()):
     return Batch(
-        ids=torch.arange(n), pixel_values=torch.zeros(n, 3, 2, 2, dtype=torch.uint8),
+        ids=torch.arange(n), images=Images(torch.zeros(n, 3, 2, 2, dtype=torch.uint8)),
         has_image=torch.ones(n, dtype=torch.bool), has_text=torch.ones(n, dtype=torch.bool),
         input_ids=torch.zeros(n, 8, dtype=torch.int64), attention_mask=torch.ones(n, 8, dtype=torch.int64),
         errors=list(errors),

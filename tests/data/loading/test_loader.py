@@ -70,7 +70,7 @@ def test_two_ranks_two_workers_consume_the_source_once(tmp_path, form):
 
 
 def _take(loader, k):
-    return [(b.ids.tolist(), b.pixel_values.sum((1, 2, 3)).tolist()) for b in (next(loader) for _ in range(k))]
+    return [(b.ids.tolist(), b.images.pixels.sum((1, 2, 3)).tolist()) for b in (next(loader) for _ in range(k))]
 
 
 @pytest.mark.parametrize("batching", ["fixed", "budget"])

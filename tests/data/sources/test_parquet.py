@@ -214,7 +214,7 @@ def test_parquet_in_a_weighted_mixture_with_budget_batches(hub, tmp_path):
         it = iter(loader)
         for _ in range(len(loader)):
             b = next(it)
-            assert b.pixel_values.shape[1:] == (3, 16, 16) and int(b.input_ids.ne(tok.pad_id).sum(1).min()) > 0
+            assert b.images.pixels.shape[1:] == (3, 16, 16) and int(b.input_ids.ne(tok.pad_id).sum(1).min()) > 0
             sources += b.source.tolist()
             ids += b.ids.tolist()
     assert len(ids) >= 30

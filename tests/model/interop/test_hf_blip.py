@@ -17,6 +17,7 @@ transformers = pytest.importorskip("transformers")
 from kits.datafiles import run_cli  # noqa: E402
 from kits.pretrainedkit import TEXTS, image_file, make_blip  # noqa: E402
 
+from vltrain.images import Images  # noqa: E402
 from vltrain.errors import ConfigError, UserError  # noqa: E402
 from vltrain.eval.captioning import Prompt  # noqa: E402
 from vltrain.model.generate import Decoding, generate  # noqa: E402
@@ -67,7 +68,7 @@ def inputs(tokenizer, texts, pixels) -> ModelInputs:
     for i, r in enumerate(rows):
         ids[i, : len(r)], mask[i, : len(r)] = torch.tensor(r), 1
     every = torch.ones(len(rows), dtype=torch.bool)
-    return ModelInputs(pixels=pixels, input_ids=ids, attention_mask=mask, has_image=every, has_text=every,
+    return ModelInputs(images=Images(pixels), input_ids=ids, attention_mask=mask, has_image=every, has_text=every,
                        ids=torch.arange(len(rows)))
 
 

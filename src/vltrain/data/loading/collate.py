@@ -37,6 +37,100 @@ def batch_buffers(shapes: dict[str, tuple[tuple[int, ...], torch.dtype]]) -> dic
     return out
 
 
+class SquareLayout:
+    """Square images of ``size`` pixels: [B, 3, size, size], zeros where a row has none."""
+
+    def __init__(self, size: int):
+        self.size = size
+
+    def plan(self, images: list[torch.Tensor | None]) -> None:
+        return None
+
+    def shapes(self, n: int, plan: None) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        return {"pixels": ((n, 3, self.size, self.size), torch.uint8)}
+
+    def put(self, t: dict[str, torch.Tensor], images: list, grids: list, plan: None) -> None:
+        for i, image in enumerate(images):
+            t["pixels"][i] = 0 if image is None else image
+
+
+class PaddedLayout:
+    """Images at their own shape, one to a row: each image's patches of ``patch`` pixels, then zeros
+    to ``most`` (``data.max_patches``), beside its grid (1 x 1 where a row has none)."""
+
+    def __init__(self, most: int, patch: int):
+        self.most, self.patch = most, patch
+
+    def plan(self, images: list[torch.Tensor | None]) -> None:
+        return None
+
+    def shapes(self, n: int, plan: None) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        return {"pixels": ((n, self.most, 3 * self.patch**2), torch.uint8), "grids": ((n, 2), torch.int64)}
+
+    def put(self, t: dict[str, torch.Tensor], images: list, grids: list, plan: None) -> None:
+        pixels = t["pixels"]
+        for i, image in enumerate(images):
+            n = 0 if image is None else image.shape[0]
+            if n:
+                pixels[i, :n] = image
+            pixels[i, n:] = 0
+        self.put_grids(t, images, grids)
+
+    @staticmethod
+    def put_grids(t: dict[str, torch.Tensor], images: list, grids: list) -> None:
+        rows = [g if image is not None else (1, 1) for image, g in zip(images, grids)]  # a row without one: 1 x 1
+        t["grids"].copy_(torch.tensor(rows, dtype=torch.int64))
+
+
+class PackedLayout(PaddedLayout):
+    """Images at their own shape packed into as few sequences of ``most`` positions as hold them
+    (:mod:`.packing`), with whose patch each position holds and each sequence's class-token slots."""
+
+    def plan(self, images: list[torch.Tensor | None]):
+        """(places, segments, patch_index, slots) of the batch's images."""
+        sizes = [0 if image is None else image.shape[0] for image in images]
+        places, segments, patch_index = layout(sizes, self.most)
+        return places, segments, patch_index, class_slots(places, sizes, segments.shape[0])
+
+    def shapes(self, n: int, plan) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        sequences, slots = plan[3].shape
+        return {"pixels": ((sequences, self.most, 3 * self.patch**2), torch.uint8), "grids": ((n, 2), torch.int64),
+                "segments": ((sequences, self.most), torch.int64), "patch_index": ((sequences, self.most), torch.int64),
+                "slots": ((sequences, slots), torch.int64)}
+
+    def put(self, t: dict[str, torch.Tensor], images: list, grids: list, plan) -> None:
+        places, segments, patch_index, slots = plan
+        pixels = t["pixels"]
+        for (seq, offset), image in zip(places, images):
+            if image is not None:
+                pixels[seq, offset:offset + image.shape[0]] = image
+        pixels.masked_fill_((segments < 0)[..., None], 0)
+        self.put_grids(t, images, grids)
+        t["segments"].copy_(segments)
+        t["patch_index"].copy_(patch_index)
+        t["slots"].copy_(slots)
+
+
+ImageLayout = SquareLayout | PaddedLayout | PackedLayout
+
+
+def image_layout(cfg: DataConfig) -> ImageLayout:
+    """How ``cfg``'s images are collated (the fields of :class:`~vltrain.images.Images` they fill),
+    decided here once: square, or at their own shape padded one to a row or packed."""
+    if cfg.resize != "native":
+        return SquareLayout(cfg.image_size)
+    return (PackedLayout if cfg.pack_images else PaddedLayout)(cfg.max_patches, cfg.native_patch())
+
+
+def _prefixed(prefix: str, shapes: dict) -> dict:
+    return {f"{prefix}.{k}": v for k, v in shapes.items()}
+
+
+def _fields(prefix: str, t: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The buffers of ``prefix``'s images, by field name."""
+    return {k.split(".", 1)[1]: v for k, v in t.items() if k.startswith(prefix + ".")}
+
+
 class Collator:
     """Pads text to the longest row rounded up to ``pad_multiple``, capped at ``max_text_length``.
 
@@ -45,26 +139,23 @@ class Collator:
     must round the same way: the training loader gives both ``DataConfig.resolve().pad_multiple``.
     """
 
-    def __init__(self, pad_id: int, max_text_length: int, image_size: int, pad_multiple: int = PAD_MULTIPLE,
-                 patches: tuple[int, int] | None = None, pack: bool = False, teacher: TeacherInputs | None = None):
-        """``patches``: (data.max_patches, patch side) when images come at their own shape: each
-        image's patches are then padded with zeros to max_patches, beside its grid, or with ``pack``
-        placed into as few sequences of max_patches as hold them (:mod:`.packing`). ``teacher``: the
-        samples carry a distillation teacher's part too (:class:`TeacherInputs`)."""
+    def __init__(self, pad_id: int, max_text_length: int, images: int | ImageLayout,
+                 pad_multiple: int = PAD_MULTIPLE, teacher: TeacherInputs | None = None):
+        """``images``: their layout (:func:`image_layout`; an int: square images of that size).
+        ``teacher``: the samples carry a distillation teacher's part too (:class:`TeacherInputs`),
+        its images in the teacher's own layout."""
         self.pad_id = pad_id
         self.max_text_length = max_text_length
-        self.image_size = image_size
+        self.images = SquareLayout(images) if isinstance(images, int) else images
         self.pad_multiple = pad_multiple
-        self.patches = patches
-        self.pack = pack and patches is not None
         self.teacher = teacher
+        self.teacher_images = None if teacher is None or teacher.stores is not None else image_layout(teacher.data)
 
     @classmethod
     def for_data(cls, pad_id: int, cfg: DataConfig, pad_multiple: int = PAD_MULTIPLE,
                  teacher: TeacherInputs | None = None) -> "Collator":
         """The collator of ``cfg``'s images and captions."""
-        patches = (cfg.max_patches, cfg.patch_size) if cfg.resize == "native" else None
-        return cls(pad_id, cfg.max_text_length, cfg.image_size, pad_multiple, patches, cfg.pack_images, teacher)
+        return cls(pad_id, cfg.max_text_length, image_layout(cfg), pad_multiple, teacher)
 
     def _teacher_shapes(self, samples: list[Sample]) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         t, n = self.teacher, len(samples)
@@ -75,13 +166,8 @@ class Collator:
                     "teacher_text_embeds": ((n, t.width), torch.float32)}
         longest = max(len(s.teacher_ids) for s in samples)
         length = min(padded_width(max(longest, 1), self.pad_multiple), t.data.max_text_length)
-        text = {"teacher_input_ids": ((n, length), torch.int64), "teacher_attention_mask": ((n, length), torch.int64)}
-        if t.data.resize == "native":  # one image per row, its patches then zeros to the teacher's budget
-            p = t.data.native_patch()
-            return {"teacher_pixel_values": ((n, t.data.max_patches, 3 * p * p), torch.uint8),
-                    "teacher_grids": ((n, 2), torch.int64), **text}
-        size = t.data.image_size
-        return {"teacher_pixel_values": ((n, 3, size, size), torch.uint8), **text}
+        return {"teacher_input_ids": ((n, length), torch.int64), "teacher_attention_mask": ((n, length), torch.int64),
+                **_prefixed("teacher_images", self.teacher_images.shapes(n, None))}
 
     def _put_teacher(self, t: dict[str, torch.Tensor], samples: list[Sample]) -> None:
         """The teacher's part of each row: zeros (and padding) where the row lacks a side."""
@@ -98,54 +184,13 @@ class Collator:
         ids, mask = t["teacher_input_ids"], t["teacher_attention_mask"]
         ids.fill_(self.teacher.tokenizer.pad_id)
         mask.zero_()
-        width, pixels, grids = ids.shape[1], t["teacher_pixel_values"], t.get("teacher_grids")
+        self.teacher_images.put(_fields("teacher_images", t), [s.teacher_image for s in samples],
+                                [s.teacher_grid for s in samples], None)
+        width = ids.shape[1]
         for i, s in enumerate(samples):
-            if grids is None:
-                pixels[i] = 0 if s.teacher_image is None else s.teacher_image
-            else:
-                n = 0 if s.teacher_image is None else s.teacher_image.shape[0]
-                pixels[i, :n] = s.teacher_image if n else 0
-                pixels[i, n:] = 0
-                grids[i] = torch.tensor(s.teacher_grid if n else (1, 1))
             row = s.teacher_ids[:width]
             ids[i, :len(row)] = torch.tensor(row, dtype=torch.int64)
             mask[i, :len(row)] = 1
-
-    def _image_shapes(self, n: int, sequences: int, slots: int) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-        if self.patches is None:
-            return {"pixel_values": ((n, 3, self.image_size, self.image_size), torch.uint8)}
-        most, p = self.patches
-        shapes = {"pixel_values": ((sequences, most, 3 * p * p), torch.uint8), "grids": ((n, 2), torch.int64)}
-        if self.pack:
-            shapes |= {"segments": ((sequences, most), torch.int64), "patch_index": ((sequences, most), torch.int64),
-                       "image_slots": ((sequences, slots), torch.int64)}
-        return shapes
-
-    def _put_images(self, t: dict[str, torch.Tensor], samples: list[Sample], places, segments) -> None:
-        """Each image into its place; zeros only where no image is (the buffers start uninitialized)."""
-        pixels = t["pixel_values"]
-        if self.patches is None:
-            for i, s in enumerate(samples):
-                pixels[i] = 0 if s.image is None else s.image
-            return
-        for i, s in enumerate(samples):
-            seq, offset = places[i] if places else (i, 0)
-            n = 0 if s.image is None else s.image.shape[0]
-            if n:
-                pixels[seq, offset:offset + n] = s.image
-            if segments is None:
-                pixels[i, n:] = 0
-        if segments is not None:
-            pixels.masked_fill_((segments < 0)[..., None], 0)
-        t["grids"].copy_(torch.tensor([s.grid if s.image is not None else (1, 1) for s in samples], dtype=torch.int64))
-
-    def _layout(self, samples: list[Sample]):
-        """(places, segments, patch_index, image_slots) of packed images; four Nones unpacked."""
-        if not self.pack:
-            return None, None, None, None
-        sizes = [0 if s.image is None else s.image.shape[0] for s in samples]
-        places, segments, patch_index = layout(sizes, self.patches[0])
-        return places, segments, patch_index, class_slots(places, sizes, segments.shape[0])
 
     def text_length(self, longest: int) -> int:
         return min(padded_width(longest, self.pad_multiple), self.max_text_length)
@@ -153,10 +198,10 @@ class Collator:
     def __call__(self, samples: list[Sample]) -> Batch:
         n = len(samples)
         length = self.text_length(max(len(s.input_ids) for s in samples))
-        places, segments, patch_index, slots = self._layout(samples)
-        sequences, width = (n, 0) if slots is None else slots.shape
+        images = [s.image for s in samples]
+        plan = self.images.plan(images)
         t = batch_buffers({
-            "ids": ((n,), torch.int64), **self._image_shapes(n, sequences, width),
+            "ids": ((n,), torch.int64), **_prefixed("images", self.images.shapes(n, plan)),
             "has_image": ((n,), torch.bool), "has_text": ((n,), torch.bool), "input_ids": ((n, length), torch.int64),
             "attention_mask": ((n, length), torch.int64), "source": ((n,), torch.int64),
             **self._teacher_shapes(samples),
@@ -168,20 +213,16 @@ class Collator:
             ids = s.input_ids[:length]
             input_ids[i, : len(ids)] = ids
             attention_mask[i, : len(ids)] = 1
-        self._put_images(t, samples, places, segments)
+        self.images.put(_fields("images", t), images, [s.grid for s in samples], plan)
         self._put_teacher(t, samples)
-        if segments is not None:
-            t["segments"].copy_(segments)
-            t["patch_index"].copy_(patch_index)
-            t["image_slots"].copy_(slots)
         t["ids"].copy_(torch.tensor([s.uid for s in samples], dtype=torch.int64))
         t["has_image"].copy_(torch.tensor([s.image is not None for s in samples], dtype=torch.bool))
         t["has_text"].copy_(torch.tensor(texts, dtype=torch.bool))
         t["input_ids"].copy_(torch.from_numpy(input_ids))
         t["attention_mask"].copy_(torch.from_numpy(attention_mask))
         t["source"].copy_(torch.tensor([s.source for s in samples], dtype=torch.int64))
-        return Batch(
-            **t,
+        return Batch.from_tensors(
+            t,
             num_truncated=sum(s.truncated for s in samples),
             counts=(sum(s.image is not None for s in samples), sum(texts)),
             errors=[e for s in samples for e in s.errors],
