@@ -69,7 +69,7 @@ def test_the_teachers_view_of_the_data_is_a_new_frozen_copy():
     """A decided config is never thawed: the teacher's data section is a frozen copy of the student's
     with the teacher's preprocessing, and the student's is left as it was."""
     from vltrain.data.config import DataConfig
-    from vltrain.data.teacher_store import teacher_data
+    from vltrain.data.config import teacher_data
     from vltrain.types import freeze
 
     student = freeze(DataConfig(train="rows.jsonl", image_size=48, resize="native", pack_images=True, patch_budget=64,

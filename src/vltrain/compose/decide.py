@@ -35,6 +35,7 @@ from vltrain.checkpoint.manager import STATE_FILE, resume_target
 from vltrain.checkpoint.paths import IMPORTED, VLTRAIN_KINDS, Located, locate
 from vltrain.compose.rules import decide_objectives, fit_native, itm_group, resolve_global_batch
 from vltrain.config.job import JobConfig, load_config
+from vltrain.data.image_input import image_layout
 from vltrain.data.tokenizers import load_tokenizer
 from vltrain.errors import ConfigError, UsageError, UserError
 from vltrain.model.builder import has_decoder, has_fusion
@@ -193,9 +194,7 @@ def describe_preprocessing(cfg: JobConfig, source: Pretrained) -> str:
                else "to the batch's longest caption")
     lines = [
         f"model.init {source.path} ({source.kind}, architecture {source.arch_from})",
-        (f"  images: at their own shape, at most {d.max_patches} patches ({d.interpolation}), mean {d.mean}, "
-         f"std {d.std}" if d.resize == "native" else
-         f"  images: {d.image_size} px, resize {d.resize} ({d.interpolation}), mean {d.mean}, std {d.std}"),
+        f"  {image_layout(d).describe()} ({d.interpolation}), mean {d.mean}, std {d.std}",
         f"  text: tokenizer {d.tokenizer} "
         f"({'lower-cased' if load_tokenizer(d.tokenizer).lowercases() or d.text_clean == 'lower' else 'cased'}), "
         f"at most {d.max_text_length} tokens, padded {padding}",
@@ -224,7 +223,7 @@ def plan_teacher(cfg: JobConfig) -> TeacherPlan | None:
 def locate_teacher(path: str, role: str, precomputed: bool = False) -> TeacherPlan:
     """``path`` located and the config that rebuilds it decided (``role`` names it in errors). A
     teacher that takes images at their own shape (SigLIP 2's NaFlex) gets them so, one per row, padded
-    to its ``data.max_patches``: :func:`vltrain.data.teacher_store.teacher_data`."""
+    to its ``data.max_patches``: :func:`vltrain.data.config.teacher_data`."""
     return TeacherPlan(model_config(locate(path, role=role), purpose="teacher"), precomputed)
 
 

@@ -20,11 +20,7 @@ def fit_native(cfg: JobConfig) -> None:
     ``model.init`` may give, are checked here and nowhere else; those the data alone decides, when
     the config is read (``DataConfig.validate``)."""
     data = cfg.data
-    if data.resize != "native":
-        if data.pack_images or data.patch_budget:
-            key = "data.pack_images packs" if data.pack_images else "data.patch_budget counts the patches of"
-            raise ConfigError(f"{key} images at their own shape: set data.resize native, or "
-                              f"{key.split()[0]} {'false' if data.pack_images else '0'}")
+    if not data.at_own_shape():
         return
     arch = cfg.model.architecture()
     patch = arch.vision.patch_size

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, Union
 
 from vltrain.errors import ConfigError
-from vltrain.types import Settings
+from vltrain.types import Settings, revise
 
 PAD_MULTIPLE = 8
 """The default rounding of padded widths (``DataConfig.pad_multiple``)."""
@@ -274,6 +274,19 @@ class DataConfig(Settings):
             raise ConfigError(f"data.patch_budget {self.patch_budget} is smaller than one image of data.max_patches "
                               f"({self.max_patches} patches): raise it to at least {self.max_patches}")
 
+    def at_own_shape(self) -> bool:
+        """Whether images keep their own shape (``resize: native``), which packing them and a patch budget
+        need. Asked once the resize is final (``model.init`` may give it), by the one layout decision
+        (:func:`vltrain.data.image_input.image_layout`) and the config pass."""
+        if self.resize == "native":
+            return True
+        need = {"data.pack_images": (self.pack_images, "packs", "false"),
+                "data.patch_budget": (self.patch_budget, "counts the patches of", "0")}
+        for key, (value, what, off) in need.items():
+            if value:
+                raise ConfigError(f"{key} {what} images at their own shape: set data.resize native, or {key} {off}")
+        return False
+
     def native_patch(self) -> int:
         """resize native: the side images are cut into, once the config pass has made it the model's
         (``vltrain.compose.rules.fit_native``); data code reads it here, never from a model."""
@@ -334,3 +347,13 @@ class DataConfig(Settings):
             if len(set(names)) < len(names):
                 raise ConfigError(f"data.{split}: sources need distinct names for their metrics, got {names}; "
                                   "give each a name: {path, weight, name}")
+
+
+def teacher_data(student: DataConfig, teacher: DataConfig) -> DataConfig:
+    """The data section a teacher reads the student's rows with: the student's sources and decoding
+    limits, the teacher's image size, resize, interpolation, statistics, text length and cleaning, and
+    for a teacher at native shape its patch budget and patch side. Its images are never packed: one
+    per row, padded to its ``max_patches``."""
+    keys = ("image_size", "resize", "interpolation", "mean", "std", "max_text_length", "text_clean", "tokenizer",
+            "max_patches", "min_patches", "upscale", "patch_size")
+    return revise(student, **{key: getattr(teacher, key) for key in keys}, pack_images=False, patch_budget=0)

@@ -28,12 +28,10 @@ import torch
 from vltrain.data.config import DataConfig, SourceSpec
 from vltrain.data.ids import stable_uid
 from vltrain.data.images import ImageError, image_problem
-from vltrain.data.image_input import decode_for
+from vltrain.data.image_input import decode_for, image_layout
 from vltrain.data.index.open import open_indexed
 from vltrain.data.index.reader import IndexedSource
 from vltrain.runtime.cpus import usable_cpus
-from vltrain.data.index.sizes import image_sizes
-from vltrain.data.native import patch_counts
 from vltrain.data.sources.manifests import Row, Source, refuse_malformed
 from vltrain.data.table import SampleTable
 from vltrain.data.teacher_store import MissingRow, TeacherInputs
@@ -292,20 +290,9 @@ class ImageTextDataset(torch.utils.data.Dataset):
         return self._table
 
     def _patch_counts(self):
-        """The table's patch counts at native shape, as a function to call on first use (it reads every
-        image's header once, for the first run); None where images are resized to a square."""
-        cfg = self.cfg
-        if cfg.resize != "native":
-            return None
-
-        def count() -> np.ndarray:
-            patch = cfg.native_patch()
-            workers = usable_cpus()
-            sizes = np.concatenate([image_sizes(s, workers=workers) for s in self.sources])
-            has_image = np.concatenate([np.asarray(s.has_image()) for s in self.sources])
-            return patch_counts(sizes, has_image, patch, cfg.max_patches, cfg.min_patches, cfg.upscale)
-
-        return count
+        """The table's patch counts, as a function to call on first use (at their own shape, it reads
+        every image's header once, for the first run); None where images are resized to a square."""
+        return image_layout(self.cfg).patch_counter(self.sources)
 
 
 def _problems_hint(source: Source) -> str:

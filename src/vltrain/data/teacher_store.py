@@ -35,7 +35,6 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from vltrain.errors import DataError
-from vltrain.types import revise
 
 if TYPE_CHECKING:
     from vltrain.data.config import DataConfig
@@ -267,13 +266,3 @@ class TeacherInputs:
             bias = None if meta.bias is None else torch.tensor(meta.bias, dtype=torch.float32, device=device)
             cached[device] = (torch.tensor(meta.scale, dtype=torch.float32, device=device), bias)
         return cached[device]
-
-
-def teacher_data(student: "DataConfig", teacher: "DataConfig") -> "DataConfig":
-    """The data section a teacher reads the student's rows with: the student's sources and decoding
-    limits, the teacher's image size, resize, interpolation, statistics, text length and cleaning, and
-    for a teacher at native shape its patch budget and patch side. Its images are never packed: one
-    per row, padded to its ``max_patches``."""
-    keys = ("image_size", "resize", "interpolation", "mean", "std", "max_text_length", "text_clean", "tokenizer",
-            "max_patches", "min_patches", "upscale", "patch_size")
-    return revise(student, **{key: getattr(teacher, key) for key in keys}, pack_images=False, patch_budget=0)

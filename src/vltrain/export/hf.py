@@ -75,7 +75,7 @@ def hf_family(model: VLModel, tokenizer: Tokenizer, name: str, cfg: JobConfig | 
         raise UserError(f"{refuse}: its text tower is a Hugging Face encoder (model.text.hf_path), which "
                         "CLIPModel and SiglipModel do not have; use --format native")
     arch = architecture_of(model)
-    if cfg is not None and cfg.data.resize == "native":
+    if cfg is not None and cfg.data.at_own_shape():
         _check_native(arch, cfg, refuse)
         check_siglip2_tokenizer(model, tokenizer, cfg, refuse)
         return "siglip2"

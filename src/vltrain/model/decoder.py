@@ -89,10 +89,11 @@ class DecoderCache:
 
     def select(self, index: torch.Tensor) -> "DecoderCache":
         """The cache of rows ``index`` (beam search keeps its best beams)."""
-        mask = None if self.image_mask is None else self.image_mask.index_select(0, index)
-        image = None if self.image is None else self.image.index_select(0, index)
-        return DecoderCache([c.select(index) for c in self.text], [c.select(index) for c in self.layers], image,
-                            mask, self.gate.index_select(0, index), self.length)
+        def rows(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t.index_select(0, index)
+
+        return DecoderCache([c.select(index) for c in self.text], [c.select(index) for c in self.layers],
+                            rows(self.image), rows(self.image_mask), rows(self.gate), self.length)
 
 
 class DecoderBlock(CrossBlock):

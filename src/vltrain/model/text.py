@@ -158,8 +158,9 @@ class TextTransformer(nn.Module):
             return self._forward_fixed_length(input_ids, attention_mask)
         if self.cls_token is not None:
             return self._forward_appended(input_ids, attention_mask)
-        last = self.cfg.pooling == "last"  # reads the batch's last position, padded or not
-        packed = None if last else packed_tokens(attention_mask, self.cfg.layout, self.cfg.pack_multiple)
+        last = self.cfg.pooling == "last"  # reads the batch's last position: the padded layout
+        layout = "padded" if last else self.cfg.layout
+        packed = packed_tokens(attention_mask, layout, self.cfg.pack_multiple)
         if packed is None:
             mask = (key_padding_mask if last else text_mask)(attention_mask, self.cfg.causal)
             embedded = self._embed(input_ids)

@@ -18,7 +18,9 @@ from vltrain.checkpoint.paths import EXPORT, HF, HF_CONFIG, OPENCLIP, Located
 from vltrain.compose.decide import TeacherPlan
 from vltrain.compose.opening import open_model
 from vltrain.config.job import JobConfig
-from vltrain.data.teacher_store import TeacherInputs, open_store, teacher_data
+from vltrain.data.image_input import image_layout
+from vltrain.data.config import teacher_data
+from vltrain.data.teacher_store import TeacherInputs, open_store
 from vltrain.errors import ConfigError
 from vltrain.objectives.losses import scale_of
 from vltrain.types import Encoded, ModelInputs, TeacherEmbeds
@@ -115,9 +117,7 @@ def describe(plan: TeacherPlan, cfg: JobConfig) -> str:
     """One line on the teacher when a run starts."""
     d, loss = plan.cfg.data, cfg.model.loss
     weights = ", ".join(f"{k} {getattr(loss, k):g}" for k in ("distill", "distill_sigmoid") if getattr(loss, k))
-    images = (f"images at their own shape (up to {d.max_patches} patches of {d.patch_size} px)" if d.resize == "native"
-              else f"{d.image_size} px images ({d.resize})")
     how = "its embeddings stored beside the sample indexes" if plan.precomputed else (
-        f"run live on {images}, mean {d.mean}, std {d.std}, and its tokenizer {d.tokenizer or '(saved with it)'}")
+        f"run live on {image_layout(d).describe()}, mean {d.mean}, std {d.std}, and its tokenizer {d.tokenizer or '(saved with it)'}")
     kind = "an export" if plan.located.kind == EXPORT else plan.located.kind
     return f"teacher {plan.located.path} ({kind}): {how}; {weights}"

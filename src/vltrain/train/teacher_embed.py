@@ -24,14 +24,14 @@ import torch
 import torch.distributed as dist
 
 from vltrain.config.job import JobConfig
-from vltrain.data.config import DataConfig
+from vltrain.data.config import DataConfig, teacher_data
 from vltrain.data.dataset import Sample
 from vltrain.data.ids import stable_uid
 from vltrain.data.image_input import decode_for
 from vltrain.data.images import ImageError
 from vltrain.data.index.open import open_indexed
 from vltrain.data.loading.collate import Collator
-from vltrain.data.teacher_store import CHUNK, DTYPE, StoreMeta, TeacherStore, store_dir, teacher_data
+from vltrain.data.teacher_store import CHUNK, DTYPE, StoreMeta, TeacherStore, store_dir
 from vltrain.errors import DataError, UserError
 from vltrain.runtime.distributed import all_reduce_sum
 from vltrain.runtime.precision import Precision

@@ -11,7 +11,7 @@ from torch.utils.data import get_worker_info
 from vltrain.data.batch import Batch
 from vltrain.data.config import PAD_MULTIPLE, DataConfig, padded_width
 from vltrain.data.dataset import Sample
-from vltrain.data.loading.packing import class_slots, layout
+from vltrain.data.image_input import ImageLayout, SquareLayout, image_layout
 from vltrain.data.teacher_store import TeacherInputs
 
 
@@ -35,91 +35,6 @@ def batch_buffers(shapes: dict[str, tuple[tuple[int, ...], torch.dtype]]) -> dic
         out[k] = torch.empty(0, dtype=dtype).set_(storage, offset // dtype.itemsize, shape)
         offset += size
     return out
-
-
-class SquareLayout:
-    """Square images of ``size`` pixels: [B, 3, size, size], zeros where a row has none."""
-
-    def __init__(self, size: int):
-        self.size = size
-
-    def plan(self, images: list[torch.Tensor | None]) -> None:
-        return None
-
-    def shapes(self, n: int, plan: None) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-        return {"pixels": ((n, 3, self.size, self.size), torch.uint8)}
-
-    def put(self, t: dict[str, torch.Tensor], images: list, grids: list, plan: None) -> None:
-        for i, image in enumerate(images):
-            t["pixels"][i] = 0 if image is None else image
-
-
-class PaddedLayout:
-    """Images at their own shape, one to a row: each image's patches of ``patch`` pixels, then zeros
-    to ``most`` (``data.max_patches``), beside its grid (1 x 1 where a row has none)."""
-
-    def __init__(self, most: int, patch: int):
-        self.most, self.patch = most, patch
-
-    def plan(self, images: list[torch.Tensor | None]) -> None:
-        return None
-
-    def shapes(self, n: int, plan: None) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-        return {"pixels": ((n, self.most, 3 * self.patch**2), torch.uint8), "grids": ((n, 2), torch.int64)}
-
-    def put(self, t: dict[str, torch.Tensor], images: list, grids: list, plan: None) -> None:
-        pixels = t["pixels"]
-        for i, image in enumerate(images):
-            n = 0 if image is None else image.shape[0]
-            if n:
-                pixels[i, :n] = image
-            pixels[i, n:] = 0
-        self.put_grids(t, images, grids)
-
-    @staticmethod
-    def put_grids(t: dict[str, torch.Tensor], images: list, grids: list) -> None:
-        rows = [g if image is not None else (1, 1) for image, g in zip(images, grids)]  # a row without one: 1 x 1
-        t["grids"].copy_(torch.tensor(rows, dtype=torch.int64))
-
-
-class PackedLayout(PaddedLayout):
-    """Images at their own shape packed into as few sequences of ``most`` positions as hold them
-    (:mod:`.packing`), with whose patch each position holds and each sequence's class-token slots."""
-
-    def plan(self, images: list[torch.Tensor | None]):
-        """(places, segments, patch_index, slots) of the batch's images."""
-        sizes = [0 if image is None else image.shape[0] for image in images]
-        places, segments, patch_index = layout(sizes, self.most)
-        return places, segments, patch_index, class_slots(places, sizes, segments.shape[0])
-
-    def shapes(self, n: int, plan) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-        sequences, slots = plan[3].shape
-        return {"pixels": ((sequences, self.most, 3 * self.patch**2), torch.uint8), "grids": ((n, 2), torch.int64),
-                "segments": ((sequences, self.most), torch.int64), "patch_index": ((sequences, self.most), torch.int64),
-                "slots": ((sequences, slots), torch.int64)}
-
-    def put(self, t: dict[str, torch.Tensor], images: list, grids: list, plan) -> None:
-        places, segments, patch_index, slots = plan
-        pixels = t["pixels"]
-        for (seq, offset), image in zip(places, images):
-            if image is not None:
-                pixels[seq, offset:offset + image.shape[0]] = image
-        pixels.masked_fill_((segments < 0)[..., None], 0)
-        self.put_grids(t, images, grids)
-        t["segments"].copy_(segments)
-        t["patch_index"].copy_(patch_index)
-        t["slots"].copy_(slots)
-
-
-ImageLayout = SquareLayout | PaddedLayout | PackedLayout
-
-
-def image_layout(cfg: DataConfig) -> ImageLayout:
-    """How ``cfg``'s images are collated (the fields of :class:`~vltrain.images.Images` they fill),
-    decided here once: square, or at their own shape padded one to a row or packed."""
-    if cfg.resize != "native":
-        return SquareLayout(cfg.image_size)
-    return (PackedLayout if cfg.pack_images else PaddedLayout)(cfg.max_patches, cfg.native_patch())
 
 
 def _prefixed(prefix: str, shapes: dict) -> dict:

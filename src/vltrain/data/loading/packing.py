@@ -1,4 +1,5 @@
-"""Packing images at their own shape into sequences (``data.pack_images: true``).
+"""Packing images at their own shape into sequences: the packed layout of
+:func:`vltrain.data.image_input.image_layout`.
 
 Padded, each image takes a whole sequence of ``data.max_patches`` positions however few patches it
 has: a 3:1 panorama at a 256-patch budget is 9 x 27 = 243 patches, a 1:4 receipt 8 x 32 = 256, but a
