@@ -28,7 +28,8 @@ from vltrain.config.job import load_config
 from vltrain.demo import demo_config_path, measure_rate
 from vltrain.model import build_model
 from vltrain.model.config import LossConfig, ModelConfig
-from vltrain.model.generate import Decoding, direct, generate
+from vltrain.model.generate import Decoding, generate
+from vltrain.model.passes import direct
 
 SIZES = {"tiny-coca": dict(batch=128, image=48, length=32, vocab=1000, images=32),
          "coca-vit-b32": dict(batch=8, image=224, length=76, vocab=49408, images=8)}

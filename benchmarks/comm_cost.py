@@ -97,6 +97,7 @@ def _model(name: str, variant: str):
 
 def _encoded(model, b: int, width: int, rank: int):
     """Encoder outputs of the model's shapes, as leaves: the loss is all that runs on them."""
+    from vltrain.images import Images
     from vltrain.types import Encoded, ModelInputs
 
     g = torch.Generator().manual_seed(rank)
@@ -113,7 +114,7 @@ def _encoded(model, b: int, width: int, rank: int):
     ones = torch.ones(b, dtype=torch.bool)
     ids = torch.arange(b) + 1000 * rank
     mask = torch.ones(b, width, dtype=torch.long)
-    return enc, ModelInputs(torch.zeros(b, 0), mask, mask, ones, ones.clone(), ids)
+    return enc, ModelInputs(Images(torch.zeros(b, 0)), mask, mask, ones, ones.clone(), ids)
 
 
 def _step(task, b: int, width: int, rank: int) -> tuple[int, float]:

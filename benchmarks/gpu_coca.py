@@ -112,7 +112,8 @@ def vltrain_rate(args, device: torch.device) -> tuple[float, float]:
     task, optimizer = build_task(cfg, model), build_optimizer(model, cfg.train)
     precision = Precision(args.precision, device)
     pairs = random_pairs(args.batch, args.image, args.context, args.vocab)
-    inputs = ModelInputs(**{k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in vars(pairs).items()})
+    inputs = ModelInputs(**{k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in vars(pairs).items()
+                            if k != "images"}, images=pairs.images.map(lambda t: t.to(device)))
 
     def step():
         optimizer.zero_grad(set_to_none=True)

@@ -100,6 +100,7 @@ def vltrain_step(folder: Path, precision: str, b: dict, device: torch.device, ov
     from vltrain.train.optim import build_optimizer
     from vltrain.train.parallelize import compile_towers
     from vltrain.train.step import plain_backward
+    from vltrain.images import Images
     from vltrain.types import ModelInputs
 
     keep_freed_memory()
@@ -111,7 +112,7 @@ def vltrain_step(folder: Path, precision: str, b: dict, device: torch.device, ov
     task, optimizer = build_task(cfg, model), build_optimizer(model, cfg.train)
     autocast = Precision(precision, device).autocast
     n = b["pixels"].shape[0]
-    inputs = ModelInputs(pixels=b["pixels"], input_ids=b["input_ids"], attention_mask=b["attention_mask"],
+    inputs = ModelInputs(images=Images(b["pixels"]), input_ids=b["input_ids"], attention_mask=b["attention_mask"],
                          has_image=torch.ones(n, dtype=torch.bool, device=device),
                          has_text=torch.ones(n, dtype=torch.bool, device=device), ids=torch.arange(n, device=device))
 

@@ -35,6 +35,7 @@ def bare(preset: str, batch: int, size: int, steps: int, precision: str) -> floa
     from vltrain.model.config import LossConfig, ModelConfig
     from vltrain.objectives.scoring import Objectives
     from vltrain.compose.task import Score, Task
+    from vltrain.images import Images
     from vltrain.types import ModelInputs
 
     torch.manual_seed(0)
@@ -45,7 +46,7 @@ def bare(preset: str, batch: int, size: int, steps: int, precision: str) -> floa
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
     for _ in range(steps):
         inputs = ModelInputs(
-            pixels=torch.randn(batch, 3, size, size), input_ids=torch.randint(2, 49000, (batch, 32)),
+            images=Images(torch.randn(batch, 3, size, size)), input_ids=torch.randint(2, 49000, (batch, 32)),
             attention_mask=torch.ones(batch, 32, dtype=torch.long), has_image=torch.ones(batch, dtype=torch.bool),
             has_text=torch.ones(batch, dtype=torch.bool), ids=torch.arange(batch))
         opt.zero_grad(set_to_none=True)

@@ -98,12 +98,13 @@ def random_pairs(batch: int, image_size: int, text_length: int, vocab: int, seed
     """``ModelInputs`` of ``batch`` random image-text pairs (ids from ``offset``), for timing steps."""
     import torch
 
+    from vltrain.images import Images
     from vltrain.types import ModelInputs
 
     g = torch.Generator().manual_seed(seed)
     ones = torch.ones(batch, dtype=torch.bool)
     return ModelInputs(
-        pixels=torch.randn(batch, 3, image_size, image_size, generator=g),
+        images=Images(torch.randn(batch, 3, image_size, image_size, generator=g)),
         input_ids=torch.randint(5, vocab, (batch, text_length), generator=g),
         attention_mask=torch.ones(batch, text_length, dtype=torch.long),
         has_image=ones, has_text=ones.clone(), ids=torch.arange(offset, offset + batch),
