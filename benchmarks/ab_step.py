@@ -18,6 +18,7 @@ import os
 import statistics
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 
@@ -30,6 +31,19 @@ def child(tree: Path, precision: str, batch: int, steps: int, threads: int) -> f
         check=True, capture_output=True, text=True, env=env, cwd=tree,
     )
     return batch / json.loads(out.stdout.strip().splitlines()[-1])["step_s"]
+
+
+def side_by_side(label: str, rounds: int, measure: Callable[[str, int], float]) -> str:
+    """The table row of ``label``: ``measure(side, round)`` of "before" and "after", alternating within
+    each round (A B, then B A) so that a slow spell of a shared machine falls on both; each side's
+    median and the median and range of the per-round ratios."""
+    rates: dict[str, list[float]] = {"before": [], "after": []}
+    for r in range(rounds):
+        for side in ("before", "after") if r % 2 == 0 else ("after", "before"):
+            rates[side].append(measure(side, r))
+    ratios = [a / b for a, b in zip(rates["after"], rates["before"])]
+    return (f"| {label} | {statistics.median(rates['before']):.0f} | {statistics.median(rates['after']):.0f} "
+            f"| {statistics.median(ratios):.3f} | {min(ratios):.3f} to {max(ratios):.3f} |")
 
 
 def main() -> None:
@@ -47,14 +61,9 @@ def main() -> None:
     print("| precision | before samples/s | after samples/s | after / before (median of rounds) | range |")
     print("|---|---:|---:|---:|---:|")
     for precision in ("fp32", "bf16"):
-        rates: dict[str, list[float]] = {"before": [], "after": []}
-        for r in range(args.rounds):
-            order = ("before", "after") if r % 2 == 0 else ("after", "before")
-            for side in order:
-                rates[side].append(child(sides[side], precision, args.batch, args.steps, args.threads))
-        ratios = [a / b for a, b in zip(rates["after"], rates["before"])]
-        print(f"| {precision} | {statistics.median(rates['before']):.0f} | {statistics.median(rates['after']):.0f} "
-              f"| {statistics.median(ratios):.3f} | {min(ratios):.3f} to {max(ratios):.3f} |", flush=True)
+        print(side_by_side(precision, args.rounds,
+                           lambda side, r: child(sides[side], precision, args.batch, args.steps, args.threads)),
+              flush=True)
     print(f"load average {os.getloadavg()[0]:.1f} at the end")
 
 

@@ -23,6 +23,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from ab_step import side_by_side
+
 LAYOUTS = {
     "square": [],
     "native": ["data.resize=native", "data.max_patches=16"],
@@ -73,14 +75,10 @@ def main() -> None:
         print("| layout | before samples/s | after samples/s | after / before (median of rounds) | range |")
         print("|---|---:|---:|---:|---:|")
         for layout in args.layouts.split(","):
-            rates: dict[str, list[float]] = {"before": [], "after": []}
-            for r in range(args.rounds):
-                for side in (("before", "after") if r % 2 == 0 else ("after", "before")):
-                    run = Path(tmp) / f"{side}-{layout.replace(' ', '-')}-{r}"
-                    rates[side].append(rate(sides[side], data, run, layout, args))
-            ratios = [a / b for a, b in zip(rates["after"], rates["before"])]
-            print(f"| {layout} | {statistics.median(rates['before']):.0f} | {statistics.median(rates['after']):.0f} "
-                  f"| {statistics.median(ratios):.3f} | {min(ratios):.3f} to {max(ratios):.3f} |", flush=True)
+            def measure(side: str, r: int, layout: str = layout) -> float:
+                return rate(sides[side], data, Path(tmp) / f"{side}-{layout.replace(' ', '-')}-{r}", layout, args)
+
+            print(side_by_side(layout, args.rounds, measure), flush=True)
     print(f"load average {os.getloadavg()[0]:.1f} at the end")
 
 
