@@ -55,6 +55,9 @@ class ModelInputs:
     """The teacher's embeddings of these rows: read from stored ones by the loader, or computed from
     ``teacher_view`` before the step's forward. None: no distillation."""
 
+    regions: Any = None
+    """A ``vltrain.objectives.locca.Regions``: the rows' regions (LocCa); None: no row has one."""
+
     def __len__(self) -> int:
         return int(self.ids.shape[0])
 
@@ -96,6 +99,14 @@ class Rows:
 
         teacher = None if parts[0].teacher is None else TeacherEmbeds.cat([p.teacher for p in parts])
         return Rows(cat("has_image"), cat("has_text"), cat("ids"), cat("row_weights"), cat("source"), teacher)
+
+
+@dataclass
+class RowLosses:
+    """One objective's loss on each row of a batch (detached), and the rows it applies to."""
+
+    values: torch.Tensor
+    applies: torch.Tensor
 
 
 @dataclass
@@ -208,6 +219,8 @@ class ModelSpec:
     patch_size: int
     num_patches: int
     """Patches of a square image (``data.image_size``)."""
+    box_bins: int = 0
+    """A LocCa decoder's box tokens (:class:`vltrain.model.locca.LocCaVocab`); 0: no LocCa decoder."""
 
 
 class ModelPasses(Protocol):
@@ -239,6 +252,10 @@ class ModelPasses(Protocol):
 
     def text_mlm_logits(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         """[B, L, V] MLM logits of (masked) captions from the text tower alone."""
+
+    def locca_logits(self, rows: Any, image_tokens: Tokens, has_image: torch.Tensor) -> torch.Tensor:
+        """[N, L, V] a LocCa decoder's logits of ``rows`` (a :class:`vltrain.model.locca.TaskRows`),
+        reading ``image_tokens`` [N, M, W] where ``has_image``."""
 
     def caption_logits(self, text_tokens: torch.Tensor, attention_mask: torch.Tensor, image_tokens: Tokens,
                        has_image: torch.Tensor) -> torch.Tensor:

@@ -14,11 +14,13 @@ from dataclasses import replace
 import torch
 from torch import nn
 
+from vltrain.boxes import BOX_TOKENS
 from vltrain.errors import ConfigError, UserError
 from vltrain.model.config import LossConfig, ModelConfig
 from vltrain.model.decoder import CaptionDecoder
 from vltrain.model.fusion import FusionEncoder
 from vltrain.model.heads import ITMHead, MIMHead, MLMHead, Projection
+from vltrain.model.locca import LocCaDecoder
 from vltrain.model.model import VLModel
 from vltrain.model.presets import Architecture
 from vltrain.model.text import HFTextEncoder, TextTransformer
@@ -62,7 +64,9 @@ def has_fusion(arch: Architecture, loss: LossConfig) -> bool:
 def has_decoder(arch: Architecture, loss: LossConfig) -> bool:
     """Whether a model of ``arch`` trained on ``loss`` gets its captioning decoder: the architecture
     has one and the caption loss is on."""
-    return arch.decoder is not None and loss.caption > 0
+    if arch.decoder is None:
+        return False
+    return loss.caption > 0 or (arch.decoder.standalone and (loss.referring > 0 or loss.grounded_caption > 0))
 
 
 def _check_decoder(model_cfg: ModelConfig, arch: Architecture) -> None:
@@ -74,6 +78,17 @@ def _check_decoder(model_cfg: ModelConfig, arch: Architecture) -> None:
     if not arch.text.causal:
         raise ConfigError(f"{model_cfg.preset or 'model.arch'}: a captioning decoder needs a causal text tower "
                           "(text.causal), or it would read the tokens it predicts; set model.loss.caption=0")
+
+
+def _decoder(model_cfg: ModelConfig, arch: Architecture, text: nn.Module, image_width: int, vocab_size: int,
+             max_text_length: int) -> CaptionDecoder | None:
+    """The captioning decoder (CoCa's, over the text tower's tokens), LocCa's, or None."""
+    if not has_decoder(arch, model_cfg.loss):
+        return None
+    if arch.decoder.standalone:  # its longest row: the task token, a phrase (a caption's length at most), a box
+        return LocCaDecoder(arch.decoder, text.width, image_width, vocab_size, max_text_length + 1 + BOX_TOKENS)
+    _check_decoder(model_cfg, arch)
+    return CaptionDecoder(arch.decoder, text.width, image_width, vocab_size, text.token_embedding)
 
 
 def _check_shared(model_cfg: ModelConfig, arch: Architecture) -> None:
@@ -129,10 +144,7 @@ def build_model(
         _check_shared(model_cfg, arch)
     text = _text_tower(model_cfg, arch, vocab_size, max_text_length, vision.width if shared else 0)
     fusion = FusionEncoder(arch.fusion, text.width, vision.width, text) if fused else None
-    decoder = None
-    if has_decoder(arch, loss):
-        _check_decoder(model_cfg, arch)
-        decoder = CaptionDecoder(arch.decoder, text.width, vision.width, vocab_size, text.token_embedding)
+    decoder = _decoder(model_cfg, arch, text, vision.width, vocab_size, max_text_length)
     embed_dim = model_cfg.embed_dim or arch.embed_dim
     image_proj = Projection(vision.width, embed_dim, arch.image_proj)
     text_proj = Projection(text.width, embed_dim, arch.text_proj)

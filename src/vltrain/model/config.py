@@ -108,6 +108,17 @@ class LossConfig(Settings):
     on image-text rows, and as a plain language model on text-only rows. 2: OpenCLIP's CoCa default."""
     caption_label_smoothing: float = 0.0
     """Label smoothing of the captioning loss, in [0, 1)."""
+    referring: float = 1.0
+    """Weight of LocCa's referring expressions (presets with a LocCa decoder: tiny-siglip2,
+    siglip2-vit-b16; ignored without one): a region's phrase in, its box out as four box tokens,
+    on the rows whose images carry regions (docs/formats.md#regions)."""
+    grounded_caption: float = 1.0
+    """Weight of LocCa's grounded captions (presets with a LocCa decoder): a region's box in, its
+    phrase out, on the rows whose images carry regions."""
+    parallel_prediction: float = 0.5
+    """The probability that a LocCa task of a row is decoded in parallel (CapPa: every target token
+    from a mask token at once, no causal mask) instead of causally; drawn per row, task and step.
+    SigLIP 2: 0.5."""
     distill: float = 0.0
     """Weight of distillation from model.teacher (OpenCLIP's DistillClipLoss): the cross-entropy of the
     student's image-to-text and text-to-image softmaxes over the global batch against the teacher's."""
@@ -121,7 +132,8 @@ class LossConfig(Settings):
         return bool(self.itc or self.siglip or self.distill or self.distill_sigmoid)
 
     def validate(self) -> None:
-        for name in ("itc", "siglip", "itm", "mlm", "text_mlm", "image_mim", "caption", "distill", "distill_sigmoid"):
+        for name in ("itc", "siglip", "itm", "mlm", "text_mlm", "image_mim", "caption", "referring", "grounded_caption",
+                     "distill", "distill_sigmoid"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"model.loss.{name} must be >= 0, got {getattr(self, name)}")
         if (self.distill or self.distill_sigmoid) and self.contrastive_impl == "ring":
@@ -137,6 +149,8 @@ class LossConfig(Settings):
             raise ConfigError(f"model.loss.mim_ratio must be in (0, 1), got {self.mim_ratio}")
         if not 0 <= self.caption_label_smoothing < 1:
             raise ConfigError(f"model.loss.caption_label_smoothing must be in [0, 1), got {self.caption_label_smoothing}")
+        if not 0 <= self.parallel_prediction <= 1:
+            raise ConfigError(f"model.loss.parallel_prediction must be in [0, 1], got {self.parallel_prediction}")
         if not 0 < self.mlm_probability < 1:
             raise ConfigError(f"model.loss.mlm_probability must be in (0, 1), got {self.mlm_probability}")
 

@@ -63,6 +63,14 @@ class DecoderConfig:
     head: a dense layer, the activation and a norm, then the map plus a bias per token)."""
     norm_eps: float = 1e-5
     """eps of the post-norm layers' norms and of the transform head's."""
+    standalone: bool = False
+    """LocCa's decoder (SigLIP 2, :class:`vltrain.model.locca.LocCaDecoder`): it embeds token ids itself
+    (token and position embeddings of its own) instead of reading a causal text tower's tokens, and
+    its vocabulary adds ``box_bins`` box tokens and four task tokens to the tokenizer's. It trains
+    captions, referring expressions and grounded captions, each causal or all tokens at once."""
+    box_bins: int = 1000
+    """A standalone decoder's box tokens: the bins each box coordinate is quantized into (LocCa's and
+    Pix2Seq's 1,000)."""
 
 
 HEADS = ("linear", "transform")
@@ -187,10 +195,12 @@ class CaptionDecoder(nn.Module):
         return self.head(x) if self.head is not None else F.linear(x, self.embedding[0].weight)
 
     def forward(self, text_tokens: torch.Tensor, attention_mask: torch.Tensor, image_tokens: Tokens,
-                has_image: torch.Tensor) -> torch.Tensor:
+                has_image: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
         """[B, L, V] next-token logits of captions [B, L, W] (the causal text tower's tokens) reading
-        ``image_tokens``' real tokens [B, M, Wv], except in the rows where ``has_image`` is false."""
-        mask = key_padding_mask(attention_mask, causal=True)
+        ``image_tokens``' real tokens [B, M, Wv], except in the rows where ``has_image`` is false.
+        ``mask`` [B, 1, L, L] (bool, True: may attend) replaces the causal one made from ``attention_mask``."""
+        if mask is None:
+            mask = key_padding_mask(attention_mask, causal=True)
         gate = has_image.to(text_tokens.dtype)[:, None, None]
         x = run_blocks(self.blocks, text_tokens, mask, image_tokens.values, image_tokens.cross_mask, gate,
                        checkpointing=self.checkpointing)

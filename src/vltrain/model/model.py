@@ -22,7 +22,9 @@ from torch import nn
 from vltrain.model.decoder import CaptionDecoder, DecoderCache
 from vltrain.model.fusion import FusionEncoder
 from vltrain.model.heads import ITMHead, MIMHead, MLMHead, Projection
+from vltrain.model.locca import LocCaDecoder
 from vltrain.model.weight_decay import default_no_weight_decay
+from vltrain.boxes import TaskRows
 from vltrain.images import Images
 from vltrain.types import Encoded, ModelInputs, ModelSpec, Tokens
 
@@ -181,8 +183,12 @@ class VLModel(nn.Module):
         """What the objectives know of this model: its heads, vocabulary and patches."""
         heads = {"itm": self.itm_head, "mlm": self.mlm_head, "text_mlm": self.text_mlm_head, "image_mim": self.mim_head,
                  "caption": self.decoder}
+        locca = isinstance(self.decoder, LocCaDecoder)
+        if locca:
+            heads |= {"referring": self.decoder, "grounded_caption": self.decoder}
         return ModelSpec(frozenset(k for k, head in heads.items() if head is not None), self.vocab_size, self.pad_id,
-                         self.mask_id, self.vision.cfg.patch_size, self.vision.cfg.num_patches)
+                         self.mask_id, self.vision.cfg.patch_size, self.vision.cfg.num_patches,
+                         self.decoder.vocab.bins if locca else 0)
 
     def itm_logits(self, text_tokens: torch.Tensor, attention_mask: torch.Tensor, image_tokens: Tokens) -> torch.Tensor:
         """[B, 2] ITM logits of fused pairs (training's positives and negatives, evaluation's re-ranking)."""
@@ -192,6 +198,11 @@ class VLModel(nn.Module):
         """[B, L, V] MLM logits: the (masked) captions re-encoded by the text tower and fused with their images."""
         tokens = self.text_tokens(input_ids, attention_mask)
         return self.mlm_head(self.fuse(tokens, attention_mask, image_tokens))
+
+    def locca_logits(self, rows: TaskRows, image_tokens: Tokens, has_image: torch.Tensor) -> torch.Tensor:
+        """[N, L, V] the LocCa decoder's logits of ``rows`` (its tasks' rows), reading ``image_tokens``
+        where ``has_image``."""
+        return self.decoder.rows(rows, image_tokens, has_image)
 
     def caption_logits(self, text_tokens: torch.Tensor, attention_mask: torch.Tensor, image_tokens: Tokens,
                        has_image: torch.Tensor) -> torch.Tensor:

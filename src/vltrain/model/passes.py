@@ -77,3 +77,15 @@ class CaptionNext:
 def direct(model) -> Callable:
     """What runs a pass on a bare model (no task, no objectives)."""
     return lambda computation: computation.run(model)
+
+
+@dataclass(frozen=True)
+class LocCaLogits:
+    """A LocCa decoder's logits [N, L, V] of its task rows (a :class:`vltrain.model.locca.TaskRows`)."""
+
+    rows: Any
+    image_tokens: Tokens
+    has_image: torch.Tensor
+
+    def run(self, model, objectives: Any = None) -> torch.Tensor:
+        return model.locca_logits(self.rows, self.image_tokens, self.has_image)

@@ -17,6 +17,8 @@ tiny-coca         tiny-clip, causal text + 2 decoder     1,000       32      48 
 tiny-coca-itm     tiny-coca + 1 fusion layer, ITM        1,000       32      48     2,377,475
 tiny-coca-lite    tiny-coca, 2 text blocks, 1 decoder    1,000       32      48     1,649,537
 coca-vit-b32      OpenCLIP's coca_ViT-B-32               49,408      76      224    253,560,065
+tiny-siglip2      tiny-clip, MAP pool, 1 LocCa layer     1,000       32      48     2,162,561
+siglip2-vit-b16   SigLIP 2 B/16 + 6 LocCa layers         256,000     64      224    629,332,225
 ================  =====================================  ==========  ======  =====  ===========
 
 The CLIP rows have exactly OpenCLIP's layer layout (pre-norm ViT with a norm before the blocks,
@@ -30,11 +32,16 @@ The ``coca-*`` rows add a captioning decoder (with ``model.loss.caption`` > 0, t
 ``tiny-coca``'s reads the vision tower's tokens directly; ``coca-vit-b32`` is OpenCLIP's
 coca_ViT-B-32 layer for layer (its attentional pooler, appended text class token and two-block
 decoder layers), hence exactly its parameter count.
+
+The ``siglip2`` rows are SigLIP 2's towers (a MAP-pooled ViT without a class token, a text tower
+with a biased head, Gemma's 256k vocabulary for the B/16) with LocCa's decoder beside them: half
+the text tower's depth, its own embeddings of the vocabulary plus 1,000 box tokens, tied to its
+output map (:mod:`vltrain.model.locca`). Train them with ``model.loss.siglip`` > 0 and ``itc`` 0.
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
 from typing import Any, Callable
 
 from vltrain.errors import UserError
@@ -153,6 +160,34 @@ def coca_vit_b32() -> Architecture:
     return Architecture(vision, text, 512, decoder=DecoderConfig(depth=12, heads=8, separate_cross=True))
 
 
+def _siglip2(vision: VisionConfig, text: TextTowerConfig, embed_dim: int, text_pooling: str = "last") -> Architecture:
+    """SigLIP 2's layout (arXiv 2502.14786): a ViT pooled by attention (MAP) with no class token, a
+    text tower pooled at its last token over captions padded to one length, the embeddings taken as
+    they are on the image side, and LocCa's decoder (:mod:`vltrain.model.locca`) of half the text
+    tower's depth, beside them. Train it with model.loss.siglip > 0 and itc 0."""
+    vision = replace(vision, pooling="map", class_token=False, pre_norm=False, patch_bias=True, act="gelu_tanh")
+    text = replace(text, pooling=text_pooling, pad_to_max_length=text_pooling == "last", act="gelu_tanh")
+    decoder = DecoderConfig(depth=max(1, text.depth // 2), heads=text.heads, act="gelu_tanh", tied=True,
+                            standalone=True)
+    return Architecture(vision, text, embed_dim, image_proj="none", text_proj="linear_bias", decoder=decoder)
+
+
+def tiny_siglip2() -> Architecture:
+    """SigLIP 2's layout (:func:`_siglip2`) at tiny-clip's size: learns the shapes, their captions and
+    their regions on a CPU. Its text tower is pooled by the mean over each caption's tokens, as
+    tiny-clip's, instead of at the last of 64 padded positions: the shapes' ~30-token captions
+    would double the text tower's work."""
+    tiny = tiny_clip()
+    return _siglip2(tiny.vision, tiny.text, 128, text_pooling="mean")
+
+
+def siglip2_vit_b16() -> Architecture:
+    """SigLIP 2 ViT-B/16 at 224 px (google/siglip2-base-patch16-224's towers: widths 768, 12 layers,
+    64 text positions), with a 6-layer LocCa decoder."""
+    return _siglip2(VisionConfig(patch_size=16, width=768, depth=12, heads=12),
+                    TextTowerConfig(max_length=64, width=768, depth=12, heads=12), 768)
+
+
 PRESETS: dict[str, Callable[[], Architecture]] = {
     "tiny-clip": tiny_clip,
     "tiny-albef": tiny_albef,
@@ -164,6 +199,8 @@ PRESETS: dict[str, Callable[[], Architecture]] = {
     "tiny-coca-itm": tiny_coca_itm,
     "tiny-coca-lite": tiny_coca_lite,
     "coca-vit-b32": coca_vit_b32,
+    "tiny-siglip2": tiny_siglip2,
+    "siglip2-vit-b16": siglip2_vit_b16,
 }
 
 

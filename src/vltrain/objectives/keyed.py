@@ -30,6 +30,7 @@ class Stream:
     MIM_PATCH = 7
     ITM_TEXT, ITM_IMAGE = 8, 9
     PATCH_KEEP = 10
+    LOCCA_REGION, LOCCA_PARALLEL = 11, 12
 
 
 def _mul32(x: torch.Tensor | int, c: int) -> torch.Tensor | int:

@@ -39,6 +39,8 @@ import torch
 from vltrain.model.config import LossConfig, VisionSettings
 from vltrain.objectives.distill import distill_loss, distill_sigmoid_loss
 from vltrain.objectives.keyed import UNKEYED, Stream
+from vltrain.objectives.locca import TASKS as LOCCA_TASKS
+from vltrain.objectives.locca import LocCaTasks
 from vltrain.objectives.losses import (
     itc_loss,
     itm_loss,
@@ -53,7 +55,7 @@ from vltrain.objectives.ring import itc_loss_ring, siglip_loss_ring
 from vltrain.pixels import kept_patches
 from vltrain.runtime.distributed import all_gather_no_grad, all_gather_with_grad, exchange_shapes, pad_to
 from vltrain.runtime.precision import at_least_fp32
-from vltrain.types import Encoded, ModelInputs, ModelPasses, ModelSpec, Rows, Tokens
+from vltrain.types import Encoded, ModelInputs, ModelPasses, ModelSpec, RowLosses, Rows, Tokens
 
 
 @dataclass
@@ -84,18 +86,9 @@ class Masks:
     """[B, patches] (bool) SimMIM's patch mask of every row; the rows it applies to pick from it."""
 
 
-@dataclass
-class RowLosses:
-    """One objective's loss on each row of a batch (detached), and the rows it applies to."""
-
-    values: torch.Tensor
-    applies: torch.Tensor
-
-
 def _present_rows(applies: torch.Tensor) -> tuple[torch.Tensor, int]:
     """The indices of the rows where ``applies`` (one host synchronization: their count)."""
-    index = applies.nonzero().squeeze(1)
-    return index, index.numel()
+    return (index := applies.nonzero().squeeze(1)), index.numel()
 
 
 def _scatter(values: torch.Tensor, index: torch.Tensor, n: int, b: int) -> torch.Tensor:
@@ -159,8 +152,9 @@ class Objectives:
 
     def __init__(self, loss: LossConfig, spec: ModelSpec, vision: VisionSettings | None = None):
         w = {"itc": loss.itc, "siglip": loss.siglip, "distill": loss.distill, "distill_sigmoid": loss.distill_sigmoid}
-        w.update({k: getattr(loss, k) for k in ("itm", "mlm", "text_mlm", "image_mim", "caption") if k in spec.heads})
+        w.update({k: getattr(loss, k) for k in ("itm", "mlm", "text_mlm", "image_mim", *LOCCA_TASKS) if k in spec.heads})
         self.loss_weights = {k: v for k, v in w.items() if v > 0}
+        self.locca = LocCaTasks.of(self.loss_weights, loss, spec)  # a LocCa decoder's tasks, the caption included
         self.spec = spec
         self.text_mlm_paired = loss.text_mlm_paired
         self.image_mim_paired = loss.image_mim_paired
@@ -186,7 +180,7 @@ class Objectives:
     def averaged(self) -> list[str]:
         """The objectives that are weighted means over a step's rows, pairs, tokens or patches
         (all but the contrastive ones, which see the global batch by themselves)."""
-        return [k for k in ("itm", "mlm", "text_mlm", "image_mim", "caption") if k in self.loss_weights]
+        return [k for k in ("itm", "mlm", "text_mlm", "image_mim", *LOCCA_TASKS) if k in self.loss_weights]
 
     # -- contrastive --------------------------------------------------------------------------
 
@@ -441,7 +435,9 @@ class Objectives:
                 masks = m.masks if m.masks is not None else self.draw(m)
                 m = m.present()
                 w = torch.ones_like(m.ids, dtype=torch.float32) if m.row_weights is None else m.row_weights.float()
-                if name == "itm":
+                if self.locca is not None and name in LOCCA_TASKS:
+                    total = total + self.locca.totals(m, w)[name]
+                elif name == "itm":
                     total = total + self._itm_total(m, w)
                 elif name in ("mlm", "text_mlm", "caption"):
                     labels = self.caption_labels(m) if name == "caption" else (
@@ -484,7 +480,9 @@ class Objectives:
             losses["text_mlm"] = self._text_mlm(passes, inputs, masks, rows)
         if "image_mim" in self.loss_weights:
             losses["image_mim"] = self._image_mim(passes, inputs, masks, rows)
-        if "caption" in self.loss_weights:
+        if self.locca is not None:
+            losses |= self.locca.score(passes, enc, inputs, {k: _denominator(inputs, k) for k in LOCCA_TASKS}, rows)
+        elif "caption" in self.loss_weights:
             losses["caption"] = self._caption(passes, enc, inputs, rows)
         total = anchor + sum(self.loss_weights[k] * v for k, v in losses.items())
         return ObjectiveOutput(

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from vltrain.objectives.scoring import RowLosses
+from vltrain.types import RowLosses
 from vltrain.runtime.distributed import all_reduce_sum
 
 
