@@ -7,12 +7,13 @@ pay for importing the trainer.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
 from pathlib import Path
 
-from vltrain.errors import DataError
+from vltrain.errors import DataError, UsageError
 
 
 MODEL_HELP = ("a run folder, a checkpoint, an exported model folder, or an imported model (a Hugging Face "
@@ -60,6 +61,9 @@ def add_parsers(sub) -> None:
     e.add_argument("--retrieval", default=None, metavar="FILE", help="COCO-style caption JSON (Karpathy split or annotations)")
     e.add_argument("--captions", default=None, metavar="FILE",
                    help="COCO-style caption JSON: caption its images (a model with a decoder), BLEU-4 and CIDEr-D")
+    e.add_argument("--referring", default=None, metavar="FILE",
+                   help='JSON lines {"image", "text", "box": [x0, y0, x1, y1]} (pixels): a LocCa model\'s '
+                        "referring-expression Acc@0.5 and mean IoU")
     e.add_argument("--split", default="test", help="the Karpathy split to evaluate (default test)")
     e.add_argument("--json", action="store_true", help="print the metrics as JSON instead of a table")
     e.add_argument("--ema", action="store_true", help="a run's EMA weights (train.ema) instead of its trained ones")
@@ -128,9 +132,23 @@ def _add_caption_parser(sub) -> None:
     c.add_argument("--batch-size", type=_at_least_one, default=32, dest="batch_size", help="images per batch per rank")
     c.add_argument("--no-cache", action="store_false", dest="cache",
                    help="recompute every position at each token instead of caching keys and values")
+    c.add_argument("--boxes", nargs="+", default=None, metavar="X0,Y0,X1,Y1",
+                   help="a LocCa model (tiny-siglip2): the phrase of a box of each image (pixels of the image as "
+                        "shown), one box per image or one for all: a grounded caption")
     c.add_argument("--out", default=None, help="write JSON lines {image, caption} here instead of printing")
     _add_overrides(c)
     c.set_defaults(func=caption)
+
+    g = sub.add_parser("ground", help="the box a phrase names in an image, from a model with a LocCa decoder "
+                                      "(torchrun-aware)")
+    _add_model(g, ", with a LocCa decoder (tiny-siglip2, siglip2-vit-b16)")
+    g.add_argument("--images", nargs="+", required=True)
+    g.add_argument("--texts", nargs="+", required=True,
+                   help="one phrase per image, or several for one image, or one for every image")
+    g.add_argument("--batch-size", type=_at_least_one, default=32, dest="batch_size", help="pairs per batch per rank")
+    g.add_argument("--out", default=None, help="write JSON lines {image, text, box} here instead of printing")
+    _add_overrides(g)
+    g.set_defaults(func=ground)
 
 
 def say(line: str, stream=None) -> None:
@@ -263,11 +281,13 @@ def evaluate(args: argparse.Namespace) -> int:
         name = Path(args.captions).stem or "captions"
         overrides.append(f"eval.captions=[{{name: {json.dumps(name)}, path: {json.dumps(str(args.captions))}, "
                          f"split: {json.dumps(args.split)}}}]")
-    only_sets = bool(args.zeroshot or args.retrieval or args.captions)
+    if args.referring:
+        name = Path(args.referring).stem or "referring"
+        overrides.append(f"eval.referring=[{{name: {json.dumps(name)}, path: {json.dumps(str(args.referring))}}}]")
+    only_sets = bool(args.zeroshot or args.retrieval or args.captions or args.referring)
     if only_sets:
-        overrides += [] if args.zeroshot else ["eval.zeroshot=[]"]
-        overrides += [] if args.retrieval else ["eval.retrieval=[]"]
-        overrides += [] if args.captions else ["eval.captions=[]"]
+        for key in ("zeroshot", "retrieval", "captions", "referring"):
+            overrides += [] if getattr(args, key) else [f"eval.{key}=[]"]
     metrics = evaluate_run(Path(args.model), data=args.data, overrides=overrides,
                            val=args.data is not None or not only_sets, ema=args.ema)
     if os.environ.get("RANK", "0") == "0":
@@ -295,7 +315,6 @@ def embed(args: argparse.Namespace) -> int:
     import torch
 
     from vltrain.compose.opening import open_model
-    from vltrain.errors import UsageError
     from vltrain.export.native import embed as embed_inputs
 
     if not args.images and not args.texts:
@@ -323,6 +342,8 @@ def caption(args: argparse.Namespace) -> int:
     rank 0 writes."""
     from vltrain.eval.captioning import caption_images
 
+    if args.boxes is not None:
+        return _caption_boxes(args)
     rows = caption_images(Path(args.model), args.images, overrides_of(args), beam=args.beam,
                           top_p=args.top_p or 0.0, seed=args.seed, max_length=args.max_length or 0, prompt=args.prompt,
                           batch_size=args.batch_size, cache=args.cache)
@@ -338,4 +359,79 @@ def caption(args: argparse.Namespace) -> int:
     else:
         for path, text in rows:
             print(f"{path}\t{text if text is not None else '(unreadable)'}")
+    return 0
+
+
+def _pairs(images: list[str], texts: list[str]) -> tuple[list[str], list[str]]:
+    """``vltrain ground``'s (image, text) pairs: one each, one image for every text, or one text for every image."""
+    if len(images) == len(texts):
+        return images, texts
+    if len(images) == 1:
+        return images * len(texts), texts
+    if len(texts) == 1:
+        return images, texts * len(images)
+    raise UsageError(f"--images gives {len(images)} and --texts {len(texts)}: give one text per image, several "
+                     "texts for one image, or one text for every image")
+
+
+def _boxes(values: list[str], n: int) -> list[list[float]]:
+    """``--boxes``: one ``x0,y0,x1,y1`` per image, or one for all of them."""
+    boxes = []
+    for v in values:
+        try:
+            box = [float(x) for x in v.split(",")]
+        except ValueError:
+            box = []
+        if len(box) != 4 or not (box[0] < box[2] and box[1] < box[3]):
+            raise UsageError(f"--boxes {v!r}: a box is x0,y0,x1,y1 in pixels with x0 < x1 and y0 < y1")
+        boxes.append(box)
+    if len(boxes) not in (1, n):
+        raise UsageError(f"--boxes gives {len(boxes)} boxes for {n} images: give one per image, or one for all")
+    return boxes * n if len(boxes) == 1 else boxes
+
+
+def ground(args: argparse.Namespace) -> int:
+    """``vltrain ground MODEL --images a.jpg --texts "the red circle"``: one line per pair
+    (``path<TAB>text<TAB>x0,y0,x1,y1`` in pixels of the image as shown), or JSON lines in ``--out``."""
+    from vltrain.eval.grounding import ground_images
+
+    images, texts = _pairs(args.images, args.texts)
+    rows = ground_images(Path(args.model), images, texts, overrides_of(args), batch_size=args.batch_size)
+    if all(box is None for *_, box in rows):
+        raise DataError(f"none of the {len(rows)} images could be read (vltrain data validate names why)")
+    if os.environ.get("RANK", "0") != "0":
+        return 0
+    if args.out:
+        with open(args.out, "w") as f:
+            for image, text, box in rows:
+                f.write(json.dumps({"image": image, "text": text, "box": box}) + "\n")
+        print(f"wrote {len(rows)} boxes to {args.out}")
+    else:
+        for image, text, box in rows:
+            shown = ",".join(f"{v:g}" for v in box) if box is not None else "(unreadable)"
+            print(f"{image}\t{text}\t{shown}")
+    return 0
+
+
+def _caption_boxes(args: argparse.Namespace) -> int:
+    """``vltrain caption MODEL --images a.jpg --boxes x0,y0,x1,y1``: grounded captions."""
+    from vltrain.eval.grounding import caption_boxes
+
+    if args.beam != 1 or args.top_p or args.prompt:
+        raise UsageError("--boxes captions greedily, without a prompt: leave out --beam, --top-p and --prompt")
+    boxes = _boxes(args.boxes, len(args.images))
+    rows = caption_boxes(Path(args.model), args.images, boxes, overrides_of(args), max_length=args.max_length or 0,
+                         batch_size=args.batch_size)
+    if all(text is None for _, text in rows):
+        raise DataError(f"none of the {len(rows)} images could be read (vltrain data validate names why)")
+    if os.environ.get("RANK", "0") != "0":
+        return 0
+    with open(args.out, "w") if args.out else contextlib.nullcontext(sys.stdout) as f:
+        for (path, text), box in zip(rows, boxes):
+            if args.out:
+                f.write(json.dumps({"image": path, "box": box, "caption": text}) + "\n")
+            else:
+                say(f"{path}\t{','.join(f'{v:g}' for v in box)}\t{text if text is not None else '(unreadable)'}")
+    if args.out:
+        print(f"wrote {len(rows)} grounded captions to {args.out}")
     return 0

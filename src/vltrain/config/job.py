@@ -231,6 +231,20 @@ class CaptionEvalSet(Settings):
                               f"got {self.max_length}")
 
 
+@dataclass
+class ReferringEvalSet(Settings):
+    name: str = ""
+    """Metrics are written as referring/NAME/acc50 (the share of boxes with IoU >= 0.5 against the
+    true one, RefCOCO's Acc@0.5) and referring/NAME/miou."""
+    path: str = ""
+    """JSON lines {"image": PATH, "text": PHRASE, "box": [x0, y0, x1, y1]}, the box in pixels of the image as shown."""
+    image_root: str = ""
+    """Folder the image paths are relative to (empty: the file's folder)."""
+
+    def validate(self) -> None:
+        _check_set_name("eval.referring", self.name, self.path)
+
+
 def _check_set_name(key: str, name: str, path: str) -> None:
     if not name or "/" in name or not path:
         raise ConfigError(f"each entry of {key} needs a name (no '/') and a path, got name={name!r} path={path!r}")
@@ -262,12 +276,15 @@ class EvalConfig(Settings):
     captions: list[CaptionEvalSet] = field(default_factory=list)
     """Caption sets (COCO, Flickr30k: the Karpathy JSON) that a model with a captioning decoder
     captions, scored with BLEU-4 and CIDEr-D: [{name, path, split, beam, max_length, prompt}]."""
+    referring: list[ReferringEvalSet] = field(default_factory=list)
+    """Referring-expression sets that a model with a LocCa decoder grounds, scored with Acc@0.5 and
+    mean IoU: [{name, path, image_root}]."""
 
     def validate(self) -> None:
         if self.itm_rerank_k < 0:
             raise ConfigError(f"eval.itm_rerank_k must be >= 0 (0: no re-ranking), got {self.itm_rerank_k}")
         for key, sets in (("eval.zeroshot", self.zeroshot), ("eval.retrieval", self.retrieval),
-                          ("eval.captions", self.captions)):
+                          ("eval.captions", self.captions), ("eval.referring", self.referring)):
             names = [s.name for s in sets]
             if len(set(names)) != len(names):
                 raise ConfigError(f"{key}: names must differ, got {names}")

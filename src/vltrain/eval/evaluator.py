@@ -1,7 +1,8 @@
 """Evaluation: image->text and text->image recall@1/5/10 on held-out pairs (``data.val``), and the
 sets of ``eval.zeroshot`` (:mod:`vltrain.eval.zeroshot`) and ``eval.retrieval`` (:mod:`vltrain.eval.retrieval`),
-each with ITM re-ranking for fusion models, and the caption sets of ``eval.captions``
-(:mod:`vltrain.eval.captioning`); ``eval.json``; ``vltrain eval``.
+each with ITM re-ranking for fusion models, the caption sets of ``eval.captions``
+(:mod:`vltrain.eval.captioning`) and the referring-expression sets of ``eval.referring``
+(:mod:`vltrain.eval.grounding`); ``eval.json``; ``vltrain eval``.
 
 Every rank embeds its shard of each set, the embeddings are gathered, and every rank
 computes the same metrics. Nobody waits at a barrier while rank 0 works alone (the way
@@ -27,6 +28,7 @@ from vltrain.data.dataset import source_specs
 from vltrain.data.tokenizers import Tokenizer
 from vltrain.errors import ConfigError, UserError
 from vltrain.eval.captioning import evaluate_captions, open_caption_set
+from vltrain.eval.grounding import evaluate_referring, open_referring
 from vltrain.eval.embedding import Embedded, Encoder, cat_padded, eval_mode
 from vltrain.eval.retrieval import evaluate_retrieval, itm_rerank, multi_caption_recall, open_retrieval
 from vltrain.eval.zeroshot import evaluate_zeroshot, open_zeroshot
@@ -169,6 +171,10 @@ class Evaluator:
             raise ConfigError("eval.captions needs a captioning decoder: a preset with one (tiny-coca, coca-vit-b32) "
                               "and model.loss.caption > 0")
         self.tokenizer = tokenizer
+        self.kw = kw
+        if ec.referring and not getattr(cfg.model.architecture().decoder, "standalone", False):
+            raise ConfigError("eval.referring needs a LocCa decoder: a preset with one (tiny-siglip2, siglip2-vit-b16)")
+        self.referring = [open_referring(r.name, r.path, r.image_root) for r in ec.referring]
         start = cfg.model.architecture().text.start_id if ec.captions else None
         self.captions = [open_caption_set(c.name, c.path, c.split, c.image_root, cfg.data, tokenizer,
                                           Decoding(c.max_length or cfg.data.max_text_length, c.beam), c.prompt, **kw,
@@ -176,7 +182,7 @@ class Evaluator:
                          for c in ec.captions]
 
     def __bool__(self) -> bool:
-        return self.val is not None or bool(self.zeroshot) or bool(self.retrieval) or bool(self.captions)
+        return self.val is not None or any((self.zeroshot, self.retrieval, self.captions, self.referring))
 
     def run(self, wrapped: nn.Module, model: nn.Module, device: torch.device, autocast) -> dict[str, float]:
         ec, data = self.cfg.eval, self.cfg.data
@@ -193,6 +199,8 @@ class Evaluator:
             out.update(evaluate_retrieval(encoder, r, rerank_k, ec.batch_size))
         for c in self.captions:
             out.update(evaluate_captions(encoder, c, self.tokenizer))
+        for r in self.referring:
+            out.update(evaluate_referring(encoder, self.tokenizer, r, **self.kw))
         return out
 
 
@@ -267,9 +275,9 @@ def evaluate_run(path: Path, data: str | None = None, overrides: list[str] | Non
     asked = ["data.val=''"] if not val else [f"data.val={data}"] if data else []
     decided = model_config(found, list(overrides or []) + asked)
     cfg = decided.cfg
-    if not (cfg.data.val or cfg.eval.zeroshot or cfg.eval.retrieval or cfg.eval.captions):
+    if not (cfg.data.val or cfg.eval.zeroshot or cfg.eval.retrieval or cfg.eval.captions or cfg.eval.referring):
         raise UserError(f"{path} names no data.val and no eval sets; pass --data VAL_MANIFEST, "
-                        "--zeroshot DIR, --retrieval FILE or --captions FILE")
+                        "--zeroshot DIR, --retrieval FILE, --captions FILE or --referring FILE")
     world = setup_world(timeout_s=cfg.train.timeout_s, device=cfg.train.device, threads=cfg.train.threads,
                         tf32=cfg.train.tf32)
     clean = False
