@@ -158,3 +158,24 @@ def test_a_tokenizer_transformers_reads_otherwise_is_refused(tmp_path):
     opened = open_model(tmp_path / "gemma")
     model, tokenizer, cfg = opened.model, opened.tokenizer, opened.cfg
     assert hf_family(model, tokenizer, "gemma", cfg) == "siglip2"
+
+
+def test_a_siglip2_checkpoint_trains_beside_a_fresh_locca_decoder(tmp_path_factory, tmp_path):
+    """model.locca on a SigLIP 2 folder (whose released weights carry no decoder): the decoder starts
+    fresh and trains, and the export is still a Siglip2Model transformers loads whole."""
+    from vltrain.model.locca import LocCaDecoder
+
+    root = tmp_path_factory.mktemp("locca-siglip2")
+    siglip2_folder(root / "pretrained")
+    cfg = load_config(None, overrides(session_shapes(tmp_path_factory), root / "run", model__init=root / "pretrained",
+                                      model__locca="true", data__tokenizer="''", train__max_steps=2,
+                                      data__num_workers=0, checkpoint__every=0))
+    assert cfg.model.architecture().decoder.standalone
+    train_here(cfg)
+    metrics = [json.loads(line) for line in (root / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert all(m["loss/caption"] > 0 for m in metrics)
+    model = open_model(root / "run").model
+    assert isinstance(model.decoder, LocCaDecoder)
+    out = export_model(root / "run", tmp_path / "hf", fmt="hf")
+    _, info = transformers.Siglip2Model.from_pretrained(out, output_loading_info=True)
+    assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info

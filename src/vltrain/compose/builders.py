@@ -62,7 +62,11 @@ def build_model_for(cfg: JobConfig, tokenizer: Tokenizer, device: torch.device |
         cfg.model, vocab_size=vocab_size, pad_id=tokenizer.pad_id, mask_id=tokenizer.mask_id,
         image_size=cfg.data.image_size, max_text_length=max_text_length,
     )
-    if model.decoder is not None and (tokenizer.cls_id is None or tokenizer.eos_id is None):
+    locca = getattr(model.decoder, "vocab", None) is not None  # its task tokens start its rows
+    if locca and tokenizer.eos_id is None:
+        raise UserError(f"data.tokenizer {cfg.data.tokenizer}: LocCa's decoder ends each phrase and caption at the end "
+                        "token, and this tokenizer has none ([SEP], </s>, <|endoftext|>); use one that has it")
+    if model.decoder is not None and not locca and (tokenizer.cls_id is None or tokenizer.eos_id is None):
         raise UserError(f"data.tokenizer {cfg.data.tokenizer}: a captioning decoder predicts each caption from its "
                         "start token to its end token, and this tokenizer has no start ([CLS], <s>, "
                         "<|startoftext|>) or no end token ([SEP], </s>, <|endoftext|>); use one that has both, or "

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from vltrain.errors import ConfigError
-from vltrain.model.presets import PRESETS, Architecture, list_presets
+from vltrain.model.presets import PRESETS, Architecture, list_presets, locca_decoder
 from vltrain.model.text import POOLINGS, TEXT_LAYOUTS
 from vltrain.types import Settings
 
@@ -173,6 +173,10 @@ class ModelConfig(Settings):
     quick_gelu: bool = False
     """An OpenCLIP checkpoint of OpenAI's weights (or one trained as ``*-quickgelu``) needs QuickGELU;
     tensor shapes cannot tell. A Hugging Face folder says so in its config.json."""
+    locca: bool = False
+    """Add LocCa's decoder (``vltrain.model.presets.locca_decoder``: half the text tower's depth,
+    1,000 box tokens) to an architecture without one: a SigLIP 2 checkpoint of model.init, whose
+    released weights carry no decoder, trains with one that starts fresh. The siglip2 presets have it."""
     arch: dict[str, Any] = field(default_factory=dict)
     """The architecture ``model.init`` describes, filled in from the checkpoint so that the run's
     saved config rebuilds the model without it; leave it out of configs."""
@@ -180,11 +184,19 @@ class ModelConfig(Settings):
     def architecture(self) -> Architecture:
         """The preset's architecture, or ``model.arch`` (the one ``model.init`` read from its checkpoint)."""
         if self.arch:
-            return Architecture.from_dict(self.arch)
+            return self._with_locca(Architecture.from_dict(self.arch))
         if self.preset not in PRESETS:
             raise ConfigError(f"model.preset: unknown preset {self.preset!r}; choose one of {', '.join(list_presets())}"
                               + (" (or leave it out with model.init)" if self.init else ""))
-        return PRESETS[self.preset]()
+        return self._with_locca(PRESETS[self.preset]())
+
+    def _with_locca(self, arch: Architecture) -> Architecture:
+        if self.locca and arch.decoder is None:
+            arch.decoder = locca_decoder(arch.text)
+        elif self.locca and not arch.decoder.standalone:
+            raise ConfigError(f"model.locca: {self.preset or 'this architecture'} has a captioning decoder over its "
+                              "text tower already; LocCa's is for a model without one (a SigLIP 2 checkpoint)")
+        return arch
 
     def check_objectives(self) -> None:
         """A model needs a contrastive objective, unless it captions (a decoder with the caption loss

@@ -167,9 +167,13 @@ def _siglip2(vision: VisionConfig, text: TextTowerConfig, embed_dim: int, text_p
     tower's depth, beside them. Train it with model.loss.siglip > 0 and itc 0."""
     vision = replace(vision, pooling="map", class_token=False, pre_norm=False, patch_bias=True, act="gelu_tanh")
     text = replace(text, pooling=text_pooling, pad_to_max_length=text_pooling == "last", act="gelu_tanh")
-    decoder = DecoderConfig(depth=max(1, text.depth // 2), heads=text.heads, act="gelu_tanh", tied=True,
-                            standalone=True)
-    return Architecture(vision, text, embed_dim, image_proj="none", text_proj="linear_bias", decoder=decoder)
+    return Architecture(vision, text, embed_dim, image_proj="none", text_proj="linear_bias", decoder=locca_decoder(text))
+
+
+def locca_decoder(text: TextTowerConfig) -> DecoderConfig:
+    """LocCa's decoder beside a text tower ``text``: half its depth, its width and heads, tied to its
+    own token embedding (SigLIP 2, section 2.2)."""
+    return DecoderConfig(depth=max(1, text.depth // 2), heads=text.heads, act=text.act, tied=True, standalone=True)
 
 
 def tiny_siglip2() -> Architecture:
