@@ -5,8 +5,10 @@
 several to a sequence (:mod:`vltrain.data.loading.packing`).
 
 Every reader of images (training, evaluation, ``vltrain embed``, the teacher) decodes through the
-layout (:func:`decode_for`), so an image is seen the same way everywhere; the collator fills the
-fields of :class:`vltrain.images.Images` the layout names, and the dataset asks it for patch counts."""
+layout (:func:`decode_for`; the training dataset through the layout's ``decode``, which also says
+what part of the image the pixels hold, for its regions' boxes), so an image is seen the same way
+everywhere; the collator fills the fields of :class:`vltrain.images.Images` the layout names, and
+the dataset asks it for patch counts."""
 
 from __future__ import annotations
 

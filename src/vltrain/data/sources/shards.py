@@ -27,7 +27,8 @@ from vltrain.data.sources.patterns import expand_braces
 from vltrain.data.sources.shard_scan import IMAGE_EXTS, UnusualHeader, scan_shard, walk_members
 from vltrain.errors import DataError
 
-INDEX_VERSION = 1
+INDEX_VERSION = 2
+"""2: each sample keeps its ``.json``'s regions."""
 
 
 def default_cache_dir() -> Path:
@@ -48,6 +49,7 @@ class ShardSource(Source):
         self.damaged = []
         self._keys: list[str] = []
         self._texts: list[str | None] = []
+        self._regions: list = []
         self._images: list[tuple[int, int, str] | None] = []  # (offset, size, member name)
         self._where: list[str] = []
         self._starts: list[int] = []
@@ -57,9 +59,10 @@ class ShardSource(Source):
             for p in index["problems"]:
                 self.problems.append(Problem(f"{path.name}:{p[0]}", p[1], p[2]))
                 self.damaged += [{"where": f"{path.name}:{p[0]}", "reason": p[1], **p[3]}] if len(p) > 3 else []
-            for key, sid, image, text in index["samples"]:
+            for key, sid, image, text, regions in index["samples"]:
                 self._keys.append(sid if sid is not None else key)
                 self._texts.append(text)
+                self._regions.append(regions)
                 self._images.append(tuple(image) if image is not None else None)
                 self._where.append(f"{path.name}:{key}")
 
@@ -72,7 +75,7 @@ class ShardSource(Source):
     def row(self, i: int) -> Row:
         image = self._images[i]
         ref = None if image is None else f"{self._shard(i)}:{image[2]}"
-        return Row(self._keys[i], ref, self._texts[i], self._where[i])
+        return Row(self._keys[i], ref, self._texts[i], self._where[i], self._regions[i])
 
     def read_image(self, i: int) -> bytes:
         image = self._images[i]
@@ -152,7 +155,7 @@ def _read_fresh(path: Path, st: os.stat_result) -> dict | None:
 
 
 def build_index(shard: Path) -> dict:
-    """Scan a tar once: ``samples`` [key, id, [offset, size, member] | None, text | None]."""
+    """Scan a tar once: ``samples`` [key, id, [offset, size, member] | None, text | None, regions]."""
     scan = scan_shard(shard, samples=True)
     return {"samples": scan.samples, "problems": scan.problems}
 
