@@ -72,6 +72,8 @@ def _add_synth_parser(dsub) -> None:
     s.add_argument("--text-only-fraction", type=float, default=0.0, help="training rows without an image")
     s.add_argument("--image-only-fraction", type=float, default=0.0, help="training rows without a caption")
     s.add_argument("--image-size", type=int, default=48)
+    s.add_argument("--regions", action="store_true",
+                   help="each row with an image lists its shapes' boxes and phrases (\"regions\")")
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--workers", type=int, default=0, help="processes (0: all cores)")
     s.set_defaults(func=synth)
@@ -126,7 +128,7 @@ def synth(args: argparse.Namespace) -> int:
         raise UserError("give --out DIR (image-text pairs) and/or --classify DIR (a class-per-folder set)")
     paths = synthesize(
         args.out, args.num, args.val, args.text_only_fraction, args.seed, args.image_size, args.workers,
-        image_only_fraction=args.image_only_fraction,
+        image_only_fraction=args.image_only_fraction, with_regions=args.regions,
     )
     for split, p in paths.items():
         print(f"{split}: {p}")
