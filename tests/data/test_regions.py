@@ -116,7 +116,8 @@ def test_a_box_follows_the_native_grid_padded_and_packed(tmp_path, tok, pack):
 
 def stored_as(upright: Image.Image, turn: int) -> Image.Image:
     """The image to store with EXIF orientation ``turn`` so that it shows as ``upright``."""
-    inverse = {Image.Transpose.ROTATE_90: Image.Transpose.ROTATE_270, Image.Transpose.ROTATE_270: Image.Transpose.ROTATE_90}
+    inverse = {Image.Transpose.ROTATE_90: Image.Transpose.ROTATE_270,
+               Image.Transpose.ROTATE_270: Image.Transpose.ROTATE_90}
     op = ORIENTATIONS[turn][0]
     return upright.transpose(inverse.get(op, op))
 
