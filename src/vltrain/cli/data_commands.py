@@ -1,4 +1,4 @@
-"""``vltrain data synth | validate | index | stats | shard | audit`` and ``vltrain tokenizer train``:
+"""``vltrain data synth | validate | index | stats | shard | from-coco | audit`` and ``vltrain tokenizer train``:
 their arguments, handlers and printed reports."""
 
 from __future__ import annotations
@@ -40,6 +40,7 @@ def add_parsers(data: argparse.ArgumentParser, tokenizer: argparse.ArgumentParse
     st.set_defaults(func=stats)
 
     _add_shard_parser(dsub)
+    _add_coco_parser(dsub)
 
     _add_teacher_embed_parser(dsub)
 
@@ -111,6 +112,34 @@ def _add_shard_parser(dsub) -> None:
     sh.add_argument("--quality", type=int, default=95, help="JPEG quality of resized images (default 95)")
     sh.add_argument("--row-group", type=int, default=100, help="rows per parquet row group (default 100)")
     sh.set_defaults(func=shard)
+
+
+def _add_coco_parser(dsub) -> None:
+    c = dsub.add_parser("from-coco", help="a JSONL manifest with regions from COCO-style annotations "
+                        "(instances, RefCOCO-style refs, captions)")
+    c.add_argument("--instances", required=True, help="COCO's instances_*.json: images, annotations, categories")
+    c.add_argument("--images", required=True, help="the folder of the images the instances name")
+    c.add_argument("--out", required=True, help="the manifest (.jsonl) to write")
+    c.add_argument("--refs", default=None, help="referring phrases: a JSON list of {image_id, ann_id, "
+                   "sentences: [{sent}], split} (RefCOCO's refs as JSON); objects without one are named by category")
+    c.add_argument("--captions", default=None, help="COCO's captions_*.json: a caption per row")
+    c.add_argument("--split", default="", help="only the refs of this split (train, val, testA, ...) and their images")
+    c.add_argument("--all-captions", action="store_true",
+                   help="a row per caption, sharing the image's id (default: the image's first caption)")
+    c.set_defaults(func=from_coco)
+
+
+def from_coco(args: argparse.Namespace) -> int:
+    """``vltrain data from-coco --instances F --images DIR --out M [--refs F] [--captions F] [--split S]``."""
+    from vltrain.data.tools.coco import from_coco as convert
+
+    r = convert(args.instances, args.images, args.out, args.refs, args.captions, args.split, args.all_captions)
+    print(f"wrote {r.rows} rows ({r.images} images) to {args.out}: {r.referring + r.named} regions, {r.referring} "
+          f"with a referring phrase and {r.named} named by their category; {r.captions} captions read")
+    print(f"left out {r.crowd} crowd annotation(s) and {r.empty} box(es) with no area in their image; clipped "
+          f"{r.clipped} box(es) to their image")
+    print(f"next: vltrain data validate {args.out}")
+    return 0
 
 
 def synth(args: argparse.Namespace) -> int:
