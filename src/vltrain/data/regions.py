@@ -14,13 +14,15 @@ those coordinates.
 
 from __future__ import annotations
 
+import io
 import json
 import math
 from dataclasses import dataclass
 
 import numpy as np
+from PIL import Image
 
-from vltrain.data.images import Seen
+from vltrain.data.images import Seen, shown_size
 
 KEPT_SHARE = 0.5
 """A region keeps when at least this share of its box's area lies in the part of the image the model
@@ -116,3 +118,30 @@ def place_regions(regions: tuple[Region, ...], seen: Seen, most: int) -> Placed:
     kept = min(len(boxes), most)
     out = np.clip(np.asarray(boxes[:kept], dtype=np.float64).reshape(-1, 4), 0.0, 1.0).astype(np.float32)
     return Placed(out, texts[:kept], cut=len(regions) - len(boxes), capped=len(boxes) - kept)
+
+
+def resized_regions(value, before: bytes, after: bytes):
+    """A row's regions (as given) for its image written anew at another size (``vltrain data shard
+    --image-size``): each box scaled by the ratio of the two images' sizes as shown. Regions that
+    cannot be read are carried as they are, for ``vltrain data validate`` to name."""
+    try:
+        regions = parse_regions(value)
+    except RegionError:
+        return value
+    (h0, w0), (h1, w1) = (shown_size(Image.open(io.BytesIO(data))) for data in (before, after))
+    if (h0, w0) == (h1, w1):
+        return value
+    sx, sy = w1 / w0, h1 / h0
+    return [{"box": [round(x0 * sx, 2), round(y0 * sy, 2), round(x1 * sx, 2), round(y1 * sy, 2)], "text": r.text}
+            for r in regions for x0, y0, x1, y1 in [r.box]]
+
+
+def decoded_regions(value):
+    """Regions as a JSON value (a shard's ``.json`` stores them so): the JSON text of a CSV cell or
+    a parquet string column decoded, anything else as it is."""
+    if isinstance(value, str):
+        try:
+            return json.loads(value)
+        except ValueError:
+            return value
+    return value

@@ -21,6 +21,7 @@ from typing import Callable
 
 import numpy as np
 
+from vltrain.data.regions import decoded_regions, resized_regions
 from vltrain.data.sources.filelock import build_once, private_tmp
 from vltrain.data.sources.manifests import Problem, Row, Source
 from vltrain.data.sources.patterns import expand_braces
@@ -204,7 +205,8 @@ def write_shards(source: Source, out: str | os.PathLike, shard_size: int,
 
     Image bytes are copied as they are (JPEG, PNG and WebP; other formats are re-encoded as PNG),
     so sharding never changes a pixel, unless ``transform`` (``(bytes, name) -> (bytes,
-    extension)``, a resize) is given. Each sample's key travels in ``KEY.json`` as ``id``.
+    extension)``, a resize) is given. Each sample's key travels in ``KEY.json`` as ``id``, and its
+    regions as ``regions`` (their boxes scaled with a resized image).
     """
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -215,20 +217,22 @@ def write_shards(source: Source, out: str | os.PathLike, shard_size: int,
     count = 0
     for i in range(len(source)):
         row = source.row(i)
-        members = {}
+        members, regions = {}, row.regions
         if row.image is not None:
             try:
                 data, name = source.read_image(i), row.image
                 if transform is not None:
-                    data, ext = transform(data, name)
+                    stored, (data, ext) = data, transform(data, name)
                     name = f"image.{ext}"
+                    regions = regions if regions is None else resized_regions(regions, stored, data)
                 members.update(_image_member(data, name))
             except (OSError, ValueError) as e:
                 skipped.append(Problem(row.where, f"image {row.image} not copied: {e}"))
                 continue
         if row.text is not None:
             members["txt"] = row.text.encode("utf-8")
-        members["json"] = json.dumps({"id": row.key}, ensure_ascii=False).encode("utf-8")
+        meta = {"id": row.key} | ({} if regions is None else {"regions": decoded_regions(regions)})
+        members["json"] = json.dumps(meta, ensure_ascii=False).encode("utf-8")
         if count % shard_size == 0:
             if tar is not None:
                 _close(tar, written[-1])
