@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pickle
+from dataclasses import replace
 
 import torch
 
@@ -62,3 +63,14 @@ def test_a_batch_of_packed_images_survives_pickling_whole():
     again = pickle.loads(pickle.dumps(batch))
     assert again.tensors().keys() == batch.tensors().keys()
     assert all(torch.equal(a, b) for a, b in zip(again.tensors().values(), batch.tensors().values()))
+
+
+def test_boxes_travel_with_their_rows_in_every_operation():
+    packed, _ = packed_images([(1, 3), (2, 2), (1, 1)])
+    boxes = torch.tensor([[[0.0, 0.0, 1.0, 1.0]], [[0.1, 0.2, 0.3, 0.4]], [[0.0, 0.0, 0.0, 0.0]]])
+    mask = torch.tensor([[True], [True], [False]])
+    with_boxes = replace(packed, boxes=boxes, box_mask=mask)
+    rows = with_boxes.unpacked().index_select(0, torch.tensor([1, 2]))
+    assert torch.equal(rows.boxes, boxes[1:]) and rows.box_mask.tolist() == [[True], [False]]
+    assert set(with_boxes.map(lambda t: t).tensors()) >= {"boxes", "box_mask"}
+    assert with_boxes.unpacked().dummy().boxes is None  # a dummy row stands for no image: no regions

@@ -29,7 +29,8 @@ class Images:
       ``segments`` and ``patch_index`` saying whose patch each position holds.
 
     Whatever the layout, an image has N patch positions in the padded layout (a square one, its
-    H / p * W / p), and :attr:`real` says which of them hold a patch.
+    H / p * W / p), and :attr:`real` says which of them hold a patch. Regions' boxes belong to the
+    images, one row per image in every layout (packed ones too), and travel with them.
     """
 
     pixels: torch.Tensor
@@ -46,6 +47,13 @@ class Images:
     keep: torch.Tensor | None = None
     """int64 [B, K], ascending: patch dropout in a training step, the patch positions each image
     keeps, drawn keyed by the step and the sample (``Objectives.patch_keep``); None: every patch."""
+    boxes: torch.Tensor | None = None
+    """float32 [B, R, 4]: each image's regions (docs/formats.md#regions), x0, y0, x1, y1 in [0, 1]
+    of the image as the model sees it (x by its width, y by its height), in the row's order, zeros
+    past its own; R is the batch's most. None: no row of the batch keeps one. R, and whether it is
+    None, differ between ranks and batches."""
+    box_mask: torch.Tensor | None = None
+    """bool [B, R]: which of ``boxes`` are real (with ``boxes``)."""
 
     @property
     def layout(self) -> str:
@@ -88,7 +96,7 @@ class Images:
             return self
         pixels = unpack(self.pixels, packed_places(self.segments, self.patch_index, len(self)))
         pixels = pixels.masked_fill(~real_patches(self.grids, pixels.shape[1])[..., None], 0)
-        return Images(pixels, self.grids, keep=self.keep)
+        return Images(pixels, self.grids, keep=self.keep, boxes=self.boxes, box_mask=self.box_mask)
 
     def kept(self, keep: torch.Tensor | None) -> "Images":
         """The same images seeing only the ``keep`` patches (patch dropout; None: every patch). The

@@ -54,6 +54,12 @@ class ModelInputs:
     teacher: "TeacherEmbeds | None" = None
     """The teacher's embeddings of these rows: read from stored ones by the loader, or computed from
     ``teacher_view`` before the step's forward. None: no distillation."""
+    region_ids: torch.Tensor | None = None
+    """int64 [B, R, Lr]: the phrases of each image's regions (their boxes: ``images.boxes``, which
+    ``images.box_mask`` says are real), tokenized as captions, padded with the pad id. None when no
+    row of the batch keeps a region; R and Lr differ between ranks and batches."""
+    region_attention_mask: torch.Tensor | None = None
+    """int64 [B, R, Lr]: 1 on each phrase's tokens (with ``region_ids``)."""
 
     regions: Any = None
     """A ``vltrain.objectives.locca.Regions``: the rows' regions (LocCa); None: no row has one."""

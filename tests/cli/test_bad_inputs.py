@@ -70,6 +70,8 @@ CASES = [
          ["is a file but not a checkpoint file"]),
     Case("unknown-model-type", ["eval", "{bert}", "--data", "{data}"], 2,
          ["model_type 'bert'", "Siglip2Model and BLIP"]),
+    Case("from-coco-instances-missing", ["data", "from-coco", "--instances", "{nowhere}.json", "--images", "{images}",
+                                         "--out", "{nowhere}.jsonl"], 2, ["--instances", "nowhere.json: not found"]),
     # failures at run time: the command could run, what it read could not be used (exit 1)
     Case("eval-of-a-garbage-export", ["eval", "{garbage}", "--data", "{data}"], 1,
          ["cannot read", "garbage/model.safetensors", "damaged"]),
@@ -86,6 +88,9 @@ CASES = [
     Case("eval-captions-without-references", ["eval", "{run}", "--captions", "{no_references}"], 1,
          ["none of the", "has a reference caption"]),
     Case("eval-captions-not-coco", ["eval", "{run}", "--captions", "{twice}"], 1, ["is not valid JSON"]),
+    Case("from-coco-bbox-not-four-numbers", ["data", "from-coco", "--instances", "{bad_instances}", "--images",
+                                             "{images}", "--out", "{nowhere}.jsonl"], 1,
+         ["bad-instances.json", '"annotations"[0]', '"bbox" must be 4 numbers']),
 ]
 
 
@@ -117,11 +122,16 @@ def kit(tmp_path_factory) -> dict:
     (user / "twice.yaml").write_text("model:\n  preset: tiny-clip\ntrain:\n  lr: 1.0e-3\nmodel:\n  preset: tiny-coca\n")
     (user / "not-an-image.png").write_text("these are words, not pixels\n")
     image = next((shapes / "images").rglob("*.png"))
+    (user / "bad-instances.json").write_text(json.dumps({  # COCO's instances, one bbox of 3 numbers
+        "images": [{"id": 1, "file_name": image.name, "width": 32, "height": 32}],
+        "annotations": [{"id": 7, "image_id": 1, "category_id": 1, "bbox": [1, 2, 3], "iscrowd": 0}],
+        "categories": [{"id": 1, "name": "shape"}]}))
     (user / "no-references.json").write_text(json.dumps(
         {"images": [{"filename": image.name, "split": "test", "sentences": []}]}))
     paths = {"run": run, "export": export, "garbage": user / "garbage", "truncated": user / "truncated",
              "bert": bert, "twice": user / "twice.yaml", "not_an_image": user / "not-an-image.png",
              "no_references": user / "no-references.json", "image": image, "data": shapes / "train.jsonl",
+             "bad_instances": user / "bad-instances.json", "images": image.parent,
              "nowhere": root / "nowhere"}
     return {"shapes": shapes, "root": root, "user": user, "paths": paths}
 

@@ -77,6 +77,25 @@ def test_an_unreadable_set_stops_at_once_and_says_so_once(shapes, tmp_path, cli)
     assert "failed at step" not in proc.stderr and "Traceback" not in proc.stderr
 
 
+def test_a_bad_region_stops_a_strict_run_in_one_line_naming_the_row(shapes, tmp_path, cli):
+    """With data.on_error: fail a box outside its image stops the run: one error naming the row and
+    the region, then what to do, no traceback."""
+    rows = [json.loads(line) for line in (shapes / "train.jsonl").read_text().splitlines()]
+    for row in rows:
+        if "image" in row:
+            row["image"] = str(shapes / row["image"])
+            row["regions"] = [{"box": [0, 0, 40, 10], "text": "past the right edge"}]
+    train = tmp_path / "regions.jsonl"
+    train.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    proc = cli("train", shapes / "base.yaml", *overrides(shapes, tmp_path / "run", data__train=train,
+                                                         data__on_error="fail", data__num_workers=0))
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    said = [line for line in proc.stderr.splitlines() if line.startswith("vltrain: error: ")]
+    assert len(said) == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert "regions.jsonl:" in said[0] and "regions[0]: box [0, 0, 40, 10] is not inside the 32x32 image" in said[0]
+    assert "Set data.on_error: skip" in proc.stderr
+
+
 def test_a_val_set_without_pairs_is_refused_at_start_up(shapes, tmp_path, cli):
     rows = [json.loads(line) for line in (shapes / "train.jsonl").read_text().splitlines()]
     val = tmp_path / "val.jsonl"

@@ -162,6 +162,29 @@ def test_eval_command_reproduces_the_final_evaluation(shapes, tmp_path, cli):
     assert cli("eval", tmp_path / "missing").returncode != 0
 
 
+@pytest.mark.timeout(300)
+def test_the_regions_a_loader_drops_are_counted_over_every_rank(shapes, tmp_path):
+    """One epoch of 16 rows on 2 ranks: every row once. Shapes rows keep their first region
+    (data.max_regions 1) and the rest are capped; each wide image's center crop cuts its two side
+    regions away. The logged counts are the world's."""
+    from PIL import Image
+
+    from vltrain.data.tools.synth import synthesize
+
+    rows = [json.loads(line) for line in synthesize(tmp_path / "r", 8, 0, image_size=32, workers=1,
+                                                     with_regions=True)["train"].read_text().splitlines()]
+    Image.new("RGB", (64, 32), (90, 90, 90)).save(tmp_path / "r" / "wide.png")
+    sides = [{"box": [0, 0, 10, 10], "text": "the left"}, {"box": [20, 5, 40, 25], "text": "the middle"},
+             {"box": [55, 0, 64, 32], "text": "the right"}]
+    rows += [{"id": f"wide{i}", "image": "wide.png", "text": "a grey picture", "regions": sides} for i in range(8)]
+    (tmp_path / "r" / "m.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    logged = train(shapes, tmp_path / "run", nproc=2, **{
+        "data.train": tmp_path / "r" / "m.jsonl", "data.val": "''", "data.global_batch_size": 8,
+        "data.max_regions": 1, "train.max_steps": 2, "train.warmup_steps": 1, "eval.every": 0})
+    capped = sum(len(r["regions"]) - 1 for r in rows[:8])
+    assert capped > 0 and [(r["data/regions_cut"], r["data/regions_capped"]) for r in logged][-1] == (16, capped)
+
+
 @pytest.mark.parametrize("module,name", [("trainer", "Trainer"), ("step", "Step")])
 def test_attributes_are_set_in_init_and_only_updated_elsewhere(module, name):
     """A reader finds every attribute of the Trainer (and of its Step) in ``__init__``: a helper may

@@ -1,4 +1,4 @@
-"""``vltrain data synth | validate | index | stats | shard | audit`` and ``vltrain tokenizer train``:
+"""``vltrain data synth | validate | index | stats | shard | from-coco | audit`` and ``vltrain tokenizer train``:
 their arguments, handlers and printed reports."""
 
 from __future__ import annotations
@@ -40,6 +40,7 @@ def add_parsers(data: argparse.ArgumentParser, tokenizer: argparse.ArgumentParse
     st.set_defaults(func=stats)
 
     _add_shard_parser(dsub)
+    _add_coco_parser(dsub)
 
     _add_teacher_embed_parser(dsub)
 
@@ -72,6 +73,8 @@ def _add_synth_parser(dsub) -> None:
     s.add_argument("--text-only-fraction", type=float, default=0.0, help="training rows without an image")
     s.add_argument("--image-only-fraction", type=float, default=0.0, help="training rows without a caption")
     s.add_argument("--image-size", type=int, default=48)
+    s.add_argument("--regions", action="store_true",
+                   help="each row with an image lists its shapes' boxes and phrases (\"regions\")")
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--workers", type=int, default=0, help="processes (0: all cores)")
     s.set_defaults(func=synth)
@@ -111,6 +114,34 @@ def _add_shard_parser(dsub) -> None:
     sh.set_defaults(func=shard)
 
 
+def _add_coco_parser(dsub) -> None:
+    c = dsub.add_parser("from-coco", help="a JSONL manifest with regions from COCO-style annotations "
+                        "(instances, RefCOCO-style refs, captions)")
+    c.add_argument("--instances", required=True, help="COCO's instances_*.json: images, annotations, categories")
+    c.add_argument("--images", required=True, help="the folder of the images the instances name")
+    c.add_argument("--out", required=True, help="the manifest (.jsonl) to write")
+    c.add_argument("--refs", default=None, help="referring phrases: a JSON list of {image_id, ann_id, "
+                   "sentences: [{sent}], split} (RefCOCO's refs as JSON); objects without one are named by category")
+    c.add_argument("--captions", default=None, help="COCO's captions_*.json: a caption per row")
+    c.add_argument("--split", default="", help="only the refs of this split (train, val, testA, ...) and their images")
+    c.add_argument("--all-captions", action="store_true",
+                   help="a row per caption, sharing the image's id (default: the image's first caption)")
+    c.set_defaults(func=from_coco)
+
+
+def from_coco(args: argparse.Namespace) -> int:
+    """``vltrain data from-coco --instances F --images DIR --out M [--refs F] [--captions F] [--split S]``."""
+    from vltrain.data.tools.coco import from_coco as convert
+
+    r = convert(args.instances, args.images, args.out, args.refs, args.captions, args.split, args.all_captions)
+    print(f"wrote {r.rows} rows ({r.images} images) to {args.out}: {r.referring + r.named} regions, {r.referring} "
+          f"with a referring phrase and {r.named} named by their category; {r.captions} captions read")
+    print(f"left out {r.crowd} crowd annotation(s) and {r.empty} box(es) with no area in their image; clipped "
+          f"{r.clipped} box(es) to their image")
+    print(f"next: vltrain data validate {args.out}")
+    return 0
+
+
 def synth(args: argparse.Namespace) -> int:
     from vltrain.data.tools.synth import KINDS, TOKENIZER_VOCAB, synthesize, synthesize_classify, write_tokenizer
     from vltrain.errors import UserError
@@ -126,7 +157,7 @@ def synth(args: argparse.Namespace) -> int:
         raise UserError("give --out DIR (image-text pairs) and/or --classify DIR (a class-per-folder set)")
     paths = synthesize(
         args.out, args.num, args.val, args.text_only_fraction, args.seed, args.image_size, args.workers,
-        image_only_fraction=args.image_only_fraction,
+        image_only_fraction=args.image_only_fraction, with_regions=args.regions,
     )
     for split, p in paths.items():
         print(f"{split}: {p}")

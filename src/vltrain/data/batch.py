@@ -34,7 +34,15 @@ class Batch:
     teacher_attention_mask: torch.Tensor | None = None  # int64 [B, Lt]
     teacher_image_embeds: torch.Tensor | None = None  # float32 [B, Dt], stored teacher embeddings
     teacher_text_embeds: torch.Tensor | None = None  # float32 [B, Dt]
+    region_ids: torch.Tensor | None = None
+    """int64 [B, R, Lr]: each image's region phrases (``images.boxes``' R) tokenized as captions are,
+    padded with the tokenizer's pad id; None when ``images.boxes`` is."""
+    region_attention_mask: torch.Tensor | None = None  # int64 [B, R, Lr]: 1 on each phrase's tokens
     num_truncated: int = 0
+    num_regions_cut: int = 0
+    """Regions dropped because the crop left less than half of them (``vltrain.data.regions``)."""
+    num_regions_capped: int = 0
+    """Regions dropped past ``data.max_regions``."""
     counts: tuple[int, int] | None = None
     """Rows with an image, rows with text: counted by the collator, so the step need not ask the device."""
     errors: list[tuple[str, str]] = field(default_factory=list)
@@ -118,7 +126,8 @@ class Batch:
         return ModelInputs(
             images=replace(batch.images, pixels=batch.pixels(mean, std, pixel_dtype)), input_ids=batch.input_ids,
             attention_mask=batch.attention_mask, has_image=batch.has_image, has_text=batch.has_text, ids=batch.ids,
-            row_weights=row_weights, source=batch.source, counts=self.counts, **batch._teacher_inputs(teacher),
+            row_weights=row_weights, source=batch.source, counts=self.counts, region_ids=batch.region_ids,
+            region_attention_mask=batch.region_attention_mask, **batch._teacher_inputs(teacher),
         )
 
     def _teacher_inputs(self, teacher: TeacherInputs | None) -> dict:

@@ -188,6 +188,10 @@ class DataConfig(Settings):
     sets clip, of a Siglip2Model folder lower."""
     max_text_length: int = 77
     """Token cap per caption, special tokens included; longer captions are cut and counted."""
+    max_regions: int = 16
+    """The most regions (boxes with a phrase, docs/formats.md#regions) a row keeps, in the row's order,
+    after those a crop cut away; the rest are dropped and counted (data/regions_capped). 0: regions
+    are not read."""
     pad_multiple: int = 0
     """Padded text widths are rounded up to a multiple of this, by the collator and the budget
     packer alike. 0 picks per batching: 8 with fixed batching (tensor-core friendly, few
@@ -334,6 +338,8 @@ class DataConfig(Settings):
             raise ConfigError(f"data.text_clean must be '', clip or lower, got {self.text_clean!r}")
         if self.max_text_length < 2:
             raise ConfigError(f"data.max_text_length must be >= 2, got {self.max_text_length}")
+        if self.max_regions < 0:
+            raise ConfigError(f"data.max_regions must be >= 0 (0: regions are not read), got {self.max_regions}")
         if self.shuffle_window < -1:
             raise ConfigError(f"data.shuffle_window must be >= 0 (-1: automatic), got {self.shuffle_window}")
         for key in ("token_budget", "image_budget", "patch_budget", "epoch_size", "pad_multiple"):

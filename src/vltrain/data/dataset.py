@@ -27,11 +27,12 @@ import torch
 
 from vltrain.data.config import DataConfig, SourceSpec
 from vltrain.data.ids import stable_uid
-from vltrain.data.images import ImageError, image_problem
+from vltrain.data.images import ImageError, Seen, image_problem
 from vltrain.data.image_input import decode_for, image_layout
 from vltrain.data.index.open import open_indexed
 from vltrain.data.index.reader import IndexedSource
 from vltrain.runtime.cpus import usable_cpus
+from vltrain.data.regions import Placed, RegionError, check_inside, parse_regions, place_regions
 from vltrain.data.sources.manifests import Row, Source, refuse_malformed
 from vltrain.data.table import SampleTable
 from vltrain.data.teacher_store import MissingRow, TeacherInputs
@@ -70,6 +71,11 @@ class Sample:
     """The caption in the teacher's tokenizer (empty without text)."""
     teacher_embeds: tuple | None = None
     """(image, text) float32 [D] arrays (None for a side the row lacks): stored teacher embeddings."""
+    regions: Placed | None = None
+    """The regions the image keeps, their boxes in [0, 1] of the image as the model sees it, and those
+    dropped (cut away by the crop, past ``data.max_regions``); None: the row has none, or no image."""
+    region_ids: list[list[int]] = field(default_factory=list)
+    """Each kept region's phrase, tokenized as captions are."""
 
 
 class ImageTextDataset(torch.utils.data.Dataset):
@@ -140,10 +146,9 @@ class ImageTextDataset(torch.utils.data.Dataset):
                 if errors and self.plan_aware:
                     self._fit_plan(sample, planned)
                 return sample
-            except (ImageError, OSError, MissingRow) as e:
+            except (ImageError, OSError, MissingRow, RegionError) as e:
                 key, where = (row.key, row.where) if row else (f"{source.name}#{j}", f"row {j} of {source.name}")
-                reason = f"no stored teacher embeddings: {e}" if isinstance(e, MissingRow) else \
-                    image_problem(e, row.image) if row else f"cannot read the row ({e})"
+                reason = _reason(e, row, source)
                 if self.on_error == "fail":
                     raise DataError(
                         f"bad sample {key!r} ({where}): {reason}\n"
@@ -212,17 +217,29 @@ class ImageTextDataset(torch.utils.data.Dataset):
         return out
 
     def _load(self, source: Source, s: int, j: int, row: Row, errors: list) -> Sample:
-        image, grid, data = None, None, None
+        image, grid, data, regions = None, None, None, None
         if row.image is not None:
             data = source.read_image(j)
-            image, grid = decode_for(data, self.cfg)
+            image, grid, seen = image_layout(self.cfg).decode(data)
+            if row.regions is not None and self.cfg.max_regions:
+                regions = self._place(row.regions, seen)
         ids, truncated = [], False
         if row.text is not None:
             ids, truncated = self.tokenizer.encode(row.text, self.max_text_length)
-        sample = Sample(stable_uid(row.key), row.key, image, ids, truncated, s, errors, grid)
+        sample = Sample(stable_uid(row.key), row.key, image, ids, truncated, s, errors, grid, regions=regions)
+        if regions is not None:
+            phrases = [self.tokenizer.encode(text, self.max_text_length) for text in regions.texts]
+            sample.region_ids = [p for p, _ in phrases]
+            sample.truncated |= any(cut for _, cut in phrases)
         if self.teacher is not None:
             self._for_teacher(sample, s, j, row, data)
         return sample
+
+    def _place(self, given, seen: Seen) -> Placed:
+        """A row's regions checked against its image as shown and mapped to the part the model sees."""
+        regions = parse_regions(given)
+        check_inside(regions, seen.width, seen.height)
+        return place_regions(regions, seen, self.cfg.max_regions)
 
     def _for_teacher(self, sample: Sample, s: int, j: int, row: Row, data: bytes | None) -> None:
         """The teacher's part of a sample: its stored embeddings of the row, or its own view of the
@@ -293,6 +310,15 @@ class ImageTextDataset(torch.utils.data.Dataset):
         """The table's patch counts, as a function to call on first use (at their own shape, it reads
         every image's header once, for the first run); None where images are resized to a square."""
         return image_layout(self.cfg).patch_counter(self.sources)
+
+
+def _reason(e: Exception, row: Row | None, source: Source) -> str:
+    """Why a sample could not be used, in words for bad_samples.jsonl and the on_error: fail stop."""
+    if isinstance(e, MissingRow):
+        return f"no stored teacher embeddings: {e}"
+    if isinstance(e, RegionError):
+        return f"{e}; `vltrain data validate {source.name}` lists every bad region"
+    return image_problem(e, row.image) if row else f"cannot read the row ({e})"
 
 
 def _problems_hint(source: Source) -> str:

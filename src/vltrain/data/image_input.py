@@ -5,20 +5,33 @@
 several to a sequence (:mod:`vltrain.data.loading.packing`).
 
 Every reader of images (training, evaluation, ``vltrain embed``, the teacher) decodes through the
-layout (:func:`decode_for`), so an image is seen the same way everywhere; the collator fills the
-fields of :class:`vltrain.images.Images` the layout names, and the dataset asks it for patch counts."""
+layout (:func:`decode_for`; the training dataset through the layout's ``decode``, which also says
+what part of the image the pixels hold, for its regions' boxes), so an image is seen the same way
+everywhere; the collator fills the fields of :class:`vltrain.images.Images` the layout names, and
+the dataset asks it for patch counts."""
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import numpy as np
 import torch
 
 from vltrain.data.config import DataConfig
-from vltrain.data.images import decode_image
+from vltrain.data.images import Seen, decode_seen
 from vltrain.data.index.sizes import image_sizes
 from vltrain.data.loading.packing import class_slots, layout
-from vltrain.data.native import decode_native, patch_counts
+from vltrain.data.native import decode_native_seen, patch_counts
 from vltrain.runtime.cpus import usable_cpus
+
+
+class Decoded(NamedTuple):
+    """An image as a layout decodes it: its pixels, its grid at its own shape (None: square), and
+    which part of the image as shown they hold (what its regions' boxes are mapped through)."""
+
+    image: torch.Tensor
+    grid: tuple[int, int] | None
+    seen: Seen
 
 
 class SquareLayout:
@@ -27,11 +40,12 @@ class SquareLayout:
     def __init__(self, size: int, data: DataConfig | None = None):
         self.size, self.data = size, data
 
-    def decode(self, data: bytes) -> tuple[torch.Tensor, None]:
+    def decode(self, data: bytes) -> Decoded:
         """``uint8 [3, S, S]``, cropped or squashed as ``data.resize`` says."""
         d = self.data
-        return decode_image(data, d.image_size, d.resize, d.max_image_pixels, d.jpeg_draft_ratio, d.interpolation,
-                            d.jpeg_decoder), None
+        image, seen = decode_seen(data, d.image_size, d.resize, d.max_image_pixels, d.jpeg_draft_ratio,
+                                  d.interpolation, d.jpeg_decoder)
+        return Decoded(image, None, seen)
 
     def describe(self) -> str:
         return f"{self.size} px images, resize {self.data.resize}"
@@ -58,11 +72,11 @@ class PaddedLayout:
     def __init__(self, most: int, patch: int, data: DataConfig | None = None):
         self.most, self.patch, self.data = most, patch, data
 
-    def decode(self, data: bytes) -> tuple[torch.Tensor, tuple[int, int]]:
+    def decode(self, data: bytes) -> Decoded:
         """``uint8 [patches, 3 * p * p]`` of the image at its own shape, and its grid ``(rows, cols)``."""
         d = self.data
-        return decode_native(data, self.patch, self.most, min_patches=d.min_patches, upscale=d.upscale,
-                             resample=d.interpolation, max_pixels=d.max_image_pixels)
+        return Decoded(*decode_native_seen(data, self.patch, self.most, min_patches=d.min_patches, upscale=d.upscale,
+                                           resample=d.interpolation, max_pixels=d.max_image_pixels))
 
     def describe(self) -> str:
         return f"images at their own shape, at most {self.most} patches of {self.patch} px"
@@ -143,4 +157,5 @@ def image_layout(cfg: DataConfig) -> ImageLayout:
 
 def decode_for(data: bytes, cfg: DataConfig) -> tuple[torch.Tensor, tuple[int, int] | None]:
     """``(uint8 [3, S, S], None)``, or at its own shape ``(uint8 [patches, 3 * p * p], (rows, cols))``."""
-    return image_layout(cfg).decode(data)
+    image, grid, _ = image_layout(cfg).decode(data)
+    return image, grid

@@ -18,6 +18,7 @@ import math
 import struct
 import warnings
 import zlib
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -68,6 +69,36 @@ class ImageError(ValueError):
     """An image that cannot be used; the message is the reason shown to the user."""
 
 
+@dataclass(frozen=True)
+class Seen:
+    """Which part of an image as shown (upright) a decoded image holds: the ``window`` (x0, y0, x1, y1),
+    in the shown image's pixels (their edges: pixel i spans [i, i + 1)), that becomes the decoded
+    image's [0, 1] x [0, 1]: a center crop's square, or the whole image. It may reach a fraction of
+    a pixel past the image, where a JPEG decoded at reduced scale rounds its size up. Regions'
+    boxes are mapped through it (:mod:`vltrain.data.regions`)."""
+
+    width: int
+    """The image as shown."""
+    height: int
+    window: tuple[float, float, float, float]
+
+
+@dataclass(frozen=True)
+class _Frame:
+    """What a decoder knows of the image it decoded: its size as shown, and the decoded pixels per
+    shown pixel (below 1 at a JPEG's reduced scale)."""
+
+    width: int
+    height: int
+    scale: float
+
+    def seen(self, height: int, width: int, resize: str) -> Seen:
+        """The part of the image decoded at ``height`` x ``width`` that ``resize_pixels`` keeps."""
+        top, left, kept_h, kept_w = _kept(height, width, resize)
+        s = self.scale
+        return Seen(self.width, self.height, (left / s, top / s, (left + kept_w) / s, (top + kept_h) / s))
+
+
 def decode_image(
     data: bytes, size: int, resize: str = "crop", max_pixels: int = MAX_IMAGE_PIXELS, draft_ratio: float = 1.0,
     interpolation: str = "bicubic", jpeg_decoder: str = "auto",
@@ -75,20 +106,29 @@ def decode_image(
     """Decode, orient, convert to RGB, resize to ``size`` x ``size``; uint8 CHW.
 
     ``jpeg_decoder`` "auto" decodes JPEGs with simplejpeg when it is installed, "pillow" never."""
+    return decode_seen(data, size, resize, max_pixels, draft_ratio, interpolation, jpeg_decoder)[0]
+
+
+def decode_seen(
+    data: bytes, size: int, resize: str = "crop", max_pixels: int = MAX_IMAGE_PIXELS, draft_ratio: float = 1.0,
+    interpolation: str = "bicubic", jpeg_decoder: str = "auto",
+) -> tuple[torch.Tensor, Seen]:
+    """:func:`decode_image`'s pixels, and which part of the image as shown they hold (:class:`Seen`)."""
     try:
-        hwc = None
+        found = None
         if jpeg_decoder == "auto" and simplejpeg is not None and data[:2] == JPEG_START:
-            hwc = load_jpeg(data, size * draft_ratio, resize, max_pixels)
-        if hwc is None:
-            im = load_rgb(data, size, resize, max_pixels, draft_ratio)
+            found = _jpeg(data, size * draft_ratio, resize, max_pixels)
+        if found is None:
+            im, frame = _pillow(data, size, resize, max_pixels, draft_ratio)
             # Pillow's pixels are copied out once (tobytes) and wrapped, not copied again by numpy;
             # resize_pixels only reads them.
-            hwc = torch.frombuffer(im.tobytes(), dtype=torch.uint8).view(im.height, im.width, 3)
+            found = torch.frombuffer(im.tobytes(), dtype=torch.uint8).view(im.height, im.width, 3), frame
     except ImageError:
         raise
     except DECODE_ERRORS as e:
         raise ImageError(f"cannot decode image: its data is truncated or corrupt (the decoder said: {e})") from e
-    return resize_pixels(hwc, size, resize, interpolation)
+    hwc, frame = found
+    return resize_pixels(hwc, size, resize, interpolation), frame.seen(*hwc.shape[:2], resize)
 
 
 def image_problem(e: Exception, image: str | None) -> str:
@@ -115,10 +155,20 @@ def load_rgb(
     ``draft_ratio`` 1.0 the decoded image still covers ``size`` (no upsampling, exact); below 1
     it may be as small as ``draft_ratio * size`` and is then upsampled (faster, a little softer).
     """
+    return _pillow(data, size, resize, max_pixels, draft_ratio)[0]
+
+
+def _pillow(data: bytes, size: int, resize: str, max_pixels: int, draft_ratio: float) -> tuple[Image.Image, _Frame]:
+    """:func:`load_rgb`'s image, and its frame."""
     im = open_image(data, max_pixels)
+    height, width = shown_size(im)
+    scale = 1.0
     if im.format == "JPEG":
-        im.draft(None, _draft_size(im.size, size * draft_ratio, resize))
-    return to_rgb(upright(im))
+        stored_width = im.size[0]
+        drafted = im.draft(None, _draft_size(im.size, size * draft_ratio, resize))
+        if drafted:  # (mode, box): box is the whole image in decoded pixels, (0, 0, W / s, H / s)
+            scale = drafted[1][2] / stored_width
+    return to_rgb(upright(im)), _Frame(width, height, scale)
 
 
 def open_image(data: bytes, max_pixels: int) -> Image.Image:
@@ -168,6 +218,12 @@ def load_jpeg(
     3/8 and 5/8 the DCT scaling filters differently from the resize it saves, so the resized
     result differs slightly from Pillow's (bounded per size by tests/data/test_images.py;
     measured in docs/benchmarks/data.md, "Data pipeline")."""
+    found = _jpeg(data, size, resize, max_pixels)
+    return None if found is None else found[0]
+
+
+def _jpeg(data: bytes, size: float, resize: str, max_pixels: int) -> tuple[torch.Tensor, _Frame] | None:
+    """:func:`load_jpeg`'s pixels, and their frame."""
     try:
         h, w, colorspace, _ = simplejpeg.decode_jpeg_header(data)
     except ValueError:
@@ -184,7 +240,9 @@ def load_jpeg(
     except ValueError:
         return None
     turn = orientation(Image.open(io.BytesIO(data))) if _may_be_rotated(data) else 1
-    return upright_pixels(torch.from_numpy(rgb), turn)
+    # libjpeg scales by m/8 and rounds the size up; a tiny image may come out at another scale
+    scale = m / 8 if rgb.shape[1] == math.ceil(w * m / 8) else rgb.shape[1] / w
+    return upright_pixels(torch.from_numpy(rgb), turn), _Frame(*turned(w, h, turn), scale)
 
 
 def _may_be_rotated(data: bytes) -> bool:
@@ -227,9 +285,13 @@ def upright_pixels(hwc: torch.Tensor, turn: int) -> torch.Tensor:
 
 def shown_size(im: Image.Image) -> tuple[int, int]:
     """(height, width) of the image as shown (its orientation applied), from its header."""
-    width, height = im.size
-    turn = orientation(im)
-    return (width, height) if turn in ORIENTATIONS and "transpose" in ORIENTATIONS[turn][1] else (height, width)
+    width, height = turned(*im.size, orientation(im))
+    return height, width
+
+
+def turned(width: int, height: int, turn: int) -> tuple[int, int]:
+    """(width, height) of an image stored ``width`` x ``height``, once orientation ``turn`` is applied."""
+    return (height, width) if turn in ORIENTATIONS and "transpose" in ORIENTATIONS[turn][1] else (width, height)
 
 
 def to_rgb(im: Image.Image) -> Image.Image:
@@ -252,12 +314,18 @@ def resize_pixels(hwc: torch.Tensor, size: int, resize: str = "crop", interpolat
     """uint8 [H, W, 3] -> [3, size, size]: shorter side to ``size`` then center crop ("crop"),
     or both sides to ``size`` ("squash"). The crop is a view, so only kept pixels are resampled.
     ``interpolation`` is "bicubic" or "bilinear", both antialiased."""
-    h, w = hwc.shape[:2]
-    if resize != "squash":
-        side = min(w, h)
-        top, left = (h - side) // 2, (w - side) // 2
-        hwc = hwc[top : top + side, left : left + side]
+    top, left, kept_h, kept_w = _kept(*hwc.shape[:2], resize)
+    hwc = hwc[top : top + kept_h, left : left + kept_w]
     chw = hwc.permute(2, 0, 1)  # a channels-last view: the layout the uint8 kernel is fastest on
     if chw.shape[1:] != (size, size):
         return F.interpolate(chw[None], size=(size, size), mode=interpolation, antialias=True)[0].contiguous()
     return chw.clone(memory_format=torch.contiguous_format)  # never a view of the caller's pixels
+
+
+def _kept(height: int, width: int, resize: str) -> tuple[int, int, int, int]:
+    """(top, left, height, width) of the pixels ``resize_pixels`` keeps: the centered square of the
+    shorter side ("crop"), or all of them ("squash")."""
+    if resize == "squash":
+        return 0, 0, height, width
+    side = min(width, height)
+    return (height - side) // 2, (width - side) // 2, side, side

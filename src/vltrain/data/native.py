@@ -23,7 +23,7 @@ import torch
 from PIL import Image
 
 from vltrain.data.config import MAX_IMAGE_PIXELS, check_patch_budget
-from vltrain.data.images import DECODE_ERRORS, ImageError, open_image, to_rgb, upright
+from vltrain.data.images import DECODE_ERRORS, ImageError, Seen, open_image, to_rgb, upright
 from vltrain.errors import ConfigError
 from vltrain.pixels import patchify, resample_code
 
@@ -128,10 +128,22 @@ def decode_native(
     """Decode, orient, convert to RGB and resize to its native grid; uint8 patches
     [rows * cols, 3 * patch * patch] in row-major grid order, channel-first within a patch, and
     the grid (rows, cols). Raises ImageError, with the reason, for an image that cannot be used."""
+    patches, grid, _ = decode_native_seen(data, patch, max_patches, min_patches=min_patches, upscale=upscale,
+                                          resample=resample, max_pixels=max_pixels)
+    return patches, grid
+
+
+def decode_native_seen(
+    data: bytes, patch: int, max_patches: int, *, min_patches: int = 1, upscale: bool = True,
+    resample: str | int = "bilinear", max_pixels: int = MAX_IMAGE_PIXELS,
+) -> tuple[torch.Tensor, tuple[int, int], Seen]:
+    """:func:`decode_native`'s patches and grid, and what they hold of the image: all of it, the
+    whole image resized to rows * p x cols * p."""
     filt = resample_filter(resample)
     try:
         im = open_image(data, max_pixels)
         im = to_rgb(upright(im))  # as load_rgb; no copy when already upright
+        seen = Seen(im.width, im.height, (0.0, 0.0, float(im.width), float(im.height)))
         rows, cols = native_grid(im.height, im.width, patch, max_patches, min_patches, upscale)
         im = im.resize((cols * patch, rows * patch), filt)
     except (ImageError, ConfigError):  # a bad budget is the setting's fault, not the image's
@@ -139,4 +151,4 @@ def decode_native(
     except DECODE_ERRORS as e:
         raise ImageError(f"cannot decode image: its data is truncated or corrupt (the decoder said: {e})") from e
     hwc = torch.from_numpy(np.array(im))  # [H, W, 3], a writable copy of Pillow's pixels
-    return patchify(hwc.permute(2, 0, 1), patch), (rows, cols)
+    return patchify(hwc.permute(2, 0, 1), patch), (rows, cols), seen

@@ -104,6 +104,7 @@ class Trainer:
         # counters (Stateful through this object); the samples of the steps since the last settle, on the device
         self.step, self.samples_seen, self.bad_samples, self.samples_pending = 0, 0, 0, None
         self.best_metric, self.evals_without_improvement = None, 0
+        self.regions_dropped = [0, 0]  # regions cut away by a crop, and past data.max_regions: every rank's
 
         # throughput: measuring the CPU's peak draws random numbers, so it comes before the resume
         self.throughput = Throughput(peak_flops(self.device, dtype := self.precision.dtype), self.device.type != "cuda", dtype)
@@ -258,6 +259,7 @@ class Trainer:
             "guard": self.guard.state_dict(),
             "global_batch": self.global_batch,
             "itm_group_size": self.objectives.itm_group_size if self.objectives.itm_negatives == "group" else 0,
+            "regions_dropped": self.regions_dropped,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -271,6 +273,7 @@ class Trainer:
         self.best_metric = state["best_metric"]
         self.evals_without_improvement = int(state["evals_without_improvement"])
         self.guard.load_state_dict(state["guard"])
+        self.regions_dropped = list(state.get("regions_dropped", [0, 0]))  # absent from older checkpoints
 
     # ------------------------------------------------------------------------------------------
     # The loop
@@ -331,12 +334,14 @@ class Trainer:
         pending = self.samples_pending
         self.samples_pending = agreed.samples if pending is None else pending + agreed.samples
         self._meter_sources(inputs, result.rows, ~agreed.skip)
-        # the preemption flag, a timed save's clock and the bad samples the loader replaced live on
-        # the host: agreed over host memory, every step, in one exchange
-        preempt, due, bad, tried = host_sums(self.preemption.requested, self.checkpointer.due(),
-                                             *self.loader.bad_log.take())
+        # the preemption flag, a timed save's clock, the bad samples the loader replaced and the regions
+        # it dropped live on the host: agreed over host memory, every step, in one exchange
+        preempt, due, bad, tried, cut, capped = host_sums(
+            self.preemption.requested, self.checkpointer.due(), *self.loader.bad_log.take(),
+            sum(b.num_regions_cut for b in micro), sum(b.num_regions_capped for b in micro))
         self.preempt_agreed, self.save_due = preempt > 0, due > 0
         self.loader.bad_log.add(bad, tried)
+        self.regions_dropped = [self.regions_dropped[0] + cut, self.regions_dropped[1] + capped]
         return result
 
     def settle(self) -> int:
@@ -384,6 +389,8 @@ class Trainer:
             "skipped_total": self.guard.total,
             "samples_seen": self.samples_seen,
             "data/bad_samples": self.loader.bad_log.num_bad,
+            "data/regions_cut": self.regions_dropped[0],
+            "data/regions_capped": self.regions_dropped[1],
             **self.throughput.read(),
             **self.source_meter.read(),
             "memory_gb": memory_bytes(self.device) / 2**30,

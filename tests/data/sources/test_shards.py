@@ -164,7 +164,7 @@ def test_span_walk_reads_what_tarfile_reads(tmp_path, fmt):
     with tarfile.open(path) as tar:  # the walk finds what tarfile finds: offsets, sizes, names
         want = [(i.name, i.offset, i.offset_data, i.size) for i in tar if i.isfile()]
     assert [tuple(m) for m in walk_members(data)] == want
-    for (key, _sid, _image, text), start, end in zip(scan.samples, scan.start.tolist(), scan.end.tolist()):
+    for (key, _sid, _image, text, _regions), start, end in zip(scan.samples, scan.start.tolist(), scan.end.tolist()):
         span = data[start:end]
         assert _walk_span(span) == _tarfile_span(span)
         found, members = span_members(span)

@@ -108,3 +108,38 @@ def test_image_only_fraction_drops_captions_and_leaves_the_other_rows(tmp_path):
         assert ("image" in b) == ("image" in m)
         assert "text" not in m or m["text"] == b["text"]
     assert _rows(tmp_path / "a" / "val.jsonl") == _rows(tmp_path / "b" / "val.jsonl")
+
+
+def test_regions_box_each_shape_with_a_phrase_of_its_own(tmp_path):
+    """Each region's box is its shape's extent in the image (the pixels of its colour in its cell),
+    its phrase names the shape's size, colour and kind and is unique in its image; the rows and
+    images are those written without regions."""
+    import numpy as np
+    from PIL import Image
+
+    plain = _rows(synth.synthesize(tmp_path / "a", num=120, val=0, text_only_fraction=0.1, seed=4, workers=1)["train"])
+    rows = _rows(synth.synthesize(tmp_path / "b", num=120, val=0, text_only_fraction=0.1, seed=4, workers=1,
+                                  with_regions=True)["train"])
+    assert [{k: v for k, v in r.items() if k != "regions"} for r in rows] == plain
+    assert all(("regions" in r) == ("image" in r) for r in rows)
+    for row in [r for r in rows if "image" in r]:
+        pixels = np.asarray(Image.open(tmp_path / "b" / row["image"]).convert("RGB")).astype(int)
+        phrases = [r["text"] for r in row["regions"]]
+        assert len(set(phrases)) == len(phrases)
+        for region in row["regions"]:
+            x0, y0, x1, y1 = region["box"]
+            assert any(f" {c} " in region["text"] for c in synth.COLORS)
+            col, line = int((x0 + x1) / 2 // 16), int((y0 + y1) / 2 // 16)  # its cell of the 48 px grid
+            cell = pixels[line * 16:(line + 1) * 16, col * 16:(col + 1) * 16]
+            drawn = np.abs(cell - pixels[0, 0]).sum(-1) > 20  # off the background, a shape's edge pixels too
+            ys, xs = np.nonzero(drawn)
+            found = (xs.min() + col * 16, ys.min() + line * 16, xs.max() + 1 + col * 16, ys.max() + 1 + line * 16)
+            assert np.allclose(found, region["box"], atol=1.5), (row["id"], region, found)
+
+
+def test_cli_synth_regions_writes_rows_validate_accepts(cli, tmp_path):
+    res = cli("data", "synth", "--out", tmp_path / "s", "--num", "30", "--val", "5", "--regions", "--workers", "1")
+    assert res.returncode == 0, res.stderr
+    assert all("regions" in r for r in _rows(tmp_path / "s" / "val.jsonl"))
+    res = cli("data", "validate", tmp_path / "s" / "train.jsonl", "--workers", "1")
+    assert res.returncode == 0 and "0 error(s)" in res.stdout, res.stdout + res.stderr

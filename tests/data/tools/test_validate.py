@@ -156,3 +156,54 @@ def test_validate_uses_every_core_and_shows_progress_on_a_terminal(tmp_path, cap
     clean_manifest(tmp_path)
     validate([str(tmp_path / "clean.jsonl")], progress=True)
     assert "validating " in capsys.readouterr().err
+
+
+def test_bad_regions_are_one_line_each_naming_the_row(tmp_path, capsys, monkeypatch):
+    """Boxes outside the image as shown, inverted, not numbers, and empty phrases: each row's first
+    bad region, one error line with the row, what is wrong and the id. A box that fits only the
+    image as shown (an EXIF-turned JPEG) is fine."""
+    import io
+
+    import webdataset as wds
+    from PIL import Image
+
+    monkeypatch.chdir(tmp_path)
+    save(distinct_image(1, (40, 30)), tmp_path / "a.png")
+    exif = Image.Exif()
+    exif[0x0112] = 6  # stored 40 x 30, shown 30 x 40
+    save(distinct_image(2, (40, 30)), tmp_path / "turned.jpg", exif=exif.tobytes())
+
+    def row(i, image, *boxes, text="a thing"):
+        return {"id": f"r{i}", "image": image, "text": "x", "regions": [{"box": b, "text": text} for b in boxes]}
+
+    write_jsonl(tmp_path / "m.jsonl", [
+        row(1, "a.png", [0, 0, 40, 30]),
+        row(2, "a.png", [0, 0, 10, 10], [30, 20, 41, 30]),  # outside
+        row(3, "a.png", [20, 5, 10, 25]),  # inverted
+        row(4, "a.png", [0, "zero", 10, 10]),  # not a number
+        row(5, "a.png", [0, 0, 10, 10], text=""),  # no phrase
+        row(6, "turned.jpg", [0, 0, 30, 40]),  # fits the shown image, not the stored one
+        row(7, "turned.jpg", [0, 0, 40, 30]),
+        {"id": "r8", "text": "no image", "regions": [{"box": [0, 0, 1, 1], "text": "a"}]},
+    ])
+    code, out, _ = run_cli(capsys, "data", "validate", "m.jsonl")
+    assert code == 1
+    lines = [line.strip() for line in out.splitlines() if line.strip().startswith(("error:", "warning:"))]
+    assert lines == [
+        "error: m.jsonl:2: regions[1]: box [30, 20, 41, 30] is not inside the 40x30 image (boxes are in pixels of "
+        "the image as shown, after its EXIF orientation) (id r2)",
+        "error: m.jsonl:3: regions[0]: box [20, 5, 10, 25] is empty or inverted (it needs x0 < x1 and y0 < y1) (id r3)",
+        'error: m.jsonl:4: regions[0]: box must be 4 numbers [x0, y0, x1, y1], got [0, "zero", 10, 10] (id r4)',
+        'error: m.jsonl:5: regions[0]: text must be a phrase, got "" (id r5)',
+        "error: m.jsonl:7: regions[0]: box [0, 0, 40, 30] is not inside the 30x40 image (boxes are in pixels of "
+        "the image as shown, after its EXIF orientation) (id r7)",
+        "warning: m.jsonl:8: regions on a row without an image are ignored (id r8)",
+    ]
+    buf = io.BytesIO()
+    distinct_image(3, (40, 30)).save(buf, "PNG")
+    with wds.TarWriter(str(tmp_path / "00000.tar")) as sink:
+        sink.write({"__key__": "k0", "png": buf.getvalue(), "txt": "x",
+                    "json": {"regions": [{"box": [0, 0, 50, 10], "text": "a"}]}})
+    [s] = validate([str(tmp_path / "00000.tar")])
+    found = [(p.where, p.reason.split(" is ")[0]) for p in s.problems]
+    assert found == [("00000.tar:k0", "regions[0]: box [0, 0, 50, 10]")]

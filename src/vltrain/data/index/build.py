@@ -226,7 +226,9 @@ def _chunk_lines(chunk: bytes, values: list[dict] | None, lines: np.ndarray, off
     raws = chunk.split(b"\n")[: len(lines)]
     if values is None:
         filled = [k for k, raw in enumerate(raws) if raw.strip()]
-        found = loads_objects(SEPARATOR.join([raws[k] for k in filled]), len(filled))
+        # without a blank line to leave out, the join is the chunk's again, which did not parse
+        found = loads_objects(SEPARATOR.join([raws[k] for k in filled]), len(filled)) if len(filled) < len(raws) \
+            else None
         values = [None] * len(raws)
         for k, fields in zip(filled, found or ()):
             values[k] = fields

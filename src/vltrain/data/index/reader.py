@@ -31,6 +31,7 @@ import numpy as np
 
 from vltrain.data.sources.manifests import (
     IMAGE_KEYS,
+    REGIONS_KEY,
     TEXT_KEYS,
     Problem,
     Row,
@@ -203,7 +204,7 @@ class IndexedSource(Source):
         row, problems = (None, []) if why else check_row(fields, *keys, name, line)
         if row is None:
             raise OSError(f"{name}:{line} no longer holds the row that was indexed (the manifest changed?)")
-        return Row(row[0], row[1], row[2], f"{name}:{line}")
+        return Row(row[0], row[1], row[2], f"{name}:{line}", fields.get(REGIONS_KEY))
 
     def _shard_row(self, i: int, offset: int, length: int, shard: int) -> tuple[Row, dict[str, bytes]]:
         file = self.files[shard]
@@ -213,16 +214,17 @@ class IndexedSource(Source):
         _, members, key = self._span
         image_ext = next((e for e in IMAGE_EXTS if e in members), None)
         text = members["txt"].decode("utf-8") if "txt" in members else None
-        sid = None
+        sid = regions = None
         if "json" in members:
             meta = json.loads(members["json"].decode("utf-8"))
-            given = meta.get("id") if isinstance(meta, dict) else None
+            meta = meta if isinstance(meta, dict) else {}
+            given, regions = meta.get("id"), meta.get(REGIONS_KEY)
             if given is not None and not isinstance(given, bool) and isinstance(given, (str, int)):
                 sid = str(given)
         name = Path(file).name
         image = None if image_ext is None else f"{file}:{key}.{image_ext}"
         text = text if text is not None and text.strip() else None
-        return Row(sid if sid is not None else key, image, text, f"{name}:{key}"), members
+        return Row(sid if sid is not None else key, image, text, f"{name}:{key}", regions), members
 
     def _parquet_row(self, i: int, r: int, g: int, k: int) -> tuple[Row, object]:
         """Row ``i`` (row ``r`` of row group ``g`` of file ``k``) and its image: bytes, a resolved
@@ -230,12 +232,12 @@ class IndexedSource(Source):
         if self._row is not None and self._row[0] == i:
             return self._row[1]
         file = self.files[k]
-        given, text, image = self._groups.fields(file, g, r, self._parquet_input)
+        given, text, image, regions = self._groups.fields(file, g, r, self._parquet_input)
         if isinstance(image, str):
             image = image_path(file, image)
         ref = image if isinstance(image, str) else None if image is None else f"{file}:{g}:{r}.{image_ext(image)}"
         key = given if given is not None else row_key(file, g, r)
-        self._row = (i, (Row(key, ref, text, f"{file.rsplit('/', 1)[-1]}:{g}:{r}"), image))
+        self._row = (i, (Row(key, ref, text, f"{file.rsplit('/', 1)[-1]}:{g}:{r}", regions), image))
         return self._row[1]
 
     def read_image(self, i: int) -> bytes:

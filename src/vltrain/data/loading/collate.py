@@ -110,6 +110,36 @@ class Collator:
     def text_length(self, longest: int) -> int:
         return min(padded_width(longest, self.pad_multiple), self.max_text_length)
 
+    def _region_shapes(self, samples: list[Sample]) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        """Buffers for the regions when a row of the batch keeps one: R, the most a row keeps, and the
+        phrases padded as captions are. None at all otherwise, so a batch without regions is the
+        batch it always was."""
+        most = max((len(s.region_ids) for s in samples), default=0)
+        if not most:
+            return {}
+        n, width = len(samples), self.text_length(max(len(ids) for s in samples for ids in s.region_ids))
+        return {"images.boxes": ((n, most, 4), torch.float32), "images.box_mask": ((n, most), torch.bool),
+                "region_ids": ((n, most, width), torch.int64), "region_attention_mask": ((n, most, width), torch.int64)}
+
+    def _put_regions(self, t: dict[str, torch.Tensor], samples: list[Sample]) -> None:
+        """Each row's boxes and phrases, zeros (and padding) past its own."""
+        if "region_ids" not in t:
+            return
+        n, most, width = t["region_ids"].shape
+        boxes, ids = np.zeros((n, most, 4), dtype=np.float32), np.full((n, most, width), self.pad_id, dtype=np.int64)
+        real, mask = np.zeros((n, most), dtype=bool), np.zeros((n, most, width), dtype=np.int64)
+        for i, s in enumerate(samples):
+            k = len(s.region_ids)
+            if not k:
+                continue
+            boxes[i, :k], real[i, :k] = s.regions.boxes, True
+            for r, phrase in enumerate(s.region_ids):
+                phrase = phrase[:width]
+                ids[i, r, :len(phrase)], mask[i, r, :len(phrase)] = phrase, 1
+        for name, values in (("images.boxes", boxes), ("images.box_mask", real), ("region_ids", ids),
+                             ("region_attention_mask", mask)):
+            t[name].copy_(torch.from_numpy(values))
+
     def __call__(self, samples: list[Sample]) -> Batch:
         n = len(samples)
         length = self.text_length(max(len(s.input_ids) for s in samples))
@@ -119,7 +149,7 @@ class Collator:
             "ids": ((n,), torch.int64), **_prefixed("images", self.images.shapes(n, plan)),
             "has_image": ((n,), torch.bool), "has_text": ((n,), torch.bool), "input_ids": ((n, length), torch.int64),
             "attention_mask": ((n, length), torch.int64), "source": ((n,), torch.int64),
-            **self._teacher_shapes(samples),
+            **self._teacher_shapes(samples), **self._region_shapes(samples),
         })
         input_ids = np.full((n, length), self.pad_id, dtype=np.int64)
         attention_mask = np.zeros((n, length), dtype=np.int64)
@@ -130,6 +160,7 @@ class Collator:
             attention_mask[i, : len(ids)] = 1
         self.images.put(_fields("images", t), images, [s.grid for s in samples], plan)
         self._put_teacher(t, samples)
+        self._put_regions(t, samples)
         t["ids"].copy_(torch.tensor([s.uid for s in samples], dtype=torch.int64))
         t["has_image"].copy_(torch.tensor([s.image is not None for s in samples], dtype=torch.bool))
         t["has_text"].copy_(torch.tensor(texts, dtype=torch.bool))
@@ -139,6 +170,8 @@ class Collator:
         return Batch.from_tensors(
             t,
             num_truncated=sum(s.truncated for s in samples),
+            num_regions_cut=sum(s.regions.cut for s in samples if s.regions is not None),
+            num_regions_capped=sum(s.regions.capped for s in samples if s.regions is not None),
             counts=(sum(s.image is not None for s in samples), sum(texts)),
             errors=[e for s in samples for e in s.errors],
         )

@@ -26,6 +26,8 @@ from vltrain.errors import DataError
 
 IMAGE_KEYS = ("image", "image_path", "filepath")
 TEXT_KEYS = ("text", "caption", "title")
+REGIONS_KEY = "regions"
+"""The field (JSONL key, CSV column, parquet column, shard ``.json`` key) holding a row's regions."""
 MANIFEST_SUFFIXES = (".jsonl", ".csv", ".tsv")
 
 
@@ -37,6 +39,9 @@ class Row:
     image: str | None  # where the image is: a file path, or "SHARD.tar:MEMBER"
     text: str | None
     where: str  # "train.jsonl:12" or "00003.tar:000000012", for messages
+    regions: object = None
+    """The row's ``regions`` as given (a list, or JSON text), checked when its image is decoded
+    (:mod:`vltrain.data.regions`); None: it has none."""
 
 
 @dataclass(frozen=True)
@@ -102,6 +107,7 @@ class ManifestSource(Source):
         self._keys: list[str] = []
         self._images: list[str | None] = []
         self._texts: list[str | None] = []
+        self._regions: list = []
         self._lines: list[int] = []
         if not self.path.is_file():
             raise DataError(f"manifest not found: {self.path}")
@@ -114,7 +120,8 @@ class ManifestSource(Source):
         return len(self._keys)
 
     def row(self, i: int) -> Row:
-        return Row(self._keys[i], self._images[i], self._texts[i], f"{self.path.name}:{self._lines[i]}")
+        return Row(self._keys[i], self._images[i], self._texts[i], f"{self.path.name}:{self._lines[i]}",
+                   self._regions[i])
 
     def read_image(self, i: int) -> bytes:
         image = self._images[i]
@@ -139,6 +146,7 @@ class ManifestSource(Source):
             self._keys.append(row[0])
             self._images.append(row[1])
             self._texts.append(row[2])
+            self._regions.append(fields.get(REGIONS_KEY))
             self._lines.append(line)
 
     def _problem(self, where: str, reason: str) -> None:

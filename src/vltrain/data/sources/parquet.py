@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 
 from vltrain.data.config import CsvConfig
-from vltrain.data.sources.manifests import IMAGE_KEYS, TEXT_KEYS
+from vltrain.data.sources.manifests import IMAGE_KEYS, REGIONS_KEY, TEXT_KEYS
 from vltrain.data.sources.patterns import expand_braces
 from vltrain.errors import DataError
 
@@ -89,7 +89,10 @@ def parquet_columns(path: str, cfg: CsvConfig | None = None, schema=None) -> dic
         raise DataError(f"{path}: text column {text!r} is {schema.field(text).type}, not a string")
     given = cfg.id_key if cfg.id_key in names else next((k for k in ID_KEYS if k in names), None)
     status = "status" if kind == "binary" and "status" in names else None
-    return {"image": image, "image_kind": kind, "text": text, "id": given, "status": status}
+    spec = {"image": image, "image_kind": kind, "text": text, "id": given, "status": status}
+    if REGIONS_KEY in names:  # only then: the spec keys the sample index, which a file without them keeps
+        spec["regions"] = REGIONS_KEY
+    return spec
 
 
 def _pick(names: list[str], configured: str, aliases: tuple[str, ...]) -> str | None:
@@ -151,7 +154,7 @@ def scan_parquet(local: str, spec: dict, name: str, problems: list, texts: bool)
 
 
 def _check_columns(schema, spec: dict, name: str) -> None:
-    missing = [c for c in (spec["image"], spec["text"], spec["id"]) if c and c not in schema.names]
+    missing = [c for c in (spec["image"], spec["text"], spec["id"], spec.get("regions")) if c and c not in schema.names]
     if missing:
         raise DataError(f"{name}: no column {missing} (its columns: {schema.names}); every file of a "
                         "parquet source needs the columns of the first")
@@ -216,7 +219,7 @@ class RowGroupReader:
                 if len(self._files) >= 64:
                     self._files.pop(next(iter(self._files)))
                 self._files[file] = f
-        columns = [c for c in (self.spec["image"], self.spec["text"], self.spec["id"]) if c]
+        columns = [c for c in (self.spec["image"], self.spec["text"], self.spec["id"], self.spec.get("regions")) if c]
         try:
             table = f.read_row_group(g, columns=columns)
         except OSError:
@@ -231,17 +234,19 @@ class RowGroupReader:
             self._bytes -= old["nbytes"]
         return found
 
-    def fields(self, file: str, g: int, r: int, local) -> tuple[str | None, str | None, object]:
-        """(id, text, image) of a row; image: bytes, a path string, or None."""
+    def fields(self, file: str, g: int, r: int, local) -> tuple[str | None, str | None, object, object]:
+        """(id, text, image, regions) of a row; image: bytes, a path string, or None; regions as stored
+        (a list of {box, text}, JSON text, or None)."""
         cols = self.group(file, g, local)["columns"]
         spec = self.spec
         given = cols[spec["id"]][r].as_py() if spec["id"] else None
         text = cols[spec["text"]][r].as_py() if spec["text"] else None
         image = cols[spec["image"]][r].as_py() if spec["image"] else None
+        regions = cols[spec["regions"]][r].as_py() if spec.get("regions") else None
         if isinstance(image, dict):  # {bytes, path}: the bytes, else the path
             image = image.get("bytes") or image.get("path")
         text = text if isinstance(text, str) and text.strip() else None
-        return (None if given is None or isinstance(given, bool) else str(given)), text, image
+        return (None if given is None or isinstance(given, bool) else str(given)), text, image, regions
 
     def __getstate__(self) -> dict:
         return {"spec": self.spec}

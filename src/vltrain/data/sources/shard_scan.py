@@ -30,7 +30,7 @@ from typing import Iterator, NamedTuple
 import numpy as np
 
 from vltrain.data.sources.json_bulk import SEPARATOR, loads_objects
-from vltrain.data.sources.manifests import is_unicode
+from vltrain.data.sources.manifests import REGIONS_KEY, is_unicode
 from vltrain.data.sources.tar_salvage import Damage, account, ends_cleanly, key_of, salvage_members, straddling
 from vltrain.errors import DataError
 
@@ -45,7 +45,7 @@ class ShardScan(NamedTuple):
     end: np.ndarray
     has_image: np.ndarray  # bool
     has_text: np.ndarray
-    samples: list | None  # [key, id, [offset, size, member] | None, text | None] each, when asked for
+    samples: list | None  # [key, id, [offset, size, member] | None, text | None, regions] each, when asked for
     problems: list[list[str]]
 
 
@@ -104,9 +104,9 @@ def _lists_scan(samples: list[list], problems: list, keep_samples: bool) -> Shar
     def column(k: int, dtype) -> np.ndarray:
         return np.array([s[k] for s in samples], dtype=dtype)
 
-    return ShardScan(column(4, np.int64), column(5, np.int64), np.array([s[2] is not None for s in samples], bool),
+    return ShardScan(column(5, np.int64), column(6, np.int64), np.array([s[2] is not None for s in samples], bool),
                      np.array([s[3] is not None for s in samples], bool),
-                     [s[:4] for s in samples] if keep_samples else None, problems)
+                     [s[:5] for s in samples] if keep_samples else None, problems)
 
 
 # -- header by header -----------------------------------------------------------------------------
@@ -181,7 +181,7 @@ def _groups(members: list[_Member]) -> dict[str, dict[str, _Member]]:
 
 
 def _scan(members: list[_Member], read) -> tuple[list[list], list[list[str]]]:
-    """[key, id, image ref, text, start, end] of each usable sample; and the problems."""
+    """[key, id, image ref, text, regions, start, end] of each usable sample; and the problems."""
     problems: list[list[str]] = []
     samples = []
     for key, group in _groups(members).items():
@@ -195,7 +195,7 @@ def _scan(members: list[_Member], read) -> tuple[list[list], list[list[str]]]:
 
 def _sample(read, key: str, members: dict, problems: list) -> list | None:
     image = next((members[e] for e in IMAGE_EXTS if e in members), None)
-    text = sid = None
+    text = sid = regions = None
     if "txt" in members:
         raw = read(members["txt"])
         try:
@@ -214,6 +214,7 @@ def _sample(read, key: str, members: dict, problems: list) -> list | None:
             problems.append([key, f"{key}.json is not valid JSON ({e})", "error"])
             return None
         sid = _given_id(meta.get("id") if isinstance(meta, dict) else None)
+        regions = meta.get(REGIONS_KEY) if isinstance(meta, dict) else None
         if sid is not None and not is_unicode(sid):
             problems.append([key, "id is not valid UTF-8", "error"])
             return None
@@ -221,7 +222,7 @@ def _sample(read, key: str, members: dict, problems: list) -> list | None:
         problems.append([key, f"no image ({'|'.join(IMAGE_EXTS)}) and no text (txt) member", "error"])
         return None
     ref = None if image is None else [image.offset_data, image.size, image.name]
-    return [key, sid, ref, text]
+    return [key, sid, ref, text, regions]
 
 
 def _given_id(given) -> str | None:
@@ -397,7 +398,7 @@ def _solid_captions(buf, offset: np.ndarray, size: np.ndarray) -> np.ndarray:
 
 def _ids(buf, data: np.ndarray, size: np.ndarray, meta: np.ndarray) -> tuple[list, np.ndarray]:
     """Per sample: the id its JSON member gives, and False where the per-sample checks must look
-    (JSON that is not one object, an id that is not valid Unicode)."""
+    (JSON that is not one object, an id that is not valid Unicode, regions, which they keep)."""
     has = np.flatnonzero(meta >= 0)
     sid: list = [None] * len(meta)
     ok = np.ones(len(meta), bool)
@@ -413,8 +414,9 @@ def _ids(buf, data: np.ndarray, size: np.ndarray, meta: np.ndarray) -> tuple[lis
     if values is None:
         ok[has] = False
         return sid, ok
-    for g, s in zip(has.tolist(), given):
+    for g, s, v in zip(has.tolist(), given, values):
         sid[g] = s
+        ok[g] = REGIONS_KEY not in v
     return sid, ok
 
 
@@ -449,5 +451,5 @@ def _samples(buf, layout: _Layout, keep: np.ndarray, looked: dict) -> list[list]
         image, text = images[g], texts[g]
         ref = None if image < 0 else [data[image], size[image], layout.names[image].decode("utf-8", "surrogateescape")]
         caption = None if text < 0 else buf[data[text] : data[text] + size[text]].decode("utf-8")
-        out.append([keys[g].decode("utf-8", "surrogateescape"), layout.sid[g], ref, caption])
+        out.append([keys[g].decode("utf-8", "surrogateescape"), layout.sid[g], ref, caption, None])
     return out

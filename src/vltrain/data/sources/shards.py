@@ -21,13 +21,15 @@ from typing import Callable
 
 import numpy as np
 
+from vltrain.data.regions import decoded_regions, resized_regions
 from vltrain.data.sources.filelock import build_once, private_tmp
 from vltrain.data.sources.manifests import Problem, Row, Source
 from vltrain.data.sources.patterns import expand_braces
 from vltrain.data.sources.shard_scan import IMAGE_EXTS, UnusualHeader, scan_shard, walk_members
 from vltrain.errors import DataError
 
-INDEX_VERSION = 1
+INDEX_VERSION = 2
+"""2: each sample keeps its ``.json``'s regions."""
 
 
 def default_cache_dir() -> Path:
@@ -48,6 +50,7 @@ class ShardSource(Source):
         self.damaged = []
         self._keys: list[str] = []
         self._texts: list[str | None] = []
+        self._regions: list = []
         self._images: list[tuple[int, int, str] | None] = []  # (offset, size, member name)
         self._where: list[str] = []
         self._starts: list[int] = []
@@ -57,9 +60,10 @@ class ShardSource(Source):
             for p in index["problems"]:
                 self.problems.append(Problem(f"{path.name}:{p[0]}", p[1], p[2]))
                 self.damaged += [{"where": f"{path.name}:{p[0]}", "reason": p[1], **p[3]}] if len(p) > 3 else []
-            for key, sid, image, text in index["samples"]:
+            for key, sid, image, text, regions in index["samples"]:
                 self._keys.append(sid if sid is not None else key)
                 self._texts.append(text)
+                self._regions.append(regions)
                 self._images.append(tuple(image) if image is not None else None)
                 self._where.append(f"{path.name}:{key}")
 
@@ -72,7 +76,7 @@ class ShardSource(Source):
     def row(self, i: int) -> Row:
         image = self._images[i]
         ref = None if image is None else f"{self._shard(i)}:{image[2]}"
-        return Row(self._keys[i], ref, self._texts[i], self._where[i])
+        return Row(self._keys[i], ref, self._texts[i], self._where[i], self._regions[i])
 
     def read_image(self, i: int) -> bytes:
         image = self._images[i]
@@ -152,7 +156,7 @@ def _read_fresh(path: Path, st: os.stat_result) -> dict | None:
 
 
 def build_index(shard: Path) -> dict:
-    """Scan a tar once: ``samples`` [key, id, [offset, size, member] | None, text | None]."""
+    """Scan a tar once: ``samples`` [key, id, [offset, size, member] | None, text | None, regions]."""
     scan = scan_shard(shard, samples=True)
     return {"samples": scan.samples, "problems": scan.problems}
 
@@ -201,7 +205,8 @@ def write_shards(source: Source, out: str | os.PathLike, shard_size: int,
 
     Image bytes are copied as they are (JPEG, PNG and WebP; other formats are re-encoded as PNG),
     so sharding never changes a pixel, unless ``transform`` (``(bytes, name) -> (bytes,
-    extension)``, a resize) is given. Each sample's key travels in ``KEY.json`` as ``id``.
+    extension)``, a resize) is given. Each sample's key travels in ``KEY.json`` as ``id``, and its
+    regions as ``regions`` (their boxes scaled with a resized image).
     """
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -212,20 +217,22 @@ def write_shards(source: Source, out: str | os.PathLike, shard_size: int,
     count = 0
     for i in range(len(source)):
         row = source.row(i)
-        members = {}
+        members, regions = {}, row.regions
         if row.image is not None:
             try:
                 data, name = source.read_image(i), row.image
                 if transform is not None:
-                    data, ext = transform(data, name)
+                    stored, (data, ext) = data, transform(data, name)
                     name = f"image.{ext}"
+                    regions = regions if regions is None else resized_regions(regions, stored, data)
                 members.update(_image_member(data, name))
             except (OSError, ValueError) as e:
                 skipped.append(Problem(row.where, f"image {row.image} not copied: {e}"))
                 continue
         if row.text is not None:
             members["txt"] = row.text.encode("utf-8")
-        members["json"] = json.dumps({"id": row.key}, ensure_ascii=False).encode("utf-8")
+        meta = {"id": row.key} | ({} if regions is None else {"regions": decoded_regions(regions)})
+        members["json"] = json.dumps(meta, ensure_ascii=False).encode("utf-8")
         if count % shard_size == 0:
             if tar is not None:
                 _close(tar, written[-1])

@@ -14,6 +14,7 @@ from typing import Callable
 from PIL import Image
 
 from vltrain.data.images import upright
+from vltrain.data.regions import resized_regions
 from vltrain.data.sources.manifests import Problem, Source
 from vltrain.data.sources.parquet import require_pyarrow
 from vltrain.errors import UserError
@@ -72,7 +73,9 @@ def write_parquet(source: Source, out: str | os.PathLike, rows_per_file: int, ro
                   ) -> tuple[list[Path], list[Problem]]:
     """Every readable row of ``source`` into ``out/train-0000K-of-0000N.parquet`` as the Hub lays
     image-text sets out: an ``image`` struct {bytes, path} (null for a text-only row), ``text``
-    and ``id``, ``row_group`` rows per row group. Unreadable images are skipped and returned."""
+    and ``id``, ``row_group`` rows per row group; and when a row has regions, ``regions``, each
+    row's as JSON text (their boxes scaled with a resized image). Unreadable images are skipped and
+    returned."""
     pq = require_pyarrow()
     import pyarrow as pa
 
@@ -80,21 +83,26 @@ def write_parquet(source: Source, out: str | os.PathLike, rows_per_file: int, ro
     out.mkdir(parents=True, exist_ok=True)
     files = max(1, -(-len(source) // rows_per_file))
     image_type = pa.struct([("bytes", pa.binary()), ("path", pa.string())])
-    schema = pa.schema([("image", image_type), ("text", pa.string()), ("id", pa.string())],
-                       metadata={"huggingface": json.dumps({"info": {"features": HF_FEATURES}})})
+    columns, features = [("image", image_type), ("text", pa.string()), ("id", pa.string())], dict(HF_FEATURES)
+    with_regions = any(source.row(i).regions is not None for i in range(len(source)))  # every file's columns
+    if with_regions:
+        columns.append(("regions", pa.string()))
+        features["regions"] = {"dtype": "string", "_type": "Value"}
+    schema = pa.schema(columns, metadata={"huggingface": json.dumps({"info": {"features": features}})})
     written: list[Path] = []
     skipped: list[Problem] = []
     for k in range(files):
-        rows: dict[str, list] = {"image": [], "text": [], "id": []}
+        rows: dict[str, list] = {name: [] for name in schema.names}
         for i in range(k * rows_per_file, min(len(source), (k + 1) * rows_per_file)):
             row = source.row(i)
-            image = None
+            image, regions = None, row.regions
             if row.image is not None:
                 try:
                     data, name = source.read_image(i), row.image.rsplit("/", 1)[-1].rsplit(":", 1)[-1]
                     if transform is not None:
-                        data, ext = transform(data, name)
+                        stored, (data, ext) = data, transform(data, name)
                         name = f"{name.rsplit('.', 1)[0]}.{ext}"
+                        regions = regions if regions is None else resized_regions(regions, stored, data)
                     image = {"bytes": data, "path": name}
                 except (OSError, ValueError) as e:
                     skipped.append(Problem(row.where, f"image {row.image} not copied: {e}"))
@@ -102,6 +110,9 @@ def write_parquet(source: Source, out: str | os.PathLike, rows_per_file: int, ro
             rows["image"].append(image)
             rows["text"].append(row.text)
             rows["id"].append(row.key)
+            if with_regions:
+                as_text = regions is None or isinstance(regions, str)
+                rows["regions"].append(regions if as_text else json.dumps(regions, ensure_ascii=False))
         path = out / f"train-{k:05d}-of-{files:05d}.parquet"
         tmp = path.with_name(path.name + ".tmp")
         pq.write_table(pa.table(rows, schema=schema), tmp, row_group_size=row_group)

@@ -1,7 +1,7 @@
 """The built-in "shapes" dataset: real image files plus JSONL manifests, deterministic from a seed.
 
 Each image holds 1 to 3 coloured shapes on a 3x3 grid; its caption names every shape's size,
-colour, kind and grid cell in varied wording. The caption is a function of the image, so a model
+colour, kind and grid cell in varied wording; with regions, each shape's box and a phrase naming it. The caption is a function of the image, so a model
 can learn to retrieve one from the other, and the held-out split measures whether it did. The
 grid is aligned to the image (each cell is a third of the side), which lets a ViT whose patch is
 a third of the image see one cell per patch.
@@ -124,44 +124,65 @@ def render(shapes: list[Shape], image_size: int, rng: random.Random) -> Image.Im
     shade = rng.randint(20, 60)
     img = Image.new("RGB", (big, big), (shade, shade, shade + rng.randint(0, 15)))
     draw = ImageDraw.Draw(img)
-    cell = big / 3
     for s in shapes:
-        cx = (s.cell[1] + 0.5 + s.jitter[0]) * cell
-        cy = (s.cell[0] + 0.5 + s.jitter[1]) * cell
-        r = SIZES[s.size] * cell / 2
-        _draw_shape(draw, s.kind, cx, cy, r, COLORS[s.color])
+        for op, points in _outline(s, big):
+            fill = COLORS[s.color]
+            if op == "ellipse":
+                draw.ellipse(points, fill=fill)
+            elif op == "rectangle":
+                draw.rectangle(points, fill=fill)
+            else:
+                draw.polygon(points, fill=fill)
     return img.resize((image_size, image_size), Image.Resampling.BOX)
 
 
-def _draw_shape(draw: ImageDraw.ImageDraw, kind: str, cx: float, cy: float, r: float, fill) -> None:
-    if kind == "circle":
-        draw.ellipse((cx - r, cy - r, cx + r, cy + r), fill=fill)
-    elif kind == "square":
+def _outline(s: Shape, side: float) -> list[tuple[str, list]]:
+    """What draws shape ``s`` on an image of ``side`` pixels: (ellipse | rectangle | polygon, its
+    points), the one geometry its picture and its box are both made from."""
+    cell = side / 3
+    cx = (s.cell[1] + 0.5 + s.jitter[0]) * cell
+    cy = (s.cell[0] + 0.5 + s.jitter[1]) * cell
+    r = SIZES[s.size] * cell / 2
+    if s.kind == "circle":
+        return [("ellipse", [(cx - r, cy - r), (cx + r, cy + r)])]
+    if s.kind == "square":
         q = r * 0.85
-        draw.rectangle((cx - q, cy - q, cx + q, cy + q), fill=fill)
-    elif kind == "triangle":
-        draw.polygon([(cx, cy - r), (cx + r, cy + r * 0.8), (cx - r, cy + r * 0.8)], fill=fill)
-    elif kind == "diamond":
-        draw.polygon([(cx, cy - r), (cx + r, cy), (cx, cy + r), (cx - r, cy)], fill=fill)
-    elif kind == "star":
-        pts = []
-        for i in range(10):
-            rad = r if i % 2 == 0 else r * 0.45
-            a = -math.pi / 2 + i * math.pi / 5
-            pts.append((cx + rad * math.cos(a), cy + rad * math.sin(a)))
-        draw.polygon(pts, fill=fill)
-    elif kind == "cross":
+        return [("rectangle", [(cx - q, cy - q), (cx + q, cy + q)])]
+    if s.kind == "triangle":
+        return [("polygon", [(cx, cy - r), (cx + r, cy + r * 0.8), (cx - r, cy + r * 0.8)])]
+    if s.kind == "diamond":
+        return [("polygon", [(cx, cy - r), (cx + r, cy), (cx, cy + r), (cx - r, cy)])]
+    if s.kind == "star":
+        radii = [r if i % 2 == 0 else r * 0.45 for i in range(10)]
+        angles = [-math.pi / 2 + i * math.pi / 5 for i in range(10)]
+        return [("polygon", [(cx + a * math.cos(t), cy + a * math.sin(t)) for a, t in zip(radii, angles)])]
+    if s.kind == "cross":
         w = r * 0.36
-        draw.rectangle((cx - r, cy - w, cx + r, cy + w), fill=fill)
-        draw.rectangle((cx - w, cy - r, cx + w, cy + r), fill=fill)
-    else:  # pragma: no cover - KINDS is closed
-        raise ValueError(kind)
+        return [("rectangle", [(cx - r, cy - w), (cx + r, cy + w)]), ("rectangle", [(cx - w, cy - r), (cx + w, cy + r)])]
+    raise ValueError(s.kind)  # pragma: no cover - KINDS is closed
 
 
-def _make_rows(job: tuple[str, int, int, int, tuple[float, float], int, str]) -> list[dict]:
+def regions(shapes: list[Shape], image_size: int) -> list[dict]:
+    """Each shape's box (pixels of the ``image_size`` image, its outline's extent) and a phrase that
+    refers to it alone in its image: size, colour and kind ("the large orange triangle"), and its
+    cell as well where another shape of the image shares those."""
+    out = []
+    for s in shapes:
+        points = [p for _, pts in _outline(s, image_size) for p in pts]
+        xs, ys = [x for x, _ in points], [y for _, y in points]
+        phrase = f"the {SIZE_WORDS[s.size][0]} {s.color} {KIND_WORDS[s.kind][0]}"
+        if sum((t.size, t.color, t.kind) == (s.size, s.color, s.kind) for t in shapes) > 1:
+            phrase += f" in the {CELL_WORDS[s.cell][0]}"
+        box = [max(0.0, min(xs)), max(0.0, min(ys)), min(image_size, max(xs)), min(image_size, max(ys))]
+        out.append({"box": [round(v, 2) for v in box], "text": phrase})
+    return out
+
+
+def _make_rows(job: tuple[str, int, int, int, tuple[float, float], int, str, bool]) -> list[dict]:
     """One draw per row picks its modality: text-only below the text-only fraction, image-only in the
-    next ``image_only_fraction``, image-text above (so a fraction of 0 leaves the other rows as they were)."""
-    split, start, stop, seed, (text_only, image_only), image_size, out = job
+    next ``image_only_fraction``, image-text above (so a fraction of 0 leaves the other rows as they were).
+    The regions draw nothing: with them, the rows are the same rows, and their images the same images."""
+    split, start, stop, seed, (text_only, image_only), image_size, out, with_regions = job
     rows = []
     for i in range(start, stop):
         rng = _rng(seed, split, i)
@@ -174,6 +195,8 @@ def _make_rows(job: tuple[str, int, int, int, tuple[float, float], int, str]) ->
             rel = f"images/{split}/{i:06d}.png"
             render(shapes, image_size, rng).save(os.path.join(out, rel), optimize=False, compress_level=1)
             row["image"] = rel
+            if with_regions:
+                row["regions"] = regions(shapes, image_size)
         if not text_only <= draw < text_only + image_only:
             row["text"] = text
         rows.append(row)
@@ -181,10 +204,11 @@ def _make_rows(job: tuple[str, int, int, int, tuple[float, float], int, str]) ->
 
 
 def _write_split(out: Path, split: str, num: int, seed: int, frac: tuple[float, float], image_size: int,
-                 workers: int) -> Path:
+                 workers: int, with_regions: bool = False) -> Path:
     (out / "images" / split).mkdir(parents=True, exist_ok=True)
     chunk = 500
-    jobs = [(split, s, min(s + chunk, num), seed, frac, image_size, str(out)) for s in range(0, num, chunk)]
+    jobs = [(split, s, min(s + chunk, num), seed, frac, image_size, str(out), with_regions)
+            for s in range(0, num, chunk)]
     if workers > 1 and len(jobs) > 1:
         with ProcessPoolExecutor(workers) as ex:
             parts = list(ex.map(_make_rows, jobs))
@@ -209,8 +233,10 @@ def synthesize(
     image_size: int = 48,
     workers: int = 0,
     image_only_fraction: float = 0.0,
+    with_regions: bool = False,
 ) -> dict[str, Path]:
-    """Write ``out/train.jsonl`` (num rows), ``out/val.jsonl`` (val image-text rows) and their images.
+    """Write ``out/train.jsonl`` (num rows), ``out/val.jsonl`` (val image-text rows) and their images;
+    ``with_regions``: each row with an image also lists its shapes' boxes and phrases (:func:`regions`).
 
     The same arguments always write the same files. Validation rows are all image-text pairs,
     drawn from their own random stream, so the training fractions of text-only and image-only
@@ -229,8 +255,8 @@ def synthesize(
     out.mkdir(parents=True, exist_ok=True)
     workers = workers or min(usable_cpus(), 8)
     paths = {"train": _write_split(out, "train", num, seed, (text_only_fraction, image_only_fraction), image_size,
-                                   workers)}
-    paths["val"] = _write_split(out, "val", val, seed, (0.0, 0.0), image_size, workers)
+                                   workers, with_regions)}
+    paths["val"] = _write_split(out, "val", val, seed, (0.0, 0.0), image_size, workers, with_regions)
     return paths
 
 

@@ -13,10 +13,11 @@ from pathlib import Path
 
 import numpy as np
 
-from vltrain.data.images import DECODE_ERRORS, MAX_IMAGE_PIXELS, ImageError, decode_image, image_problem, open_image
+from vltrain.data.images import DECODE_ERRORS, MAX_IMAGE_PIXELS, ImageError, decode_seen, image_problem, open_image
 from vltrain.data.index.lengths import tokenizer_fingerprint
 from vltrain.data.index.open import open_any
 from vltrain.data.index.reader import IndexedSource
+from vltrain.data.regions import RegionError, check_inside, parse_regions
 from vltrain.data.sources.manifests import Problem, Source
 from vltrain.data.sources.parquet import is_parquet
 from vltrain.data.sources.patterns import is_shard_pattern
@@ -67,14 +68,22 @@ def modality_counts(source: Source) -> tuple[int, int, int]:
 
 
 def check_rows(source: Source, start: int, stop: int, max_pixels: int = MAX_IMAGE_PIXELS) -> list[Problem]:
-    """Read and decode every image of rows ``start:stop``; the rows that fail, with why."""
+    """Read and decode every image of rows ``start:stop`` and check its regions against it; the rows
+    that fail, with why (a row's first bad region)."""
     problems = []
     for i in range(start, stop):
         row = source.row(i)
         if row.image is None:
+            if row.regions is not None:
+                problems.append(Problem(row.where, f"regions on a row without an image are ignored (id {row.key})",
+                                        "warning"))
             continue
         try:
-            decode_image(source.read_image(i), CHECK_SIZE, "squash", max_pixels)
+            _, seen = decode_seen(source.read_image(i), CHECK_SIZE, "squash", max_pixels)
+            if row.regions is not None:
+                check_inside(parse_regions(row.regions), seen.width, seen.height)
+        except RegionError as e:
+            problems.append(Problem(row.where, f"{e} (id {row.key})"))
         except (ImageError, OSError) as e:
             problems.append(Problem(row.where, f"{image_problem(e, row.image)} (id {row.key})"))
     return problems
