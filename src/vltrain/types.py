@@ -61,9 +61,6 @@ class ModelInputs:
     region_attention_mask: torch.Tensor | None = None
     """int64 [B, R, Lr]: 1 on each phrase's tokens (with ``region_ids``)."""
 
-    regions: Any = None
-    """A ``vltrain.objectives.locca.Regions``: the rows' regions (LocCa); None: no row has one."""
-
     def __len__(self) -> int:
         return int(self.ids.shape[0])
 

@@ -10,7 +10,6 @@ from vltrain.images import Images
 from vltrain.model.builder import build_model
 from vltrain.model.config import LossConfig, ModelConfig
 from vltrain.objectives.keyed import StepKey
-from vltrain.objectives.locca import Regions
 from vltrain.objectives.scoring import Objectives
 from vltrain.types import ModelInputs
 
@@ -54,15 +53,16 @@ def _inputs(b: int = 6, seed: int = 1) -> ModelInputs:
     count = torch.tensor([3, 0, 1, 2, 0, 1][:b])
     has_image = torch.tensor([True, True, True, False, True, True][:b])
     has_text = torch.tensor([True, True, False, True, True, True][:b])
-    return ModelInputs(Images(torch.randn(b, 3, 48, 48, generator=g)), ids, mask, has_image, has_text,
-                       torch.arange(100, 100 + b), regions=Regions(boxes, count, phrases, phrase_mask))
+    real = torch.arange(3)[None] < count[:, None]
+    images = Images(torch.randn(b, 3, 48, 48, generator=g), boxes=boxes * real[..., None], box_mask=real)
+    return ModelInputs(images, ids, mask, has_image, has_text, torch.arange(100, 100 + b), region_ids=phrases,
+                       region_attention_mask=phrase_mask * real[..., None])
 
 
 def _rows(inputs: ModelInputs, lo: int, hi: int) -> ModelInputs:
-    r = inputs.regions
     return ModelInputs(inputs.images[lo:hi], inputs.input_ids[lo:hi], inputs.attention_mask[lo:hi],
                        inputs.has_image[lo:hi], inputs.has_text[lo:hi], inputs.ids[lo:hi],
-                       regions=Regions(r.boxes[lo:hi], r.count[lo:hi], r.ids[lo:hi], r.mask[lo:hi]))
+                       region_ids=inputs.region_ids[lo:hi], region_attention_mask=inputs.region_attention_mask[lo:hi])
 
 
 def test_every_task_trains_and_is_split_invariant():

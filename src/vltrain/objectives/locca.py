@@ -46,8 +46,12 @@ class Regions:
 
 
 def batch_regions(inputs: ModelInputs) -> Regions | None:
-    """The regions ``inputs`` carries (None: no row of it has one)."""
-    return getattr(inputs, "regions", None)
+    """The regions ``inputs`` carries: boxes with their images (``Images.boxes``, the real ones first
+    in each row), phrases beside them (``ModelInputs.region_ids``); None when no row has one."""
+    images = inputs.images
+    if images.boxes is None or inputs.region_ids is None:
+        return None
+    return Regions(images.boxes, images.box_mask.long().sum(dim=1), inputs.region_ids, inputs.region_attention_mask)
 
 
 @dataclass
