@@ -47,20 +47,87 @@ def demo_config_path() -> Path:
     raise ConfigError("configs/demo.yaml is missing from this installation")
 
 
-def prepare_data(data: Path, num: int = NUM_TRAIN, val: int = NUM_VAL, seed: int = 0) -> Path:
-    """Write the shapes and a tokenizer trained on their texts, unless already there."""
+def prepare_data(data: Path, num: int = NUM_TRAIN, val: int = NUM_VAL, seed: int = 0, regions: bool = False) -> Path:
+    """Write the shapes and a tokenizer trained on their texts, unless already there; ``regions``:
+    with each shape's box and phrase (the same rows and images, written again if they lack them)."""
     from vltrain.data.tools.synth import synthesize, synthesize_classify, write_tokenizer
 
-    if not ((data / "train.jsonl").exists() and (data / "val.jsonl").exists()):
-        print(f"writing {num:,} training rows and {val:,} held-out pairs to {data}", flush=True)
-        synthesize(data, num, val, text_only_fraction=TEXT_ONLY_FRACTION, seed=seed)
+    written = (data / "train.jsonl").exists() and (data / "val.jsonl").exists()
+    if not written or (regions and not _has_regions(data / "val.jsonl")):
+        print(f"writing {num:,} training rows and {val:,} held-out pairs to {data}"
+              + " with their shapes' regions" * regions, flush=True)
+        synthesize(data, num, val, text_only_fraction=TEXT_ONLY_FRACTION, seed=seed, with_regions=regions)
     if not (data / "classify" / "templates.txt").exists():
         synthesize_classify(data / "classify", CLASSIFY_PER_CLASS, seed=seed)
     return write_tokenizer(data)
 
 
 HELD_OUT_CAPTIONS = 200
-"""Held-out images the demo captions and scores (BLEU-4, CIDEr-D against the caption each was made with)."""
+"""Held-out images the demo captions and scores (BLEU-4, CIDEr-D against the caption each was made
+with), and, for a LocCa model, grounds (the phrase of each one's first region)."""
+
+
+def _has_regions(manifest: Path) -> bool:
+    import json
+
+    with manifest.open() as f:
+        return any("regions" in json.loads(line) for line, _ in zip(f, range(50)))
+
+
+def has_locca(cfg) -> bool:
+    """Whether the config trains a LocCa decoder (a siglip2 preset, or model.locca)."""
+    arch = cfg.model.architecture()
+    return has_decoder(arch, cfg.model.loss) and arch.decoder.standalone
+
+
+def referring_set(data: Path, n: int = HELD_OUT_CAPTIONS) -> Path:
+    """The first ``n`` held-out images with regions, each with its first region, as the JSON lines
+    ``eval.referring`` reads."""
+    import json
+
+    out = data / "referring-heldout.jsonl"
+    if not out.exists():
+        rows = [json.loads(x) for x in (data / "val.jsonl").read_text().splitlines()]
+        pairs = [{"image": r["image"], "text": r["regions"][0]["text"], "box": r["regions"][0]["box"]}
+                 for r in rows if r.get("image") and r.get("regions")][:n]
+        out.write_text("".join(json.dumps(p) + "\n" for p in pairs))
+    return out
+
+
+def draw_grounding(trainer, data: Path, out: Path, n: int = 4) -> Path:
+    """``out`` (grounding.png): the first ``n`` held-out referring pairs, each image with its true box
+    (green) and the box the trained model writes for the phrase (red)."""
+    import json
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from PIL import Image
+
+    from vltrain.eval.embedding import Encoder
+    from vltrain.eval.grounding import ground_pairs, to_image_pixels, view_window
+
+    pairs = [json.loads(x) for x in referring_set(data).read_text().splitlines()][:n]
+    paths = [str(data / p["image"]) for p in pairs]
+    encoder = Encoder(trainer.wrapped, trainer.cfg.data, trainer.device, trainer.precision.autocast)
+    found = ground_pairs(encoder, trainer.tokenizer, paths, [p["text"] for p in pairs], rank=0, world_size=1,
+                         batch_size=n)
+    boxes = to_image_pixels(found.boxes, [view_window(p, trainer.cfg.data.resize) for p in paths])
+    fig, axes = plt.subplots(1, len(pairs), figsize=(3 * len(pairs), 3.4), squeeze=False)
+    for ax, pair, path, box in zip(axes[0], pairs, paths, boxes.tolist()):
+        ax.imshow(Image.open(path).convert("RGB"))
+        for (x0, y0, x1, y1), colour in ((pair["box"], "lime"), (box, "red")):
+            ax.add_patch(plt.Rectangle((x0, y0), x1 - x0, y1 - y0, fill=False, edgecolor=colour, linewidth=2))
+        ax.set_title(pair["text"], fontsize=8)
+        ax.axis("off")
+    fig.suptitle("true box (green), predicted (red)", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+    return out
+
+
 
 
 def caption_set(data: Path, n: int = HELD_OUT_CAPTIONS) -> Path:
@@ -185,7 +252,8 @@ def _cuda() -> bool:
 
 def run_demo(run_dir: Path, data: Path, overrides: list[str], num: int = NUM_TRAIN, val: int = NUM_VAL):
     """Train the demo config end to end; returns (trainer, final eval metrics)."""
-    tokenizer = prepare_data(data, num, val)
+    locca = has_locca(load_config(demo_config_path(), list(overrides)))
+    tokenizer = prepare_data(data, num, val, regions=locca)
     given = [
         f"run.dir={run_dir}",
         f"data.train={data / 'train.jsonl'}",
@@ -197,6 +265,9 @@ def run_demo(run_dir: Path, data: Path, overrides: list[str], num: int = NUM_TRA
     cfg = load_config(demo_config_path(), given)
     if has_decoder(cfg.model.architecture(), cfg.model.loss) and not cfg.eval.captions:
         given.insert(len(given) - len(overrides), f"eval.captions=[{{name: shapes, path: '{caption_set(data)}'}}]")
+        cfg = load_config(demo_config_path(), given)
+    if locca and not cfg.eval.referring:
+        given.insert(len(given) - len(overrides), f"eval.referring=[{{name: shapes, path: '{referring_set(data)}'}}]")
         cfg = load_config(demo_config_path(), given)
     on_cpu = cfg.train.device != "cuda" and not _cuda()
     if on_cpu and cfg.train.precision == "bf16" and not any(o.startswith("train.precision=") for o in overrides):

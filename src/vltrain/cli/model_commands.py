@@ -248,6 +248,12 @@ def demo(args: argparse.Namespace) -> int:
                   f"top-1 = {metrics['zeroshot/shapes/top1']:.3f} (chance: {1 / len(KINDS):.3f})")
         if "captions/shapes/cider" in metrics:
             _print_captions(trainer, Path(args.data), metrics)
+        if "referring/shapes/acc50" in metrics:
+            from vltrain.demo import draw_grounding
+
+            print(f"referring expressions ({metrics['referring/shapes/num_pairs']} held-out phrases): Acc@0.5 = "
+                  f"{metrics['referring/shapes/acc50']:.3f}, mean IoU = {metrics['referring/shapes/miou']:.3f}")
+            print(f"grounding: {draw_grounding(trainer, Path(args.data), run_dir / 'grounding.png')}")
         print(f"run:     {run_dir}  (metrics.jsonl, eval.json, tb/ for TensorBoard)")
         print(f"curves:  {run_dir / 'curves.png'}")
     return 0

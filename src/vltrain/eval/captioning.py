@@ -22,12 +22,13 @@ import torch
 from vltrain.data.config import DataConfig
 from vltrain.data.loading.loader import EvalLoader, build_eval_loader
 from vltrain.data.tokenizers import Tokenizer
-from vltrain.errors import UserError
+from vltrain.errors import UsageError, UserError
 from vltrain.eval.caption_metrics import caption_scores
 from vltrain.eval.captions import open_captions
 from vltrain.eval.embedding import Encoder, eval_mode
 from vltrain.eval.labeled import ImageListDataset
 from vltrain.model.generate import Decoding, generate
+from vltrain.model.locca import caption as locca_caption
 from vltrain.model.passes import Encode
 from vltrain.runtime.distributed import all_gather_no_grad, all_reduce_sum, world_info
 
@@ -46,14 +47,21 @@ class Prompt:
     @staticmethod
     def of(tokenizer: Tokenizer, text: str, max_length: int, start_id: int | None = None) -> "Prompt":
         """``text``'s tokens after the start token (its end token dropped): the model's own
-        (``start_id``, BLIP's [DEC]), else the tokenizer's."""
-        if tokenizer.cls_id is None or tokenizer.eos_id is None:
+        (``start_id``: BLIP's [DEC], LocCa's caption task token), else the tokenizer's."""
+        if (start_id is None and tokenizer.cls_id is None) or tokenizer.eos_id is None:
             raise UserError(f"tokenizer {tokenizer.path or ''} has no start or end token ([CLS]/<s>/<|startoftext|> "
                             "and [SEP]/</s>/<|endoftext|>): a caption needs both")
         ids = [tokenizer.cls_id if start_id is None else start_id]
         if text:
             ids += [t for t in tokenizer.encode(text, 10 * max_length)[0] if t not in (tokenizer.cls_id, tokenizer.eos_id)]
         return Prompt(ids, tokenizer.eos_id, tokenizer.pad_id)
+
+
+def locca_vocab(model):
+    """The vocabulary of ``model``'s LocCa decoder (bare, or in the task that wraps it); None: it has none."""
+    inner = getattr(model, "model", model)
+    inner = getattr(inner, "module", inner)
+    return getattr(getattr(inner, "decoder", None), "vocab", None)
 
 
 def needs_decoder(model, path: str) -> None:
@@ -85,14 +93,21 @@ class Captions:
 def caption_list(encoder: Encoder, loader: EvalLoader, prompt: Prompt, decoding: Decoding) -> Captions:
     """This rank's images of ``loader`` captioned, then every rank's gathered in list order."""
     rows, present, errors = [], [], {}
+    vocab = locca_vocab(encoder.wrapped)
+    if vocab is not None and (decoding.beam > 1 or decoding.top_p or len(prompt.ids) > 1):
+        raise UsageError("a LocCa decoder captions greedily, without a prompt: leave out --beam, --top-p and --prompt")
     with eval_mode(encoder.wrapped):
         for batch in loader:
             inputs = batch.to_model_inputs(encoder.device, encoder.data_cfg.mean, encoder.data_cfg.std)
             index = torch.arange(len(inputs)) + loader.offset + len(rows)
             with encoder.autocast():
                 tokens = encoder.wrapped(Encode(inputs)).image_tokens
-                rows += generate(encoder.wrapped, tokens, prompt.ids, prompt.end_id, prompt.pad_id, decoding,
-                                 index=index, all_done=_agreed)
+                if vocab is not None:  # LocCa's: after its caption task token, greedily
+                    rows += locca_caption(encoder.wrapped, vocab, tokens, decoding.max_length, prompt.end_id,
+                                          prompt.pad_id)
+                else:
+                    rows += generate(encoder.wrapped, tokens, prompt.ids, prompt.end_id, prompt.pad_id, decoding,
+                                     index=index, all_done=_agreed)
             present += inputs.has_image.tolist()
             errors.update(dict(batch.errors))
     n = loader.num_samples
@@ -184,7 +199,9 @@ def caption_images(path: Path, images: list[str], overrides: list[str], *, beam:
     try:
         opened = open_model(decided, device=world.device)
         needs_decoder(opened.model, str(path))
-        start = Prompt.of(opened.tokenizer, prompt, context, opened.model.text.cfg.start_id)
+        vocab = locca_vocab(opened.model)
+        start_id = vocab.caption if vocab is not None else opened.model.text.cfg.start_id
+        start = Prompt.of(opened.tokenizer, prompt, context, start_id)
         decoding.check(len(start.ids), context)
         encoder = Encoder(build_task(cfg, opened.model), cfg.data, world.device,
                           Precision(cfg.train.precision, world.device).autocast)

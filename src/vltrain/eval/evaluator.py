@@ -175,7 +175,9 @@ class Evaluator:
         if ec.referring and not getattr(cfg.model.architecture().decoder, "standalone", False):
             raise ConfigError("eval.referring needs a LocCa decoder: a preset with one (tiny-siglip2, siglip2-vit-b16)")
         self.referring = [open_referring(r.name, r.path, r.image_root) for r in ec.referring]
-        start = cfg.model.architecture().text.start_id if ec.captions else None
+        arch = cfg.model.architecture()
+        # a LocCa decoder starts at its own caption task token (the prompt's start is not read)
+        start = (0 if arch.decoder is not None and arch.decoder.standalone else arch.text.start_id) if ec.captions else None
         self.captions = [open_caption_set(c.name, c.path, c.split, c.image_root, cfg.data, tokenizer,
                                           Decoding(c.max_length or cfg.data.max_text_length, c.beam), c.prompt, **kw,
                                           start_id=start)

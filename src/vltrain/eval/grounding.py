@@ -28,6 +28,7 @@ from vltrain.data.images import ImageError, image_problem, shown_size
 from vltrain.data.loading.loader import build_eval_loader
 from vltrain.data.tokenizers import Tokenizer
 from vltrain.errors import UserError
+from vltrain.eval.captioning import locca_vocab
 from vltrain.eval.embedding import Encoder, eval_mode
 from vltrain.model.locca import describe, ground
 from vltrain.model.passes import Encode
@@ -147,13 +148,11 @@ def describe_boxes(encoder: Encoder, tokenizer: Tokenizer, images: list[str], bo
 
 def _vocab(model):
     """The LocCa decoder's vocabulary of ``model`` (bare, or the task that wraps it)."""
-    inner = getattr(model, "model", model)
-    inner = getattr(inner, "module", inner)
-    decoder = getattr(inner, "decoder", None)
-    if decoder is None or not hasattr(decoder, "vocab"):
+    vocab = locca_vocab(model)
+    if vocab is None:
         raise UserError("grounding needs a LocCa decoder: train a preset with one (tiny-siglip2, siglip2-vit-b16) "
                         "with model.loss.referring > 0")
-    return decoder.vocab
+    return vocab
 
 
 @dataclass

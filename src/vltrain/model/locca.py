@@ -104,3 +104,14 @@ def describe(run, vocab: LocCaVocab, image_tokens: Tokens, boxes: torch.Tensor, 
     rows = task_rows(vocab.grounded, prefix, four, prefix[:, :0], four * 0, causal, vocab, pad_id)
     tokens = _greedy(run, rows, image_tokens, max_tokens, (0, vocab.text), end_id)
     return [[t for t in row if t >= 0] for row in tokens.tolist()]
+
+
+def caption(run, vocab: LocCaVocab, image_tokens: Tokens, max_tokens: int, end_id: int, pad_id: int
+            ) -> list[list[int]]:
+    """Each image's caption (token ids, up to ``end_id``), decoded greedily after the caption task token."""
+    b = len(image_tokens)
+    none = torch.zeros(b, dtype=torch.long, device=image_tokens.values.device)
+    empty = none[:, None][:, :0]
+    rows = task_rows(vocab.caption, empty, none, empty, none, none.bool(), vocab, pad_id)
+    tokens = _greedy(run, rows, image_tokens, max_tokens, (0, vocab.text), end_id)
+    return [[t for t in row if t >= 0] for row in tokens.tolist()]
