@@ -56,10 +56,11 @@ def config(root: Path, run_dir: Path, overrides: list[str]):
     return load_config(None, base + overrides)
 
 
-def run_trainer(cfg) -> dict:
+def run_trainer(cfg, save: bool = True) -> dict:
     """Train ``cfg`` in this (already joined) process group; the group stays up afterwards.
 
     Returns the per-step losses and this rank's padded text width of every micro-batch.
+    ``save`` false: the run's last checkpoint is not written (over half of a 4-step run's time).
     """
     from vltrain.train.metrics import read_jsonl
     from vltrain.train.trainer import Trainer
@@ -74,6 +75,8 @@ def run_trainer(cfg) -> dict:
         return micro, wait
 
     trainer._next_micro_batches = spy
+    if not save:
+        trainer._checkpoint = lambda final: None
     try:
         trainer.train()
     finally:
