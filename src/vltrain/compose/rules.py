@@ -36,7 +36,7 @@ def decide_objectives(cfg: JobConfig) -> None:
     the run trains, and refused where the user asked for them (given on the command line);
     ``itm_negatives: auto`` is group with ``data.global_batch_size`` (see :func:`itm_group`)."""
     loss, arch = cfg.model.loss, cfg.model.architecture()
-    lacking = [n for n, part in HEADS.items() if getattr(arch, part) is None]
+    lacking = [n for n, part in HEADS.items() if not _has(arch, part)]
     asked = [n for n in lacking if getattr(loss, n) and cfg.asked(f"model.loss.{n}")]
     if asked:
         raise _no_head(cfg, asked)
@@ -52,18 +52,24 @@ def decide_objectives(cfg: JobConfig) -> None:
                           "in size, so no group size divides them all); use local or global")
 
 
-HEADS = {"caption": "decoder", "itm": "fusion", "mlm": "fusion"}
-"""The objectives that need a part of the architecture, and that part."""
+HEADS = {"caption": "decoder", "itm": "fusion", "mlm": "fusion", "referring": "locca", "grounded_caption": "locca"}
+"""The objectives that need a part of the architecture, and that part (locca: a LocCa decoder)."""
+
+
+def _has(arch, part: str) -> bool:
+    if part == "locca":
+        return arch.decoder is not None and arch.decoder.standalone
+    return getattr(arch, part) is not None
 
 
 def _no_head(cfg: JobConfig, names: list[str]) -> ConfigError:
     """Weights asked for objectives whose heads the model has not: the run would silently train the rest."""
     from vltrain.model.presets import PRESETS
 
-    heads = {"fusion": "a fusion encoder", "decoder": "a captioning decoder"}
+    heads = {"fusion": "a fusion encoder", "decoder": "a captioning decoder", "locca": "a LocCa decoder"}
     said = [f"model.loss.{n}={getattr(cfg.model.loss, n):g} needs {heads[HEADS[n]]}" for n in names]
     parts = {HEADS[n] for n in names}
-    having = [p for p, make in PRESETS.items() if all(getattr(make(), part) is not None for part in parts)]
+    having = [p for p, make in PRESETS.items() if all(_has(make(), part) for part in parts)]
     model = cfg.model.preset or f"the model of {cfg.model.init}"
     return ConfigError(f"{'; '.join(said)}, which {model} has not: the run would train without "
                        f"{'it' if len(names) == 1 else 'them'}. Set {' '.join(f'model.loss.{n}=0' for n in names)}, "
