@@ -48,16 +48,6 @@ def box_iou(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return torch.where(union > 0, inter / union.clamp(min=1e-12), torch.zeros_like(union))
 
 
-def to_pixels(boxes: torch.Tensor, width: int, height: int) -> torch.Tensor:
-    """``boxes`` [..., 4] in [0, 1] as pixels of a ``width`` x ``height`` image."""
-    return boxes.float() * torch.tensor([width, height, width, height], dtype=torch.float32)
-
-
-def from_pixels(boxes: torch.Tensor, width: int, height: int) -> torch.Tensor:
-    """``boxes`` [..., 4] in pixels of a ``width`` x ``height`` image, in [0, 1] of it."""
-    return boxes.float() / torch.tensor([width, height, width, height], dtype=torch.float32)
-
-
 BOX_TOKENS = 4
 """x0, y0, x1, y1."""
 

@@ -110,14 +110,21 @@ def caption_list(encoder: Encoder, loader: EvalLoader, prompt: Prompt, decoding:
                                      index=index, all_done=_agreed)
             present += inputs.has_image.tolist()
             errors.update(dict(batch.errors))
-    n = loader.num_samples
+    ids, seen = gather_token_rows(rows, present, loader.num_samples, encoder.device)
+    return Captions(ids, seen, list(errors.items()))
+
+
+def gather_token_rows(rows: list[list[int]], present: list[bool], n: int, device: torch.device
+                      ) -> tuple[list[list[int]], list[bool]]:
+    """This rank's first ``n`` token rows (of any lengths) and whether each image was read, gathered
+    from every rank in rank order."""
     width = max([len(r) for r in rows] + [1])
-    local = torch.full((n, width), -1, dtype=torch.long, device=encoder.device)
+    local = torch.full((n, width), -1, dtype=torch.long, device=device)
     for i, r in enumerate(rows[:n]):
         local[i, : len(r)] = torch.tensor(r, dtype=torch.long)
     ids = all_gather_no_grad(local, pad_value=-1)
-    seen = all_gather_no_grad(torch.tensor(present[:n], dtype=torch.bool, device=encoder.device))
-    return Captions([[t for t in row if t >= 0] for row in ids.tolist()], seen.tolist(), list(errors.items()))
+    seen = all_gather_no_grad(torch.tensor(present[:n], dtype=torch.bool, device=device))
+    return [[t for t in row if t >= 0] for row in ids.tolist()], seen.tolist()
 
 
 def decode_all(tokenizer: Tokenizer, captions: Captions) -> list[str]:

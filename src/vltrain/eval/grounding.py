@@ -28,7 +28,7 @@ from vltrain.data.images import ImageError, image_problem, shown_size
 from vltrain.data.loading.loader import build_eval_loader
 from vltrain.data.tokenizers import Tokenizer
 from vltrain.errors import UserError
-from vltrain.eval.captioning import locca_vocab
+from vltrain.eval.captioning import gather_token_rows, locca_vocab
 from vltrain.eval.embedding import Encoder, eval_mode
 from vltrain.model.locca import describe, ground
 from vltrain.model.passes import Encode
@@ -136,14 +136,7 @@ def describe_boxes(encoder: Encoder, tokenizer: Tokenizer, images: list[str], bo
                 rows += describe(model, vocab, tokens, boxes[index.clamp(max=len(boxes) - 1)].to(encoder.device),
                                  max_tokens, tokenizer.eos_id, tokenizer.pad_id)
             present += inputs.has_image.tolist()
-    n = loader.num_samples
-    width = max([len(r) for r in rows] + [1])
-    local = torch.full((n, width), -1, dtype=torch.long, device=encoder.device)
-    for i, r in enumerate(rows[:n]):
-        local[i, : len(r)] = torch.tensor(r, dtype=torch.long)
-    ids = all_gather_no_grad(local, pad_value=-1)
-    seen = all_gather_no_grad(torch.tensor(present[:n], dtype=torch.bool, device=encoder.device))
-    return [[t for t in row if t >= 0] for row in ids.tolist()], seen.tolist()
+    return gather_token_rows(rows, present, loader.num_samples, encoder.device)
 
 
 def _vocab(model):
