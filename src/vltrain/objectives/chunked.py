@@ -31,6 +31,33 @@ def _upcast(*tensors: torch.Tensor | None) -> list[torch.Tensor | None]:
     return [None if t is None else at_least_fp32(t) for t in tensors]
 
 
+def _forward_chunk(h: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, labels: torch.Tensor, smoothing: float
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(cross-entropy, log-sum-exp) of some rows; their logits are freed on return."""
+    z = F.linear(h, w, b)
+    lse = torch.logsumexp(z, dim=1)
+    nll = lse - z.gather(1, labels[:, None]).squeeze(1)
+    if smoothing:  # F.cross_entropy's: (1 - s) x NLL + s x the vocabulary's mean of -log p
+        nll = (1 - smoothing) * nll + smoothing * (lse - z.mean(dim=1))
+    return nll, lse
+
+
+def _backward_chunk(h: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, labels: torch.Tensor,
+                    lse: torch.Tensor, grad: torch.Tensor, smoothing: float, grad_w: torch.Tensor,
+                    grad_b: torch.Tensor | None) -> torch.Tensor:
+    """Adds some rows' share to ``grad_w`` (and ``grad_b``) and returns their states' gradient: the
+    logits' gradient, softmax - (1 - s) one-hot - s / V, made in place of their logits (freed on return)."""
+    d = F.linear(h, w, b).sub_(lse[:, None]).exp_()
+    if smoothing:
+        d.sub_(smoothing / w.shape[0])
+    d.scatter_add_(1, labels[:, None], d.new_full((len(d), 1), smoothing - 1))
+    d.mul_(grad[:, None].to(d.dtype))
+    grad_w.addmm_(d.t(), h)
+    if grad_b is not None:
+        grad_b.add_(d.sum(dim=0))
+    return d @ w
+
+
 class ChunkedCrossEntropy(torch.autograd.Function):
     """Per-token cross-entropy [N] of ``hidden`` [N, W] (every row labelled) against ``labels`` [N]
     through logits ``hidden @ weight.T + bias``, made ``chunk`` rows at a time; saves the inputs and
@@ -40,16 +67,10 @@ class ChunkedCrossEntropy(torch.autograd.Function):
     def forward(ctx, hidden, weight, bias, labels, smoothing: float, chunk: int):
         with torch.autocast(hidden.device.type, enabled=False):
             h, w, b = _upcast(hidden, weight, bias)
-            loss = h.new_empty(len(h))
-            lse = h.new_empty(len(h))
+            loss, lse = h.new_empty(len(h)), h.new_empty(len(h))
             for start in range(0, len(h), chunk):
                 rows = slice(start, start + chunk)
-                z = F.linear(h[rows], w, b)
-                lse[rows] = torch.logsumexp(z, dim=1)
-                nll = lse[rows] - z.gather(1, labels[rows, None]).squeeze(1)
-                if smoothing:  # F.cross_entropy's: (1 - s) x NLL + s x the vocabulary's mean of -log p
-                    nll = (1 - smoothing) * nll + smoothing * (lse[rows] - z.mean(dim=1))
-                loss[rows] = nll
+                loss[rows], lse[rows] = _forward_chunk(h[rows], w, b, labels[rows], smoothing)
         ctx.save_for_backward(hidden, weight, bias, labels, lse)
         ctx.smoothing, ctx.chunk = smoothing, chunk
         return loss
@@ -57,29 +78,20 @@ class ChunkedCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         hidden, weight, bias, labels, lse = ctx.saved_tensors
-        smoothing, chunk = ctx.smoothing, ctx.chunk
         with torch.autocast(hidden.device.type, enabled=False):
             h, w, b = _upcast(hidden, weight, bias)
-            grad_h = torch.empty_like(h)
-            grad_w = torch.zeros_like(w)
+            grad_h, grad_w = torch.empty_like(h), torch.zeros_like(w)
             grad_b = None if b is None else torch.zeros_like(b)
-            for start in range(0, len(h), chunk):
-                rows = slice(start, start + chunk)
-                d = F.linear(h[rows], w, b).sub_(lse[rows, None]).exp_()  # softmax
-                if smoothing:
-                    d.sub_(smoothing / w.shape[0])
-                d.scatter_add_(1, labels[rows, None], d.new_full((len(d), 1), smoothing - 1))
-                d.mul_(grad[rows, None].to(d.dtype))
-                grad_h[rows] = d @ w
-                grad_w.addmm_(d.t(), h[rows])
-                if grad_b is not None:
-                    grad_b.add_(d.sum(dim=0))
+            for start in range(0, len(h), ctx.chunk):
+                rows = slice(start, start + ctx.chunk)
+                grad_h[rows] = _backward_chunk(h[rows], w, b, labels[rows], lse[rows], grad[rows], ctx.smoothing,
+                                               grad_w, grad_b)
         return (grad_h.to(hidden.dtype), grad_w.to(weight.dtype), None if bias is None else grad_b.to(bias.dtype),
                 None, None, None)
 
 
 def chunked_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                          labels: torch.Tensor, label_smoothing: float = 0.0, chunk: int = 4096) -> torch.Tensor:
+                          labels: torch.Tensor, label_smoothing: float = 0.0, chunk: int = 1024) -> torch.Tensor:
     """Each token's cross-entropy [...] (0 where its label is -100) of its states ``hidden`` [..., W]
     through the logits ``hidden @ weight.T + bias`` (``weight`` [V, W], ``bias`` [V] or None)
     against ``labels`` [...], as ``F.cross_entropy(logits, labels, ignore_index=-100,
