@@ -207,6 +207,20 @@ class Encoded:
     """A zero scalar connected to every parameter ``encode`` used."""
 
 
+@dataclass
+class Readout:
+    """The decoder's logits unmade: the states the map to the vocabulary reads and that map,
+    ``logits = hidden @ weight.T + bias``. What a loss takes that makes the logits a chunk of tokens
+    at a time, never all of them at once (:mod:`vltrain.objectives.chunked`)."""
+
+    hidden: torch.Tensor
+    """[B, L, W] after the decoder's final norm (and BERT's transform)."""
+    weight: torch.Tensor
+    """[V, W] the map to the vocabulary (the token embedding, when tied)."""
+    bias: torch.Tensor | None = None
+    """[V] the per-token bias of BERT's transform head; None without one."""
+
+
 @dataclass(frozen=True)
 class ModelSpec:
     """What the objectives know of a model, fixed when it is built (``VLModel.spec``): which heads it
@@ -257,13 +271,20 @@ class ModelPasses(Protocol):
         """[B, L, V] MLM logits of (masked) captions from the text tower alone."""
 
     def locca_logits(self, rows: Any, image_tokens: Tokens, has_image: torch.Tensor) -> torch.Tensor:
-        """[N, L, V] a LocCa decoder's logits of ``rows`` (a :class:`vltrain.model.locca.TaskRows`),
+        """[N, L, V] a LocCa decoder's logits of ``rows`` (a :class:`vltrain.boxes.TaskRows`),
         reading ``image_tokens`` [N, M, W] where ``has_image``."""
+
+    def locca_readout(self, rows: Any, image_tokens: Tokens, has_image: torch.Tensor) -> "Readout":
+        """What :meth:`locca_logits` makes its logits of (``model.loss.caption_chunk``)."""
 
     def caption_logits(self, text_tokens: torch.Tensor, attention_mask: torch.Tensor, image_tokens: Tokens,
                        has_image: torch.Tensor) -> torch.Tensor:
         """[B, L, V] the decoder's next-token logits over the text tower's tokens, reading the image
         tokens in the rows where ``has_image``."""
+
+    def caption_readout(self, text_tokens: torch.Tensor, attention_mask: torch.Tensor, image_tokens: Tokens,
+                        has_image: torch.Tensor) -> Readout:
+        """What :meth:`caption_logits` makes its logits of, without making them."""
 
     def mim_prediction(self, images: Images, patch_mask: torch.Tensor) -> torch.Tensor:
         """[B, patches, 3 * p * p] the pixels predicted for each patch of ``images`` (one to a row),

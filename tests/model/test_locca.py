@@ -167,3 +167,22 @@ def test_ground_and_describe_write_boxes_and_phrases():
         ended = describe(direct(model), vocab, image, torch.tensor([[0.1, 0.1, 0.5, 0.5]] * 2), 6, 2, 0)
     assert torch.allclose(boxes, torch.full((2, 4), 250.5 / 1000))
     assert words == [[7] * 6] * 2 and ended == [[2]] * 2
+
+
+def test_chunked_logits_give_the_same_losses_and_gradients():
+    """model.loss.caption_chunk: LocCa's three losses and every gradient as with all the logits at once."""
+    inputs = _inputs()
+    key = StepKey(seed=3, step=7)
+    grads, losses = [], []
+    for chunk in (0, 5):
+        model, objectives = _model(caption_chunk=chunk)
+        keyed = _keyed(inputs, objectives, key)
+        out = objectives.score(model, model.encode(keyed), keyed)
+        out.loss.backward()
+        losses.append(out.losses)
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+    for name in ("caption", "referring", "grounded_caption"):
+        assert losses[1][name].item() == pytest.approx(losses[0][name].item(), rel=1e-6, abs=1e-6), name
+    assert grads[0].keys() == grads[1].keys()
+    for name, g in grads[0].items():
+        assert torch.allclose(grads[1][name], g, rtol=1e-5, atol=1e-6), name

@@ -1,8 +1,8 @@
 """LocCa (SigLIP 2's decoder: captions, referring expressions, grounded captions) through the real
 trainer, on the shapes with regions mixed with text-only, image-only and plain image-text rows,
 images at their own shape packed several to a sequence: the same curve on 1 rank x 1 micro-batch,
-1 rank x 2 micro-batches and 2 ranks under FSDP2, and a run stopped on 2 ranks and resumed on 1
-continues it. Real processes (gloo)."""
+1 rank x 2 micro-batches and 2 ranks under DDP and under FSDP2, and a run stopped on 2 ranks and
+resumed on 1 continues it. Real processes (gloo)."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ LOCCA = {"model__preset": "tiny-siglip2", "model__loss__itc": 0, "model__loss__s
          "model__loss__parallel_prediction": 0.5, "data__resize": "native", "data__max_patches": 9,
          "data__pack_images": "true", "data__global_batch_size": G, "train__max_steps": STEPS, "train__log_every": 1}
 SPLITS = {"1 rank": (1, {}), "1 rank, A=2": (1, {"data__micro_batch_size": G // 2}),
-          "2 ranks, FSDP2": (2, {"train__parallelism": "fsdp"})}
+          "2 ranks, DDP": (2, {}), "2 ranks, FSDP2": (2, {"train__parallelism": "fsdp"})}
 
 
 def regions_data(tmp_path_factory) -> Path:
@@ -58,7 +58,7 @@ def split_run(tmp_path_factory, name: str) -> Path:
 
 
 @pytest.mark.timeout(900)
-def test_one_global_batch_split_three_ways_trains_the_same_locca_model(tmp_path_factory):
+def test_one_global_batch_split_four_ways_trains_the_same_locca_model(tmp_path_factory):
     runs = {name: split_run(tmp_path_factory, name) for name in SPLITS}
     ref = runs["1 rank"]
     rows = metric_rows(ref)

@@ -119,6 +119,10 @@ class LossConfig(Settings):
     """The probability that a LocCa task of a row is decoded in parallel (CapPa: every target token
     from a mask token at once, no causal mask) instead of causally; drawn per row, task and step.
     SigLIP 2: 0.5."""
+    caption_chunk: int = 0
+    """Make the captioning loss's logits (and LocCa's tasks') this many tokens at a time
+    (vltrain.objectives.chunked), never the whole [tokens x vocabulary] tensor, and again in the
+    backward: for large vocabularies (SigLIP 2's 256k). The same loss to fp32 rounding; its matmul always in fp32. 0: all the logits at once."""
     distill: float = 0.0
     """Weight of distillation from model.teacher (OpenCLIP's DistillClipLoss): the cross-entropy of the
     student's image-to-text and text-to-image softmaxes over the global batch against the teacher's."""
@@ -151,6 +155,9 @@ class LossConfig(Settings):
             raise ConfigError(f"model.loss.caption_label_smoothing must be in [0, 1), got {self.caption_label_smoothing}")
         if not 0 <= self.parallel_prediction <= 1:
             raise ConfigError(f"model.loss.parallel_prediction must be in [0, 1], got {self.parallel_prediction}")
+        if self.caption_chunk < 0:
+            raise ConfigError(f"model.loss.caption_chunk must be >= 0 (tokens per chunk; 0: no chunks), "
+                              f"got {self.caption_chunk}")
         if not 0 < self.mlm_probability < 1:
             raise ConfigError(f"model.loss.mlm_probability must be in (0, 1), got {self.mlm_probability}")
 

@@ -189,22 +189,41 @@ class CaptionDecoder(nn.Module):
         layer = SplitDecoderBlock if c.separate_cross else DecoderBlock
         return layer(self.width, c.heads, image_width, c.mlp_ratio, c.act)
 
-    def logits(self, x: torch.Tensor) -> torch.Tensor:
+    def readout(self, x: torch.Tensor) -> torch.Tensor:
+        """The states the map to the vocabulary reads, of the last layer's ``x``: after the final
+        norm, and BERT's transform (``head`` transform)."""
         if self.norm is not None:
             x = self.norm(x)
-        return self.head(x) if self.head is not None else F.linear(x, self.embedding[0].weight)
+        return self.head.transform(x) if isinstance(self.head, MLMHead) else x
 
-    def forward(self, text_tokens: torch.Tensor, attention_mask: torch.Tensor, image_tokens: Tokens,
-                has_image: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
-        """[B, L, V] next-token logits of captions [B, L, W] (the causal text tower's tokens) reading
-        ``image_tokens``' real tokens [B, M, Wv], except in the rows where ``has_image`` is false.
-        ``mask`` [B, 1, L, L] (bool, True: may attend) replaces the causal one made from ``attention_mask``."""
+    @property
+    def vocabulary(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The map to the vocabulary: its weight [V, W] (the token embedding, when tied) and its
+        per-token bias [V] (the transform head's; None without one)."""
+        if isinstance(self.head, MLMHead):
+            return self.head.weight, self.head.bias
+        return (self.head.weight if self.head is not None else self.embedding[0].weight), None
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(self.readout(x), *self.vocabulary)
+
+    def states(self, text_tokens: torch.Tensor, attention_mask: torch.Tensor, image_tokens: Tokens,
+               has_image: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        """[B, L, W] what the map to the vocabulary reads (:meth:`readout`) of captions [B, L, W]
+        (the causal text tower's tokens) reading ``image_tokens``' real tokens [B, M, Wv], except in
+        the rows where ``has_image`` is false. ``mask`` [B, 1, L, L] (bool, True: may attend)
+        replaces the causal one made from ``attention_mask``."""
         if mask is None:
             mask = key_padding_mask(attention_mask, causal=True)
         gate = has_image.to(text_tokens.dtype)[:, None, None]
         x = run_blocks(self.blocks, text_tokens, mask, image_tokens.values, image_tokens.cross_mask, gate,
                        checkpointing=self.checkpointing)
-        return self.logits(x)
+        return self.readout(x)
+
+    def forward(self, text_tokens: torch.Tensor, attention_mask: torch.Tensor, image_tokens: Tokens,
+                has_image: torch.Tensor) -> torch.Tensor:
+        """[B, L, V] next-token logits of :meth:`states`."""
+        return F.linear(self.states(text_tokens, attention_mask, image_tokens, has_image), *self.vocabulary)
 
     def step(self, text_tokens: torch.Tensor, cache: DecoderCache) -> torch.Tensor:
         """[B, n, V] logits of the new positions' text tokens [B, n, W], given ``cache`` (which grows)."""

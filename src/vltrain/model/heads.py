@@ -74,7 +74,14 @@ class MLMHead(nn.Module):
         self.decoder = nn.Linear(width, vocab_size, bias=False) if embedding is None else None
         self.bias = nn.Parameter(torch.zeros(vocab_size))
 
+    def transform(self, fused: torch.Tensor) -> torch.Tensor:
+        """The states the map to the vocabulary reads: dense, activation, norm."""
+        return self.norm(self.act(self.dense(fused)))
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """[V, W] the map to the vocabulary (the token embedding, when tied)."""
+        return self.decoder.weight if self.embedding is None else self.embedding[0].weight
+
     def forward(self, fused: torch.Tensor) -> torch.Tensor:
-        h = self.norm(self.act(self.dense(fused)))
-        weight = self.decoder.weight if self.embedding is None else self.embedding[0].weight
-        return F.linear(h, weight, self.bias)
+        return F.linear(self.transform(fused), self.weight, self.bias)

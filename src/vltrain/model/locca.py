@@ -18,6 +18,7 @@ writes either form.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from vltrain.boxes import BOX_TOKENS, LocCaVocab, TaskRows, from_bins, ordered, task_rows, to_bins
@@ -42,6 +43,10 @@ class LocCaDecoder(CaptionDecoder):
 
     def rows(self, rows: TaskRows, image_tokens: Tokens, has_image: torch.Tensor) -> torch.Tensor:
         """[B, L, V] logits of ``rows``, each causal or parallel as it says."""
+        return F.linear(self.row_states(rows, image_tokens, has_image), *self.vocabulary)
+
+    def row_states(self, rows: TaskRows, image_tokens: Tokens, has_image: torch.Tensor) -> torch.Tensor:
+        """[B, L, W] what the map to the vocabulary reads of ``rows`` (:meth:`rows` without the map)."""
         length = rows.ids.shape[1]
         if length > self.max_length:
             raise ValueError(f"a decoder row of {length} tokens exceeds the decoder's {self.max_length} positions")
@@ -49,7 +54,7 @@ class LocCaDecoder(CaptionDecoder):
         causal = key_padding_mask(rows.attention_mask, causal=True)
         full = key_padding_mask(rows.attention_mask)
         mask = torch.where(rows.parallel[:, None, None, None], full, causal)
-        return self(x, rows.attention_mask, image_tokens, has_image, mask=mask)
+        return self.states(x, rows.attention_mask, image_tokens, has_image, mask=mask)
 
     def flops(self, length: int, image_tokens: int, vocab_size: int) -> float:
         return super().flops(length, image_tokens, self.vocab.size)

@@ -26,7 +26,7 @@ from vltrain.model.locca import LocCaDecoder
 from vltrain.model.weight_decay import default_no_weight_decay
 from vltrain.boxes import TaskRows
 from vltrain.images import Images
-from vltrain.types import Encoded, ModelInputs, ModelSpec, Tokens
+from vltrain.types import Encoded, ModelInputs, ModelSpec, Readout, Tokens
 
 
 class VLModel(nn.Module):
@@ -204,11 +204,23 @@ class VLModel(nn.Module):
         where ``has_image``."""
         return self.decoder.rows(rows, image_tokens, has_image)
 
+    def locca_readout(self, rows: TaskRows, image_tokens: Tokens, has_image: torch.Tensor) -> Readout:
+        """What :meth:`locca_logits` makes its logits of (``model.loss.caption_chunk``)."""
+        weight, bias = self.decoder.vocabulary
+        return Readout(self.decoder.row_states(rows, image_tokens, has_image), weight, bias)
+
     def caption_logits(self, text_tokens: torch.Tensor, attention_mask: torch.Tensor, image_tokens: Tokens,
                        has_image: torch.Tensor) -> torch.Tensor:
         """[B, L, V] next-token logits of the decoder over the text tower's tokens, reading the real
         image tokens in the rows that have an image (caption)."""
         return self.decoder(text_tokens, attention_mask, image_tokens, has_image)
+
+    def caption_readout(self, text_tokens: torch.Tensor, attention_mask: torch.Tensor, image_tokens: Tokens,
+                        has_image: torch.Tensor) -> Readout:
+        """What :meth:`caption_logits` makes its logits of: the decoder's states and its map to the
+        vocabulary (caption, with ``model.loss.caption_chunk``)."""
+        weight, bias = self.decoder.vocabulary
+        return Readout(self.decoder.states(text_tokens, attention_mask, image_tokens, has_image), weight, bias)
 
     # -- generation (the decoder's; vltrain.model.generate drives it) ---------------------------
 

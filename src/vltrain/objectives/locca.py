@@ -23,8 +23,8 @@ import torch.nn.functional as F
 
 from vltrain.boxes import BOX_TOKENS, LocCaVocab, TaskRows, task_rows, to_bins
 from vltrain.objectives.keyed import UNKEYED, StepKey, Stream
-from vltrain.objectives.losses import _over
-from vltrain.runtime.precision import at_least_fp32
+from vltrain.objectives.chunked import chunked_cross_entropy
+from vltrain.objectives.losses import _over, token_cross_entropy
 from vltrain.model.config import LossConfig
 from vltrain.types import Encoded, ModelInputs, ModelPasses, ModelSpec, RowLosses
 
@@ -72,12 +72,14 @@ class LocCaTasks:
     """LocCa's weighted objectives for a decoder of vocabulary ``vocab``."""
 
     def __init__(self, weights: dict[str, float], parallel: float, vocab: LocCaVocab, pad_id: int,
-                 label_smoothing: float = 0.0):
+                 label_smoothing: float = 0.0, chunk: int = 0):
         self.weights = {k: v for k, v in weights.items() if k in TASKS and v > 0}
         self.parallel = parallel
         self.vocab = vocab
         self.pad_id = pad_id
         self.label_smoothing = label_smoothing
+        self.chunk = chunk
+        """``loss.caption_chunk``: the logits this many tokens at a time (0: all at once)."""
 
     @staticmethod
     def of(weights: dict[str, float], loss: LossConfig, spec: ModelSpec) -> "LocCaTasks | None":
@@ -86,7 +88,7 @@ class LocCaTasks:
         if not spec.box_bins:
             return None
         return LocCaTasks(weights, loss.parallel_prediction, LocCaVocab(spec.vocab_size, spec.box_bins), spec.pad_id,
-                          loss.caption_label_smoothing)
+                          loss.caption_label_smoothing, loss.caption_chunk)
 
     def pick(self, inputs: ModelInputs, key: StepKey) -> Picked | None:
         """Each row's region for the step, drawn keyed by its id among its first ``count`` (rows with
@@ -153,9 +155,13 @@ class LocCaTasks:
         key = inputs.key or UNKEYED
         rows, task, source = self.rows(inputs, key)
         image = enc.image_tokens if len(rows.ids) == len(inputs) else enc.image_tokens.index_select(source)
-        logits = passes.locca_logits(rows, image, inputs.has_image.index_select(0, source))
-        ce = F.cross_entropy(at_least_fp32(logits).flatten(0, 1), rows.labels.flatten(), ignore_index=-100,
-                             reduction="none", label_smoothing=self.label_smoothing).view_as(rows.labels)
+        has_image = inputs.has_image.index_select(0, source)
+        if self.chunk:  # never the [N, L, V] logits
+            out = passes.locca_readout(rows, image, has_image)
+            ce = chunked_cross_entropy(out.hidden, out.weight, out.bias, rows.labels, self.label_smoothing, self.chunk)
+        else:
+            logits = passes.locca_logits(rows, image, has_image)
+            ce = token_cross_entropy(logits, rows.labels, self.label_smoothing).view_as(rows.labels)
         picked = rows.labels != -100
         w = torch.ones(len(inputs), device=ce.device) if inputs.row_weights is None else inputs.row_weights.float()
         token_w = picked.float() * w.index_select(0, source)[:, None]

@@ -239,8 +239,20 @@ def mlm_loss(logits: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor |
     zero when none is picked: MLM's masked tokens, captioning's next tokens.
     ``rows_out`` receives each row's mean over its picked tokens (detached; 0 where none).
     ``denominator`` replaces the local weighted count of picked tokens."""
-    ce = F.cross_entropy(at_least_fp32(logits).flatten(0, 1), labels.flatten(), ignore_index=-100, reduction="none",
-                         label_smoothing=label_smoothing)
+    return token_mean(token_cross_entropy(logits, labels, label_smoothing), labels, weights, rows_out, denominator)
+
+
+def token_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, label_smoothing: float = 0.0) -> torch.Tensor:
+    """[B * L] each token's cross-entropy of logits [B, L, V] (in at least fp32) against labels [B, L];
+    0 where the label is -100."""
+    return F.cross_entropy(at_least_fp32(logits).flatten(0, 1), labels.flatten(), ignore_index=-100,
+                           reduction="none", label_smoothing=label_smoothing)
+
+
+def token_mean(ce: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor | None = None,
+               rows_out: list | None = None, denominator: torch.Tensor | None = None) -> torch.Tensor:
+    """:func:`mlm_loss` given each token's cross-entropy ``ce`` ([B * L], 0 where the label is -100)
+    instead of the logits (e.g. :func:`vltrain.objectives.chunked.chunked_cross_entropy`'s)."""
     if rows_out is not None:
         picked = (labels != -100).float()
         rows_out.append((ce.detach().view_as(picked) * picked).sum(dim=1) / picked.sum(dim=1).clamp(min=1))

@@ -37,20 +37,13 @@ from dataclasses import dataclass, field
 import torch
 
 from vltrain.model.config import LossConfig, VisionSettings
+from vltrain.objectives.chunked import chunked_cross_entropy
 from vltrain.objectives.distill import distill_loss, distill_sigmoid_loss
 from vltrain.objectives.keyed import UNKEYED, Stream
 from vltrain.objectives.locca import TASKS as LOCCA_TASKS
 from vltrain.objectives.locca import LocCaTasks
-from vltrain.objectives.losses import (
-    itc_loss,
-    itm_loss,
-    mask_tokens,
-    mim_loss,
-    mlm_loss,
-    sample_negatives,
-    scale_of,
-    siglip_loss,
-)
+from vltrain.objectives.losses import (itc_loss, itm_loss, mask_tokens, mim_loss, mlm_loss, sample_negatives, scale_of,
+                                       siglip_loss, token_cross_entropy, token_mean)
 from vltrain.objectives.ring import itc_loss_ring, siglip_loss_ring
 from vltrain.pixels import kept_patches
 from vltrain.runtime.distributed import all_gather_no_grad, all_gather_with_grad, exchange_shapes, pad_to
@@ -161,6 +154,7 @@ class Objectives:
         self.mim_ratio = loss.mim_ratio
         self.mlm_probability = loss.mlm_probability
         self.caption_label_smoothing = loss.caption_label_smoothing
+        self.caption_chunk = loss.caption_chunk
         self.itm_negatives = "local" if loss.itm_negatives == "auto" else loss.itm_negatives
         self.itm_group_size = loss.itm_group_size
         """Rows per ITM group (``itm_negatives: group``); 0: the whole micro-batch."""
@@ -383,10 +377,15 @@ class Objectives:
         image-text row, as a plain language model on a text-only row. Image-only rows have nothing
         to predict; the decoder still runs over every row, so every rank runs the same graph."""
         labels = self.caption_labels(inputs)
-        logits = passes.caption_logits(enc.text_tokens, inputs.attention_mask, enc.image_tokens, inputs.has_image)
+        decoder_inputs = (enc.text_tokens, inputs.attention_mask, enc.image_tokens, inputs.has_image)
+        if self.caption_chunk:  # never the [B, L, V] logits
+            out = passes.caption_readout(*decoder_inputs)
+            ce = chunked_cross_entropy(out.hidden[:, :-1], out.weight, out.bias, labels, self.caption_label_smoothing,
+                                       self.caption_chunk).flatten()
+        else:
+            ce = token_cross_entropy(passes.caption_logits(*decoder_inputs)[:, :-1], labels, self.caption_label_smoothing)
         per_row: list = []
-        loss = mlm_loss(logits[:, :-1], labels, inputs.row_weights, per_row, _denominator(inputs, "caption"),
-                        self.caption_label_smoothing)
+        loss = token_mean(ce, labels, inputs.row_weights, per_row, _denominator(inputs, "caption"))
         row_losses["caption"] = RowLosses(per_row[0], (labels != -100).any(dim=1))
         return loss
 
