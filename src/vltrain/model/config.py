@@ -120,9 +120,11 @@ class LossConfig(Settings):
     from a mask token at once, no causal mask) instead of causally; drawn per row, task and step.
     SigLIP 2: 0.5."""
     caption_chunk: int = 0
-    """Make the captioning loss's logits (and LocCa's tasks') this many tokens at a time
-    (vltrain.objectives.chunked), never the whole [tokens x vocabulary] tensor, and again in the
-    backward: for large vocabularies (SigLIP 2's 256k). The same loss to fp32 rounding; its matmul always in fp32. 0: all the logits at once."""
+    """Make the captioning loss's logits (and LocCa's tasks') this many labelled tokens at a time, in
+    the forward and again in the backward (vltrain.objectives.chunked), never the whole [tokens x
+    vocabulary] tensor: for large vocabularies (SigLIP 2's 256k), at the cost of one more vocabulary
+    matmul per token (docs/benchmarks/memory.md#the-captioning-loss-over-a-256k-vocabulary-in-chunks).
+    The same loss to fp32's rounding, its matmuls in fp32 even under bf16. 0: all the logits at once."""
     distill: float = 0.0
     """Weight of distillation from model.teacher (OpenCLIP's DistillClipLoss): the cross-entropy of the
     student's image-to-text and text-to-image softmaxes over the global batch against the teacher's."""
