@@ -186,3 +186,24 @@ def test_chunked_logits_give_the_same_losses_and_gradients():
     assert grads[0].keys() == grads[1].keys()
     for name, g in grads[0].items():
         assert torch.allclose(grads[1][name], g, rtol=1e-5, atol=1e-6), name
+
+
+def test_parallel_grounding_reads_the_mask_positions():
+    """ground(parallel=True): the four box tokens at once, from the mask positions after the phrase."""
+    from vltrain.model.locca import ground
+    from vltrain.model.passes import direct
+
+    model, _ = _model()
+    vocab = model.decoder.vocab
+    image = model.encode(_inputs(2)).image_tokens
+    phrases = torch.tensor([[3, 4, 5], [6, 7, 0]])
+    with torch.no_grad():
+        decoder = model.decoder
+        decoder.norm.weight.zero_()
+        decoder.norm.bias.normal_()
+        out = decoder.token_embedding.weight
+        out.zero_()
+        out[vocab.box + 640] = decoder.norm.bias  # every position's favourite box token: bin 640
+        causal = ground(direct(model), vocab, image, phrases, torch.tensor([3, 2]), 0)
+        parallel = ground(direct(model), vocab, image, phrases, torch.tensor([3, 2]), 0, parallel=True)
+    assert torch.allclose(parallel, torch.full((2, 4), 640.5 / 1000)) and torch.allclose(parallel, causal)

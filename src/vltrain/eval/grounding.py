@@ -99,6 +99,8 @@ def ground_pairs(encoder: Encoder, tokenizer: Tokenizer, images: list[str], text
     """The box the decoder writes for each (image, phrase) pair, gathered from every rank."""
     cfg, model = encoder.data_cfg, encoder.wrapped
     vocab = _vocab(model)
+    tasks = getattr(getattr(model, "objectives", None), "locca", None)
+    parallel = tasks is not None and tasks.parallel >= 1  # decoded as it trained: it never trained causally
     loader = build_eval_loader(cfg, PairDataset(images, texts, cfg, tokenizer), rank=rank, world_size=world_size,
                                batch_size=batch_size, pad_id=tokenizer.pad_id)
     boxes, present, errors = [], [], {}
@@ -108,7 +110,7 @@ def ground_pairs(encoder: Encoder, tokenizer: Tokenizer, images: list[str], text
             with encoder.autocast():
                 tokens = model(Encode(inputs)).image_tokens
                 boxes.append(ground(model, vocab, tokens, inputs.input_ids, inputs.attention_mask.sum(dim=1),
-                                    tokenizer.pad_id).float())
+                                    tokenizer.pad_id, parallel).float())
             present += inputs.has_image.tolist()
             errors.update(dict(batch.errors))
     n = loader.num_samples

@@ -87,15 +87,24 @@ def _greedy(run, rows: TaskRows, image_tokens: Tokens, steps: int, allowed: tupl
 
 
 def ground(run, vocab: LocCaVocab, image_tokens: Tokens, phrases: torch.Tensor, phrase_len: torch.Tensor,
-           pad_id: int) -> torch.Tensor:
+           pad_id: int, parallel: bool = False) -> torch.Tensor:
     """float [B, 4]: the box (in [0, 1] of the image as the model sees it) the decoder writes for each
     image's phrase ``phrases`` [B, P] (its first ``phrase_len``): a referring expression decoded
-    causally, each coordinate the most likely box token."""
+    causally, each coordinate the most likely box token; ``parallel``: all four at once from mask
+    tokens (a decoder trained with ``parallel_prediction`` 1 has never decoded causally)."""
     b = len(phrases)
     none = torch.zeros(b, dtype=torch.long, device=phrases.device)
-    rows = task_rows(vocab.referring, phrases, phrase_len, phrases[:, :0], none, none.bool(), vocab, pad_id)
-    tokens = _greedy(run, rows, image_tokens, BOX_TOKENS, (vocab.box, vocab.box + vocab.bins), None)
-    return ordered(from_bins(tokens - vocab.box, vocab.bins))
+    box = (vocab.box, vocab.box + vocab.bins)
+    if not parallel:
+        rows = task_rows(vocab.referring, phrases, phrase_len, phrases[:, :0], none, none.bool(), vocab, pad_id)
+        tokens = _greedy(run, rows, image_tokens, BOX_TOKENS, box, None)
+        return ordered(from_bins(tokens - vocab.box, vocab.bins))
+    masks = torch.full((b, BOX_TOKENS), vocab.mask, dtype=torch.long, device=phrases.device)
+    rows = task_rows(vocab.referring, phrases, phrase_len, masks, none + BOX_TOKENS, none.bool() | True, vocab, pad_id)
+    logits = run(LocCaLogits(rows, image_tokens, torch.ones(b, dtype=torch.bool, device=phrases.device)))
+    at = 1 + phrase_len[:, None] + torch.arange(BOX_TOKENS, device=phrases.device)[None]
+    picked = logits.gather(1, at[..., None].expand(-1, -1, logits.shape[-1]))[..., box[0]:box[1]]
+    return ordered(from_bins(picked.argmax(dim=-1), vocab.bins))
 
 
 def describe(run, vocab: LocCaVocab, image_tokens: Tokens, boxes: torch.Tensor, max_tokens: int, end_id: int,
