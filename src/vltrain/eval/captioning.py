@@ -189,30 +189,21 @@ def caption_images(path: Path, images: list[str], overrides: list[str], *, beam:
     """``vltrain caption``: (path, caption) of each image, in order, on every rank; None for an image
     that could not be read (its reason is logged, with the count)."""
     from vltrain.checkpoint.paths import locate
-    from vltrain.compose.builders import build_task
     from vltrain.compose.decide import model_config
-    from vltrain.compose.opening import open_model
-    from vltrain.runtime.precision import Precision
-    from vltrain.runtime.world import setup_world
 
     decided = model_config(locate(path), overrides, purpose="caption")
-    cfg = decided.cfg
-    context = cfg.data.max_text_length
+    context = decided.cfg.data.max_text_length
     decoding = Decoding(max_length or context, beam, top_p, seed, cache)
     decoding.check(0, context)
-    world = setup_world(timeout_s=cfg.train.timeout_s, device=cfg.train.device, threads=cfg.train.threads,
-                        tf32=cfg.train.tf32)
-    clean = False
+    g = open_to_generate(decided)
+    world, clean = g.world, False
     try:
-        opened = open_model(decided, device=world.device)
-        needs_decoder(opened.model, str(path))
-        vocab = locca_vocab(opened.model)
-        start_id = vocab.caption if vocab is not None else opened.model.text.cfg.start_id
-        start = Prompt.of(opened.tokenizer, prompt, context, start_id)
+        needs_decoder(g.model, str(path))
+        vocab = locca_vocab(g.model)
+        start_id = vocab.caption if vocab is not None else g.model.text.cfg.start_id
+        start = Prompt.of(g.tokenizer, prompt, context, start_id)
         decoding.check(len(start.ids), context)
-        encoder = Encoder(build_task(cfg, opened.model), cfg.data, world.device,
-                          Precision(cfg.train.precision, world.device).autocast)
-        texts, captions = caption_paths(encoder, opened.tokenizer, images, start, decoding, rank=world.rank,
+        texts, captions = caption_paths(g.encoder, g.tokenizer, images, start, decoding, rank=world.rank,
                                         world_size=world.world_size, batch_size=batch_size)
         for image, why in captions.errors:
             log.warning(f"{image}: {why}")
@@ -223,3 +214,36 @@ def caption_images(path: Path, images: list[str], overrides: list[str], *, beam:
         return [(p, t if ok else None) for p, t, ok in zip(images, texts, captions.present)]
     finally:
         world.close(clean)
+
+
+@dataclass
+class Generating:
+    """A model opened to generate on this rank's world: wrapped in its task (``encoder.wrapped``)."""
+
+    encoder: Encoder
+    tokenizer: Tokenizer
+    model: object
+    world: object
+    """Closed by the caller (``world.close(clean)``)."""
+
+
+def open_to_generate(decided) -> Generating:
+    """The model a decided config (``vltrain.compose.decide.Decided``) describes, opened through the
+    one door on a world set up for it (closed again if opening fails)."""
+    from vltrain.compose.builders import build_task
+    from vltrain.compose.opening import open_model
+    from vltrain.runtime.precision import Precision
+    from vltrain.runtime.world import setup_world
+
+    cfg = decided.cfg
+    world = setup_world(timeout_s=cfg.train.timeout_s, device=cfg.train.device, threads=cfg.train.threads,
+                        tf32=cfg.train.tf32)
+    try:
+        opened = open_model(decided, device=world.device)
+        encoder = Encoder(build_task(cfg, opened.model), cfg.data, world.device,
+                          Precision(cfg.train.precision, world.device).autocast)
+    except BaseException:
+        world.close(False)
+        raise
+    return Generating(encoder, opened.tokenizer, opened.model, world)
+

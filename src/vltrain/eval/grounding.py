@@ -22,52 +22,37 @@ from PIL import Image
 from vltrain.boxes import box_iou
 from vltrain.data.config import DataConfig
 from vltrain.data.dataset import Sample
-from vltrain.data.ids import stable_uid
-from vltrain.data.image_input import decode_for
-from vltrain.data.images import ImageError, image_problem, shown_size
+from vltrain.data.images import shown_size, shown_window
 from vltrain.data.loading.loader import build_eval_loader
 from vltrain.data.tokenizers import Tokenizer
 from vltrain.errors import UserError
-from vltrain.eval.captioning import gather_token_rows, locca_vocab
+from vltrain.eval.captioning import Generating, gather_token_rows, locca_vocab, open_to_generate
 from vltrain.eval.embedding import Encoder, eval_mode
+from vltrain.eval.labeled import ImageListDataset
 from vltrain.model.locca import describe, ground
 from vltrain.model.passes import Encode
 from vltrain.runtime.distributed import all_gather_no_grad
 
 
-class PairDataset(torch.utils.data.Dataset):
+class PairDataset(ImageListDataset):
     """``ds[i]``: image file ``images[i]`` decoded as in training, with ``texts[i]`` as its text."""
 
-    uses_random = False
-
     def __init__(self, images: list[str], texts: list[str], cfg: DataConfig, tokenizer: Tokenizer):
-        self.images, self.texts, self.cfg, self.tokenizer = images, texts, cfg, tokenizer
-
-    def __len__(self) -> int:
-        return len(self.images)
+        super().__init__(images, cfg)
+        self.texts, self.tokenizer = texts, tokenizer
 
     def __getitem__(self, i: int) -> Sample:
-        path = self.images[i]
-        image, grid, errors = None, None, []
-        try:
-            with open(path, "rb") as f:
-                image, grid = decode_for(f.read(), self.cfg)
-        except (ImageError, OSError) as e:
-            errors.append((path, image_problem(e, path)))
-        ids, truncated = self.tokenizer.encode(self.texts[i], self.cfg.max_text_length)
-        return Sample(stable_uid(f"{i}:{path}"), path, image, ids, truncated, 0, errors, grid)
+        sample = super().__getitem__(i)
+        sample.input_ids, sample.truncated = self.tokenizer.encode(self.texts[i], self.cfg.max_text_length)
+        return sample
 
 
 def view_window(path: str, resize: str) -> tuple[float, float, float, float]:
     """The part (x0, y0, x1, y1, in pixels of the image as shown) that the model sees of image
-    ``path``: the center square ``data.resize: crop`` keeps, else the whole image."""
+    ``path``: the center square ``data.resize: crop`` keeps, else the whole image (read from its header)."""
     with Image.open(path) as im:
         height, width = shown_size(im)
-    if resize != "crop":
-        return 0.0, 0.0, float(width), float(height)
-    side = min(width, height)
-    top, left = (height - side) // 2, (width - side) // 2
-    return float(left), float(top), float(left + side), float(top + side)
+    return shown_window(width, height, resize)
 
 
 def to_image_pixels(boxes: torch.Tensor, windows: list[tuple[float, float, float, float]]) -> torch.Tensor:
@@ -212,42 +197,25 @@ def evaluate_referring(encoder: Encoder, tokenizer: Tokenizer, task: ReferringSe
     return out | {f"{prefix}num_pairs": len(keep), f"{prefix}num_unreadable": len(task.images) - len(keep)}
 
 
-@dataclass
-class _Opened:
-    encoder: Encoder
-    tokenizer: Tokenizer
-    world: object
-
-
-def _open_for(path: Path, overrides: list[str], purpose: str) -> _Opened:
-    """The model at ``path`` opened through the one door, wrapped in its task, on this rank's world."""
+def _open_for(path: Path, overrides: list[str]) -> Generating:
+    """The LocCa model at ``path`` opened to generate (one line, and the world closed, without one)."""
     from vltrain.checkpoint.paths import locate
-    from vltrain.compose.builders import build_task
     from vltrain.compose.decide import model_config
-    from vltrain.compose.opening import open_model
-    from vltrain.runtime.precision import Precision
-    from vltrain.runtime.world import setup_world
 
-    decided = model_config(locate(path), overrides, purpose=purpose)
-    cfg = decided.cfg
-    world = setup_world(timeout_s=cfg.train.timeout_s, device=cfg.train.device, threads=cfg.train.threads,
-                        tf32=cfg.train.tf32)
+    g = open_to_generate(model_config(locate(path), overrides, purpose="caption"))
     try:
-        opened = open_model(decided, device=world.device)
-        _vocab(opened.model)
-        encoder = Encoder(build_task(cfg, opened.model), cfg.data, world.device,
-                          Precision(cfg.train.precision, world.device).autocast)
+        _vocab(g.model)
     except BaseException:
-        world.close(False)
+        g.world.close(False)
         raise
-    return _Opened(encoder, opened.tokenizer, world)
+    return g
 
 
 def ground_images(path: Path, images: list[str], texts: list[str], overrides: list[str], *, batch_size: int = 32
                   ) -> list[tuple[str, str, list[float] | None]]:
     """``vltrain ground``: (image, text, box in pixels of the image as shown, or None where the image
     could not be read) of each pair, in order, on every rank."""
-    o = _open_for(path, overrides, "caption")
+    o = _open_for(path, overrides)
     clean = False
     try:
         w = o.world
@@ -270,7 +238,7 @@ def caption_boxes(path: Path, images: list[str], boxes: list[list[float]], overr
                   max_length: int = 0, batch_size: int = 32) -> list[tuple[str, str | None]]:
     """``vltrain caption --boxes``: (image, the phrase the decoder writes for its box, given in pixels
     of the image as shown; None where the image could not be read), in order, on every rank."""
-    o = _open_for(path, overrides, "caption")
+    o = _open_for(path, overrides)
     clean = False
     try:
         w, cfg = o.world, o.encoder.data_cfg

@@ -100,8 +100,9 @@ def ground(run, vocab: LocCaVocab, image_tokens: Tokens, phrases: torch.Tensor, 
         tokens = _greedy(run, rows, image_tokens, BOX_TOKENS, box, None)
         return ordered(from_bins(tokens - vocab.box, vocab.bins))
     masks = torch.full((b, BOX_TOKENS), vocab.mask, dtype=torch.long, device=phrases.device)
-    rows = task_rows(vocab.referring, phrases, phrase_len, masks, none + BOX_TOKENS, none.bool() | True, vocab, pad_id)
-    logits = run(LocCaLogits(rows, image_tokens, torch.ones(b, dtype=torch.bool, device=phrases.device)))
+    every = torch.ones(b, dtype=torch.bool, device=phrases.device)
+    rows = task_rows(vocab.referring, phrases, phrase_len, masks, none + BOX_TOKENS, every, vocab, pad_id)
+    logits = run(LocCaLogits(rows, image_tokens, every))
     at = 1 + phrase_len[:, None] + torch.arange(BOX_TOKENS, device=phrases.device)[None]
     picked = logits.gather(1, at[..., None].expand(-1, -1, logits.shape[-1]))[..., box[0]:box[1]]
     return ordered(from_bins(picked.argmax(dim=-1), vocab.bins))

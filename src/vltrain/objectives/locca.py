@@ -170,11 +170,10 @@ class LocCaTasks:
         for i, name in enumerate(TASKS):
             if name not in self.weights:
                 continue
-            of_task = (task == i).float()[:, None]
-            numerator = (ce * token_w * of_task).sum()
-            denominator = denominators.get(name)  # None: this micro-batch's own
-            out[name] = _over(numerator, (token_w * of_task).sum() if denominator is None else denominator)
             mine = task == i
+            of_task = token_w * mine.float()[:, None]
+            denominator = denominators.get(name)  # None: this micro-batch's own
+            out[name] = _over((ce * of_task).sum(), of_task.sum() if denominator is None else denominator)
             values = torch.zeros(len(inputs), device=ce.device).index_add(0, source[mine], per_row[mine])
             applies = torch.zeros(len(inputs), dtype=torch.bool, device=ce.device)
             applies[source[mine]] = picked[mine].any(dim=1)
