@@ -40,6 +40,7 @@ import torch.distributed.checkpoint as dcp
 import yaml
 from torch.distributed.checkpoint import metadata as dcp_metadata
 from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
     get_model_state_dict,
     get_optimizer_state_dict,
     set_model_state_dict,
@@ -72,6 +73,9 @@ from vltrain.errors import UserError
 from vltrain.runtime.distributed import all_gather_object, barrier, broadcast_object, is_initialized, world_info
 from vltrain.runtime.faults import maybe_fail
 
+LORA_BASE_FILE = "lora-base.safetensors"
+"""Beside a LoRA run's checkpoints (in its checkpoints folder): the frozen weights its adapters sit
+on, written once; each checkpoint holds the adapters alone."""
 INITIAL_FILE = "init.safetensors"
 """RUN_DIR's copy of the weights the run started from (``checkpoint.save_initial``)."""
 TMP_PREFIX = ".tmp-"
@@ -88,16 +92,19 @@ class ModelState:
     """The model's parameters and buffers by plain FQN, unwrapped from DDP/FSDP2/compile.
 
     Under FSDP2 the values are DTensor shards, which DCP writes and reshards without gathering.
+    ``trainable_only`` (LoRA): the parameters that train, and the buffers; the frozen base is written
+    once beside the checkpoints (:func:`save_lora_base`), not at every save.
     """
 
-    def __init__(self, model: torch.nn.Module):
+    def __init__(self, model: torch.nn.Module, trainable_only: bool = False):
         self.model = model
+        self.options = StateDictOptions(ignore_frozen_params=trainable_only)
 
     def state_dict(self) -> dict[str, Any]:
-        return get_model_state_dict(self.model)
+        return get_model_state_dict(self.model, options=self.options)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        set_model_state_dict(self.model, state_dict)
+        set_model_state_dict(self.model, state_dict, options=self.options)
 
 
 class OptimizerState:
@@ -161,9 +168,10 @@ def _read_fitting(path: Path, targets: dict[str, torch.Tensor], saved_keys: list
 # Model weights (the folders are read by vltrain.checkpoint.paths)
 
 
-def load_model_weights(ckpt: Path, model: torch.nn.Module, ema: bool = False) -> None:
+def load_model_weights(ckpt: Path, model: torch.nn.Module, ema: bool = False, trainable_only: bool = False) -> None:
     """Load only the model's tensors, in one process, into a plain (unwrapped) model; ``ema``: then
-    its trainable parameters' EMA (``train.ema``) over them.
+    its trainable parameters' EMA (``train.ema``) over them. ``trainable_only``: a LoRA checkpoint,
+    which holds the adapters (and buffers) of a model whose base is already loaded.
 
     DCP reassembles the full tensors from whatever sharding wrote them, so this also consolidates
     FSDP2 checkpoints (for export and evaluation).
@@ -171,7 +179,8 @@ def load_model_weights(ckpt: Path, model: torch.nn.Module, ema: bool = False) ->
     state = json.loads((ckpt / STATE_FILE).read_text())
     if "model" not in state["states"]:
         raise UserError(f"checkpoint {ckpt} holds no model state")
-    targets = {f"model.{k}": v for k, v in model.state_dict().items()}
+    frozen = {n for n, p in model.named_parameters() if not p.requires_grad} if trainable_only else set()
+    targets = {f"model.{k}": v for k, v in model.state_dict().items() if k not in frozen}
     _read_fitting(ckpt, targets, tensor_keys(state["states"]["model"]), no_dist=True)
     if not ema:
         return
@@ -189,6 +198,15 @@ def save_initial_weights(run_dir: Path, model: torch.nn.Module) -> None:
     before any sharding, while the model is whole."""
     path = Path(run_dir) / INITIAL_FILE
     if not path.is_file():
+        write_weights(path, model.state_dict(), {"format": "pt"})
+
+
+def save_lora_base(folder: Path, model: torch.nn.Module) -> None:
+    """``folder/lora-base.safetensors``: the full weights under a LoRA run's adapters, before they are
+    added. Written once (a resumed run's base is the same), on one rank, before any sharding."""
+    path = Path(folder) / LORA_BASE_FILE
+    if not path.is_file():
+        path.parent.mkdir(parents=True, exist_ok=True)
         write_weights(path, model.state_dict(), {"format": "pt"})
 
 

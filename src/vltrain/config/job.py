@@ -19,6 +19,7 @@ from vltrain.config.loading import apply_override, dotted_keys, from_dict, read_
 from vltrain.data.config import DataConfig
 from vltrain.errors import ConfigError
 from vltrain.model.config import ModelConfig
+from vltrain.model.lora import LoraSettings
 from vltrain.types import Settings
 
 
@@ -126,6 +127,8 @@ class TrainConfig(Settings):
     """The rank whose loss debug_nan_step poisons (-1: every rank)."""
     ema: EmaSettings = field(default_factory=EmaSettings)
     """Weight EMA (off by default)."""
+    lora: LoraSettings = field(default_factory=LoraSettings)
+    """LoRA adapters through peft (off by default: rank 0); with them only the adapters train."""
     debug_spmd: bool = False
     """Before each of vltrain's collectives, the ranks compare what they are about to issue (op,
     dtype, shape, and a fingerprint of the step's collectives so far); a divergence stops every
@@ -153,6 +156,10 @@ class TrainConfig(Settings):
                               f"got {self.layer_decay}")
         self._validate_unlock()
         self.ema.validate()
+        self.lora.validate()
+        if self.lora.enabled and self.freeze:
+            raise ConfigError(f"train.freeze={self.freeze} with train.lora: LoRA freezes every weight but the "
+                              "adapters already; name the towers that get adapters in train.lora.towers instead")
         stray = [name for name in self.resume_drop if name not in DROPPABLE]
         if stray:
             raise ConfigError(f"train.resume_drop names {', '.join(stray)}; it takes only "
