@@ -39,13 +39,8 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import yaml
 from torch.distributed.checkpoint import metadata as dcp_metadata
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_model_state_dict,
-    get_optimizer_state_dict,
-    set_model_state_dict,
-    set_optimizer_state_dict,
-)
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_optimizer_state_dict,
+                                                     set_model_state_dict, set_optimizer_state_dict)
 
 from vltrain.checkpoint.integrity import write_manifest
 from vltrain.checkpoint.paths import (
@@ -73,9 +68,6 @@ from vltrain.errors import UserError
 from vltrain.runtime.distributed import all_gather_object, barrier, broadcast_object, is_initialized, world_info
 from vltrain.runtime.faults import maybe_fail
 
-LORA_BASE_FILE = "lora-base.safetensors"
-"""Beside a LoRA run's checkpoints (in its checkpoints folder): the frozen weights its adapters sit
-on, written once; each checkpoint holds the adapters alone."""
 INITIAL_FILE = "init.safetensors"
 """RUN_DIR's copy of the weights the run started from (``checkpoint.save_initial``)."""
 TMP_PREFIX = ".tmp-"
@@ -92,19 +84,20 @@ class ModelState:
     """The model's parameters and buffers by plain FQN, unwrapped from DDP/FSDP2/compile.
 
     Under FSDP2 the values are DTensor shards, which DCP writes and reshards without gathering.
-    ``trainable_only`` (LoRA): the parameters that train, and the buffers; the frozen base is written
-    once beside the checkpoints (:func:`save_lora_base`), not at every save.
+    ``trainable_only`` (LoRA): the parameters that train, and the buffers (the frozen base is written
+    once, :data:`~vltrain.checkpoint.paths.LORA_BASE_FILE`); loading checks them as the saving named them.
     """
 
     def __init__(self, model: torch.nn.Module, trainable_only: bool = False):
         self.model = model
         self.options = StateDictOptions(ignore_frozen_params=trainable_only)
+        self.load_options = StateDictOptions(ignore_frozen_params=trainable_only, strict=not trainable_only)
 
     def state_dict(self) -> dict[str, Any]:
         return get_model_state_dict(self.model, options=self.options)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        set_model_state_dict(self.model, state_dict, options=self.options)
+        set_model_state_dict(self.model, state_dict, options=self.load_options)
 
 
 class OptimizerState:
@@ -170,8 +163,8 @@ def _read_fitting(path: Path, targets: dict[str, torch.Tensor], saved_keys: list
 
 def load_model_weights(ckpt: Path, model: torch.nn.Module, ema: bool = False, trainable_only: bool = False) -> None:
     """Load only the model's tensors, in one process, into a plain (unwrapped) model; ``ema``: then
-    its trainable parameters' EMA (``train.ema``) over them. ``trainable_only``: a LoRA checkpoint,
-    which holds the adapters (and buffers) of a model whose base is already loaded.
+    its trainable parameters' EMA (``train.ema``) over them. ``trainable_only``: a LoRA checkpoint's
+    adapters (and buffers), its base already loaded.
 
     DCP reassembles the full tensors from whatever sharding wrote them, so this also consolidates
     FSDP2 checkpoints (for export and evaluation).
@@ -198,15 +191,6 @@ def save_initial_weights(run_dir: Path, model: torch.nn.Module) -> None:
     before any sharding, while the model is whole."""
     path = Path(run_dir) / INITIAL_FILE
     if not path.is_file():
-        write_weights(path, model.state_dict(), {"format": "pt"})
-
-
-def save_lora_base(folder: Path, model: torch.nn.Module) -> None:
-    """``folder/lora-base.safetensors``: the full weights under a LoRA run's adapters, before they are
-    added. Written once (a resumed run's base is the same), on one rank, before any sharding."""
-    path = Path(folder) / LORA_BASE_FILE
-    if not path.is_file():
-        path.parent.mkdir(parents=True, exist_ok=True)
         write_weights(path, model.state_dict(), {"format": "pt"})
 
 

@@ -39,6 +39,9 @@ WEIGHTS_FILE = "model.safetensors"
 HF_CONFIG = "config.json"
 OPENCLIP_CONFIG = "open_clip_config.json"
 LATEST_FILE = "latest"
+LORA_BASE_FILE = "lora-base.safetensors"
+"""In a LoRA run's checkpoints folder: the frozen weights under its adapters, written once (each
+checkpoint holds the adapters alone)."""
 DEFAULT_FOLDER = "checkpoints"
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 

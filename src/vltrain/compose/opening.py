@@ -21,8 +21,8 @@ from pathlib import Path
 
 import torch
 
-from vltrain.checkpoint.manager import LORA_BASE_FILE, check_shapes, load_model_weights
-from vltrain.checkpoint.paths import CONFIG_FILE, EXPORT, IMPORTED, Located, locate
+from vltrain.checkpoint.manager import check_shapes, load_model_weights
+from vltrain.checkpoint.paths import CONFIG_FILE, EXPORT, IMPORTED, LORA_BASE_FILE, Located, locate
 from vltrain.compose.builders import build_model_for, build_tokenizer
 from vltrain.compose.decide import Decided, model_config
 from vltrain.config.job import JobConfig, load_config

@@ -25,7 +25,6 @@ from vltrain.checkpoint.manager import (
     OptimizerState,
     Restored,
     save_initial_weights,
-    save_lora_base,
 )
 from vltrain.checkpoint.paths import latest_checkpoint
 from vltrain.checkpoint.space import QuietWrites, check_writable
@@ -40,7 +39,6 @@ from vltrain.data.tokenizers import Tokenizer
 from vltrain.errors import UserError
 from vltrain.eval.evaluator import Evaluator, append_eval, check_early_stop_metric, format_metrics
 from vltrain.model import VLModel
-from vltrain.model.lora import add_adapters
 from vltrain.runtime import allocator
 from vltrain.runtime.distributed import all_gather_object, host_sums, release_mesh
 from vltrain.runtime.faults import maybe_fail
@@ -51,6 +49,7 @@ from vltrain.runtime.preemption import Preempted, PreemptionWatch, clear_marker,
 from vltrain.runtime.rng import RngState
 from vltrain.runtime.spmd import RECORDER
 from vltrain.runtime.world import setup_world
+from vltrain.train.adapters import adapt
 from vltrain.train.ema import WeightAverage
 from vltrain.train.metrics import (GpuUtilization, MetricsLogger, Throughput, memory_bytes, peak_flops,
                                    peak_memory_bytes, plot_curves, restart_cost)
@@ -152,27 +151,9 @@ class Trainer:
             tokenizer, model = opened.tokenizer, opened.model
             freeze_towers(model, tc.freeze, tc.unlock_last)
             self._save_initial(model)
-            if tc.lora.enabled:
-                self._add_adapters(model)
+            if tc.lora.enabled:  # only the adapters train
+                adapt(model, self.cfg, self.run_dir, self.world.is_main)
         return tokenizer, model, precision
-
-    def _add_adapters(self, model: VLModel) -> None:
-        """LoRA (``train.lora``): the base written once beside the checkpoints (rank 0, while whole),
-        then the adapters, fresh (the same on every rank: drawn after the same seed) or read from
-        ``train.lora.adapters``; every other weight frozen."""
-        lora = self.cfg.train.lora
-        if self.world.is_main:
-            save_lora_base(self.run_dir / self.cfg.checkpoint.folder, model)
-        names = add_adapters(model, lora)
-        if lora.adapters:
-            from vltrain.model.interop.peft_adapters import read_adapters  # peft's folder, only when named
-
-            read_adapters(model, lora, self.cfg.model.init)
-        if self.world.is_main:
-            trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
-            total = sum(p.numel() for p in model.parameters())
-            log.info(f"LoRA: rank {lora.rank} adapters on {len(names)} layers ({', '.join(lora.targets)} of "
-                     f"{', '.join(lora.towers)}); {trained:,} of {total:,} parameters train")
 
     def _build_teacher(self):
         """The distillation teacher (``model.teacher``), opened and sharded like the student, and what
