@@ -186,6 +186,42 @@ def test_without_huggingface_hub_the_message_names_the_extra(clip_repo, clips, m
 
 
 def test_parse_reads_the_revision():
-    assert hub.parse("hf-hub:laion/CLIP-ViT-B-32-laion2B-s34B-b79K") == hub.HubName("laion/CLIP-ViT-B-32-laion2B-s34B-b79K")
+    repo = "laion/CLIP-ViT-B-32-laion2B-s34B-b79K"
+    assert hub.parse(f"hf-hub:{repo}") == hub.HubName(repo)
     assert hub.parse("hf-hub:org/name@refs/pr/1").revision == "refs/pr/1"
     assert hub.parse(f"hf-hub:org/name@{A}").is_commit and not hub.parse("hf-hub:org/name@v1").is_commit
+
+
+def test_online_it_fetches_the_configs_then_one_weights_file(offline_hub, clips, monkeypatch, tmp_path):
+    """The online path with huggingface_hub's two calls stood in for (the tests have no network): a
+    repository holding safetensors, PyTorch and TensorFlow copies gets its configs, then safetensors alone."""
+    import fnmatch
+
+    import huggingface_hub
+
+    remote = tmp_path / "remote"
+    shutil.copytree(clips[A], remote)
+    for extra in ("pytorch_model.bin", "tf_model.h5", "flax_model.msgpack"):
+        (remote / extra).write_bytes(b"other copies of the weights")
+    calls = []
+
+    def snapshot_download(repo_id, *, revision=None, cache_dir=None, local_files_only=False, allow_patterns=None):
+        calls.append((revision, allow_patterns, local_files_only, cache_dir))
+        picked = tmp_path / f"picked-{len(list(tmp_path.glob('picked-*')))}"
+        picked.mkdir()
+        for file in remote.iterdir():
+            if any(fnmatch.fnmatch(file.name, p) for p in allow_patterns):
+                shutil.copy(file, picked / file.name)
+        return str(put(Path(cache_dir), repo_id, picked, A))
+
+    monkeypatch.delenv("HF_HUB_OFFLINE")
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", snapshot_download)
+    monkeypatch.setattr(huggingface_hub, "list_repo_files",
+                        lambda repo, revision: sorted(p.name for p in remote.iterdir()))
+    found = locate("hf-hub:org/clip")
+    cache = str(offline_hub)
+    assert calls == [(None, ["*.json", "*.txt"], False, cache), (A, ["model.safetensors"], False, cache)]
+    assert found.kind == "hf-clip" and found.pinned == f"hf-hub:org/clip@{A}"
+    assert sorted(p.name for p in found.path.iterdir() if not p.name.endswith(".json")) == ["model.safetensors"]
+    calls.clear()
+    assert locate("hf-hub:org/clip").path == found.path and len(calls) == 1  # held: the weights are not fetched again

@@ -32,6 +32,7 @@ def put(hub: Path, repo: str, folder: Path, commit: str, refs: tuple[str, ...] =
         blob.write_bytes(data)
         link = snapshot / file.relative_to(folder)
         link.parent.mkdir(parents=True, exist_ok=True)
+        link.unlink(missing_ok=True)  # fetched again: the same file
         link.symlink_to(os.path.relpath(blob, link.parent))
     (storage / "refs").mkdir(parents=True, exist_ok=True)
     for ref in refs:

@@ -46,7 +46,8 @@ _NAME = re.compile(rf"^({_PART})/({_PART})(?:@([A-Za-z0-9_.][A-Za-z0-9_./-]*))?$
 """ORG/NAME as the Hub allows them (letters, digits, ``-``, ``_``, ``.``; at most 96 each, no ``--``
 or ``..``), then an optional revision."""
 _SHA = re.compile(r"^[0-9a-f]{40}$")
-SYNTAX = "hf-hub:ORG/NAME or hf-hub:ORG/NAME@REVISION (a branch, tag or commit sha), e.g. hf-hub:openai/clip-vit-base-patch32"
+SYNTAX = ("hf-hub:ORG/NAME or hf-hub:ORG/NAME@REVISION (a branch, tag or commit sha), e.g. "
+          "hf-hub:openai/clip-vit-base-patch32")
 
 
 @dataclass(frozen=True)
@@ -183,7 +184,13 @@ def _weights_wanted(snapshot: Snapshot, role: str) -> list[str]:
 
 def _pick(hub, snapshot: Snapshot, wanted: list[str]) -> list[str]:
     """The first of ``wanted`` the repository has at the commit (with a shard index, its shards)."""
-    files = set(hub.list_repo_files(snapshot.name.repo, revision=snapshot.commit))
+    try:
+        files = set(hub.list_repo_files(snapshot.name.repo, revision=snapshot.commit))
+    except Exception as e:  # the client's network errors differ by its version: each is said, in one line
+        first = (str(e).strip().splitlines() or [""])[0]
+        raise UserError(f"{snapshot.name} (commit {snapshot.commit}): the cached snapshot {snapshot.folder} holds no "
+                        f"weights yet, and the Hub could not list them ({type(e).__name__}: {first}): retry online, "
+                        "or set HF_HUB_OFFLINE=1 to use only what the cache holds") from None
     first = next((n for n in wanted if n in files), None)
     if first is None:
         raise UsageError(f"{snapshot.name} (commit {snapshot.commit}) holds none of the weights files vltrain reads "
