@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import re
 import shutil
 from dataclasses import dataclass
@@ -15,6 +16,7 @@ from pathlib import Path
 
 import pytest
 from kits import forkrun
+from kits.hubkit import commit_of, put
 from kits.runkit import ok, overrides, session_shapes, train
 
 pytestmark = pytest.mark.slow
@@ -52,6 +54,8 @@ CASES = [
     Case("teacher-missing-in-train", ["TRAIN", "model.loss.distill=1", "model.teacher.path={nowhere}"], 2,
          ["model.teacher.path", "does not exist"]),
     Case("unknown-model-type-as-init", ["TRAIN", "model.init={bert}"], 2, ["model_type 'bert'", "BLIP"]),
+    Case("hub-name-malformed", ["TRAIN", "model.init=hf-hub:clip-vit-b32"], 2,
+         ["model.init 'hf-hub:clip-vit-b32' is not a Hub model name", "hf-hub:ORG/NAME@REVISION"]),
     # usage errors: flags out of range, paths that are no model (exit 2)
     Case("caption-batch-size-0", ["caption", "{run}", "--images", "{image}", "--batch-size", "0"], 2,
          ["--batch-size", "at least 1, got 0"]),
@@ -78,6 +82,8 @@ CASES = [
          ["is a file but not a checkpoint file"]),
     Case("unknown-model-type", ["eval", "{bert}", "--data", "{data}"], 2,
          ["model_type 'bert'", "Siglip2Model and BLIP"]),
+    Case("hub-repository-of-no-model", ["embed", "hf-hub:org/data", "--texts", "x", "--out", "{nowhere}.npy"], 2,
+         ["hf-hub:org/data (commit", "holds neither", "it holds README.md, train.csv"]),
     Case("from-coco-instances-missing", ["data", "from-coco", "--instances", "{nowhere}.json", "--images", "{images}",
                                          "--out", "{nowhere}.jsonl"], 2, ["--instances", "nowhere.json: not found"]),
     # failures at run time: the command could run, what it read could not be used (exit 1)
@@ -96,6 +102,10 @@ CASES = [
     Case("eval-captions-without-references", ["eval", "{run}", "--captions", "{no_references}"], 1,
          ["none of the", "has a reference caption"]),
     Case("eval-captions-not-coco", ["eval", "{run}", "--captions", "{twice}"], 1, ["is not valid JSON"]),
+    Case("hub-model-not-cached-offline", ["eval", "hf-hub:org/absent@v1", "--data", "{data}"], 1,
+         ["hf-hub:org/absent@v1 is not in the cache", "models--org--absent for revision v1", "HF_HUB_OFFLINE"]),
+    Case("hub-teacher-not-cached-offline", ["data", "teacher-embed", "hf-hub:org/absent", "{data}"], 1,
+         ["teacher hf-hub:org/absent is not in the cache", "HF_HUB_OFFLINE"]),
     Case("from-coco-bbox-not-four-numbers", ["data", "from-coco", "--instances", "{bad_instances}", "--images",
                                              "{images}", "--out", "{nowhere}.jsonl"], 1,
          ["bad-instances.json", '"annotations"[0]', '"bbox" must be 4 numbers']),
@@ -141,7 +151,13 @@ def kit(tmp_path_factory) -> dict:
              "no_references": user / "no-references.json", "image": image, "data": shapes / "train.jsonl",
              "bad_instances": user / "bad-instances.json", "images": image.parent,
              "nowhere": root / "nowhere"}
-    return {"shapes": shapes, "root": root, "user": user, "paths": paths}
+    hub = root / "hub"  # a Hugging Face cache, read offline: a repository of data, no model
+    (root / "dataset").mkdir()
+    (root / "dataset" / "README.md").write_text("a dataset\n")
+    (root / "dataset" / "train.csv").write_text("a,b\n")
+    put(hub, "org/data", root / "dataset", commit_of("data"))
+    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_HUB_CACHE=str(hub), HF_HOME=str(root / "hf-home"))
+    return {"shapes": shapes, "root": root, "user": user, "paths": paths, "env": env}
 
 
 def _argv(case: Case, kit: dict, fresh: Path) -> list[str]:
@@ -159,7 +175,7 @@ def _argv(case: Case, kit: dict, fresh: Path) -> list[str]:
 def test_a_bad_input_gets_its_exit_code_one_line_naming_it_and_changes_nothing(case, kit):
     fresh = kit["root"] / f"fresh-{case.id}"
     before = {"user": _digest(kit["user"]), "data": _digest(kit["shapes"])}
-    proc = forkrun.run(_argv(case, kit, fresh), timeout=240, cwd=kit["root"])
+    proc = forkrun.run(_argv(case, kit, fresh), timeout=240, cwd=kit["root"], env=kit["env"])
     said = proc.stdout + proc.stderr
     assert "Traceback" not in said, said[-3000:]
     errors = [line for line in said.splitlines() if re.search(r"\berror: ", line)]

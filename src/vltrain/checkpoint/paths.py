@@ -3,7 +3,9 @@
 :func:`locate` tells the kinds of model vltrain opens apart: a run folder, a checkpoint (a
 ``step-N`` folder, or a ``checkpoints`` folder: its newest), an export (``vltrain export``), a
 Hugging Face CLIPModel / SiglipModel / Siglip2Model / BLIP folder, an OpenCLIP CLIP or CoCa checkpoint
-(the imported kinds, named by :func:`vltrain.model.interop.pretrained.imported_kind`). Opening
+(the imported kinds, named by :func:`vltrain.model.interop.pretrained.imported_kind`), or any of the
+imported kinds by its Hub name, ``hf-hub:ORG/NAME[@REVISION]`` (:mod:`vltrain.checkpoint.hub`
+resolves it to a folder of the Hugging Face cache, which is then opened as any folder). Opening
 (:mod:`vltrain.compose.opening`), the checkpointer's resume, ``model.init`` and the teacher all ask
 it, so that "what is this path" has one answer. It reads configs and tensor names, never weights.
 
@@ -15,15 +17,18 @@ The layouts it reads::
     EXPORT/{model.safetensors, tokenizer.json, config.yaml}
     HF/config.json                  (and no config.yaml)
     FILE.{pt,pth,bin,safetensors}   an OpenCLIP checkpoint
+    OPENCLIP/open_clip_config.json  an OpenCLIP model folder (and open_clip_model.safetensors, ...)
+    hf-hub:ORG/NAME[@REVISION]      either of the last three, on the Hugging Face Hub
 """
 
 from __future__ import annotations
 
 import logging
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
+from vltrain.checkpoint import hub
 from vltrain.checkpoint.integrity import damage
 from vltrain.config.job import load_config
 from vltrain.errors import UsageError, UserError
@@ -54,6 +59,7 @@ KINDS = {
     HF: f"a Hugging Face CLIPModel, SiglipModel, Siglip2Model or BLIP folder ({HF_CONFIG})",
     OPENCLIP: f"an OpenCLIP checkpoint file ({', '.join(CHECKPOINT_SUFFIXES)}) or model folder ({OPENCLIP_CONFIG})",
 }
+HUB_KIND = "either of the last two by its Hugging Face Hub name (hf-hub:ORG/NAME[@REVISION])"
 VLTRAIN_KINDS = (RUN, CHECKPOINT, EXPORT)
 """Kinds vltrain wrote: their config and tokenizer are saved beside the weights."""
 IMPORTED = IMPORTED_KINDS
@@ -69,6 +75,14 @@ class Located:
     kind: str
     checkpoint: Path | None = None
     """RUN and CHECKPOINT: the ``step-N`` folder that holds the weights."""
+    pinned: str = ""
+    """A model named on the Hub: its name pinned to the commit it resolved to (``hf-hub:ORG/NAME@SHA``),
+    which the decided config saves in place of the name given; ``path`` is that commit's cached folder."""
+
+    @property
+    def name(self) -> str:
+        """How a config names it: the pinned Hub name, else the path."""
+        return self.pinned or str(self.path)
 
     @property
     def family(self) -> str:
@@ -102,11 +116,16 @@ class Located:
 
 
 def accepted() -> str:
-    return "give " + ", ".join(KINDS.values())
+    return "give " + ", ".join([*KINDS.values(), HUB_KIND])
 
 
 def locate(path: str | Path, role: str = "") -> Located:
-    """What ``path`` is (``role``, e.g. "model.init", heads the message when it is none of them)."""
+    """What ``path`` is (``role``, e.g. "model.init", heads the message when it is none of them). A Hub
+    name is resolved first (:func:`vltrain.checkpoint.hub.resolve`); what the cache holds for it is
+    located as any folder."""
+    if hub.is_hub_name(path):
+        snapshot = hub.resolve(str(path), role)
+        return replace(locate(snapshot.folder, role), pinned=snapshot.pinned)
     p = Path(path).expanduser()
     name = f"{role} {p}" if role else str(p)
     if p.is_file():

@@ -84,8 +84,8 @@ def _add_teacher_embed_parser(dsub) -> None:
     te = dsub.add_parser("teacher-embed", help="store a distillation teacher's embeddings of every row beside "
                          "each source's sample index (model.teacher.precomputed reads them); resumable, splits "
                          "over torchrun ranks")
-    te.add_argument("teacher", help="anything vltrain opens: a run, checkpoint, export, Hugging Face folder or "
-                    "OpenCLIP file")
+    te.add_argument("teacher", help="anything vltrain opens: a run, checkpoint, export, Hugging Face folder, "
+                    "OpenCLIP file, or a Hub name (hf-hub:ORG/NAME[@REVISION])")
     te.add_argument("sources", nargs="*", help="manifests, shard patterns or parquet files (default: the "
                     "config's data.train)")
     te.add_argument("--config", default=None, help="the training config: its sources, decoding limits and cache")

@@ -17,7 +17,8 @@ from vltrain.errors import DataError, UsageError
 
 
 MODEL_HELP = ("a run folder, a checkpoint, an exported model folder, or an imported model (a Hugging Face "
-              "CLIP, SigLIP, SigLIP 2 or BLIP folder, an OpenCLIP checkpoint)")
+              "CLIP, SigLIP, SigLIP 2 or BLIP folder, an OpenCLIP checkpoint, or either by its Hub name, "
+              "hf-hub:ORG/NAME[@REVISION])")
 """What ``MODEL`` may be in every command that opens a model (eval, export, embed, caption)."""
 
 

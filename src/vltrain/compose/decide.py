@@ -21,6 +21,11 @@ The pass, in order:
    else the checkpoint the run resumes from, else the default).
 5. For training, the distillation teacher (``model.teacher``): found, and its own config decided
    (purpose ``teacher``), before any model is built.
+
+A model named by its Hub name (``hf-hub:ORG/NAME[@REVISION]``, :mod:`vltrain.checkpoint.hub`) is
+saved pinned to the commit it resolved to: ``model.init`` and ``model.teacher.path`` of the decided
+config read ``hf-hub:ORG/NAME@SHA``. A run that resumes reads the commit its checkpoint saved
+(:func:`_pinned_by_resume`), unless the config pins another.
 """
 
 from __future__ import annotations
@@ -28,11 +33,13 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 
+from vltrain.checkpoint import hub
 from vltrain.checkpoint.manager import STATE_FILE, resume_target
-from vltrain.checkpoint.paths import IMPORTED, VLTRAIN_KINDS, Located, locate
+from vltrain.checkpoint.paths import CONFIG_FILE, IMPORTED, VLTRAIN_KINDS, Located, locate
 from vltrain.compose.rules import decide_objectives, fit_native, itm_group, resolve_global_batch
 from vltrain.config.job import JobConfig, load_config
 from vltrain.data.image_input import image_layout
@@ -42,6 +49,8 @@ from vltrain.model.builder import has_decoder, has_fusion
 from vltrain.model.config import ModelConfig
 from vltrain.model.interop.pretrained import Pretrained, describe
 from vltrain.types import freeze
+
+log = logging.getLogger("vltrain")
 
 PURPOSES = ("train", "eval", "embed", "caption", "export", "teacher")
 """What a config is decided for: a run, or a model opened to evaluate, embed, caption, export or
@@ -94,8 +103,12 @@ def decide(cfg: JobConfig, world_size: int = 1, purpose: str = "train", opening:
     if purpose not in PURPOSES:
         raise ValueError(f"purpose {purpose!r}: one of {', '.join(PURPOSES)}")
     cfg = copy.deepcopy(cfg)  # the pass writes its own copy, which it freezes
+    if purpose == "train" and opening is None and hub.is_hub_name(cfg.model.init):
+        cfg.model.init = _pinned_by_resume(cfg)
     weights = opening if opening is not None else (locate(cfg.model.init, role="model.init") if cfg.model.init
                                                   else None)
+    if weights is not None and weights.pinned:
+        cfg.model.init = weights.pinned  # the commit the name resolved to, saved with the run
     imported = None
     if weights is not None and weights.kind in IMPORTED:
         imported = _adopt_imported(cfg, weights)
@@ -115,6 +128,8 @@ def decide(cfg: JobConfig, world_size: int = 1, purpose: str = "train", opening:
                                  _resumed_itm_group(cfg) if cfg.model.loss.itm_negatives == "group" else 0)
     cfg.model.loss.itm_group_size = size
     teacher = plan_teacher(cfg)
+    if teacher is not None and teacher.located.pinned:
+        cfg.model.teacher.path = teacher.located.pinned
     return Decided(freeze(cfg), purpose, weights, imported, batch, itm_source, teacher)
 
 
@@ -124,7 +139,7 @@ def model_config(found: Located, overrides: list[str] | None = None, purpose: st
     ``model.init`` of an imported checkpoint."""
     overrides = list(overrides or [])
     if found.kind in IMPORTED:
-        raw = load_config(None, [f"model.init={found.path}", *overrides])
+        raw = load_config(None, [f"model.init={found.name}", *overrides])
     else:
         raw = load_config(found.config_file(), overrides)
     return decide(raw, 1, purpose, opening=found)
@@ -238,3 +253,21 @@ def _resumed_itm_group(cfg: JobConfig) -> int:
         return int(state["states"]["trainer"].get("itm_group_size", 0))
     except (UserError, OSError, ValueError, KeyError, TypeError):
         return 0
+
+
+def _pinned_by_resume(cfg: JobConfig) -> str:
+    """``model.init`` of a Hub name, as a run that resumes reads it: the commit the checkpoint it
+    resumes from saved, when that is a pin of the same repository and the config pins no commit
+    itself; else as given."""
+    asked = hub.parse(cfg.model.init, "model.init")
+    if asked.is_commit:
+        return cfg.model.init
+    try:
+        path = resume_target(cfg.train.resume, Path(cfg.run.dir) / cfg.checkpoint.folder)
+        saved = load_config(path / CONFIG_FILE).model.init if path is not None else ""
+    except (UserError, OSError):
+        return cfg.model.init  # no checkpoint to read, or none readable: the checkpointer says which
+    if not hub.is_hub_name(saved) or hub.parse(saved).repo != asked.repo or not hub.parse(saved).is_commit:
+        return cfg.model.init
+    log.info(f"model.init {cfg.model.init}: the commit the resumed checkpoint {path} saved, {saved}")
+    return saved

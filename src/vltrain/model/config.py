@@ -52,7 +52,8 @@ class VisionSettings(Settings):
 class TeacherSettings(Settings):
     path: str = ""
     """Distil from this model: anything ``vltrain eval`` opens (a vltrain run, checkpoint or export, a
-    Hugging Face CLIP, SigLIP or SigLIP 2 folder, an OpenCLIP file). Frozen, in eval mode, run without
+    Hugging Face CLIP, SigLIP or SigLIP 2 folder, an OpenCLIP file, or either by its Hub name,
+    hf-hub:ORG/NAME[@REVISION], saved pinned to its commit). Frozen, in eval mode, run without
     autograd under train.precision, on its own preprocessing of the same decoded image and its own
     tokenizer. Empty: no teacher. Its losses: model.loss.distill and model.loss.distill_sigmoid."""
     precomputed: bool = False
@@ -178,7 +179,9 @@ class ModelConfig(Settings):
     init: str = ""
     """Start from pretrained weights: a Hugging Face CLIPModel/SiglipModel/Siglip2Model folder, a
     Hugging Face BlipForConditionalGeneration or BlipForImageTextRetrieval folder, or an OpenCLIP
-    checkpoint file or CoCa folder. Empty: random initialization from the seed."""
+    checkpoint file or CoCa folder; or either by its Hub name, hf-hub:ORG/NAME[@REVISION] (a branch,
+    tag or commit sha), which the saved config pins to its commit (hf-hub:ORG/NAME@SHA). Empty:
+    random initialization from the seed."""
     quick_gelu: bool = False
     """An OpenCLIP checkpoint of OpenAI's weights (or one trained as ``*-quickgelu``) needs QuickGELU;
     tensor shapes cannot tell. A Hugging Face folder says so in its config.json."""

@@ -87,9 +87,11 @@ IMPORTED_KINDS = ("hf-clip", "hf-siglip", "hf-siglip2", "hf-blip", "openclip", "
 def imported_kind(p: Path) -> str:
     """Which of :data:`IMPORTED_KINDS` ``p`` holds, read from its config.json or, for an OpenCLIP
     checkpoint, its tensor names (safetensors: the header only). ``p`` is a folder with config.json or
-    an OpenCLIP config, or a checkpoint file (:func:`vltrain.checkpoint.paths.locate` asks)."""
-    if p.is_dir() and (p / "config.json").is_file():
-        config = hf_clip.read_json(p / "config.json")
+    an OpenCLIP config, or a checkpoint file (:func:`vltrain.checkpoint.paths.locate` asks). A folder
+    with OpenCLIP's config and a config.json that is not transformers' (no ``model_type``: timm's, as
+    OpenCLIP's Hub repositories of timm towers hold) is OpenCLIP's."""
+    config = hf_clip.read_json(p / "config.json") if p.is_dir() and (p / "config.json").is_file() else None
+    if config is not None and ("model_type" in config or not (p / openclip_coca.CONFIG_FILE).is_file()):
         return "hf-blip" if hf_blip.is_blip(config) else f"hf-{hf_clip.family_of(config, p)}"
     weights = openclip_coca.find_weights(p) if p.is_dir() else p
     return "openclip-coca" if openclip_coca.MARKER in read_shapes(weights) else "openclip"
