@@ -163,7 +163,7 @@ def test_openclip_export_is_merged(coca_run, tmp_path):
 @pytest.fixture
 def adapted(trained, tmp_path):
     """The clip run's model with its adapters (unmerged), its train.lora and a copy of its adapters."""
-    root, run, *_ = trained
+    _, run, *_ = trained
     folder = tmp_path / "adapters"
     export_adapters(run, folder)
     opened = open_model(run, merge=False)
