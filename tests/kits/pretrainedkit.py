@@ -185,3 +185,21 @@ def make_blip(folder: Path, kind: str = "BlipForConditionalGeneration", seed: in
     model.save_pretrained(folder)
     BlipImageProcessorPil(size={"height": IMAGE, "width": IMAGE}).save_pretrained(folder)
     return model
+
+
+COCA_FIXTURE = Path(__file__).resolve().parents[1] / "model" / "interop" / "fixtures" / "openclip-coca"
+
+
+def make_coca(folder: Path) -> Path:
+    """OpenCLIP's small random CoCa (fixtures/openclip-coca, 12 text positions, a 300-token vocabulary)
+    as a user has it: OpenCLIP's folder with the model's tokenizer.json beside it."""
+    import shutil
+
+    shutil.copytree(COCA_FIXTURE, folder, ignore=shutil.ignore_patterns("reference.safetensors"))
+    words = ["<pad>", "<|startoftext|>", "<|endoftext|>", "<unk>", *(f"w{i}" for i in range(4, 300))]
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.post_processor = processors.TemplateProcessing(
+        single="<|startoftext|> $A <|endoftext|>", special_tokens=[("<|startoftext|>", 1), ("<|endoftext|>", 2)])
+    tok.save(str(folder / "tokenizer.json"))
+    return folder

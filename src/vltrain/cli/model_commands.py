@@ -82,6 +82,10 @@ def add_parsers(sub) -> None:
                    help="WiSE-FT: (1-ALPHA) x the run's initial weights + ALPHA x the trained ones (0..1)")
     x.add_argument("--ema", action="store_true",
                    help="the run's EMA weights (train.ema) instead of its trained ones (with --interpolate: blended)")
+    x.add_argument("--adapters", action="store_true",
+                   help="a LoRA run's adapters alone (train.lora), as peft's folder (adapter_config.json, "
+                        "adapter_model.safetensors) for the transformers model of model.init; without it a LoRA "
+                        "run is exported with its adapters merged")
     x.set_defaults(func=export)
 
     _add_caption_parser(sub)
@@ -303,16 +307,32 @@ def evaluate(args: argparse.Namespace) -> int:
 
 
 def export(args: argparse.Namespace) -> int:
-    """``vltrain export MODEL --out DIR [--interpolate ALPHA] [--ema]``."""
+    """``vltrain export MODEL --out DIR [--interpolate ALPHA] [--ema] [--adapters]``."""
     from vltrain.export.native import export_model
 
     alpha = args.interpolate
+    if args.adapters:
+        return _export_adapters(args)
     out = export_model(args.model, args.out, interpolate=alpha, fmt=args.format, ema=args.ema)
     trained = "EMA" if args.ema else "fine-tuned"
     blend = f" (weights: {1 - alpha:g} x initial + {alpha:g} x {trained})" if alpha is not None else (
         " (the EMA weights)" if args.ema else "")
     files = ", ".join(sorted(p.name for p in out.iterdir() if p.is_file()))
     print(f"exported to {out} ({args.format}): {files}{blend}")
+    return 0
+
+
+def _export_adapters(args: argparse.Namespace) -> int:
+    """``vltrain export RUN --adapters --out DIR [--ema]``: peft's folder, whatever the format."""
+    from vltrain.export.adapters import export_adapters
+
+    if args.interpolate is not None or args.format != "native":
+        given = "--interpolate" if args.interpolate is not None else f"--format {args.format}"
+        raise UsageError(f"export --adapters writes peft's adapter folder, which has no {given}: give one or the "
+                         "other")
+    out = export_adapters(args.model, args.out, ema=args.ema)
+    files = ", ".join(sorted(p.name for p in out.iterdir() if p.is_file()))
+    print(f"exported the adapters to {out} (peft){' (their EMA)' if args.ema else ''}: {files}")
     return 0
 
 

@@ -15,6 +15,9 @@ embed``, ``vltrain eval`` and ``model.init``.
 its structure (:mod:`vltrain.export.openclip`).
 ``--interpolate ALPHA`` writes (1 - ALPHA) x the run's initial weights + ALPHA x the trained ones
 (WiSE-FT's weight-space ensemble; ALPHA 0 is the initial model, 1 the fine-tuned one).
+A LoRA run (``train.lora``) is exported in every format with its adapters merged into the weights,
+its config.yaml saying no LoRA; ``--adapters`` writes the adapters alone, as peft's folder
+(:mod:`vltrain.export.adapters`).
 Embeddings use the training pipeline itself (``decode_image``, the tokenizer, the collator,
 ``Batch.pixels``), so an image is seen exactly as it was in training.
 """
@@ -36,6 +39,7 @@ from vltrain.errors import UserError
 from vltrain.export.hf import hf_family, write_hf
 from vltrain.export.hf_blip import check_blip, write_blip
 from vltrain.export.openclip import check_openclip, write_openclip
+from vltrain.model.lora import LoraSettings
 from vltrain.types import revise
 
 log = logging.getLogger("vltrain")
@@ -74,7 +78,9 @@ def export_model(source: str | Path, out: str | Path, interpolate: float | None 
         return out
     write_weights(out / WEIGHTS_FILE, model.state_dict(), metadata)
     tokenizer.save(out / TOKENIZER_FILE)
-    revise(cfg, data=revise(cfg.data, tokenizer=TOKENIZER_FILE)).save(out / CONFIG_FILE)  # the copy beside it
+    # the copy beside it: a LoRA run's adapters are merged into the weights, so the export has none
+    revise(cfg, data=revise(cfg.data, tokenizer=TOKENIZER_FILE),
+           train=revise(cfg.train, lora=LoraSettings())).save(out / CONFIG_FILE)
     return out
 
 
