@@ -75,6 +75,8 @@ def _add_synth_parser(dsub) -> None:
     s.add_argument("--image-size", type=int, default=48)
     s.add_argument("--regions", action="store_true",
                    help="each row with an image lists its shapes' boxes and phrases (\"regions\")")
+    s.add_argument("--long-captions", action="store_true",
+                   help="6 to 9 shapes per image, each named in a long caption (most past CLIP's 77 tokens)")
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--workers", type=int, default=0, help="processes (0: all cores)")
     s.set_defaults(func=synth)
@@ -157,14 +159,15 @@ def synth(args: argparse.Namespace) -> int:
         raise UserError("give --out DIR (image-text pairs) and/or --classify DIR (a class-per-folder set)")
     paths = synthesize(
         args.out, args.num, args.val, args.text_only_fraction, args.seed, args.image_size, args.workers,
-        image_only_fraction=args.image_only_fraction, with_regions=args.regions,
+        image_only_fraction=args.image_only_fraction, with_regions=args.regions, long_captions=args.long_captions,
     )
     for split, p in paths.items():
         print(f"{split}: {p}")
     tokenizer = write_tokenizer(args.out)
     print(f"tokenizer: {tokenizer} (BPE, {TOKENIZER_VOCAB} tokens, trained on the training captions)")
+    longer = " data.max_text_length=160" if args.long_captions else ""
     print(f"next: vltrain train configs/demo.yaml data.train={paths['train']} data.val={paths['val']} "
-          f"data.tokenizer={tokenizer}")
+          f"data.tokenizer={tokenizer}{longer}")
     return 0
 
 

@@ -11,7 +11,9 @@ The pass, in order:
    file its architecture and preprocessing (:func:`_adopt_imported`), read once and kept in
    :attr:`Decided.imported` for the door to load. A model opened to use rather than to train runs in
    fp32 unless ``train.precision`` is given (someone else's checkpoint: its numbers as they are); a
-   vltrain one reads the tokenizer saved with its weights.
+   vltrain one reads the tokenizer saved with its weights. A ``data.max_text_length`` above a CLIP
+   checkpoint's context stretches its text position table (:meth:`Pretrained.stretched`): the
+   decided ``model.arch`` has the longer table, which a resumed or reopened run rebuilds.
 2. For training, the global batch: ``data.batch_size`` and ``train.accumulation`` for this world
    (:func:`~vltrain.compose.rules.resolve_global_batch`), its budgets checked at the resolved lengths.
 3. Images at their own shape: ``data.patch_size`` is the architecture's, so that data code never
@@ -154,6 +156,8 @@ def _adopt_imported(cfg: JobConfig, found: Located) -> Pretrained:
     if mc.text.hf_path:
         raise ConfigError("model.init and model.text.hf_path both give the text tower: set one of them")
     source = describe(found.path, found.kind, mc.preset if cfg.was_set("model.preset") else "", mc.quick_gelu)
+    if cfg.was_set("data.max_text_length") and cfg.data.max_text_length > source.arch.text.max_length:
+        source = source.stretched(cfg.data.max_text_length, mc.text.stretch_keep)  # Long-CLIP's longer table
     pp = source.preprocessing
     for key in PREPROCESSING_KEYS:
         if not cfg.was_set(f"data.{key}"):

@@ -25,6 +25,12 @@ class TextConfig(Settings):
     """Packed, round the batch's token count up to a multiple of this (padding positions fill the
     rest, their results dropped): a run's text matrices then take a few sizes rather than a new
     one per batch. 1: the text tokens alone."""
+    stretch_keep: int = 20
+    """With ``model.init`` of a CLIP checkpoint and ``data.max_text_length`` above its context (77),
+    the checkpoint's text position table is stretched to that length (Long-CLIP): its first this
+    many rows are kept as they are, so a caption of at most this many tokens embeds as the
+    checkpoint embeds it, and the others are interpolated between the old rows
+    (``vltrain.model.interop.stretch``). Must be below the checkpoint's context."""
 
 
 @dataclass
@@ -232,6 +238,9 @@ class ModelConfig(Settings):
             raise ConfigError(f"model.text.layout must be {', '.join(TEXT_LAYOUTS)}, got {self.text.layout!r}")
         if self.text.pack_multiple < 1:
             raise ConfigError(f"model.text.pack_multiple must be 1 or more, got {self.text.pack_multiple}")
+        if self.text.stretch_keep < 0:
+            raise ConfigError(f"model.text.stretch_keep must be 0 or more (the text positions a stretched table "
+                              f"keeps as they are; Long-CLIP: 20), got {self.text.stretch_keep}")
         if self.embed_dim < 0:
             raise ConfigError(f"model.embed_dim must be >= 0, got {self.embed_dim}")
         distilling = self.loss.distill or self.loss.distill_sigmoid

@@ -1,6 +1,7 @@
 import hashlib
 import json
 import random
+import re
 from pathlib import Path
 
 from vltrain.data.tools import synth
@@ -143,3 +144,55 @@ def test_cli_synth_regions_writes_rows_validate_accepts(cli, tmp_path):
     assert all("regions" in r for r in _rows(tmp_path / "s" / "val.jsonl"))
     res = cli("data", "validate", tmp_path / "s" / "train.jsonl", "--workers", "1")
     assert res.returncode == 0 and "0 error(s)" in res.stdout, res.stdout + res.stderr
+
+
+def test_default_manifests_are_pinned(tmp_path):
+    """The default data, byte for byte, as it was before long captions had a stream of their own."""
+    paths = synth.synthesize(tmp_path / "a", num=60, val=10, text_only_fraction=0.2, seed=2, workers=1,
+                             with_regions=True)
+    digest = {split: hashlib.sha256(p.read_bytes()).hexdigest() for split, p in paths.items()}
+    assert digest == {"train": "6913ef415210341f03582637015b499b80b3eb578fadb35c3b6c8148f816e8c5",
+                      "val": "551d656ab5e667a52315bb4bfe61f72743f11e7936cd9d66694ed90a68315290"}
+
+
+def test_long_captions_name_many_shapes_in_reading_order(tmp_path):
+    a = _rows(synth.synthesize(tmp_path / "a", num=40, val=10, seed=1, workers=1, long_captions=True)["train"])
+    b = _rows(synth.synthesize(tmp_path / "b", num=40, val=10, seed=1, workers=2, long_captions=True)["train"])
+    assert a == b  # deterministic, whatever the workers
+    plain = _rows(synth.synthesize(tmp_path / "c", num=40, val=0, seed=1, workers=1)["train"])
+    assert all(len(x["text"]) > 2 * len(y["text"]) for x, y in zip(a, plain))
+    for i in range(300):
+        rng = random.Random(i)
+        shapes = synth.sample_long_scene(rng)
+        assert 6 <= len(shapes) <= 9 and [s.cell for s in shapes] == sorted({s.cell for s in shapes})
+        text = synth.describe_long(shapes, rng)
+        assert synth.COUNT_WORDS[len(shapes)] in text
+        clauses = re.split(r"; and |, and finally |; last, |; ", text.split(": ", 1)[1])
+        assert len(clauses) == len(shapes)
+        for s, clause in zip(shapes, clauses):  # a clause each, in the order of the cells
+            assert s.color in clause and any(w in clause for w in synth.KIND_WORDS[s.kind]), (clause, s)
+            assert any(re.search(rf"the {w}( holds| there|$)", clause) for w in synth.CELL_WORDS[s.cell]), (clause, s)
+
+
+def test_most_long_captions_pass_clips_77_tokens(tmp_path):
+    """Measured with OpenCLIP's BPE (the tokenizer of CLIP checkpoints)."""
+    import numpy as np
+    import pytest
+
+    from vltrain.data.tokenizers import load_tokenizer
+    from vltrain.data.tools.openclip_tokenizer import find_vocab, openclip_tokenizer
+
+    if find_vocab() is None:
+        pytest.skip("open_clip_torch's vocabulary is not installed")
+    openclip_tokenizer().save(str(tmp_path / "clip.json"))
+    tok = load_tokenizer(str(tmp_path / "clip.json"), "clip")
+    rows = _rows(synth.synthesize(tmp_path / "d", num=300, val=0, seed=0, workers=1, long_captions=True)["train"])
+    lengths = np.array([len(tok.encode(r["text"], 1000)[0]) for r in rows])
+    assert (lengths > 77).mean() > 0.7 and lengths.max() < 160
+
+
+def test_cli_long_captions(cli, tmp_path):
+    res = cli("data", "synth", "--out", tmp_path / "s", "--num", "8", "--val", "2", "--long-captions", "--workers", "1")
+    assert res.returncode == 0, res.stderr
+    assert "data.max_text_length=160" in res.stdout
+    assert all(" shapes, from the top row down: " in r["text"] for r in _rows(tmp_path / "s" / "val.jsonl"))

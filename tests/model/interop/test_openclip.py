@@ -143,3 +143,22 @@ def test_openclip_without_a_tokenizer_says_what_to_set(reference, tmp_path):
     assert tokenizer.encode("Tom &amp; Jerry", 16) == tokenizer.encode("Tom & Jerry", 16)
     *_, cfg = _embeddings(init, f"data.tokenizer={tmp_path / 'tok' / 'tokenizer.json'}", "data.text_clean=''")
     assert cfg.data.text_clean == ""
+
+
+def test_an_openclip_checkpoint_read_with_more_text_positions_is_stretched(reference, tmp_path):
+    """data.max_text_length above its context: the table stretched as it is read (Long-CLIP), short
+    captions embedded as the checkpoint embeds them."""
+    from vltrain.model.interop.stretch import stretch_positions
+
+    hf = reference["gelu"]
+    init = _write(tmp_path / "ckpt" / "model.safetensors", openclip_state_dict(hf, "text."), "safetensors")
+    opened = open_model(init, ["data.max_text_length=30", "model.text.stretch_keep=8"])
+    table = hf.text_model.embeddings.position_embedding.weight.detach()
+    assert opened.cfg.model.arch["text"]["max_length"] == 30
+    assert torch.equal(opened.model.text.pos_embed.detach(), stretch_positions(table, 30, 8))
+    short = [t for t in TEXTS if len(opened.tokenizer.encode(t, 30)[0]) <= 8]
+    assert short
+    plain = open_model(init)
+    torch.testing.assert_close(torch.from_numpy(embed(opened.model, opened.tokenizer, opened.cfg, [], short)),
+                               torch.from_numpy(embed(plain.model, plain.tokenizer, plain.cfg, [], short)),
+                               atol=1e-6, rtol=0)

@@ -5,6 +5,12 @@ colour, kind and grid cell in varied wording; with regions, each shape's box and
 can learn to retrieve one from the other, and the held-out split measures whether it did. The
 grid is aligned to the image (each cell is a third of the side), which lets a ViT whose patch is
 a third of the image see one cell per patch.
+
+With long captions (``--long-captions``), each image holds 6 to 9 shapes and its caption names them
+all in reading order (top row first), a clause each, after a line that counts them: most run past
+CLIP's 77 tokens, so that a model reading only the first 77 never sees the bottom row's shapes
+(``docs/benchmarks/long-text.md`` gives the length distribution). They are drawn from a random
+stream of their own, so the default data stays as it was.
 """
 
 from __future__ import annotations
@@ -54,6 +60,9 @@ CELL_WORDS = {
     (2, 2): ("bottom right", "lower right"),
 }
 NUM_SHAPES_WEIGHTS = (0.2, 0.4, 0.4)  # 1, 2 or 3 shapes: multi-shape images make captions near-unique
+LONG_SHAPES = (6, 7, 8, 9)
+"""Long captions: the shapes of an image, drawn evenly (of its 9 cells)."""
+COUNT_WORDS = {6: "six", 7: "seven", 8: "eight", 9: "nine"}
 SUPERSAMPLE = 4
 JITTER = 0.0
 """Offset range of a shape within its cell, as a fraction of the free space. Zero: every shape sits
@@ -69,8 +78,8 @@ class Shape:
     jitter: tuple[float, float]  # offset of the centre within the cell, in cell fractions
 
 
-def _rng(seed: int, split: str, index: int) -> random.Random:
-    return random.Random(f"shapes/{seed}/{split}/{index}")
+def _rng(seed: int, split: str, index: int, long: bool = False) -> random.Random:
+    return random.Random(f"shapes{'-long' if long else ''}/{seed}/{split}/{index}")
 
 
 def sample_scene(rng: random.Random) -> list[Shape]:
@@ -113,6 +122,28 @@ def describe(shapes: list[Shape], rng: random.Random) -> str:
         body = joiner.join(parts[:-1]) + rng.choice((" and ", ", and ", " as well as ")) + parts[-1]
     prefix = rng.choice(("", "", "a picture of ", "an image with ", "there is "))
     return body if body.startswith("in the") else prefix + body
+
+
+def sample_long_scene(rng: random.Random) -> list[Shape]:
+    """6 to 9 shapes in distinct cells, in reading order (top row first, each row left to right)."""
+    cells = sorted(rng.sample(sorted(CELL_WORDS), rng.choice(LONG_SHAPES)))
+    return [Shape(kind=rng.choice(KINDS), color=rng.choice(sorted(COLORS)), size=rng.choice(sorted(SIZES)),
+                  cell=cell, jitter=(0.0, 0.0)) for cell in cells]
+
+
+def describe_long(shapes: list[Shape], rng: random.Random) -> str:
+    """A caption that counts the shapes and then names each, in the order given (reading order), a
+    clause each in a wording drawn from ``rng``."""
+    clauses = []
+    for s in shapes:
+        size, kind, where = rng.choice(SIZE_WORDS[s.size]), rng.choice(KIND_WORDS[s.kind]), rng.choice(CELL_WORDS[s.cell])
+        thing = f"{_article(size)} {size} {s.color} {kind}"
+        form = rng.randrange(3)
+        clauses.append(f"in the {where} there is {thing}" if form == 0 else
+                       f"{thing} sits in the {where}" if form == 1 else f"the {where} holds {thing}")
+    opening = rng.choice(("a picture of", "an image with", "a dark grid holding"))
+    body = "; ".join(clauses[:-1]) + rng.choice(("; and ", ", and finally ", "; last, ")) + clauses[-1]
+    return f"{opening} {COUNT_WORDS[len(shapes)]} shapes, from the top row down: {body}"
 
 
 def _article(word: str) -> str:
@@ -178,16 +209,16 @@ def regions(shapes: list[Shape], image_size: int) -> list[dict]:
     return out
 
 
-def _make_rows(job: tuple[str, int, int, int, tuple[float, float], int, str, bool]) -> list[dict]:
+def _make_rows(job: tuple[str, int, int, int, tuple[float, float], int, str, bool, bool]) -> list[dict]:
     """One draw per row picks its modality: text-only below the text-only fraction, image-only in the
     next ``image_only_fraction``, image-text above (so a fraction of 0 leaves the other rows as they were).
     The regions draw nothing: with them, the rows are the same rows, and their images the same images."""
-    split, start, stop, seed, (text_only, image_only), image_size, out, with_regions = job
+    split, start, stop, seed, (text_only, image_only), image_size, out, with_regions, long = job
     rows = []
     for i in range(start, stop):
-        rng = _rng(seed, split, i)
-        shapes = sample_scene(rng)
-        text = describe(shapes, rng)
+        rng = _rng(seed, split, i, long)
+        shapes = (sample_long_scene if long else sample_scene)(rng)
+        text = (describe_long if long else describe)(shapes, rng)
         key = f"shapes-{split}-{i:06d}"
         row: dict = {"id": key}
         draw = rng.random()
@@ -204,10 +235,10 @@ def _make_rows(job: tuple[str, int, int, int, tuple[float, float], int, str, boo
 
 
 def _write_split(out: Path, split: str, num: int, seed: int, frac: tuple[float, float], image_size: int,
-                 workers: int, with_regions: bool = False) -> Path:
+                 workers: int, with_regions: bool = False, long: bool = False) -> Path:
     (out / "images" / split).mkdir(parents=True, exist_ok=True)
     chunk = 500
-    jobs = [(split, s, min(s + chunk, num), seed, frac, image_size, str(out), with_regions)
+    jobs = [(split, s, min(s + chunk, num), seed, frac, image_size, str(out), with_regions, long)
             for s in range(0, num, chunk)]
     if workers > 1 and len(jobs) > 1:
         with ProcessPoolExecutor(workers) as ex:
@@ -234,9 +265,11 @@ def synthesize(
     workers: int = 0,
     image_only_fraction: float = 0.0,
     with_regions: bool = False,
+    long_captions: bool = False,
 ) -> dict[str, Path]:
     """Write ``out/train.jsonl`` (num rows), ``out/val.jsonl`` (val image-text rows) and their images;
-    ``with_regions``: each row with an image also lists its shapes' boxes and phrases (:func:`regions`).
+    ``with_regions``: each row with an image also lists its shapes' boxes and phrases (:func:`regions`);
+    ``long_captions``: images of 6 to 9 shapes with captions naming them all (:func:`describe_long`).
 
     The same arguments always write the same files. Validation rows are all image-text pairs,
     drawn from their own random stream, so the training fractions of text-only and image-only
@@ -255,8 +288,8 @@ def synthesize(
     out.mkdir(parents=True, exist_ok=True)
     workers = workers or min(usable_cpus(), 8)
     paths = {"train": _write_split(out, "train", num, seed, (text_only_fraction, image_only_fraction), image_size,
-                                   workers, with_regions)}
-    paths["val"] = _write_split(out, "val", val, seed, (0.0, 0.0), image_size, workers, with_regions)
+                                   workers, with_regions, long_captions)}
+    paths["val"] = _write_split(out, "val", val, seed, (0.0, 0.0), image_size, workers, with_regions, long_captions)
     return paths
 
 

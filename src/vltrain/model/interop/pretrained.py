@@ -6,7 +6,9 @@ and preprocessing) without loading its weights; :func:`load_pretrained` then fil
 that architecture.
 Every tensor the model's towers, projections and temperature need comes from the checkpoint, and
 every tensor of the checkpoint goes somewhere: anything else is an error naming the tensor. Heads
-the checkpoint has no weights for (ITM, MLM, MIM) start fresh, and are listed.
+the checkpoint has no weights for (ITM, MLM, MIM) start fresh, and are listed. A CLIP checkpoint
+read with more text positions than it has (:meth:`Pretrained.stretched`) gets its position table
+stretched as it is read (:mod:`vltrain.model.interop.stretch`).
 
 Files are read without running code: safetensors, or ``torch.load(weights_only=True)``, whose
 refusal of a pickle that holds code becomes a plain error.
@@ -16,7 +18,7 @@ from __future__ import annotations
 
 import pickle
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -27,6 +29,7 @@ import vltrain.model.interop.openclip as openclip
 import vltrain.model.interop.openclip_coca as openclip_coca
 from vltrain.errors import UserError
 from vltrain.model.interop.convert import Link, Preprocessing, convert_in, leftover
+from vltrain.model.interop.stretch import Stretch, check_stretch
 from vltrain.model.presets import PRESETS, Architecture
 
 CHECKPOINT_SUFFIXES = (".pt", ".pth", ".bin", ".safetensors")
@@ -47,6 +50,17 @@ class Pretrained:
     """Where the architecture came from, for messages ("in .../config.json", "inferred from ...")."""
     weights: Path | None = None
     """The weights file of an OpenCLIP checkpoint (``path`` itself, or the one in its folder)."""
+    stretch: Stretch | None = None
+    """Its text position table as it is read, when ``arch`` has more text positions than it."""
+
+    def stretched(self, length: int, keep: int) -> Pretrained:
+        """This checkpoint read with ``length`` text positions (``data.max_text_length``), its table
+        stretched keeping ``keep`` rows (``model.text.stretch_keep``); one line where it cannot be."""
+        stretch = check_stretch(self.arch.text, self.kind, length, keep, str(self.path))
+        arch = replace(self.arch, text=replace(self.arch.text, max_length=length))
+        notes = [*self.preprocessing.notes, stretch.describe()]
+        pre = replace(self.preprocessing, max_text_length=length, notes=notes)
+        return replace(self, arch=arch, preprocessing=pre, stretch=stretch)
 
     def weights_file(self) -> Path:
         if self.weights is not None:
@@ -204,6 +218,9 @@ def load_pretrained(model: torch.nn.Module, source: Pretrained) -> list[str]:
     file = source.weights_file()
     state = source.prepare(read_state_dict(file), str(file))
     links = source.links(state.keys())
+    if source.stretch is not None:
+        key = next(link.theirs[0] for link in links if link.ours == "text.pos_embed")
+        state[key] = source.stretch.apply(state[key])
     wanted = {k: tuple(v.shape) for k, v in model.state_dict().items()}
     tensors = convert_in(links, state, wanted, str(file), source.arch_from)
     notes = []
