@@ -16,7 +16,7 @@ from kits.runkit import ok, session_shapes, train
 
 from vltrain.checkpoint.storage import read_tensors
 
-OVERFLOW_STEP = 4
+OVERFLOW_STEP = 2
 
 
 def saved(run, step: int) -> tuple[dict[str, torch.Tensor], dict]:
