@@ -223,6 +223,16 @@ def model_distance(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], prefi
     return _record(f"weights ({prefix}*)", float((x - y).norm() / y.norm()))
 
 
+def assert_same_training(runs: dict[str, Path], ref: Path, steps: int, tol: float) -> None:
+    """Every run of ``runs`` logged ``ref``'s curve (``steps`` losses) and ended at its model, within ``tol``."""
+    base = losses(ref)
+    assert len(base) == steps
+    for name, run_dir in runs.items():
+        curve = losses(run_dir)
+        assert worst(curve, base) < tol, (name, curve, base)
+        assert model_distance(final_state(run_dir), final_state(ref)) < tol, name
+
+
 def assert_recalls(metrics: dict, prefix: str, images: int, captions: int, rerank_k: int = 0) -> None:
     """One retrieval set's recalls (``{prefix}i2t_r1`` ...) as the protocol of eval/retrieval.py makes
     them: each a whole number of queries (images for image->text, captions for text->image), growing

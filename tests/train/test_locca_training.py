@@ -10,7 +10,8 @@ import json
 from pathlib import Path
 
 import pytest
-from kits.runkit import final_state, from_checkpoint, losses, metric_rows, model_distance, ok, session_shapes, train, worst
+from kits.runkit import (assert_same_training, final_state, from_checkpoint, losses, metric_rows, model_distance, ok,
+                         session_shapes, train, worst)
 
 STEPS = 10
 TOL = 1e-5
@@ -66,12 +67,7 @@ def test_one_global_batch_split_four_ways_trains_the_same_locca_model(tmp_path_f
     rows = metric_rows(ref)
     for task in ("caption", "referring", "grounded_caption"):  # every task trains in every step
         assert all(r[f"loss/{task}"] > 0 for r in rows), task
-    base = losses(ref)
-    assert len(base) == STEPS
-    for name, run_dir in runs.items():
-        curve = losses(run_dir)
-        assert worst(curve, base) < TOL, (name, curve, base)
-        assert model_distance(final_state(run_dir), final_state(ref)) < TOL, name
+    assert_same_training(runs, ref, STEPS, TOL)
 
 
 @pytest.mark.timeout(900)

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from kits.runkit import (assert_identical, assert_resumed_exactly, final_state, from_checkpoint, losses,
-                         model_distance, ok, session_shapes, train, worst)
+from kits.runkit import (assert_identical, assert_resumed_exactly, assert_same_training, final_state, from_checkpoint,
+                         losses, ok, session_shapes, train)
 from safetensors.torch import load_file
 
 from vltrain.checkpoint.paths import LORA_BASE_FILE
@@ -51,12 +51,7 @@ def _adapters(state: dict[str, torch.Tensor]) -> set[str]:
 def test_one_global_batch_split_four_ways_trains_the_same_adapters(tmp_path_factory):
     runs = {name: split_run(tmp_path_factory, name) for name in SPLITS}
     ref = runs["1 rank"]
-    base = losses(ref)
-    assert len(base) == STEPS
-    for name, run_dir in runs.items():
-        curve = losses(run_dir)
-        assert worst(curve, base) < TOL, (name, curve, base)
-        assert model_distance(final_state(run_dir), final_state(ref)) < TOL, name
+    assert_same_training(runs, ref, STEPS, TOL)
 
     state = final_state(ref)
     model = {k for k in state if k.startswith("model.")}
