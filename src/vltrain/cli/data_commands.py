@@ -8,6 +8,7 @@ import json
 import os
 import sys
 import time
+from pathlib import Path
 
 
 def add_parsers(data: argparse.ArgumentParser, tokenizer: argparse.ArgumentParser) -> None:
@@ -77,6 +78,8 @@ def _add_synth_parser(dsub) -> None:
                    help="each row with an image lists its shapes' boxes and phrases (\"regions\")")
     s.add_argument("--long-captions", action="store_true",
                    help="6 to 9 shapes per image, each named in a long caption (most past CLIP's 77 tokens)")
+    s.add_argument("--masks", action="store_true",
+                   help="also each val image's segmentation mask, listed in OUT/dense.jsonl (vltrain eval --dense)")
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--workers", type=int, default=0, help="processes (0: all cores)")
     s.set_defaults(func=synth)
@@ -159,10 +162,13 @@ def synth(args: argparse.Namespace) -> int:
         raise UserError("give --out DIR (image-text pairs) and/or --classify DIR (a class-per-folder set)")
     paths = synthesize(
         args.out, args.num, args.val, args.text_only_fraction, args.seed, args.image_size, args.workers,
-        image_only_fraction=args.image_only_fraction, with_regions=args.regions, long_captions=args.long_captions,
+        image_only_fraction=args.image_only_fraction, with_regions=args.regions, long_captions=args.long_captions, with_masks=args.masks,
     )
     for split, p in paths.items():
         print(f"{split}: {p}")
+    if args.masks:
+        print(f"dense: {Path(args.out) / 'dense.jsonl'} (masks of the val images; next: vltrain eval RUN_DIR "
+              f"--dense {Path(args.out) / 'dense.jsonl'})")
     tokenizer = write_tokenizer(args.out)
     print(f"tokenizer: {tokenizer} (BPE, {TOKENIZER_VOCAB} tokens, trained on the training captions)")
     longer = " data.max_text_length=160" if args.long_captions else ""

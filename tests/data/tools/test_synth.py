@@ -196,3 +196,44 @@ def test_cli_long_captions(cli, tmp_path):
     assert res.returncode == 0, res.stderr
     assert "data.max_text_length=160" in res.stdout
     assert all(" shapes, from the top row down: " in r["text"] for r in _rows(tmp_path / "s" / "val.jsonl"))
+
+
+def test_masks_class_each_pixel_as_drawn_and_leave_the_data_as_it_was(tmp_path):
+    """A mask pixel holds the class of the shape drawn there (the centre of each shape, by kind),
+    the background elsewhere (the corners of every cell); the rows and images are those written
+    without masks, and only the val images get one."""
+    import numpy as np
+    from PIL import Image
+
+    plain = synth.synthesize(tmp_path / "a", num=20, val=12, seed=3, workers=1)
+    masked = synth.synthesize(tmp_path / "b", num=20, val=12, seed=3, workers=1, with_masks=True)
+    for split in ("train", "val"):
+        assert masked[split].read_bytes() == plain[split].read_bytes()
+    dense = _rows(tmp_path / "b" / "dense.jsonl")
+    assert [r["image"] for r in dense] == [r["image"] for r in _rows(masked["val"])]
+    assert json.loads((tmp_path / "b" / "dense_classes.json").read_text()) == ["background", *synth.KINDS]
+    assert not (tmp_path / "a" / "dense.jsonl").exists() and not (tmp_path / "b" / "masks" / "train").exists()
+    for row in dense:
+        image = tmp_path / "b" / row["image"]
+        assert image.read_bytes() == (tmp_path / "a" / row["image"]).read_bytes()
+        mask = Image.open(tmp_path / "b" / row["mask"])
+        assert mask.mode == "L" and mask.size == Image.open(image).size == (48, 48)
+        m = np.asarray(mask)
+        rng = synth._rng(3, "val", int(Path(row["image"]).stem))
+        shapes = {s.cell: s for s in synth.sample_scene(rng)}
+        for r in range(3):
+            for c in range(3):
+                y, x = r * 16 + 8, c * 16 + 8
+                want = synth.MASK_CLASSES.index(shapes[(r, c)].kind) if (r, c) in shapes else 0
+                assert m[y, x] == want, (row, (r, c))
+                assert m[r * 16, c * 16] == 0 and m[r * 16 + 15, c * 16 + 15] == 0
+        pixels = np.asarray(Image.open(image).convert("RGB")).astype(int)
+        bare = (pixels == pixels[0, 0]).all(-1)  # wholly background; wholly a shape's colour:
+        covered = np.any([(pixels == synth.COLORS[s.color]).all(-1) for s in shapes.values()], axis=0)
+        assert (m[bare] == 0).all() and (m[covered] > 0).all()
+
+
+def test_cli_synth_masks(cli, tmp_path):
+    res = cli("data", "synth", "--out", tmp_path / "s", "--num", "10", "--val", "4", "--masks", "--workers", "1")
+    assert res.returncode == 0, res.stderr
+    assert len(_rows(tmp_path / "s" / "dense.jsonl")) == 4 and "--dense" in res.stdout

@@ -11,6 +11,12 @@ all in reading order (top row first), a clause each, after a line that counts th
 CLIP's 77 tokens, so that a model reading only the first 77 never sees the bottom row's shapes
 (``docs/benchmarks/long-text.md`` gives the length distribution). They are drawn from a random
 stream of their own, so the default data stays as it was.
+
+With masks (``--masks``), each held-out image also gets a segmentation mask (``masks/val/NNNNNN.png``,
+mode L, the image's size, each pixel its shape's class: 0 the background, then one per kind in
+:data:`MASK_CLASSES` order), listed in ``dense.jsonl`` with the class names in ``dense_classes.json``
+beside it (``docs/formats.md#dense-masks``). A mask is drawn from the image's own outlines and
+takes nothing from its random stream, so the images and rows stay as they were.
 """
 
 from __future__ import annotations
@@ -63,6 +69,9 @@ NUM_SHAPES_WEIGHTS = (0.2, 0.4, 0.4)  # 1, 2 or 3 shapes: multi-shape images mak
 LONG_SHAPES = (6, 7, 8, 9)
 """Long captions: the shapes of an image, drawn evenly (of its 9 cells)."""
 COUNT_WORDS = {6: "six", 7: "seven", 8: "eight", 9: "nine"}
+MASK_CLASSES = ("background", *KINDS)
+"""A mask pixel's value indexes this: 0 the background, then the shape kinds."""
+DENSE_FILE, DENSE_CLASSES_FILE = "dense.jsonl", "dense_classes.json"
 SUPERSAMPLE = 4
 JITTER = 0.0
 """Offset range of a shape within its cell, as a fraction of the free space. Zero: every shape sits
@@ -167,6 +176,20 @@ def render(shapes: list[Shape], image_size: int, rng: random.Random) -> Image.Im
     return img.resize((image_size, image_size), Image.Resampling.BOX)
 
 
+def render_mask(shapes: list[Shape], image_size: int) -> Image.Image:
+    """The class of each pixel of :func:`render`'s image (mode L, :data:`MASK_CLASSES` indices): the
+    same outlines drawn at the same supersampled size with the class as fill, then each pixel the
+    class at its centre (nearest), where the image averages its samples (box)."""
+    big = image_size * SUPERSAMPLE
+    mask = Image.new("L", (big, big), 0)
+    draw = ImageDraw.Draw(mask)
+    for s in shapes:
+        fill = MASK_CLASSES.index(s.kind)
+        for op, points in _outline(s, big):
+            getattr(draw, op)(points, fill=fill)
+    return mask.resize((image_size, image_size), Image.Resampling.NEAREST)
+
+
 def _outline(s: Shape, side: float) -> list[tuple[str, list]]:
     """What draws shape ``s`` on an image of ``side`` pixels: (ellipse | rectangle | polygon, its
     points), the one geometry its picture and its box are both made from."""
@@ -209,11 +232,12 @@ def regions(shapes: list[Shape], image_size: int) -> list[dict]:
     return out
 
 
-def _make_rows(job: tuple[str, int, int, int, tuple[float, float], int, str, bool, bool]) -> list[dict]:
+def _make_rows(job: tuple[str, int, int, int, tuple[float, float], int, str, bool, bool, bool]) -> list[dict]:
     """One draw per row picks its modality: text-only below the text-only fraction, image-only in the
     next ``image_only_fraction``, image-text above (so a fraction of 0 leaves the other rows as they were).
-    The regions draw nothing: with them, the rows are the same rows, and their images the same images."""
-    split, start, stop, seed, (text_only, image_only), image_size, out, with_regions, long = job
+    The regions and masks draw nothing: with them, the rows are the same rows, and their images the same images;
+    a row's mask (``with_masks``) is written beside its image and named in the row as ``mask``."""
+    split, start, stop, seed, (text_only, image_only), image_size, out, with_regions, long, with_masks = job
     rows = []
     for i in range(start, stop):
         rng = _rng(seed, split, i, long)
@@ -228,6 +252,9 @@ def _make_rows(job: tuple[str, int, int, int, tuple[float, float], int, str, boo
             row["image"] = rel
             if with_regions:
                 row["regions"] = regions(shapes, image_size)
+            if with_masks:
+                row["mask"] = f"masks/{split}/{i:06d}.png"
+                render_mask(shapes, image_size).save(os.path.join(out, row["mask"]), optimize=False, compress_level=1)
         if not text_only <= draw < text_only + image_only:
             row["text"] = text
         rows.append(row)
@@ -235,10 +262,12 @@ def _make_rows(job: tuple[str, int, int, int, tuple[float, float], int, str, boo
 
 
 def _write_split(out: Path, split: str, num: int, seed: int, frac: tuple[float, float], image_size: int,
-                 workers: int, with_regions: bool = False, long: bool = False) -> Path:
+                 workers: int, with_regions: bool = False, long: bool = False, with_masks: bool = False) -> Path:
     (out / "images" / split).mkdir(parents=True, exist_ok=True)
+    if with_masks:
+        (out / "masks" / split).mkdir(parents=True, exist_ok=True)
     chunk = 500
-    jobs = [(split, s, min(s + chunk, num), seed, frac, image_size, str(out), with_regions, long)
+    jobs = [(split, s, min(s + chunk, num), seed, frac, image_size, str(out), with_regions, long, with_masks)
             for s in range(0, num, chunk)]
     if workers > 1 and len(jobs) > 1:
         with ProcessPoolExecutor(workers) as ex:
@@ -250,9 +279,18 @@ def _write_split(out: Path, split: str, num: int, seed: int, frac: tuple[float, 
     with open(tmp, "w") as f:
         for rows in parts:
             for row in rows:
-                f.write(json.dumps(row) + "\n")
+                f.write(json.dumps({k: v for k, v in row.items() if k != "mask"}) + "\n")
     os.replace(tmp, path)
+    if with_masks:
+        _write_dense(out, [row for rows in parts for row in rows])
     return path
+
+
+def _write_dense(out: Path, rows: list[dict]) -> None:
+    """``out/dense.jsonl`` ({"image", "mask"} a row, both relative to ``out``) and ``out/dense_classes.json``."""
+    lines = "".join(json.dumps({"image": r["image"], "mask": r["mask"]}) + "\n" for r in rows)
+    (out / DENSE_FILE).write_text(lines)
+    (out / DENSE_CLASSES_FILE).write_text(json.dumps(list(MASK_CLASSES)) + "\n")
 
 
 def synthesize(
@@ -266,10 +304,12 @@ def synthesize(
     image_only_fraction: float = 0.0,
     with_regions: bool = False,
     long_captions: bool = False,
+    with_masks: bool = False,
 ) -> dict[str, Path]:
     """Write ``out/train.jsonl`` (num rows), ``out/val.jsonl`` (val image-text rows) and their images;
     ``with_regions``: each row with an image also lists its shapes' boxes and phrases (:func:`regions`);
-    ``long_captions``: images of 6 to 9 shapes with captions naming them all (:func:`describe_long`).
+    ``long_captions``: images of 6 to 9 shapes with captions naming them all (:func:`describe_long`);
+    ``with_masks``: each val image's segmentation mask, listed in ``out/dense.jsonl`` (:func:`render_mask`).
 
     The same arguments always write the same files. Validation rows are all image-text pairs,
     drawn from their own random stream, so the training fractions of text-only and image-only
@@ -289,7 +329,8 @@ def synthesize(
     workers = workers or min(usable_cpus(), 8)
     paths = {"train": _write_split(out, "train", num, seed, (text_only_fraction, image_only_fraction), image_size,
                                    workers, with_regions, long_captions)}
-    paths["val"] = _write_split(out, "val", val, seed, (0.0, 0.0), image_size, workers, with_regions, long_captions)
+    paths["val"] = _write_split(out, "val", val, seed, (0.0, 0.0), image_size, workers, with_regions, long_captions,
+                                with_masks)
     return paths
 
 
