@@ -39,6 +39,29 @@ def overrides_of(args: argparse.Namespace) -> list[str]:
     return list(args.overrides or []) + list(args.set_overrides or [])
 
 
+def _add_eval_parser(sub) -> None:
+    e = sub.add_parser("eval", help="retrieval and zero-shot metrics of a run's latest checkpoint or any model")
+    _add_model(e)
+    e.add_argument("--data", default=None, help="val source (default: the run's data.val)")
+    e.add_argument("--zeroshot", default=None, metavar="DIR",
+                   help="zero-shot classification on a class-per-folder image set (or a manifest with labels)")
+    e.add_argument("--templates", default=None, metavar="FILE", help="prompt templates, one per line with {}")
+    e.add_argument("--retrieval", default=None, metavar="FILE", help="COCO-style caption JSON (Karpathy split or annotations)")
+    e.add_argument("--captions", default=None, metavar="FILE",
+                   help="COCO-style caption JSON: caption its images (a model with a decoder), BLEU-4 and CIDEr-D")
+    e.add_argument("--referring", default=None, metavar="FILE",
+                   help='JSON lines {"image", "text", "box": [x0, y0, x1, y1]} (pixels): a LocCa model\'s '
+                        "referring-expression Acc@0.5 and mean IoU")
+    e.add_argument("--dense", default=None, metavar="FILE",
+                   help='JSON lines {"image", "mask"} (class-index PNGs): a linear probe on the frozen patch '
+                        "tokens, trained on the first half, mean IoU on the rest")
+    e.add_argument("--split", default="test", help="the Karpathy split to evaluate (default test)")
+    e.add_argument("--json", action="store_true", help="print the metrics as JSON instead of a table")
+    e.add_argument("--ema", action="store_true", help="a run's EMA weights (train.ema) instead of its trained ones")
+    _add_overrides(e)
+    e.set_defaults(func=evaluate)
+
+
 def add_parsers(sub) -> None:
     t = sub.add_parser("train", help="train a model from a YAML config (torchrun-aware)")
     t.add_argument("config", help="YAML config file")
@@ -53,23 +76,7 @@ def add_parsers(sub) -> None:
     _add_overrides(d, "dotted overrides of configs/demo.yaml")
     d.set_defaults(func=demo)
 
-    e = sub.add_parser("eval", help="retrieval and zero-shot metrics of a run's latest checkpoint or any model")
-    _add_model(e)
-    e.add_argument("--data", default=None, help="val source (default: the run's data.val)")
-    e.add_argument("--zeroshot", default=None, metavar="DIR",
-                   help="zero-shot classification on a class-per-folder image set (or a manifest with labels)")
-    e.add_argument("--templates", default=None, metavar="FILE", help="prompt templates, one per line with {}")
-    e.add_argument("--retrieval", default=None, metavar="FILE", help="COCO-style caption JSON (Karpathy split or annotations)")
-    e.add_argument("--captions", default=None, metavar="FILE",
-                   help="COCO-style caption JSON: caption its images (a model with a decoder), BLEU-4 and CIDEr-D")
-    e.add_argument("--referring", default=None, metavar="FILE",
-                   help='JSON lines {"image", "text", "box": [x0, y0, x1, y1]} (pixels): a LocCa model\'s '
-                        "referring-expression Acc@0.5 and mean IoU")
-    e.add_argument("--split", default="test", help="the Karpathy split to evaluate (default test)")
-    e.add_argument("--json", action="store_true", help="print the metrics as JSON instead of a table")
-    e.add_argument("--ema", action="store_true", help="a run's EMA weights (train.ema) instead of its trained ones")
-    _add_overrides(e)
-    e.set_defaults(func=evaluate)
+    _add_eval_parser(sub)
 
     x = sub.add_parser("export", help="write model.safetensors, the tokenizer and the config")
     _add_model(x)
@@ -295,9 +302,12 @@ def evaluate(args: argparse.Namespace) -> int:
     if args.referring:
         name = Path(args.referring).stem or "referring"
         overrides.append(f"eval.referring=[{{name: {json.dumps(name)}, path: {json.dumps(str(args.referring))}}}]")
-    only_sets = bool(args.zeroshot or args.retrieval or args.captions or args.referring)
+    if args.dense:
+        name = Path(args.dense).stem or "dense"
+        overrides.append(f"eval.dense=[{{name: {json.dumps(name)}, path: {json.dumps(str(args.dense))}}}]")
+    only_sets = bool(args.zeroshot or args.retrieval or args.captions or args.referring or args.dense)
     if only_sets:
-        for key in ("zeroshot", "retrieval", "captions", "referring"):
+        for key in ("zeroshot", "retrieval", "captions", "referring", "dense"):
             overrides += [] if getattr(args, key) else [f"eval.{key}=[]"]
     metrics = evaluate_run(Path(args.model), data=args.data, overrides=overrides,
                            val=args.data is not None or not only_sets, ema=args.ema)

@@ -252,6 +252,22 @@ class ReferringEvalSet(Settings):
         _check_set_name("eval.referring", self.name, self.path)
 
 
+@dataclass
+class DenseEvalSet(Settings):
+    name: str = ""
+    """Metrics are written as dense/NAME/miou (a linear probe on the frozen patch tokens, trained on
+    the first half of the rows, scored on the rest: mean IoU over the classes present, at patch
+    level) and dense/NAME/iou_CLASS."""
+    path: str = ""
+    """JSON lines {"image": PATH, "mask": PATH}, the mask a mode-L PNG of class indices the image's
+    size; the class names in NAME_classes.json beside it (docs/formats.md#dense-masks)."""
+    image_root: str = ""
+    """Folder the image and mask paths are relative to (empty: the file's folder)."""
+
+    def validate(self) -> None:
+        _check_set_name("eval.dense", self.name, self.path)
+
+
 def _check_set_name(key: str, name: str, path: str) -> None:
     if not name or "/" in name or not path:
         raise ConfigError(f"each entry of {key} needs a name (no '/') and a path, got name={name!r} path={path!r}")
@@ -286,12 +302,16 @@ class EvalConfig(Settings):
     referring: list[ReferringEvalSet] = field(default_factory=list)
     """Referring-expression sets that a model with a LocCa decoder grounds, scored with Acc@0.5 and
     mean IoU: [{name, path, image_root}]."""
+    dense: list[DenseEvalSet] = field(default_factory=list)
+    """Segmentation sets on which a linear probe of the frozen vision tower's patch tokens is
+    trained and scored with mean IoU (SigLIP 2's dense features): [{name, path, image_root}]."""
 
     def validate(self) -> None:
         if self.itm_rerank_k < 0:
             raise ConfigError(f"eval.itm_rerank_k must be >= 0 (0: no re-ranking), got {self.itm_rerank_k}")
         for key, sets in (("eval.zeroshot", self.zeroshot), ("eval.retrieval", self.retrieval),
-                          ("eval.captions", self.captions), ("eval.referring", self.referring)):
+                          ("eval.captions", self.captions), ("eval.referring", self.referring),
+                          ("eval.dense", self.dense)):
             names = [s.name for s in sets]
             if len(set(names)) != len(names):
                 raise ConfigError(f"{key}: names must differ, got {names}")

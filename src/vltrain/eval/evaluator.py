@@ -2,7 +2,8 @@
 sets of ``eval.zeroshot`` (:mod:`vltrain.eval.zeroshot`) and ``eval.retrieval`` (:mod:`vltrain.eval.retrieval`),
 each with ITM re-ranking for fusion models, the caption sets of ``eval.captions``
 (:mod:`vltrain.eval.captioning`) and the referring-expression sets of ``eval.referring``
-(:mod:`vltrain.eval.grounding`); ``eval.json``; ``vltrain eval``.
+(:mod:`vltrain.eval.grounding`) and the
+dense sets of ``eval.dense`` (:mod:`vltrain.eval.dense`); ``eval.json``; ``vltrain eval``.
 
 Every rank embeds its shard of each set, the embeddings are gathered, and every rank
 computes the same metrics. Nobody waits at a barrier while rank 0 works alone (the way
@@ -28,6 +29,7 @@ from vltrain.data.dataset import source_specs
 from vltrain.data.tokenizers import Tokenizer
 from vltrain.errors import ConfigError, UserError
 from vltrain.eval.captioning import evaluate_captions, open_caption_set
+from vltrain.eval.dense import evaluate_dense, open_dense
 from vltrain.eval.grounding import evaluate_referring, open_referring
 from vltrain.eval.embedding import Embedded, Encoder, cat_padded, eval_mode
 from vltrain.eval.retrieval import evaluate_retrieval, itm_rerank, multi_caption_recall, open_retrieval
@@ -175,6 +177,7 @@ class Evaluator:
         if ec.referring and not getattr(cfg.model.architecture().decoder, "standalone", False):
             raise ConfigError("eval.referring needs a LocCa decoder: a preset with one (tiny-siglip2, siglip2-vit-b16)")
         self.referring = [open_referring(r.name, r.path, r.image_root) for r in ec.referring]
+        self.dense = [open_dense(d.name, d.path, d.image_root) for d in ec.dense]
         arch = cfg.model.architecture()
         # a LocCa decoder starts at its own caption task token (the prompt's start is not read)
         start = (0 if arch.decoder is not None and arch.decoder.standalone else arch.text.start_id) if ec.captions else None
@@ -184,7 +187,7 @@ class Evaluator:
                          for c in ec.captions]
 
     def __bool__(self) -> bool:
-        return self.val is not None or any((self.zeroshot, self.retrieval, self.captions, self.referring))
+        return self.val is not None or any((self.zeroshot, self.retrieval, self.captions, self.referring, self.dense))
 
     def run(self, wrapped: nn.Module, model: nn.Module, device: torch.device, autocast) -> dict[str, float]:
         ec, data = self.cfg.eval, self.cfg.data
@@ -203,6 +206,8 @@ class Evaluator:
             out.update(evaluate_captions(encoder, c, self.tokenizer))
         for r in self.referring:
             out.update(evaluate_referring(encoder, self.tokenizer, r, **self.kw))
+        for d in self.dense:
+            out.update(evaluate_dense(encoder, model, d, **self.kw))
         return out
 
 
@@ -277,9 +282,10 @@ def evaluate_run(path: Path, data: str | None = None, overrides: list[str] | Non
     asked = ["data.val=''"] if not val else [f"data.val={data}"] if data else []
     decided = model_config(found, list(overrides or []) + asked)
     cfg = decided.cfg
-    if not (cfg.data.val or cfg.eval.zeroshot or cfg.eval.retrieval or cfg.eval.captions or cfg.eval.referring):
+    if not (cfg.data.val or cfg.eval.zeroshot or cfg.eval.retrieval or cfg.eval.captions or cfg.eval.referring
+            or cfg.eval.dense):
         raise UserError(f"{path} names no data.val and no eval sets; pass --data VAL_MANIFEST, "
-                        "--zeroshot DIR, --retrieval FILE, --captions FILE or --referring FILE")
+                        "--zeroshot DIR, --retrieval FILE, --captions FILE, --referring FILE or --dense FILE")
     world = setup_world(timeout_s=cfg.train.timeout_s, device=cfg.train.device, threads=cfg.train.threads,
                         tf32=cfg.train.tf32)
     clean = False

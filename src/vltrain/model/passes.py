@@ -28,6 +28,17 @@ class Encode:
 
 
 @dataclass(frozen=True)
+class ImageTokens:
+    """The vision tower's un-pooled tokens of ``images`` (an ``Images``), whether or not the model's
+    heads read them (dense evaluation: a probe on the patch tokens of a dual encoder)."""
+
+    images: Any
+
+    def run(self, model, objectives: Any = None) -> Tokens:
+        return model.image_tokens(self.images)
+
+
+@dataclass(frozen=True)
 class ItmLogits:
     """ITM logits [B, 2] of fused (text, image) pairs (evaluation's re-ranking)."""
 
