@@ -104,3 +104,21 @@ def test_bad_dense_sets_are_named_by_file_and_row(tmp_path):
     (tmp_path / "d_classes.json").unlink()
     with pytest.raises(UserError, match="cannot read .*d_classes.json, the class names of .*d.jsonl"):
         open_dense("d", tmp_path / "d.jsonl")
+
+
+def test_vltrain_eval_dense_probes_a_trained_run(cli, tmp_path_factory):
+    """The command line end to end: a run's model opened through the one door, its dense set from
+    ``data synth --masks`` at the run's image size, the metrics beside nothing else."""
+    from kits.runkit import ok, session_shapes, train
+
+    shapes = session_shapes(tmp_path_factory)
+    run = tmp_path_factory.getbasetemp() / "dense-run"
+    ok(train(shapes, run, nproc=1, train__max_steps=2, checkpoint__every=0))
+    data = tmp_path_factory.mktemp("dense-cli")
+    synthesize(data, num=0, val=8, seed=1, image_size=32, workers=1, with_masks=True)
+    res = cli("eval", run, "--dense", data / "dense.jsonl", "--json")
+    assert res.returncode == 0, res.stderr[-3000:]
+    metrics = json.loads(res.stdout)
+    assert set(metrics) >= {"dense/dense/miou", "dense/dense/iou_background", "dense/dense/num_train"}
+    assert not any(k.startswith(("i2t", "zeroshot", "referring")) for k in metrics)
+    assert metrics["dense/dense/num_train"] == 4 and 0 <= metrics["dense/dense/miou"] <= 1
