@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from PIL import Image
 from kits import forkrun
 from kits.hubkit import commit_of, put
 from kits.runkit import ok, overrides, session_shapes, train
@@ -73,6 +74,8 @@ CASES = [
                                                   "y", "z"], 2, ["--images gives 2 and --texts 3"]),
     Case("referring-set-without-a-locca-decoder", ["eval", "{run}", "--referring", "{image}"], 2,
          ["eval.referring needs a LocCa decoder"]),
+    Case("dense-mask-of-another-size", ["eval", "{run}", "--dense", "{dense}"], 1,
+         ["dense.jsonl:1: mask", "is 16x16 but its image", "is 32x32"]),
     Case("caption-beam-0", ["caption", "{run}", "--images", "{image}", "--beam", "0"], 2, ["--beam must be >= 1"]),
     Case("embed-nothing-to-embed", ["embed", "{export}", "--out", "{nowhere}.npy"], 2, ["nothing to embed"]),
     Case("teacher-missing-in-teacher-embed", ["data", "teacher-embed", "{nowhere}", "{data}"], 2,
@@ -146,11 +149,14 @@ def kit(tmp_path_factory) -> dict:
         "categories": [{"id": 1, "name": "shape"}]}))
     (user / "no-references.json").write_text(json.dumps(
         {"images": [{"filename": image.name, "split": "test", "sentences": []}]}))
+    Image.new("L", (16, 16)).save(user / "small-mask.png")  # a mask half its image's side
+    (user / "dense.jsonl").write_text(json.dumps({"image": str(image), "mask": "small-mask.png"}) + "\n")
+    (user / "dense_classes.json").write_text(json.dumps(["background", "shape"]))
     paths = {"run": run, "export": export, "garbage": user / "garbage", "truncated": user / "truncated",
              "bert": bert, "twice": user / "twice.yaml", "not_an_image": user / "not-an-image.png",
              "no_references": user / "no-references.json", "image": image, "data": shapes / "train.jsonl",
              "bad_instances": user / "bad-instances.json", "images": image.parent,
-             "nowhere": root / "nowhere"}
+             "nowhere": root / "nowhere", "dense": user / "dense.jsonl"}
     hub = root / "hub"  # a Hugging Face cache, read offline: a repository of data, no model
     (root / "dataset").mkdir()
     (root / "dataset" / "README.md").write_text("a dataset\n")

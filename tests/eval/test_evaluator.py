@@ -67,6 +67,8 @@ def test_each_evaluation_line_says_what_it_was_measured_on():
     assert line == "i2t_r1=0.500  t2i_r1=0.250  [3 pairs]  zeroshot/pets/top1=0.200 [30 images]"
     line = format_metrics({"captions/coco/bleu4": 0.3, "captions/coco/cider": 1.05, "captions/coco/num_images": 40})
     assert line == "captions/coco/cider=1.050 [40 images]"
+    line = format_metrics({"dense/shapes/miou": 0.34, "dense/shapes/iou_background": 0.98, "dense/shapes/num_images": 24})
+    assert line == "dense/shapes/miou=0.340 [24 images]"
 
 
 def test_max_samples_scores_the_first_pairs_on_any_number_of_ranks(tmp_path):

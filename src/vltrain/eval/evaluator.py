@@ -243,7 +243,7 @@ def format_metrics(m: dict[str, float]) -> str:
         parts.append(f"[{int(m['num_pairs']):,} pairs]")
     for k, v in m.items():
         if (k.startswith(("zeroshot/", "retrieval/")) and k.endswith(("/top1", "/t2i_r1", "/itm_t2i_r1"))
-                or k.startswith("captions/") and k.endswith("/cider")):
+                or k.startswith("captions/") and k.endswith("/cider") or k.startswith("dense/") and k.endswith("/miou")):
             images = m.get(f"{k.rsplit('/', 1)[0]}/num_images")
             parts.append(f"{k}={v:.3f}" + ("" if images is None or k.endswith("/itm_t2i_r1")
                                            else f" [{int(images):,} images]"))
