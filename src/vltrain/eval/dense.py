@@ -15,6 +15,7 @@ at patch level, and the mIoU over the classes that occur in the scored half's ma
 from __future__ import annotations
 
 import json
+import logging
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,6 +31,8 @@ from vltrain.eval.embedding import Encoder, eval_mode
 from vltrain.eval.labeled import ImageListDataset
 from vltrain.model.passes import ImageTokens
 from vltrain.runtime.distributed import all_gather_no_grad
+
+log = logging.getLogger("vltrain")
 
 SAMPLES = 8
 """Each patch's class is the majority of SAMPLES x SAMPLES nearest samples of its mask pixels."""
@@ -202,6 +205,10 @@ def evaluate_dense(encoder: Encoder, model, task: DenseSet, *, rank: int, world_
     train = len(task.images) // 2
     iou, present = probe_scores(features, labels, len(task.classes), train)
     prefix = f"dense/{task.name}/"
-    out = {f"{prefix}miou": float(iou[present].mean())}
+    if int(present.sum()) < 2 and rank == 0:
+        log.warning(f"dense set {task.name}: at the model's {grid} x {grid} patches every scored patch is "
+                    f"{task.classes[int(present.nonzero()[0])]}, so its mIoU tells nothing; give images whose "
+                    "regions span whole patches (larger images, or a model with smaller patches)")
+    out = {f"{prefix}miou": float(iou[present].mean()), f"{prefix}num_classes": int(present.sum())}
     out |= {f"{prefix}iou_{c.replace(' ', '_')}": float(iou[k]) for k, c in enumerate(task.classes) if present[k]}
     return out | {f"{prefix}num_train": train, f"{prefix}num_images": len(task.images) - train}
