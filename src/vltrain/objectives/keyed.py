@@ -31,6 +31,7 @@ class Stream:
     ITM_TEXT, ITM_IMAGE = 8, 9
     PATCH_KEEP = 10
     LOCCA_REGION, LOCCA_PARALLEL = 11, 12
+    GLOBAL_VIEW, LOCAL_VIEW, VIEW_MASK = 13, 14, 15
 
 
 def _mul32(x: torch.Tensor | int, c: int) -> torch.Tensor | int:
