@@ -20,7 +20,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "src" / "vltrain"
 
 LAYERS: list[tuple[str, ...]] = [
     ("errors",),
-    ("types", "pixels", "images", "boxes"),
+    ("types", "pixels", "images", "boxes", "views"),
     ("runtime",),
     ("data", "model"),
     ("config",),
