@@ -16,6 +16,7 @@ from typing import Any, Literal, Union
 import yaml
 
 from vltrain.config.loading import apply_override, dotted_keys, from_dict, read_yaml
+from vltrain.config.stages import StageSettings, check_stages
 from vltrain.data.config import DataConfig
 from vltrain.errors import ConfigError
 from vltrain.model.config import ModelConfig
@@ -129,6 +130,10 @@ class TrainConfig(Settings):
     """Weight EMA (off by default)."""
     lora: LoraSettings = field(default_factory=LoraSettings)
     """LoRA adapters through peft (off by default: rank 0); with them only the adapters train."""
+    stages: list[StageSettings] = field(default_factory=list)
+    """Training in stages: each entry starts at a step or a fraction of the run and changes loss
+    weights, patch dropout, the EMA teacher or the schedule's pace from there on
+    (vltrain.config.stages, docs/stages.md). Empty: one stage, the config as given."""
     debug_spmd: bool = False
     """Before each of vltrain's collectives, the ranks compare what they are about to issue (op,
     dtype, shape, and a fingerprint of the step's collectives so far); a divergence stops every
@@ -373,6 +378,15 @@ class JobConfig(Settings):
     eval: EvalConfig = field(default_factory=EvalConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
+
+    def validate(self) -> None:
+        """What one section cannot check alone: the stages against the run's length and losses."""
+        tc = self.train
+        check_stages(tc.stages, tc.max_steps, self.model.loss)
+        if any(s.teacher for s in tc.stages) and not tc.ema.decay:
+            first = next(i for i, s in enumerate(tc.stages, 1) if s.teacher)
+            raise ConfigError(f"train.stages {tc.stages[first - 1].label(first)}: teacher: true is the EMA of the "
+                              "student, and train.ema.decay is 0; set it (SigLIP 2 and DINO: 0.996 to 0.9999)")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -62,6 +62,14 @@ class WeightAverage:
         weight = 1.0 - self.decay(self.updates)
         torch._foreach_lerp_(self.shards, [_local(p).float() for p in self.params], weight)
 
+    @torch.no_grad()
+    def restart(self) -> None:
+        """Start again from the weights as they are (a stage turns the EMA teacher on: SigLIP 2's
+        teacher is initialized from the student at that point), the warm-up from its first update."""
+        for w, p in zip(self.shards, self.params):
+            w.copy_(_local(p))
+        self.updates = 0
+
     @contextmanager
     def applied(self) -> Iterator[None]:
         """The averaged weights in the model's parameters inside the block; the trained ones again,

@@ -111,25 +111,49 @@ def implementation(groups: list[dict]) -> dict[str, bool]:
 class WarmupCosine:
     """lr multiplier: linear warmup from ~0 to 1, then cosine down to ``min_ratio`` at ``total``.
 
+    ``stretches``: (first step, factor) of the stages that slow the schedule down (``train.stages``
+    ``lr_stretch``): from its first step on, a step advances the schedule 1 / factor; the schedule
+    is then a function of that schedule time, and ends at the schedule time of ``total``
+    (:func:`vltrain.config.stages.schedule_time`). None: the steps themselves.
+
     A class rather than a closure so that the scheduler pickles and its shape shows up in reprs.
     """
 
-    def __init__(self, warmup: int, total: int, min_ratio: float = 0.0):
+    def __init__(self, warmup: int, total: int, min_ratio: float = 0.0,
+                 stretches: tuple[tuple[int, float], ...] = ()):
         self.warmup, self.total, self.min_ratio = warmup, total, min_ratio
+        self.stretches = tuple(stretches)
 
     def __call__(self, step: int) -> float:
+        if self.stretches:
+            return self._at(self._time(step), self._time(self.total))
+        return self._at(step, self.total)
+
+    def _at(self, step: float, total: float) -> float:
         if step < self.warmup:
             return (step + 1) / (self.warmup + 1)
-        span = max(1, self.total - self.warmup)
+        span = max(1, total - self.warmup)
         progress = min(1.0, (step - self.warmup) / span)
         return self.min_ratio + (1 - self.min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
+    def _time(self, step: int) -> float:
+        t, start, factor = 0.0, 0, 1.0
+        for first, f in self.stretches:
+            if first >= step:
+                break
+            t += (first - start) / factor
+            start, factor = first, f
+        return t + (step - start) / factor
+
     def __repr__(self) -> str:
-        return f"WarmupCosine(warmup={self.warmup}, total={self.total}, min_ratio={self.min_ratio})"
+        stretched = f", stretches={self.stretches}" if self.stretches else ""
+        return f"WarmupCosine(warmup={self.warmup}, total={self.total}, min_ratio={self.min_ratio}{stretched})"
 
 
-def build_scheduler(optimizer: torch.optim.Optimizer, cfg: TrainConfig) -> torch.optim.lr_scheduler.LambdaLR:
-    """A LambdaLR (Stateful: its step count is checkpointed) over :class:`WarmupCosine`. A warmup
+def build_scheduler(optimizer: torch.optim.Optimizer, cfg: TrainConfig,
+                    stretches: tuple[tuple[int, float], ...] = ()) -> torch.optim.lr_scheduler.LambdaLR:
+    """A LambdaLR (Stateful: its step count is checkpointed) over :class:`WarmupCosine` (``stretches``:
+    the stages' ``lr_stretch``, by first step). A warmup
     longer than half the run is said: the learning rate would barely reach its peak."""
     warmup = cfg.warmup()
     if warmup > cfg.max_steps / 2:
@@ -137,5 +161,5 @@ def build_scheduler(optimizer: torch.optim.Optimizer, cfg: TrainConfig) -> torch
                     "only at step %d. Give a fraction instead (train.warmup_steps=0.05 warms up over 5%% of the run) "
                     "or fewer steps.", cfg.warmup_steps, warmup, cfg.max_steps, warmup)
     return torch.optim.lr_scheduler.LambdaLR(
-        optimizer, WarmupCosine(warmup, cfg.max_steps, cfg.min_lr_ratio)
+        optimizer, WarmupCosine(warmup, cfg.max_steps, cfg.min_lr_ratio, stretches)
     )

@@ -82,6 +82,11 @@ def parallelize(task: Task, cfg: TrainConfig, device: torch.device) -> nn.Module
     return wrapped
 
 
+def task_of(wrapped: nn.Module) -> Task:
+    """The :class:`~vltrain.compose.task.Task` that ``wrapped`` (from :func:`parallelize`) runs."""
+    return wrapped.module if isinstance(wrapped, DistributedDataParallel) else wrapped
+
+
 @contextlib.contextmanager
 def gradient_sync(wrapped: nn.Module, enabled: bool):
     """Inside, a backward all-reduces (reduce-scatters) gradients only if ``enabled``.

@@ -33,6 +33,7 @@ from vltrain.compose.decide import Decided, decide, describe_preprocessing
 from vltrain.compose.opening import open_model
 from vltrain.compose.rules import describe_itm
 from vltrain.config.job import JobConfig
+from vltrain.config.stages import stretches
 from vltrain.data.batch import Batch
 from vltrain.data.dataset import source_specs
 from vltrain.data.tokenizers import Tokenizer
@@ -55,7 +56,8 @@ from vltrain.train.metrics import (GpuUtilization, MetricsLogger, Throughput, me
                                    peak_memory_bytes, plot_curves, restart_cost)
 from vltrain.train.nonfinite import NonFiniteGuard
 from vltrain.train.optim import build_optimizer, build_scheduler, freeze_towers
-from vltrain.train.parallelize import parallelize
+from vltrain.train.parallelize import parallelize, task_of
+from vltrain.train.staging import Stages
 from vltrain.train.source_metrics import SourceMeter
 from vltrain.train.step import Step, StepResult
 from vltrain.train.teacher import Teacher, describe as describe_teacher, stored_inputs
@@ -82,11 +84,12 @@ class Trainer:
         # the objectives, and the parallelized task
         self.objectives = (task := build_task(cfg, self.model)).objectives
         self.wrapped = parallelize(task, tc, self.device)
+        self.stages = Stages(cfg)  # train.stages: stage 0 is the config as given
         self.teacher, self.teacher_inputs = self._build_teacher()  # distillation's, if any; replicated or sharded
 
         # optimizer, scheduler, gradient scaler, the weight EMA; the step that uses and calls them; the guard
         self.optimizer = build_optimizer(self.model, tc)
-        self.scheduler = build_scheduler(self.optimizer, tc)
+        self.scheduler = build_scheduler(self.optimizer, tc, stretches(self.stages.all))
         self.scaler = self.precision.grad_scaler()
         self.ema = WeightAverage(tc.ema, self.model) if tc.ema.decay else None  # of the parallelized parameters
         self.stepper = self._build_step()
@@ -96,7 +99,8 @@ class Trainer:
         # each rank's generators (the objectives' draws are keyed by step and sample instead)
         self.rng = self._seed_rank(tc.seed + 1 + self.world.rank)
         self.sources = source_specs(cfg.data.train)
-        self.source_meter = SourceMeter([s.display_name() for s in self.sources], list(self.objectives.loss_weights), self.device)
+        self.source_meter = SourceMeter([s.display_name() for s in self.sources],
+                                        self.stages.objective_names(self.model.spec), self.device)
         self.loader = build_train_loader_for(cfg, self.tokenizer, self.world, self.run_dir, self.teacher_inputs)
         self.loader.elastic = bool(cfg.data.global_batch_size)
         self.global_batch = cfg.data.batch_size * tc.accumulation * self.world.world_size
@@ -176,7 +180,8 @@ class Trainer:
         """The step, given what it updates and the parts it calls: the teacher and the weight EMA."""
         params = [p for p in self.model.parameters() if p.requires_grad]
         return Step(self.wrapped, self.objectives, params, self.optimizer, self.scheduler, self.scaler, self.precision,
-                    self.cfg.train, self.world, teacher=self.teacher, ema=self.ema)
+                    self.cfg.train, self.world, teacher=self.teacher,
+                    ema=self.ema if self.stages.current.teacher else None)
 
     @staticmethod
     def _seed_rank(seed: int) -> RngState:
@@ -287,6 +292,7 @@ class Trainer:
         last_eval: dict[str, float] = {}
         evaluated_at = -1
         while self.step < tc.max_steps:
+            self._enter_stage()
             micro, wait = self._next_micro_batches()
             RECORDER.begin(f"in step {self.step + 1}")
             result = self.train_step(micro)
@@ -313,9 +319,14 @@ class Trainer:
         self.bad_samples = self.loader.bad_log.num_bad
         return last_eval
 
+    def _enter_stage(self) -> None:  # before each step (vltrain.train.staging.Stages.before_step)
+        said = self.stages.before_step(self.step, task_of(self.wrapped), self.stepper, self.ema)
+        self.objectives = self.stepper.objectives
+        if said:
+            self.metrics.write(said)
+
     def _next_micro_batches(self) -> tuple[list[Batch], float]:
-        start = time.perf_counter()
-        micro = [next(self.loader) for _ in range(self.cfg.train.accumulation)]
+        start, micro = time.perf_counter(), [next(self.loader) for _ in range(self.cfg.train.accumulation)]
         return micro, time.perf_counter() - start
 
     def train_step(self, micro: list[Batch]) -> StepResult:
@@ -420,7 +431,7 @@ class Trainer:
         start = time.perf_counter()
         RECORDER.begin(f"in the evaluation after step {self.step}")
         metrics = self.evaluator.run(self.wrapped, self.model, self.device, self.precision.autocast)
-        if self.ema is not None:  # the averaged weights on the same sets, as ema/KEY
+        if self.ema is not None and self.stages.current.teacher:  # the averaged weights on the same sets, as ema/KEY
             with self.ema.applied():
                 averaged = self.evaluator.run(self.wrapped, self.model, self.device, self.precision.autocast)
             counts = ("num_pairs", "num_images")
@@ -449,8 +460,7 @@ class Trainer:
             self.evals_without_improvement += 1
         return self.evals_without_improvement >= ec.early_stop_patience
 
-    def _checkpoint(self, final: bool) -> None:
-        """The one place where state is saved (the run's last step always: ``vltrain eval`` reads it)."""
+    def _checkpoint(self, final: bool) -> None:  # the one place where state is saved (the last step always)
         self.checkpointer.maybe_save(self.step, final=final, due=self.save_due)
 
     def _stop_preempted(self) -> None:
@@ -468,8 +478,7 @@ class Trainer:
 
     HOLD_GROUPS = ("wrapped", "model", "teacher", "objectives", "stepper", "optimizer", "ema", "scheduler", "scaler",
                    "checkpointer", "evaluator")
-    """What holds a process group in a distributed run: DDP, FSDP2's modules and shards, the optimizer's
-    state, the checkpointer's group for async saves."""
+    """What holds a process group: DDP, FSDP2's modules and shards, the optimizer, async saves."""
 
     def close(self, clean: bool = True) -> None:
         """Flush the sinks, leave the process group (``clean``: after a run that did not fail),

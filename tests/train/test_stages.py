@@ -1,0 +1,95 @@
+"""train.stages in real runs: the crossing said once and taking effect at its step, the EMA teacher
+started from the student where a stage turns it on, the same curve on any split of the global batch,
+and a run stopped on either side of a boundary (or at it) resumed bit-identical. Real processes
+(gloo), 1 and 2 ranks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from kits.runkit import (assert_identical, assert_resumed_exactly, final_state, from_checkpoint, losses, metric_rows,
+                         model_distance, ok, session_shapes, train, worst)
+from safetensors.torch import load_file
+
+from vltrain.checkpoint.manager import find_checkpoint
+from vltrain.checkpoint.storage import read_tensors
+
+STAGES = ("[{at: 3, loss: {itc: 2.0, image_mim: 0.6}, patch_dropout: 0.25, name: doubled}, "
+          "{at: 6, teacher: true, lr_stretch: 2.0, name: teacher}]")
+STAGED = {"train__stages": STAGES, "train__ema__decay": 0.8, "model__loss__image_mim": 0.3,
+          "checkpoint__save_initial": "always", "train__log_every": 1}
+"""ITC and MIM (a weighted mean over the step) doubled from step 4 with patch dropout, the EMA
+teacher on from step 7 with the schedule's tail stretched 2x."""
+G = 8
+
+
+@pytest.fixture(scope="module")
+def staged(tmp_path_factory):
+    shapes = session_shapes(tmp_path_factory)
+    root = tmp_path_factory.mktemp("stages")
+    runs = {}
+    for name, nproc, extra in (("2 ranks", 2, {}), ("1 rank, A=2", 1, {"data__micro_batch_size": G // 2})):
+        run_dir = root / name.replace(" ", "_").replace(",", "")
+        runs[name] = (run_dir, ok(train(shapes, run_dir, nproc=nproc, timeout=240, data__global_batch_size=G,
+                                        **STAGED, **extra)))
+    return shapes, runs
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_each_crossing_is_said_once_and_takes_effect_at_its_step(staged):
+    _, runs = staged
+    run_dir, proc = runs["2 ranks"]
+    said = [line for line in proc.stderr.splitlines() if line.startswith("stage ")]
+    assert said == ["stage 1 (doubled) from step 4: loss weights itc 2, image_mim 0.6; patch dropout 0.25",
+                    "stage 2 (teacher) from step 7: the EMA teacher on, started from the student's weights; the "
+                    "learning-rate schedule 2x slower"], said
+    rows = metric_rows(run_dir)
+    for r in rows:  # the optimised total is the stage's weights times the logged losses
+        itc, mim = (1.0, 0.3) if r["step"] <= 3 else (2.0, 0.6)
+        assert r["loss"] == pytest.approx(itc * r["loss/itc"] + mim * r["loss/image_mim"], rel=1e-5), r
+    lr = [r["lr"] for r in rows]
+    assert lr[7] > lr[6] * 0.5 and lr[9] > 0.0  # the stretched tail has not reached its end
+    assert "stages:" in (run_dir / "config.yaml").read_text() and "name: teacher" in (run_dir / "config.yaml").read_text()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_the_teacher_is_the_student_at_its_first_step_and_averages_from_there(staged):
+    run_dir, _ = staged[1]["2 ranks"]
+    init = load_file(run_dir / "init.safetensors")
+    before = read_tensors(find_checkpoint(run_dir / "checkpoints" / "step-4"))  # stage 1: no teacher yet
+    names = [k.removeprefix("ema.weights.") for k in before if k.startswith("ema.weights.")]
+    assert names and all(torch.equal(before[f"ema.weights.{n}"], init[n].float()) for n in names)
+    ended = final_state(run_dir)
+    moved = [n for n in names if not torch.equal(ended[f"ema.weights.{n}"], ended[f"model.{n}"])]
+    assert moved and all(not torch.equal(ended[f"ema.weights.{n}"], init[n].float()) for n in moved)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_one_global_batch_split_two_ways_trains_the_same_model_through_every_stage(staged):
+    _, runs = staged
+    (ref, _), (other, _) = runs["2 ranks"], runs["1 rank, A=2"]
+    assert len(losses(ref)) == 10
+    assert worst(losses(other), losses(ref)) < 1e-5
+    assert model_distance(final_state(other), final_state(ref)) < 1e-5
+    assert model_distance(final_state(other), final_state(ref), "ema.weights.") < 1e-5
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("parallelism, at", [("ddp", 5), ("ddp", 4), ("fsdp", 3)],
+                         ids=["ddp-stopped-before", "ddp-stopped-at", "fsdp-stopped-after"])
+def test_a_run_stopped_beside_a_boundary_resumes_bit_identical(parallelism, at, tmp_path_factory, tmp_path):
+    """The checkpoint of step 4: one step before the teacher's stage, at it (its first step next), or
+    one step after it."""
+    shapes = session_shapes(tmp_path_factory)
+    knobs = {"train__parallelism": parallelism, "train__ema__decay": 0.8, "model__loss__image_mim": 0.3,
+             "train__stages": f"[{{at: {at}, teacher: true, loss: {{itc: 2.0}}, lr_stretch: 1.5}}]"}
+    ok(train(shapes, ref := tmp_path / "ref", **knobs))
+    run = from_checkpoint(ref, tmp_path / "run")
+    proc = ok(train(shapes, run, **knobs))
+    assert_resumed_exactly(proc, run, 4)
+    assert ("stage 1 from step" in proc.stderr) == (at > 4 or at == 4)
+    assert_identical(final_state(ref), final_state(run))
