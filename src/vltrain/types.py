@@ -277,6 +277,17 @@ class ModelPasses(Protocol):
     def locca_readout(self, rows: Any, image_tokens: Tokens, has_image: torch.Tensor) -> "Readout":
         """What :meth:`locca_logits` makes its logits of (``model.loss.caption_chunk``)."""
 
+    def selfdist_logits(self, images: Any, patch_mask: torch.Tensor | None = None, silc: bool = True,
+                        tips: bool = True) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """SILC's [B, K] and TIPS's [B, N, K] prototype logits of ``images`` (an
+        :class:`vltrain.images.Images`), ``patch_mask`` entering as the mask token."""
+
+    def selfdist_centres(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The teacher's centres of SILC's and TIPS's logits."""
+
+    def selfdist_anchor(self) -> torch.Tensor:
+        """Zero times SILC's and TIPS's heads: in a step's graph where neither loss is scored."""
+
     def caption_logits(self, text_tokens: torch.Tensor, attention_mask: torch.Tensor, image_tokens: Tokens,
                        has_image: torch.Tensor) -> torch.Tensor:
         """[B, L, V] the decoder's next-token logits over the text tower's tokens, reading the image

@@ -5,6 +5,7 @@ and a run stopped on either side of a boundary (or at it) resumed bit-identical.
 
 from __future__ import annotations
 
+import json
 import pytest
 import torch
 from kits.runkit import (assert_identical, assert_resumed_exactly, final_state, from_checkpoint, losses, metric_rows,
@@ -13,13 +14,17 @@ from safetensors.torch import load_file
 
 from vltrain.checkpoint.manager import find_checkpoint
 from vltrain.checkpoint.storage import read_tensors
+from vltrain.data.ids import stable_uid
 
 STAGES = ("[{at: 3, loss: {itc: 2.0, image_mim: 0.6}, patch_dropout: 0.25, name: doubled}, "
-          "{at: 6, teacher: true, lr_stretch: 2.0, name: teacher}]")
+          "{at: 6, teacher: true, loss: {silc: 1.0, tips: 0.25}, lr_stretch: 2.0, name: teacher}]")
+HEADS = {"model__selfdist__prototypes": 64, "model__selfdist__hidden": 32, "model__selfdist__bottleneck": 16,
+         "model__selfdist__local_views": 3, "model__selfdist__local_size": 16}
+"""SILC's and TIPS's heads and views at a size for 32-pixel shapes."""
 STAGED = {"train__stages": STAGES, "train__ema__decay": 0.8, "model__loss__image_mim": 0.3,
-          "checkpoint__save_initial": "always", "train__log_every": 1}
-"""ITC and MIM (a weighted mean over the step) doubled from step 4 with patch dropout, the EMA
-teacher on from step 7 with the schedule's tail stretched 2x."""
+          "checkpoint__save_initial": "always", "train__log_every": 1, **HEADS}
+"""ITC and MIM (a weighted mean over the step) doubled from step 4 with patch dropout; from step 7
+the EMA teacher, SILC and TIPS, with the schedule's tail stretched 2x."""
 G = 8
 
 
@@ -28,7 +33,8 @@ def staged(tmp_path_factory):
     shapes = session_shapes(tmp_path_factory)
     root = tmp_path_factory.mktemp("stages")
     runs = {}
-    for name, nproc, extra in (("2 ranks", 2, {}), ("1 rank, A=2", 1, {"data__micro_batch_size": G // 2})):
+    for name, nproc, extra in (("2 ranks", 2, {}), ("1 rank, A=2", 1, {"data__micro_batch_size": G // 2}),
+                               ("2 ranks, FSDP2", 2, {"train__parallelism": "fsdp"})):
         run_dir = root / name.replace(" ", "_").replace(",", "")
         runs[name] = (run_dir, ok(train(shapes, run_dir, nproc=nproc, timeout=240, data__global_batch_size=G,
                                         **STAGED, **extra)))
@@ -42,12 +48,15 @@ def test_each_crossing_is_said_once_and_takes_effect_at_its_step(staged):
     run_dir, proc = runs["2 ranks"]
     said = [line for line in proc.stderr.splitlines() if line.startswith("stage ")]
     assert said == ["stage 1 (doubled) from step 4: loss weights itc 2, image_mim 0.6; patch dropout 0.25",
-                    "stage 2 (teacher) from step 7: the EMA teacher on, started from the student's weights; the "
-                    "learning-rate schedule 2x slower"], said
+                    "stage 2 (teacher) from step 7: loss weights silc 1, tips 0.25; the EMA teacher on, started from "
+                    "the student's weights; the learning-rate schedule 2x slower"], said
     rows = metric_rows(run_dir)
     for r in rows:  # the optimised total is the stage's weights times the logged losses
         itc, mim = (1.0, 0.3) if r["step"] <= 3 else (2.0, 0.6)
-        assert r["loss"] == pytest.approx(itc * r["loss/itc"] + mim * r["loss/image_mim"], rel=1e-5), r
+        silc, tips = (r.get("loss/silc", 0.0), r.get("loss/tips", 0.0))
+        assert ("loss/silc" in r) == ("loss/tips" in r) == (r["step"] >= 7), r
+        assert r["loss"] == pytest.approx(itc * r["loss/itc"] + mim * r["loss/image_mim"] + silc + 0.25 * tips,
+                                          rel=1e-5), r
     lr = [r["lr"] for r in rows]
     assert lr[7] > lr[6] * 0.5 and lr[9] > 0.0  # the stretched tail has not reached its end
     assert "stages:" in (run_dir / "config.yaml").read_text() and "name: teacher" in (run_dir / "config.yaml").read_text()
@@ -64,17 +73,26 @@ def test_the_teacher_is_the_student_at_its_first_step_and_averages_from_there(st
     ended = final_state(run_dir)
     moved = [n for n in names if not torch.equal(ended[f"ema.weights.{n}"], ended[f"model.{n}"])]
     assert moved and all(not torch.equal(ended[f"ema.weights.{n}"], init[n].float()) for n in moved)
+    # SILC's and TIPS's heads waited for their stage as they were made (no update, no decay), then trained
+    heads = [n for n in names if n.startswith("selfdist.")]
+    assert heads and all(torch.equal(before[f"model.{n}"], init[n]) for n in heads)
+    assert all(not torch.equal(ended[f"model.{n}"], init[n]) for n in heads)
+    # the teacher's centres moved from zero on the global batch's mean logits
+    assert all(before[f"model.selfdist.{h}.centre"].abs().sum() == 0 for h in ("silc", "tips"))
+    assert all(ended[f"model.selfdist.{h}.centre"].abs().sum() > 0 for h in ("silc", "tips"))
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_one_global_batch_split_two_ways_trains_the_same_model_through_every_stage(staged):
     _, runs = staged
-    (ref, _), (other, _) = runs["2 ranks"], runs["1 rank, A=2"]
+    ref, _ = runs["2 ranks"]
     assert len(losses(ref)) == 10
-    assert worst(losses(other), losses(ref)) < 1e-5
-    assert model_distance(final_state(other), final_state(ref)) < 1e-5
-    assert model_distance(final_state(other), final_state(ref), "ema.weights.") < 1e-5
+    for name in ("1 rank, A=2", "2 ranks, FSDP2"):  # FSDP2: the teacher's pass on sharded weights
+        other, _ = runs[name]
+        assert worst(losses(other), losses(ref)) < 1e-5, name
+        assert model_distance(final_state(other), final_state(ref)) < 1e-5, name
+        assert model_distance(final_state(other), final_state(ref), "ema.weights.") < 1e-5, name
 
 
 @pytest.mark.slow
@@ -85,11 +103,32 @@ def test_a_run_stopped_beside_a_boundary_resumes_bit_identical(parallelism, at, 
     """The checkpoint of step 4: one step before the teacher's stage, at it (its first step next), or
     one step after it."""
     shapes = session_shapes(tmp_path_factory)
-    knobs = {"train__parallelism": parallelism, "train__ema__decay": 0.8, "model__loss__image_mim": 0.3,
-             "train__stages": f"[{{at: {at}, teacher: true, loss: {{itc: 2.0}}, lr_stretch: 1.5}}]"}
+    knobs = {"train__parallelism": parallelism, "train__ema__decay": 0.8, "model__loss__image_mim": 0.3, **HEADS,
+             "train__stages": f"[{{at: {at}, teacher: true, loss: {{itc: 2.0, silc: 1.0, tips: 0.25}}, lr_stretch: 1.5}}]"}
     ok(train(shapes, ref := tmp_path / "ref", **knobs))
     run = from_checkpoint(ref, tmp_path / "run")
     proc = ok(train(shapes, run, **knobs))
     assert_resumed_exactly(proc, run, 4)
     assert ("stage 1 from step" in proc.stderr) == (at > 4 or at == 4)
     assert_identical(final_state(ref), final_state(run))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_micro_batches_without_an_image_run_the_views_passes_and_do_not_hang(tmp_path_factory, tmp_path):
+    """Two rows per rank from data that is two-thirds text: some rank's micro-batch holds no image in
+    some step (the audit shows it), and the run ends with SILC and TIPS on from the first stage."""
+    shapes = session_shapes(tmp_path_factory)
+    rows = [json.loads(x) for x in (shapes / "train.jsonl").read_text().splitlines()]
+    mostly_text = [r if i % 3 == 0 else {k: v for k, v in r.items() if k != "image"} for i, r in enumerate(rows)]
+    data = shapes / "mostly-text.jsonl"  # beside the images its rows name
+    data.write_text("".join(json.dumps(r) + "\n" for r in mostly_text))
+    has_image = {stable_uid(r["id"]): "image" in r for r in mostly_text}
+    run_dir = tmp_path / "run"
+    ok(train(shapes, run_dir, data__train=data, data__batch_size=2, data__audit="true", train__max_steps=8,
+             train__ema__decay=0.8, train__log_every=1, **HEADS,
+             train__stages="[{at: 1, teacher: true, loss: {silc: 1.0, tips: 0.25}}]"))
+    batches = [r for f in (run_dir / "audit").glob("rank*.jsonl") for r in map(json.loads, f.read_text().splitlines())
+               if r["kind"] == "batch"]
+    assert any(not any(has_image[i] for i in b["ids"]) for b in batches if b["step"] >= 1)
+    assert all("loss/silc" in r for r in metric_rows(run_dir) if r["step"] >= 2)

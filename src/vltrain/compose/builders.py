@@ -93,7 +93,7 @@ def _check_fits_init(cfg: JobConfig, tokenizer: Tokenizer, arch: Architecture) -
 
 def build_task(cfg: JobConfig, model: VLModel) -> Task:
     """The model with the objectives of the decided ``model.loss`` (:func:`vltrain.compose.rules.decide_objectives`)."""
-    return Task(model, Objectives(cfg.model.loss, model.spec, cfg.model.vision))
+    return Task(model, Objectives(cfg.model.loss, model.spec, cfg.model.vision, cfg.model.selfdist))
 
 
 def build_train_loader_for(cfg: JobConfig, tokenizer: Tokenizer, world: World, run_dir: Path,

@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 
 from vltrain.config.job import JobConfig
+from vltrain.config.stages import TEACHER_LOSSES
 from vltrain.data.schedule import budget
 from vltrain.errors import ConfigError
 from vltrain.model.config import LossConfig
@@ -45,11 +46,21 @@ def decide_objectives(cfg: JobConfig) -> None:
     if cfg.train.contrastive_accumulation == "gradcache" and not loss.contrastive:
         raise ConfigError("train.contrastive_accumulation: gradcache caches the contrastive loss's gradient, and no "
                           "contrastive objective is on (model.loss itc, siglip, distill); set it to none")
+    _decide_selfdist(cfg)
     if loss.itm_negatives == "auto":  # groups need micro-batches of one size: fixed batching
         loss.itm_negatives = "group" if cfg.data.global_batch_size and cfg.data.batching == "fixed" else "local"
     if loss.itm_negatives == "group" and cfg.data.batching == "budget":
         raise ConfigError("model.loss.itm_negatives: group needs data.batching: fixed (budget micro-batches differ "
                           "in size, so no group size divides them all); use local or global")
+
+
+def _decide_selfdist(cfg: JobConfig) -> None:
+    """SILC's and TIPS's heads, where a stage turns either loss on (``model.selfdist.heads``)."""
+    turned_on = {k for s in cfg.train.stages for k, v in s.loss.items() if k in TEACHER_LOSSES and v > 0}
+    cfg.model.selfdist.heads = bool(turned_on)
+    if "tips" in turned_on and cfg.model.architecture().vision.pooling == "attn_pool":
+        raise ConfigError("model.loss.tips predicts the teacher's patch tokens, and an attentional pooler's tokens "
+                          "are not patches: leave tips off in train.stages (silc works)")
 
 
 HEADS = {"caption": "decoder", "itm": "fusion", "mlm": "fusion", "referring": "locca", "grounded_caption": "locca"}

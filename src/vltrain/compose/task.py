@@ -29,6 +29,7 @@ from torch import nn
 
 from vltrain.model.model import VLModel
 from vltrain.objectives.scoring import ObjectiveOutput, Objectives
+from vltrain.objectives.selfdist import Views
 from vltrain.runtime.precision import at_least_fp32
 from vltrain.types import ModelInputs, Rows
 
@@ -125,6 +126,18 @@ class Contrastive:
         loss = objectives.contrastive(self.image_embeds, self.text_embeds, self.rows, model.logit_scale,
                                       model.logit_bias, row_losses)
         return loss, row_losses
+
+
+@dataclass(frozen=True)
+class Teach:
+    """The EMA teacher's pass over one micro-batch's views (SILC, TIPS; the model holding the
+    teacher's weights, without autograd): the views with the teacher's targets, and the centres' sums
+    (:meth:`vltrain.objectives.selfdist.SelfDistillation.teach`)."""
+
+    views: Views
+
+    def run(self, model: VLModel, objectives: Objectives) -> tuple[Views, list[torch.Tensor]]:
+        return objectives.selfdist.teach(model, self.views)
 
 
 @dataclass(frozen=True)

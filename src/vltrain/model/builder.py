@@ -16,10 +16,11 @@ from torch import nn
 
 from vltrain.boxes import BOX_TOKENS
 from vltrain.errors import ConfigError, UserError
-from vltrain.model.config import LossConfig, ModelConfig
+from vltrain.model.config import LossConfig, ModelConfig, SelfDistSettings
 from vltrain.model.decoder import CaptionDecoder
 from vltrain.model.fusion import FusionEncoder
 from vltrain.model.heads import ITMHead, MIMHead, MLMHead, Projection
+from vltrain.model.selfdist import HeadSettings, SelfDistHeads
 from vltrain.model.locca import LocCaDecoder
 from vltrain.model.model import VLModel
 from vltrain.model.presets import Architecture
@@ -162,11 +163,19 @@ def build_model(
         text_mlm_head=MLMHead(text.width, text.token_embedding) if loss.text_mlm > 0 else None,
         mim_head=MIMHead(vision.width, arch.vision.patch_size) if loss.image_mim > 0 else None,
         decoder=decoder,
+        selfdist=_selfdist_heads(model_cfg.selfdist, vision.width),
         vocab_size=vocab_size,
         pad_id=pad_id,
         mask_id=mask_id,
         max_text_length=max_text_length,
     )
+
+
+def _selfdist_heads(settings: SelfDistSettings, width: int) -> SelfDistHeads | None:
+    """SILC's and TIPS's heads, last of the parts (the weights made before them stay as they were)."""
+    if not settings.heads:
+        return None
+    return SelfDistHeads(width, HeadSettings(settings.prototypes, settings.hidden, settings.bottleneck))
 
 
 def count_parameters(model_cfg: ModelConfig, *, vocab_size: int, image_size: int, max_text_length: int) -> int:

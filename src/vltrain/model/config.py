@@ -138,6 +138,13 @@ class LossConfig(Settings):
     distill_sigmoid: float = 0.0
     """Weight of sigmoid distillation from model.teacher, for SigLIP students: each pair's sigmoid
     cross-entropy against the teacher's probability of a match (vltrain.objectives.distill)."""
+    silc: float = 0.0
+    """Weight of SILC self-distillation (SigLIP 2: 1 x a per-size factor): the student's local views
+    against the EMA teacher's global view, through a prototype head (model.selfdist). Reads the
+    teacher, so it is turned on by the train.stages entry that turns the teacher on, never at step 0."""
+    tips: float = 0.0
+    """Weight of TIPS masked prediction (SigLIP 2: 0.25 x a per-size factor): the student's masked
+    patches of the global view against the EMA teacher's patches there. Turned on by a stage, as silc."""
 
     @property
     def contrastive(self) -> bool:
@@ -146,7 +153,7 @@ class LossConfig(Settings):
 
     def validate(self) -> None:
         for name in ("itc", "siglip", "itm", "mlm", "text_mlm", "image_mim", "caption", "referring", "grounded_caption",
-                     "distill", "distill_sigmoid"):
+                     "distill", "distill_sigmoid", "silc", "tips"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"model.loss.{name} must be >= 0, got {getattr(self, name)}")
         if (self.distill or self.distill_sigmoid) and self.contrastive_impl == "ring":
@@ -172,6 +179,51 @@ class LossConfig(Settings):
 
 
 @dataclass
+class SelfDistSettings(Settings):
+    """SigLIP 2's self-distillation (model.loss.silc) and masked prediction (model.loss.tips): the
+    views, the prototype heads and the temperatures (docs/objectives.md#self-distillation-silc-and-masked-prediction-tips)."""
+
+    local_views: int = 8
+    """Local views per image (SigLIP 2: 8)."""
+    local_size: int = 0
+    """Their side in pixels, a multiple of the patch size (0: 3/7 of the image size, rounded to whole
+    patches: 96 px at 224)."""
+    local_scale: list[float] = field(default_factory=lambda: [0.05, 0.4])
+    """The share of the image's area a local view covers, drawn uniformly in this range."""
+    global_scale: list[float] = field(default_factory=lambda: [0.4, 1.0])
+    """The same for the global view, which has the model's image size."""
+    mask_ratio: float = 0.5
+    """The share of the global view's patches the student sees as the mask token (TIPS; SigLIP 2: 0.5)."""
+    prototypes: int = 8192
+    """K, the prototypes of each head (iBOT's ViT-B/16 count; SigLIP 2 gives none)."""
+    hidden: int = 2048
+    """The width of each head's MLP (DINO's)."""
+    bottleneck: int = 256
+    """The width the MLP ends in, L2-normalized before the prototypes (DINO's)."""
+    student_temperature: float = 0.1
+    """The student's softmax temperature (DINO's, SILC's)."""
+    teacher_temperature: float = 0.04
+    """The teacher's, lower: it sharpens the targets (DINO's starting value)."""
+    centre_momentum: float = 0.9
+    """How much of the teacher's centre a step keeps (DINO's center_momentum)."""
+    heads: bool = False
+    """Whether the model has the heads: decided (train.stages turn silc or tips on), not set by hand."""
+
+    def validate(self) -> None:
+        ranges = {"local_scale": self.local_scale, "global_scale": self.global_scale}
+        for key, (lo, hi) in ((k, v if len(v) == 2 else (0.0, -1.0)) for k, v in ranges.items()):
+            if not 0.0 < lo <= hi <= 1.0:
+                raise ConfigError(f"model.selfdist.{key} must be two numbers 0 < min <= max <= 1, got {ranges[key]}")
+        if self.local_views < 1 or self.local_size < 0 or min(self.prototypes, self.hidden, self.bottleneck) < 1:
+            raise ConfigError("model.selfdist: local_views, prototypes, hidden and bottleneck must be >= 1 and "
+                              "local_size >= 0 (0: 3/7 of the image size)")
+        if not 0.0 < self.mask_ratio < 1.0 or not 0.0 <= self.centre_momentum < 1.0:
+            raise ConfigError("model.selfdist: mask_ratio must lie in (0, 1) and centre_momentum in [0, 1)")
+        if min(self.student_temperature, self.teacher_temperature) <= 0:
+            raise ConfigError("model.selfdist: the temperatures must be > 0")
+
+
+@dataclass
 class ModelConfig(Settings):
     preset: str = "tiny-clip"
     """A name from ``vltrain.model.list_presets()`` (tiny-clip, tiny-albef, clip-vit-b32, ...); empty
@@ -180,6 +232,7 @@ class ModelConfig(Settings):
     vision: VisionSettings = field(default_factory=VisionSettings)
     loss: LossConfig = field(default_factory=LossConfig)
     teacher: TeacherSettings = field(default_factory=TeacherSettings)
+    selfdist: SelfDistSettings = field(default_factory=SelfDistSettings)
     embed_dim: int = 0
     """0: the preset's."""
     init: str = ""

@@ -23,6 +23,7 @@ from vltrain.model.decoder import CaptionDecoder, DecoderCache
 from vltrain.model.fusion import FusionEncoder
 from vltrain.model.heads import ITMHead, MIMHead, MLMHead, Projection
 from vltrain.model.locca import LocCaDecoder
+from vltrain.model.selfdist import SelfDistHeads
 from vltrain.model.weight_decay import default_no_weight_decay
 from vltrain.boxes import TaskRows
 from vltrain.images import Images
@@ -49,6 +50,7 @@ class VLModel(nn.Module):
         text_mlm_head: MLMHead | None = None,
         mim_head: MIMHead | None = None,
         decoder: CaptionDecoder | None = None,
+        selfdist: SelfDistHeads | None = None,
         vocab_size: int,
         pad_id: int,
         mask_id: int | None = None,
@@ -68,6 +70,7 @@ class VLModel(nn.Module):
         self.text_mlm_head = text_mlm_head
         self.mim_head = mim_head
         self.decoder = decoder
+        self.selfdist = selfdist
         self.embed_dim = image_proj.embed_dim
         self.vocab_size, self.pad_id, self.mask_id = vocab_size, pad_id, mask_id
         self.max_text_length = max_text_length
@@ -182,7 +185,7 @@ class VLModel(nn.Module):
     def spec(self) -> ModelSpec:
         """What the objectives know of this model: its heads, vocabulary and patches."""
         heads = {"itm": self.itm_head, "mlm": self.mlm_head, "text_mlm": self.text_mlm_head, "image_mim": self.mim_head,
-                 "caption": self.decoder}
+                 "caption": self.decoder, "selfdist": self.selfdist}
         locca = isinstance(self.decoder, LocCaDecoder)
         if locca:
             heads |= {"referring": self.decoder, "grounded_caption": self.decoder}
@@ -256,10 +259,29 @@ class VLModel(nn.Module):
         """[B, patches, 3 * p * p] SimMIM's predicted pixels of every patch (image_mim)."""
         return self.mim_head(self.masked_patch_tokens(images, patch_mask))
 
+    def selfdist_logits(self, images: Images, patch_mask: torch.Tensor | None = None, silc: bool = True,
+                        tips: bool = True) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """SILC's prototype logits of the pooled vector [B, K] and TIPS's of the patch tokens [B, N, K]
+        of ``images`` (one to a row), the ``patch_mask`` patches entering as the heads' mask token;
+        None for a head not asked for."""
+        heads = self.selfdist
+        tokens, pooled = self.vision(images, patch_mask, heads.mask_token if patch_mask is not None else None)
+        return (heads.silc(pooled) if silc else None,
+                heads.tips(tokens.values[:, self.vision.num_prefix:]) if tips else None)
+
+    def selfdist_centres(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The teacher's running centres of SILC's and TIPS's logits ([K] each, buffers)."""
+        return self.selfdist.silc.centre, self.selfdist.tips.centre
+
+    def selfdist_anchor(self) -> torch.Tensor:
+        return self.selfdist.anchor()
+
     # -- the model protocol (vltrain.model.weight_decay) -------------------------------------------
 
     def no_weight_decay(self) -> set[str]:
-        return default_no_weight_decay(self)
+        """The usual exemptions, and SILC's and TIPS's heads, which wait for their stage at a zero
+        gradient: decay would shrink them before it starts."""
+        return default_no_weight_decay(self) | {n for n, _ in self.named_parameters() if n.startswith("selfdist.")}
 
     def set_activation_checkpointing(self, enabled: bool) -> None:
         for tower in (self.vision, self.text, self.fusion, self.decoder):

@@ -68,3 +68,22 @@ class PrototypeHead(nn.Module):
     def forward(self, features: torch.Tensor) -> torch.Tensor:
         bottleneck = F.normalize(self.mlp(features), dim=-1)
         return F.linear(bottleneck, F.normalize(self.prototypes, dim=1))
+
+
+class SelfDistHeads(nn.Module):
+    """What SILC and TIPS add to a model: a prototype head on the pooled image vector (``silc``),
+    another on the patch tokens (``tips``), and the token a masked patch enters the tower as
+    (``mask_token``, TIPS's). Built where ``train.stages`` turn either loss on; before that stage they
+    take part in every step with a zero gradient and no weight decay, so they are as they were made
+    when their stage starts (:mod:`vltrain.train.staging` starts their optimizer moments there)."""
+
+    def __init__(self, width: int, settings: HeadSettings = HeadSettings()):
+        super().__init__()
+        self.silc = PrototypeHead(width, settings)
+        self.tips = PrototypeHead(width, settings)
+        self.mask_token = nn.Parameter(torch.randn(width) * 0.02)
+
+    def anchor(self) -> torch.Tensor:
+        """Zero times every parameter: in the graph of a step that scores neither loss, so that DDP and
+        FSDP2 see each parameter take part (a zero gradient)."""
+        return 0.0 * sum(p.float().sum() for p in self.parameters())

@@ -5,15 +5,14 @@ Parameter-free, and given tensors: no model class is imported here. ITC and SigL
 towers' embeddings with the model's temperature (:mod:`vltrain.objectives.losses`, or around a ring of
 ranks with :mod:`vltrain.objectives.ring`). ITM draws hard negatives from the similarity matrix and
 scores the ITM logits the model gives for positives and negatives; MLM masks captions and scores the
-logits of the model's MLM pass over them; text MLM and MIM likewise. Those passes reach the
+logits of the model's MLM pass over them; text MLM and MIM likewise; SILC and TIPS score the
+prototype logits of the step's views (:mod:`vltrain.objectives.selfdist`). Those passes reach the
 objectives as :class:`vltrain.types.ModelPasses` (why, there): the objectives choose each pass's
-inputs and score its output, and call no tower, fusion encoder or head. An objective runs only
-where the model has its head (``build_model`` decides that once; :class:`vltrain.types.ModelSpec`
-says which).
+inputs and score its output, and call no tower or head. An objective runs only where the model
+has its head (``build_model`` decides; :class:`vltrain.types.ModelSpec` says which).
 
-Splitting the contrastive term from the rest serves gradient-cached accumulation:
-``score(passes, enc, inputs)`` equals the contrastive term plus ``score(..., contrastive=False)``, so
-(cached-embedding surrogate) + ``score(..., contrastive=False)`` has the exact gradient.
+Splitting the contrastive term from the rest serves gradient-cached accumulation: ``score(passes,
+enc, inputs)`` is the contrastive term plus ``score(..., contrastive=False)``: the exact gradient.
 
 Nothing here depends on how a step is split among ranks and micro-batches
 (docs/distributed.md#the-global-batch):
@@ -23,10 +22,9 @@ Nothing here depends on how a step is split among ranks and micro-batches
   the rank drew before;
 - with ``itm_negatives: group`` a row's negatives come from its group, a fixed run of consecutive
   rows of the global batch that no split cuts through;
-- ITM, MLM and MIM are weighted means over the whole step: the trainer sums every micro-batch's
-  denominator over the ranks first (:meth:`Objectives.local_totals`) and hands it in with the key.
-  The masks it counts are the masks scored: drawn once per micro-batch (:meth:`Objectives.draw`) and
-  carried on the inputs (``ModelInputs.masks``).
+- ITM, MLM, MIM, SILC and TIPS are weighted means over the whole step: the trainer sums every
+  micro-batch's denominator over the ranks (:meth:`Objectives.local_totals`) and hands it in with the
+  key; the masks and views counted are those scored, drawn once (:meth:`Objectives.draw`).
 """
 
 from __future__ import annotations
@@ -36,7 +34,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from vltrain.model.config import LossConfig, VisionSettings
+from vltrain.model.config import LossConfig, SelfDistSettings, VisionSettings
 from vltrain.objectives.chunked import chunked_cross_entropy
 from vltrain.objectives.distill import distill_loss, distill_sigmoid_loss
 from vltrain.objectives.keyed import UNKEYED, Stream
@@ -45,6 +43,7 @@ from vltrain.objectives.locca import LocCaTasks
 from vltrain.objectives.losses import (itc_loss, itm_loss, mask_tokens, mim_loss, mlm_loss, sample_negatives, scale_of,
                                        siglip_loss, token_cross_entropy, token_mean)
 from vltrain.objectives.ring import itc_loss_ring, siglip_loss_ring
+from vltrain.objectives.selfdist import SelfDistillation, Views
 from vltrain.pixels import kept_patches
 from vltrain.runtime.distributed import all_gather_no_grad, all_gather_with_grad, exchange_shapes, pad_to
 from vltrain.runtime.precision import at_least_fp32
@@ -77,6 +76,7 @@ class Masks:
     """(masked ids, labels) for text MLM; labels -100 off the rows it applies to."""
     image_mim: torch.Tensor | None = None
     """[B, patches] (bool) SimMIM's patch mask of every row; the rows it applies to pick from it."""
+    views: Views | None = None  # SILC's and TIPS's views (with the EMA teacher's targets, once it has seen them)
 
 
 def _present_rows(applies: torch.Tensor) -> tuple[torch.Tensor, int]:
@@ -140,14 +140,16 @@ def _denominator(inputs: ModelInputs, name: str) -> torch.Tensor | None:
 
 
 class Objectives:
-    """The weighted objectives of one model (``spec``, e.g. ``VLModel.spec``): ``loss_weights`` holds
-    those with weight > 0 that the model has heads for."""
+    """The weighted objectives of one model (``spec``): ``loss_weights``, those > 0 it has heads for."""
 
-    def __init__(self, loss: LossConfig, spec: ModelSpec, vision: VisionSettings | None = None):
-        w = {"itc": loss.itc, "siglip": loss.siglip, "distill": loss.distill, "distill_sigmoid": loss.distill_sigmoid}
+    def __init__(self, loss: LossConfig, spec: ModelSpec, vision: VisionSettings | None = None,
+                 selfdist: SelfDistSettings | None = None):
+        w = {"itc": loss.itc, "siglip": loss.siglip, "distill": loss.distill, "distill_sigmoid": loss.distill_sigmoid,
+             "silc": loss.silc, "tips": loss.tips}
         w.update({k: getattr(loss, k) for k in ("itm", "mlm", "text_mlm", "image_mim", *LOCCA_TASKS) if k in spec.heads})
         self.loss_weights = {k: v for k, v in w.items() if v > 0}
         self.locca = LocCaTasks.of(self.loss_weights, loss, spec)  # a LocCa decoder's tasks, the caption included
+        self.selfdist = SelfDistillation.of(self.loss_weights, selfdist or SelfDistSettings(), spec)  # SILC, TIPS
         self.spec = spec
         self.text_mlm_paired = loss.text_mlm_paired
         self.image_mim_paired = loss.image_mim_paired
@@ -174,7 +176,7 @@ class Objectives:
     def averaged(self) -> list[str]:
         """The objectives that are weighted means over a step's rows, pairs, tokens or patches
         (all but the contrastive ones, which see the global batch by themselves)."""
-        return [k for k in ("itm", "mlm", "text_mlm", "image_mim", *LOCCA_TASKS) if k in self.loss_weights]
+        return [k for k in ("itm", "mlm", "text_mlm", "image_mim", *LOCCA_TASKS, "silc", "tips") if k in self.loss_weights]
 
     # -- contrastive --------------------------------------------------------------------------
 
@@ -400,6 +402,7 @@ class Objectives:
             mlm=self._mask(inputs, inputs.has_image & inputs.has_text) if "mlm" in on else None,
             text_mlm=self._mask(inputs, self._text_mlm_rows(inputs), text_tower=True) if "text_mlm" in on else None,
             image_mim=self._patch_mask(inputs) if "image_mim" in on else None,
+            views=self.selfdist.draw(inputs) if self.selfdist is not None else None,
         )
 
     def patch_keep(self, inputs: ModelInputs) -> torch.Tensor | None:
@@ -438,6 +441,8 @@ class Objectives:
                     total = total + self.locca.totals(m, w)[name]
                 elif name == "itm":
                     total = total + self._itm_total(m, w)
+                elif name in ("silc", "tips"):  # weighted (row, local view) pairs, weighted masked patches
+                    total = total + self.selfdist.totals(masks.views)[name]
                 elif name in ("mlm", "text_mlm", "caption"):
                     labels = self.caption_labels(m) if name == "caption" else (
                         masks.mlm if name == "mlm" else masks.text_mlm)[1]
@@ -483,6 +488,11 @@ class Objectives:
             losses |= self.locca.score(passes, enc, inputs, {k: _denominator(inputs, k) for k in LOCCA_TASKS}, rows)
         elif "caption" in self.loss_weights:
             losses["caption"] = self._caption(passes, enc, inputs, rows)
+        if self.selfdist is not None:
+            losses |= self.selfdist.score(passes, masks.views, {k: _denominator(inputs, k) for k in ("silc", "tips")},
+                                          rows, len(inputs))
+        elif "selfdist" in self.spec.heads:  # the heads wait for their stage, in the graph all the same
+            anchor = anchor + passes.selfdist_anchor()
         total = anchor + sum(self.loss_weights[k] * v for k, v in losses.items())
         return ObjectiveOutput(
             total, losses, enc.image_embeds, enc.text_embeds, scale_of(passes.logit_scale).detach(), itm_logits, rows

@@ -29,10 +29,19 @@ Nothing here depends on how a step is split among ranks and micro-batches
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass, replace
+
 import torch
 import torch.nn.functional as F
 
+from vltrain.images import Images
+from vltrain.model.config import SelfDistSettings
+from vltrain.objectives.keyed import UNKEYED, Stream
+from vltrain.pixels import patchify
 from vltrain.runtime.precision import at_least_fp32
+from vltrain.types import ModelInputs, ModelPasses, ModelSpec, RowLosses
+from vltrain.views import UNIFORMS_PER_CROP, CropRange, patch_mask, views
 
 STUDENT_TEMPERATURE = 0.1
 """The student's softmax temperature (DINO's, and SILC's)."""
@@ -147,3 +156,134 @@ def updated_centre(centre: torch.Tensor, sums: torch.Tensor, count: torch.Tensor
     mean = sums / torch.where(count > 0, count, torch.ones_like(count))
     moved = momentum * at_least_fp32(centre) + (1 - momentum) * mean
     return torch.where(count > 0, moved, at_least_fp32(centre)).to(centre.dtype)
+
+
+# -- in a training step ---------------------------------------------------------------------------
+
+
+@dataclass
+class Views:
+    """One micro-batch's views, drawn once a step from its rows with an image (:meth:`SelfDistillation.draw`),
+    and, once the EMA teacher has seen the global views, its targets."""
+
+    index: torch.Tensor
+    """int64 [n] the micro-batch's rows the views are of."""
+    present: int
+    """How many of them have an image (0: ``index`` is one dummy row)."""
+    weights: torch.Tensor
+    """float [n] the rows' weights (one row of weight 0 where the micro-batch has no image: every
+    rank runs the same passes)."""
+    global_view: Images
+    """[n, N, 3 * p * p] the global views, one to a row (padded layout, every patch real)."""
+    local_views: Images
+    """[n * V, M, 3 * p * p] the local views, row i's at rows i * V to i * V + V - 1."""
+    mask: torch.Tensor
+    """bool [n, N] the global view's patches the student sees as the mask token."""
+    silc_targets: torch.Tensor | None = None
+    """[n, K] the teacher's centred, sharpened distributions of the global views (with the step's centre)."""
+    tips_targets: torch.Tensor | None = None
+    """[n, N, K] the same of their patches."""
+
+
+def _square(pixels: torch.Tensor, patch: int) -> Images:
+    """Square views as one-to-a-row images at their own grid, which the tower's positions are resized to."""
+    side = pixels.shape[-1] // patch
+    grids = torch.full((pixels.shape[0], 2), side, dtype=torch.int64, device=pixels.device)
+    return Images(patchify(pixels, patch), grids)
+
+
+class SelfDistillation:
+    """SILC and TIPS in a step (``model.loss.silc``, ``model.loss.tips``, ``model.selfdist``): the
+    views (:meth:`draw`), the step's denominators (:meth:`totals`), the EMA teacher's targets and the
+    centres' sums (:meth:`teach`, run with the teacher's weights in the model), and the student's
+    losses (:meth:`score`)."""
+
+    def __init__(self, weights: dict[str, float], settings: SelfDistSettings, spec: ModelSpec):
+        self.on = [k for k in ("silc", "tips") if k in weights]
+        self.settings, self.patch = settings, spec.patch_size
+        size = int(math.isqrt(spec.num_patches)) * spec.patch_size
+        local = settings.local_size or max(1, round(size * 3 / 7 / spec.patch_size)) * spec.patch_size
+        self.global_crop = CropRange(size, tuple(settings.global_scale))
+        self.local_crop = CropRange(local, tuple(settings.local_scale))
+
+    @staticmethod
+    def of(weights: dict[str, float], settings: SelfDistSettings, spec: ModelSpec) -> "SelfDistillation | None":
+        """The two losses' part of a step where either is on (the model then has their heads)."""
+        if "silc" not in weights and "tips" not in weights:
+            return None
+        if "selfdist" not in spec.heads:
+            raise ValueError("model.loss.silc and tips need the model's prototype heads (model.selfdist.heads)")
+        return SelfDistillation(weights, settings, spec)
+
+    def draw(self, inputs: ModelInputs) -> Views:
+        """The views of the micro-batch's present rows with an image, keyed by (seed, step, sample id):
+        one global view at the model's image size, ``local_views`` local ones, and the global view's
+        mask (exactly ``mask_ratio`` of its patches). One host synchronization: the rows' count."""
+        index = inputs.has_image.nonzero().squeeze(1)
+        n = index.numel()
+        if not n:  # a dummy row of weight 0: every rank runs the same passes
+            index = torch.zeros(1, dtype=torch.int64, device=inputs.ids.device)
+        images = inputs.images.unpacked().index_select(0, index)
+        ids = inputs.ids.index_select(0, index)
+        w = torch.ones(len(ids), device=ids.device) if inputs.row_weights is None else inputs.row_weights[index].float()
+        w = w if n else torch.zeros_like(w)
+        key, v = inputs.key or UNKEYED, self.settings.local_views
+        g = key.uniform(Stream.GLOBAL_VIEW, ids, UNIFORMS_PER_CROP).view(-1, 1, UNIFORMS_PER_CROP)
+        local = key.uniform(Stream.LOCAL_VIEW, ids, v * UNIFORMS_PER_CROP).view(-1, v, UNIFORMS_PER_CROP)
+        global_view = _square(views(images, g, self.global_crop, self.patch).pixels, self.patch)
+        positions = global_view.pixels.shape[1]
+        mask = patch_mask(key.uniform(Stream.VIEW_MASK, ids, positions), self.settings.mask_ratio)
+        return Views(index, n, w, global_view, _square(views(images, local, self.local_crop, self.patch).pixels, self.patch), mask)
+
+    def totals(self, drawn: Views) -> dict[str, torch.Tensor]:
+        """This micro-batch's part of each loss's step denominator: weighted (row, local view) pairs,
+        weighted masked patches."""
+        found = {"silc": silc_denominator(drawn.weights, self.settings.local_views),
+                 "tips": tips_denominator(drawn.mask, drawn.weights)}
+        return {k: found[k] for k in self.on}
+
+    @torch.no_grad()
+    def teach(self, passes: ModelPasses, drawn: Views) -> tuple[Views, list[torch.Tensor]]:
+        """The teacher's pass (the model holding the EMA's weights): its targets of the global views
+        with the centres the step began with, and the centres' sums and counts over this micro-batch
+        ([silc sums, silc count, tips sums, tips count]) for :func:`updated_centre`."""
+        s = self.settings
+        silc, tips = passes.selfdist_logits(drawn.global_view, None, "silc" in self.on, "tips" in self.on)
+        silc_centre, tips_centre = passes.selfdist_centres()
+        counted = drawn.weights > 0
+        sums: list[torch.Tensor] = []
+        for logits, centre, rows in ((silc, silc_centre, counted), (tips, tips_centre, counted[:, None].expand(
+                drawn.mask.shape))):
+            if logits is None:
+                sums += [torch.zeros_like(centre, dtype=torch.float32), torch.zeros((), device=centre.device)]
+                continue
+            sums += list(centre_sums(logits, rows))
+        drawn = replace(drawn, silc_targets=None if silc is None else teacher_targets(silc, silc_centre,
+                                                                                     s.teacher_temperature),
+                        tips_targets=None if tips is None else teacher_targets(tips, tips_centre, s.teacher_temperature))
+        return drawn, sums
+
+    def score(self, passes: ModelPasses, drawn: Views, totals: dict[str, torch.Tensor | None],
+              rows: dict[str, RowLosses], batch: int) -> dict[str, torch.Tensor]:
+        """The student's losses on the views (the step's ``totals`` their denominators): SILC of its
+        local views against the teacher's global ones, TIPS of its masked global views' patches
+        against the teacher's; each row's loss in ``rows`` (of a micro-batch of ``batch`` rows). A
+        head whose loss is off stays in the graph at zero."""
+        s, out = self.settings, {}
+        found: dict[str, list] = {"silc": [], "tips": []}
+        if "silc" in self.on:
+            logits, _ = passes.selfdist_logits(drawn.local_views, None, True, False)
+            out["silc"] = silc_loss(logits.view(len(drawn.weights), s.local_views, -1), drawn.silc_targets,
+                                    s.student_temperature, drawn.weights, totals.get("silc"), found["silc"])
+        if "tips" in self.on:
+            _, logits = passes.selfdist_logits(drawn.global_view, drawn.mask, False, True)
+            out["tips"] = tips_loss(logits, drawn.tips_targets, drawn.mask, s.student_temperature, drawn.weights,
+                                    totals.get("tips"), found["tips"])
+        if len(out) < 2:
+            out[self.on[0]] = out[self.on[0]] + passes.selfdist_anchor()
+        counted = (drawn.weights > 0).float()
+        for name in out:
+            values = torch.zeros(batch, device=counted.device).index_add(0, drawn.index, found[name][0] * counted)
+            applies = torch.zeros(batch, device=counted.device).index_add(0, drawn.index, counted) > 0
+            rows[name] = RowLosses(values, applies)
+        return out

@@ -12,7 +12,7 @@ from __future__ import annotations
 from torch import nn
 
 from vltrain.config.job import JobConfig
-from vltrain.config.stages import Stage, resolve, stage_at
+from vltrain.config.stages import TEACHER_LOSSES, Stage, resolve, stage_at
 from vltrain.objectives.scoring import Objectives
 from vltrain.types import revise
 
@@ -21,7 +21,7 @@ def stage_objectives(cfg: JobConfig, spec, stage: Stage) -> Objectives:
     """The objectives of ``stage``: the decided ``model.loss`` with the stage's weights, and its patch
     dropout."""
     return Objectives(revise(cfg.model.loss, **stage.loss), spec,
-                      revise(cfg.model.vision, patch_dropout=stage.patch_dropout))
+                      revise(cfg.model.vision, patch_dropout=stage.patch_dropout), cfg.model.selfdist)
 
 
 def describe(stage: Stage, before: Stage) -> str:
@@ -60,11 +60,13 @@ class Stages:
         stage = stage_at(self.all, step)
         return stage, stage.number > 0 and stage.start == step
 
-    def before_step(self, step: int, task: nn.Module, step_fn, ema) -> str | None:
+    def before_step(self, step: int, task: nn.Module, step_fn, ema, optimizer) -> str | None:
         """Before step ``step``: where the stage changes, its objectives in ``task`` and ``step_fn``, and
         the weight average ``ema`` updated by the step only where the teacher is on; at a stage's
-        first step, the EMA restarted from the student where the stage turns the teacher on, and the
-        line that says the crossing (returned; None elsewhere)."""
+        first step, the EMA restarted from the student where the stage turns the teacher on, the
+        optimizer's moments of SILC's and TIPS's heads started where the stage turns their losses on
+        (the heads waited at a zero gradient), and the line that says the crossing (returned; None
+        elsewhere)."""
         stage, crossing = self.at(step)
         if stage is not self.current:
             self.enter(stage, task, step_fn)
@@ -74,6 +76,9 @@ class Stages:
         before = self.all[stage.number - 1]
         if stage.teacher and not before.teacher:
             ema.restart()
+        if any(stage.loss.get(k, 0) > 0 and not before.loss.get(k, 0) > 0 for k in TEACHER_LOSSES):
+            for p in task.model.selfdist.parameters():
+                optimizer.state.pop(p, None)
         return describe(stage, before)
 
     def enter(self, stage: Stage, task: nn.Module, step_fn) -> Objectives:

@@ -3,8 +3,10 @@
 1. **The teacher's pass** (distillation with a teacher that runs, :class:`vltrain.train.teacher.Teacher`):
    each micro-batch embedded by the teacher on its own view of the rows, without autograd.
 2. **Key the micro-batches** (:meth:`Step.keyed`): the step's key, the patches each image keeps
-   under patch dropout, each micro-batch's masks drawn once, and the averaged objectives'
-   denominators (those masks counted) summed over every rank.
+   under patch dropout, each micro-batch's masks (and SILC's and TIPS's views) drawn once, and the
+   averaged objectives' denominators (those masks counted) summed over every rank.
+   **The EMA teacher's pass** (SILC, TIPS: :meth:`Step.taught`): the model holding the average's
+   weights gives the views their targets, then the teacher's centres move on the global batch.
 3. **Forward and backward** over the micro-batches: plain accumulation (:func:`plain_backward`), each
    micro-batch's contrastive loss seeing only itself, or exact contrastive accumulation
    (:func:`gradcache_backward`). Both leave the gradient of the whole step in ``.grad``, reduced
@@ -58,8 +60,9 @@ from vltrain.runtime.distributed import World, all_reduce_sum
 from vltrain.runtime.faults import maybe_overflow
 from vltrain.runtime.precision import Precision, at_least_fp32
 from vltrain.train.ema import WeightAverage
-from vltrain.train.parallelize import clip_grad_norm, gradient_sync, reduce_replicated_grads
-from vltrain.compose.task import Contrastive, ContrastiveCache, GeneratorState, Replay, Score
+from vltrain.objectives.selfdist import updated_centre
+from vltrain.train.parallelize import clip_grad_norm, gradient_sync, reduce_replicated_grads, task_of
+from vltrain.compose.task import Contrastive, ContrastiveCache, GeneratorState, Replay, Score, Teach
 from vltrain.types import ModelInputs, Rows
 
 
@@ -143,6 +146,8 @@ class Step:
         if self.teacher is not None:
             micro = [replace(m, teacher=self.teacher.embed(m)) for m in micro]
         inputs = self.keyed(micro, step)
+        if self.objectives.selfdist is not None:
+            inputs = self.taught(inputs)
         poison = step == tc.debug_nan_step and tc.debug_nan_rank in (-1, self.rank)
         backward_fn = gradcache_backward if tc.contrastive_accumulation == "gradcache" else plain_backward
         self.optimizer.zero_grad(set_to_none=True)
@@ -171,6 +176,26 @@ class Step:
         if self.ema is not None:
             self.ema.after_step(step + 1)
         return StepResult(agreed, grad_norm, lr, result.rows)
+
+    def taught(self, inputs: list[ModelInputs]) -> list[ModelInputs]:
+        """The EMA teacher's pass (SILC, TIPS): the model holding the average's weights, without
+        autograd, gives each micro-batch's views their targets (with the centres the step began with);
+        then the centres move once, on the global batch's sums (one all-reduce), the same on every rank."""
+        taught, sums = [], None
+        with self.ema.applied(), torch.no_grad(), self.precision.autocast():
+            for m in inputs:
+                views, part = self.wrapped(Teach(m.masks.views))
+                taught.append(replace(m, masks=replace(m.masks, views=views)))
+                sums = part if sums is None else [a + b for a, b in zip(sums, part)]
+            if hasattr(self.wrapped, "reshard"):  # FSDP2: the next pass gathers the trained weights again
+                self.wrapped.reshard()
+        packet = torch.cat([t.reshape(-1) for t in sums])
+        if self.world_size > 1:
+            packet = all_reduce_sum(packet)
+        k, settings = sums[0].numel(), self.objectives.selfdist.settings
+        for centre, (at, count) in zip(task_of(self.wrapped).model.selfdist_centres(), ((0, k), (k + 1, 2 * k + 1))):
+            centre.copy_(updated_centre(centre, packet[at:at + k], packet[count], settings.centre_momentum))
+        return taught
 
     def keyed(self, micro: list[ModelInputs], step: int) -> list[ModelInputs]:
         """The step's key on each micro-batch: the draws keyed by (seed, step, sample), the patches

@@ -320,7 +320,7 @@ class Trainer:
         return last_eval
 
     def _enter_stage(self) -> None:  # before each step (vltrain.train.staging.Stages.before_step)
-        said = self.stages.before_step(self.step, task_of(self.wrapped), self.stepper, self.ema)
+        said = self.stages.before_step(self.step, task_of(self.wrapped), self.stepper, self.ema, self.optimizer)
         self.objectives = self.stepper.objectives
         if said:
             self.metrics.write(said)
