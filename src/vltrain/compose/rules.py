@@ -158,6 +158,10 @@ def resolve_global_batch(cfg: JobConfig, world_size: int) -> str:
     step is, in words. Refuses a global batch that does not split evenly, naming what would."""
     data, tc = cfg.data, cfg.train
     g, w = data.global_batch_size, world_size
+    if not g and tc.accumulation > 1 and data.max_patches_choices:
+        raise ConfigError(f"data.max_patches_choices draws one patch budget per step, and train.accumulation "
+                          f"{tc.accumulation} without data.global_batch_size lets a step span two epochs; set "
+                          "data.global_batch_size (steps of whole global batches) or train.accumulation 1")
     if not g:
         return (f"global batch {data.batch_size * tc.accumulation * w} = data.batch_size {data.batch_size} x "
                 f"train.accumulation {tc.accumulation} x {w} rank(s): tied to the world size (set "

@@ -146,6 +146,13 @@ class DataConfig(Settings):
     data.max_patches (SigLIP 2's NaFlex; docs/formats.md#images-at-their-own-shape)."""
     max_patches: int = 256
     """resize native: the most patches an image becomes (the step's sequence length per image)."""
+    max_patches_choices: list[int] = field(default_factory=list)
+    """resize native, fixed batching: the patch budget of each optimizer step is drawn from these
+    (SigLIP 2's NaFlex stage: [128, 256, 576, 784, 1024]), keyed by train.seed and the step's place
+    in the data order, so every rank and micro-batch of a step, on any split of data.global_batch_size
+    and after a resume, draws the same; its images are resized within it and its batch padded (or
+    packed) to it. Each within [data.min_patches, data.max_patches]; evaluation keeps data.max_patches.
+    Empty: every step data.max_patches (docs/formats.md#sequence-lengths-drawn-per-step)."""
     min_patches: int = 1
     """resize native with upscale false: an image smaller than this many patches is enlarged to it."""
     upscale: bool = True
@@ -277,6 +284,13 @@ class DataConfig(Settings):
         if 0 < self.patch_budget < self.max_patches:
             raise ConfigError(f"data.patch_budget {self.patch_budget} is smaller than one image of data.max_patches "
                               f"({self.max_patches} patches): raise it to at least {self.max_patches}")
+        if self.max_patches_choices and self.batching != "fixed":
+            raise ConfigError("data.max_patches_choices draws each step's patch budget, which needs data.batching "
+                              "fixed (budget batching plans steps by patch counts at data.max_patches); set one")
+        outside = [n for n in self.max_patches_choices if not self.min_patches <= n <= self.max_patches]
+        if outside:
+            raise ConfigError(f"data.max_patches_choices {outside} outside [data.min_patches, data.max_patches] = "
+                              f"[{self.min_patches}, {self.max_patches}]: data.max_patches is the most a step may hold")
 
     def at_own_shape(self) -> bool:
         """Whether images keep their own shape (``resize: native``), which packing them and a patch budget
@@ -285,7 +299,8 @@ class DataConfig(Settings):
         if self.resize == "native":
             return True
         need = {"data.pack_images": (self.pack_images, "packs", "false"),
-                "data.patch_budget": (self.patch_budget, "counts the patches of", "0")}
+                "data.patch_budget": (self.patch_budget, "counts the patches of", "0"),
+                "data.max_patches_choices": (self.max_patches_choices, "draws the patch budget of", "[]")}
         for key, (value, what, off) in need.items():
             if value:
                 raise ConfigError(f"{key} {what} images at their own shape: set data.resize native, or {key} {off}")
@@ -359,7 +374,8 @@ def teacher_data(student: DataConfig, teacher: DataConfig) -> DataConfig:
     """The data section a teacher reads the student's rows with: the student's sources and decoding
     limits, the teacher's image size, resize, interpolation, statistics, text length and cleaning, and
     for a teacher at native shape its patch budget and patch side. Its images are never packed: one
-    per row, padded to its ``max_patches``."""
+    per row, padded to its ``max_patches`` at every step."""
     keys = ("image_size", "resize", "interpolation", "mean", "std", "max_text_length", "text_clean", "tokenizer",
             "max_patches", "min_patches", "upscale", "patch_size")
-    return revise(student, **{key: getattr(teacher, key) for key in keys}, pack_images=False, patch_budget=0)
+    return revise(student, **{key: getattr(teacher, key) for key in keys}, pack_images=False, patch_budget=0,
+                  max_patches_choices=[])

@@ -76,6 +76,9 @@ class Sample:
     dropped (cut away by the crop, past ``data.max_regions``); None: the row has none, or no image."""
     region_ids: list[list[int]] = field(default_factory=list)
     """Each kept region's phrase, tokenized as captions are."""
+    max_patches: int = 0
+    """The patch budget its image was resized within when its step drew one
+    (``data.max_patches_choices``), which the collator pads its batch to; 0: ``data.max_patches``."""
 
 
 class ImageTextDataset(torch.utils.data.Dataset):
@@ -133,6 +136,11 @@ class ImageTextDataset(torch.utils.data.Dataset):
         return s, index - self._starts[s]
 
     def __getitem__(self, index: int) -> Sample:
+        return self.load(index)
+
+    def load(self, index: int, max_patches: int = 0) -> Sample:
+        """``ds[index]``, its image resized within ``max_patches`` (its step's drawn budget; 0:
+        ``data.max_patches``), a replacement's too."""
         s, j = self.locate(int(index))
         source = self.sources[s]
         planned = int(index)
@@ -142,7 +150,7 @@ class ImageTextDataset(torch.utils.data.Dataset):
             row = None
             try:
                 row = source.row(j)  # reads the manifest row or the tar span of an indexed source
-                sample = self._load(source, s, j, row, errors)
+                sample = self._load(source, s, j, row, errors, max_patches)
                 if errors and self.plan_aware:
                     self._fit_plan(sample, planned)
                 return sample
@@ -216,17 +224,18 @@ class ImageTextDataset(torch.utils.data.Dataset):
             out[i] = self.tokenizer.token_lengths([text], self.max_text_length)[0]
         return out
 
-    def _load(self, source: Source, s: int, j: int, row: Row, errors: list) -> Sample:
+    def _load(self, source: Source, s: int, j: int, row: Row, errors: list, max_patches: int = 0) -> Sample:
         image, grid, data, regions = None, None, None, None
         if row.image is not None:
             data = source.read_image(j)
-            image, grid, seen = image_layout(self.cfg).decode(data)
+            image, grid, seen = image_layout(self.cfg, max_patches).decode(data)
             if row.regions is not None and self.cfg.max_regions:
                 regions = self._place(row.regions, seen)
         ids, truncated = [], False
         if row.text is not None:
             ids, truncated = self.tokenizer.encode(row.text, self.max_text_length)
-        sample = Sample(stable_uid(row.key), row.key, image, ids, truncated, s, errors, grid, regions=regions)
+        sample = Sample(stable_uid(row.key), row.key, image, ids, truncated, s, errors, grid, regions=regions,
+                        max_patches=max_patches)
         if regions is not None:
             phrases = [self.tokenizer.encode(text, self.max_text_length) for text in regions.texts]
             sample.region_ids = [p for p, _ in phrases]

@@ -79,7 +79,13 @@ class PaddedLayout:
                                            resample=d.interpolation, max_pixels=d.max_image_pixels))
 
     def describe(self) -> str:
-        return f"images at their own shape, at most {self.most} patches of {self.patch} px"
+        drawn = self.data is not None and self.data.max_patches_choices
+        return (f"images at their own shape, at most {self.most} patches of {self.patch} px"
+                + (f", each step's budget drawn from {drawn}" if drawn else ""))
+
+    def within(self, most: int) -> "PaddedLayout":
+        """This layout for a step whose patch budget is ``most`` (``data.max_patches_choices``)."""
+        return self if most == self.most else type(self)(most, self.patch, self.data)
 
     def patch_counter(self, sources: list):
         """A function giving each row's patch count at its own shape (0: no image): it reads every
@@ -147,12 +153,14 @@ class PackedLayout(PaddedLayout):
 ImageLayout = SquareLayout | PaddedLayout | PackedLayout
 
 
-def image_layout(cfg: DataConfig) -> ImageLayout:
+def image_layout(cfg: DataConfig, max_patches: int = 0) -> ImageLayout:
     """How ``cfg``'s images are collated (the fields of :class:`~vltrain.images.Images` they fill),
-    decided here once: square, or at their own shape padded one to a row or packed."""
+    decided here once: square, or at their own shape padded one to a row or packed, within
+    ``max_patches`` (a step's drawn budget, ``data.max_patches_choices``; 0: ``data.max_patches``)."""
     if not cfg.at_own_shape():
         return SquareLayout(cfg.image_size, cfg)
-    return (PackedLayout if cfg.pack_images else PaddedLayout)(cfg.max_patches, cfg.native_patch(), cfg)
+    layout = PackedLayout if cfg.pack_images else PaddedLayout
+    return layout(max_patches or cfg.max_patches, cfg.native_patch(), cfg)
 
 
 def decode_for(data: bytes, cfg: DataConfig) -> tuple[torch.Tensor, tuple[int, int] | None]:

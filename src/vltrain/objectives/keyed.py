@@ -7,7 +7,7 @@ way (other world size, other accumulation) draws the same numbers: the condition
 ``data.global_batch_size`` to give the same training math on any number of ranks
 (docs/distributed.md#the-global-batch).
 
-The numbers come from a counter-based hash (the 32-bit "lowbias32" integer mixer, applied to the
+The numbers come from a counter-based hash (:func:`vltrain.runtime.hashing.mix32`, applied to the
 key's words in turn) computed with int64 tensor arithmetic that never overflows: the same bits on
 the CPU and on any GPU, vectorized, with no host synchronization.
 """
@@ -18,8 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-_MASK32 = 0xFFFF_FFFF
-_MIX = (0x7FEB352D, 0x846CA68B)
+from vltrain.runtime.hashing import MASK32 as _MASK32, mix32
 
 
 class Stream:
@@ -32,22 +31,6 @@ class Stream:
     PATCH_KEEP = 10
     LOCCA_REGION, LOCCA_PARALLEL = 11, 12
     GLOBAL_VIEW, LOCAL_VIEW, VIEW_MASK = 13, 14, 15
-
-
-def _mul32(x: torch.Tensor | int, c: int) -> torch.Tensor | int:
-    """(x * c) mod 2**32 for x in [0, 2**32), in pieces small enough for int64."""
-    lo, hi = c & 0xFFFF, c >> 16
-    return (x * lo + (((x * hi) & 0xFFFF) << 16)) & _MASK32
-
-
-def mix32(x):
-    """lowbias32: a bijection of [0, 2**32) whose output bits each depend on every input bit.
-    Works on Python ints and on int64 tensors alike."""
-    x = x ^ (x >> 16)
-    x = _mul32(x, _MIX[0])
-    x = x ^ (x >> 15)
-    x = _mul32(x, _MIX[1])
-    return x ^ (x >> 16)
 
 
 @dataclass(frozen=True)

@@ -2,13 +2,13 @@
 
 With ``data.audit: true`` each rank appends to ``RUN_DIR/audit/rank{R}.jsonl``: one ``epoch``
 line when it starts an epoch (the schedule's size, distinct samples, documented drop and
-padding) and one ``batch`` line per batch the trainer took (ids, and which rows are planned
-repeats). ``vltrain data audit RUN_DIR`` then checks, per epoch: no sample consumed twice
-(within a rank or across ranks) except planned repeats, every rank took the same number of
-batches, and a complete epoch covered every distinct sample its schedule held, so that nothing
-was lost beyond the documented drop. A resumed run re-records the batches after its checkpoint;
-the audit keeps the last record of each (epoch, step) and reports any that changed, which would
-mean the resume was not exact.
+padding) and one ``batch`` line per batch the trainer took (ids, which rows are planned repeats,
+and for images at their own shape the batch's sequence length). ``vltrain data audit RUN_DIR``
+then checks, per epoch: no sample consumed twice (within a rank or across ranks) except planned
+repeats, every rank took the same number of batches, and a complete epoch covered every distinct
+sample its schedule held, so that nothing was lost beyond the documented drop. A resumed run
+re-records the batches after its checkpoint; the audit keeps the last record of each (epoch, step)
+and reports any that changed, which would mean the resume was not exact.
 """
 
 from __future__ import annotations
@@ -45,10 +45,13 @@ class AuditLog:
         })
 
     def record(self, epoch: int, step: int, batch: Any, repeats: np.ndarray) -> None:
-        self._write({
-            "kind": "batch", "epoch": epoch, "step": step, "ids": batch.ids.tolist(),
-            "repeat": np.flatnonzero(repeats).tolist(), "replaced": len(batch.errors),
-        })
+        """A batch's line; images at their own shape add its sequence length (``patches``: the step's
+        patch budget, drawn with ``data.max_patches_choices``)."""
+        row = {"kind": "batch", "epoch": epoch, "step": step, "ids": batch.ids.tolist(),
+               "repeat": np.flatnonzero(repeats).tolist(), "replaced": len(batch.errors)}
+        if batch.images.grids is not None:
+            row["patches"] = int(batch.images.pixels.shape[1])
+        self._write(row)
 
     def close(self) -> None:
         """Nothing is left to flush (the file is line-buffered, so a killed run keeps every whole

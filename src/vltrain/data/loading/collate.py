@@ -144,9 +144,11 @@ class Collator:
         n = len(samples)
         length = self.text_length(max(len(s.input_ids) for s in samples))
         images = [s.image for s in samples]
-        plan = self.images.plan(images)
+        most = samples[0].max_patches  # a step's drawn patch budget, the same for all its samples
+        layout = self.images.within(most) if most else self.images
+        plan = layout.plan(images)
         t = batch_buffers({
-            "ids": ((n,), torch.int64), **_prefixed("images", self.images.shapes(n, plan)),
+            "ids": ((n,), torch.int64), **_prefixed("images", layout.shapes(n, plan)),
             "has_image": ((n,), torch.bool), "has_text": ((n,), torch.bool), "input_ids": ((n, length), torch.int64),
             "attention_mask": ((n, length), torch.int64), "source": ((n,), torch.int64),
             **self._teacher_shapes(samples), **self._region_shapes(samples),
@@ -158,7 +160,7 @@ class Collator:
             ids = s.input_ids[:length]
             input_ids[i, : len(ids)] = ids
             attention_mask[i, : len(ids)] = 1
-        self.images.put(_fields("images", t), images, [s.grid for s in samples], plan)
+        layout.put(_fields("images", t), images, [s.grid for s in samples], plan)
         self._put_teacher(t, samples)
         self._put_regions(t, samples)
         t["ids"].copy_(torch.tensor([s.uid for s in samples], dtype=torch.int64))

@@ -33,6 +33,7 @@ from vltrain.data.schedule import mixing
 from vltrain.data.schedule.sampler import DistributedBatchSampler, Schedule
 from vltrain.data.table import SampleTable
 from vltrain.errors import UserError
+from vltrain.runtime.hashing import MASK32, mix32
 
 
 def _sample_seeds(seed: int, epoch: int, indices: list[int]) -> list[int]:
@@ -45,6 +46,20 @@ def _sample_seeds(seed: int, epoch: int, indices: list[int]) -> list[int]:
     x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
     x = x ^ (x >> np.uint64(31))
     return (x >> np.uint64(32)).tolist()
+
+
+_PATCH_STREAM = 0x4E61_466C
+"""The key word of a step's patch budget, apart from every other keyed draw."""
+
+
+def step_patches(choices: list[int], seed: int, epoch: int, step: int) -> int:
+    """The patch budget of optimizer step ``step`` of ``epoch`` (``data.max_patches_choices``): one of
+    ``choices``, from a hash of (seed, epoch, step) alone, so every rank and micro-batch of the step,
+    on any split of the global batch and after a resume, computes the same one."""
+    h = mix32((seed & MASK32) ^ _PATCH_STREAM)
+    for word in ((seed >> 32) & MASK32, epoch & MASK32, step & MASK32):
+        h = mix32(h ^ word)
+    return choices[h % len(choices)]
 
 
 def _seed_all(seed: int) -> None:
@@ -75,7 +90,8 @@ def plain_worker_errors() -> Iterator[None]:
 
 
 class _SeededDataset(Dataset):
-    """Loads ``dataset[i]`` under a per-sample seed; keys are ``(index, seed)`` pairs."""
+    """Loads ``dataset[i]`` under a per-sample seed; keys are ``(index, seed, max_patches)``, the
+    last the step's drawn patch budget (0: none drawn, ``dataset[i]`` as it is)."""
 
     def __init__(self, dataset: Dataset) -> None:
         self.dataset = dataset
@@ -84,19 +100,22 @@ class _SeededDataset(Dataset):
     def __len__(self) -> int:
         return len(self.dataset)  # type: ignore[arg-type]
 
-    def __getitem__(self, key: tuple[int, int]) -> Any:
-        index, seed = key
+    def _load(self, index: int, max_patches: int) -> Any:
+        return self.dataset.load(index, max_patches) if max_patches else self.dataset[index]
+
+    def __getitem__(self, key: tuple[int, int, int]) -> Any:
+        index, seed, max_patches = key
         if not self.seeded:
-            return self.dataset[index]
+            return self._load(index, max_patches)
         if get_worker_info() is not None:
             _seed_all(seed)
-            return self.dataset[index]
+            return self._load(index, max_patches)
         # In the main process the global generators belong to the trainer (dropout, masking):
         # borrow them and give them back untouched.
         py, npy, pt = random.getstate(), np.random.get_state(), torch.default_generator.get_state()
         _seed_all(seed)
         try:
-            return self.dataset[index]
+            return self._load(index, max_patches)
         finally:
             random.setstate(py)
             np.random.set_state(npy)
@@ -105,20 +124,30 @@ class _SeededDataset(Dataset):
 
 class _SeededBatches:
     """The sampler's batches from its position on, across epochs and without end, each index
-    paired with its sample seed.
+    paired with its sample seed and its step's patch budget.
 
     One DataLoader iterator therefore serves the whole run: its workers prefetch the next
     epoch's first batches while the trainer takes the current epoch's last, instead of
     draining at every boundary.
+
+    With ``choices`` (``data.max_patches_choices``) each optimizer step draws its patch budget
+    (:func:`step_patches`), keyed by the step's place in the epoch: the sampler's batch ``k`` is
+    micro-batch ``k % micro`` of step ``k // micro``, ``micro`` being the micro-batches a rank takes
+    per step. An epoch is a whole number of steps there (the sampler pads it to whole global
+    batches; without a global batch a step is one micro-batch, as
+    ``vltrain.compose.rules.resolve_global_batch`` requires), so any split of one global batch puts
+    the same rows in the same step and draws the same budget.
     """
 
-    def __init__(self, sampler: DistributedBatchSampler) -> None:
-        self.sampler = sampler
+    def __init__(self, sampler: DistributedBatchSampler, choices: list[int] = ()) -> None:
+        self.sampler, self.choices = sampler, list(choices)
+        self.micro = sampler.global_batch // (sampler.world_size * sampler.batch_size) if sampler.global_batch else 1
 
-    def __iter__(self) -> Iterator[list[tuple[int, int]]]:
+    def __iter__(self) -> Iterator[list[tuple[int, int, int]]]:
         s = self.sampler
-        for epoch, step, batch in s.endless():
-            yield list(zip(batch, _sample_seeds(s.seed, epoch, batch)))
+        for epoch, k, batch in s.endless():
+            most = step_patches(self.choices, s.seed, epoch, k // self.micro) if self.choices else 0
+            yield [(i, seed, most) for i, seed in zip(batch, _sample_seeds(s.seed, epoch, batch))]
 
 
 def _own_process_group(worker_id: int = 0) -> None:
@@ -154,7 +183,9 @@ class TrainLoader:
         persistent_workers: bool = False,
         bad_log: BadSampleLog | None = None,
         audit: AuditLog | None = None,
+        max_patches_choices: list[int] = (),
     ) -> None:
+        """``max_patches_choices``: each step's patch budget is drawn from these (``_SeededBatches``)."""
         self.sampler = sampler
         self.bad_log, self.audit = bad_log, audit
         self.elastic = False
@@ -173,8 +204,9 @@ class TrainLoader:
         # every new epoch would shift the trainer's random stream.
         generator = torch.Generator().manual_seed(
             int(np.random.SeedSequence([sampler.seed & 0xFFFF_FFFF, sampler.rank]).generate_state(1)[0]))
+        batches = _SeededBatches(sampler, max_patches_choices)
         self._loader = DataLoader(
-            _SeededDataset(dataset), batch_sampler=_SeededBatches(sampler), num_workers=num_workers,
+            _SeededDataset(dataset), batch_sampler=batches, num_workers=num_workers,
             pin_memory=pin_memory and torch.cuda.is_available(), collate_fn=collate, generator=generator,
             **extra,
         )
@@ -323,7 +355,7 @@ def build_train_loader(
     return TrainLoader(
         dataset, sampler, collate=collate, num_workers=data_cfg.num_workers, pin_memory=data_cfg.pin_memory,
         prefetch_factor=data_cfg.prefetch_factor, persistent_workers=data_cfg.persistent_workers,
-        bad_log=bad_log, audit=audit,
+        bad_log=bad_log, audit=audit, max_patches_choices=data_cfg.max_patches_choices,
     )
 
 
