@@ -76,3 +76,20 @@ def test_the_decided_config_keeps_the_stages_and_refuses_writes(tmp_path):
     decided.save(tmp_path / "config.yaml")
     again = load_config(tmp_path / "config.yaml")
     assert again.train.stages == cfg.train.stages
+
+
+def test_a_model_opened_after_training_sees_images_as_the_last_stage_did():
+    from vltrain.compose.decide import decide
+
+    cfg = stages("[{at: 0.5, resize: native, max_patches: 64}, {at: 0.8, max_patches_choices: [16, 64]}]")
+    trained = decide(cfg, 1, "train").cfg
+    assert trained.data.resize == "crop" and trained.data.patch_size > 0  # stage 0; the native side decided
+    opened = decide(cfg, 1, "eval").cfg
+    assert (opened.data.resize, opened.data.max_patches, opened.data.max_patches_choices) == ("native", 64, [16, 64])
+
+
+def test_a_stage_that_changes_the_images_is_checked_as_data_would_be():
+    with pytest.raises(ConfigError, match=r"train.stages stage 2: data.max_patches_choices \[512\] outside"):
+        stages("[{at: 0.5, resize: native}, {at: 0.8, max_patches_choices: [512]}]")
+    with pytest.raises(ConfigError, match="train.stages stage 1: a stage that changes the images needs data.batching"):
+        stages("[{at: 0.5, resize: native}]", "data.batching=budget")

@@ -17,14 +17,16 @@ from vltrain.checkpoint.storage import read_tensors
 from vltrain.data.ids import stable_uid
 
 STAGES = ("[{at: 3, loss: {itc: 2.0, image_mim: 0.6}, patch_dropout: 0.25, name: doubled}, "
-          "{at: 6, teacher: true, loss: {silc: 1.0, tips: 0.25}, lr_stretch: 2.0, name: teacher}]")
+          "{at: 6, teacher: true, loss: {silc: 1.0, tips: 0.25}, lr_stretch: 2.0, name: teacher}, "
+          "{at: 8, resize: native, max_patches: 16, max_patches_choices: [4, 16], name: naflex}]")
 HEADS = {"model__selfdist__prototypes": 64, "model__selfdist__hidden": 32, "model__selfdist__bottleneck": 16,
          "model__selfdist__local_views": 3, "model__selfdist__local_size": 16}
 """SILC's and TIPS's heads and views at a size for 32-pixel shapes."""
 STAGED = {"train__stages": STAGES, "train__ema__decay": 0.8, "model__loss__image_mim": 0.3,
-          "checkpoint__save_initial": "always", "train__log_every": 1, **HEADS}
+          "checkpoint__save_initial": "always", "train__log_every": 1, "data__audit": "true", **HEADS}
 """ITC and MIM (a weighted mean over the step) doubled from step 4 with patch dropout; from step 7
-the EMA teacher, SILC and TIPS, with the schedule's tail stretched 2x."""
+the EMA teacher, SILC and TIPS, with the schedule's tail stretched 2x; from step 9 the images at
+their own shape, each step's sequence length drawn from 4 and 16 patches (NaFlex)."""
 G = 8
 
 
@@ -49,7 +51,9 @@ def test_each_crossing_is_said_once_and_takes_effect_at_its_step(staged):
     said = [line for line in proc.stderr.splitlines() if line.startswith("stage ")]
     assert said == ["stage 1 (doubled) from step 4: loss weights itc 2, image_mim 0.6; patch dropout 0.25",
                     "stage 2 (teacher) from step 7: loss weights silc 1, tips 0.25; the EMA teacher on, started from "
-                    "the student's weights; the learning-rate schedule 2x slower"], said
+                    "the student's weights; the learning-rate schedule 2x slower",
+                    "stage 3 (naflex) from step 9: images resize native, max_patches 16, max_patches_choices [4, 16]"
+                    ], said
     rows = metric_rows(run_dir)
     for r in rows:  # the optimised total is the stage's weights times the logged losses
         itc, mim = (1.0, 0.3) if r["step"] <= 3 else (2.0, 0.6)
@@ -60,6 +64,12 @@ def test_each_crossing_is_said_once_and_takes_effect_at_its_step(staged):
     lr = [r["lr"] for r in rows]
     assert lr[7] > lr[6] * 0.5 and lr[9] > 0.0  # the stretched tail has not reached its end
     assert "stages:" in (run_dir / "config.yaml").read_text() and "name: teacher" in (run_dir / "config.yaml").read_text()
+    # the loader of the last stage: the same data position, images at their own shape, 4 or 16 patches a step
+    batches = [r for f in (run_dir / "audit").glob("rank*.jsonl") for r in map(json.loads, f.read_text().splitlines())
+               if r["kind"] == "batch"]
+    assert len(batches) == 2 * 10 and len({tuple(b["ids"]) for b in batches}) == 20
+    native = [b for b in batches if "patches" in b]
+    assert len(native) == 2 * 2 and {b["patches"] for b in native} <= {4, 16}
 
 
 @pytest.mark.slow
@@ -104,7 +114,8 @@ def test_a_run_stopped_beside_a_boundary_resumes_bit_identical(parallelism, at, 
     one step after it."""
     shapes = session_shapes(tmp_path_factory)
     knobs = {"train__parallelism": parallelism, "train__ema__decay": 0.8, "model__loss__image_mim": 0.3, **HEADS,
-             "train__stages": f"[{{at: {at}, teacher: true, loss: {{itc: 2.0, silc: 1.0, tips: 0.25}}, lr_stretch: 1.5}}]"}
+             "train__stages": f"[{{at: {at}, teacher: true, loss: {{itc: 2.0, silc: 1.0, tips: 0.25}}, lr_stretch: 1.5, "
+                              "resize: native, max_patches: 16, max_patches_choices: [4, 16]}]"}
     ok(train(shapes, ref := tmp_path / "ref", **knobs))
     run = from_checkpoint(ref, tmp_path / "run")
     proc = ok(train(shapes, run, **knobs))

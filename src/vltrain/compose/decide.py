@@ -121,6 +121,9 @@ def decide(cfg: JobConfig, world_size: int = 1, purpose: str = "train", opening:
     elif weights is not None and (saved := weights.saved_tokenizer()) is not None:
         cfg.data.tokenizer = str(saved)  # the copy saved with the weights, before data.tokenizer
     if purpose != "train":
+        for stage in cfg.train.stages:  # a run's model sees images as its last stage saw them
+            for key, value in stage.data().items():
+                setattr(cfg.data, key, value)
         fit_native(cfg)
         return Decided(freeze(cfg), purpose, weights, imported)
     batch = resolve_global_batch(cfg, world_size)

@@ -21,8 +21,8 @@ def fit_native(cfg: JobConfig) -> None:
     ``model.init`` may give, are checked here and nowhere else; those the data alone decides, when
     the config is read (``DataConfig.validate``)."""
     data = cfg.data
-    if not data.at_own_shape():
-        return
+    if not data.at_own_shape() and not any(s.resize == "native" for s in cfg.train.stages):
+        return  # (a stage that turns to native images cuts them at the same side)
     arch = cfg.model.architecture()
     patch = arch.vision.patch_size
     if data.patch_size not in (0, patch):

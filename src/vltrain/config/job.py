@@ -387,6 +387,26 @@ class JobConfig(Settings):
             first = next(i for i, s in enumerate(tc.stages, 1) if s.teacher)
             raise ConfigError(f"train.stages {tc.stages[first - 1].label(first)}: teacher: true is the EMA of the "
                               "student, and train.ema.decay is 0; set it (SigLIP 2 and DINO: 0.996 to 0.9999)")
+        self._validate_stage_data()
+
+    def _validate_stage_data(self) -> None:
+        """Each stage's images as data.* would be checked, on fixed batching (whose steps do not depend
+        on the layout, so the data position carries over a crossing)."""
+        data: dict = {}
+        for i, s in enumerate(self.train.stages, 1):
+            if not s.data():
+                continue
+            label = f"train.stages {s.label(i)}"
+            if self.data.batching != "fixed":
+                raise ConfigError(f"{label}: a stage that changes the images needs data.batching fixed (budget "
+                                  "batches are planned by the images' sizes); set it, or move the change to stage 0")
+            data.update(s.data())
+            try:
+                staged = dataclasses.replace(self.data, **data)
+                staged.validate()
+                staged.at_own_shape()
+            except ConfigError as e:
+                raise ConfigError(f"{label}: {e}") from None
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

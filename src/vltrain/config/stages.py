@@ -11,6 +11,11 @@ set:
 - ``teacher``: the EMA of the student as a teacher (``train.ema``), on or off. Where it comes on,
   the average starts again from the student's weights of that step (SigLIP 2: "initialized from
   the student at that point"); it averages only in the stages where it is on;
+- ``resize``, ``max_patches``, ``max_patches_choices``: the images' layout (``data.*``), e.g. SigLIP 2's
+  NaFlex stage: ``resize: native`` with a sequence length drawn per step. The loader (and the
+  evaluation's) is built again at the crossing and goes on from the same data position; the
+  position table is resized to each image's grid as native images always are. A model opened for
+  evaluation or export later sees the images as the last stage did;
 - ``lr_stretch``: the learning-rate schedule runs this many times slower from the stage's start
   (SigLIP 2's NaFlex stage stretches the last 10% of its schedule 3.75x): the schedule is a
   function of schedule time, which advances 1 / lr_stretch per step in the stage, and reaches its
@@ -26,7 +31,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Optional, Union
+from typing import Literal, Optional, Union
 
 from vltrain.errors import ConfigError
 from vltrain.model.config import LossConfig
@@ -60,6 +65,16 @@ class StageSettings(Settings):
     lr_stretch: Optional[float] = None
     """From here on the learning-rate schedule advances 1 / lr_stretch of a step per step (1: as
     declared; unset: carried over)."""
+    resize: Optional[Literal["crop", "squash", "native"]] = None
+    """data.resize from here on: crop | squash | native (unset: carried over)."""
+    max_patches: Optional[int] = None
+    """data.max_patches from here on (images at their own shape; unset: carried over)."""
+    max_patches_choices: Optional[list[int]] = None
+    """data.max_patches_choices from here on: each step's sequence length drawn from these (NaFlex)."""
+
+    def data(self) -> dict:
+        """The data settings this entry sets."""
+        return {k: getattr(self, k) for k in DATA_KEYS if getattr(self, k) is not None}
 
     def label(self, number: int) -> str:
         return f"stage {number} ({self.name})" if self.name else f"stage {number}"
@@ -78,6 +93,12 @@ class Stage:
     patch_dropout: float
     teacher: bool
     lr_stretch: float
+    data: dict = field(default_factory=dict)
+    """Every data setting that a stage has set so far (``resize``, ``max_patches``, ``max_patches_choices``)."""
+
+
+DATA_KEYS = ("resize", "max_patches", "max_patches_choices")
+"""What of ``data`` a stage may set: the images' layout."""
 
 
 def start_step(at: Union[int, float], max_steps: int) -> int:
@@ -149,6 +170,7 @@ def resolve(stages: list[StageSettings], max_steps: int, patch_dropout: float, e
             current.patch_dropout if s.patch_dropout is None else s.patch_dropout,
             current.teacher if s.teacher is None else s.teacher,
             current.lr_stretch if s.lr_stretch is None else s.lr_stretch,
+            {**current.data, **s.data()},
         )
         out.append(current)
     return out

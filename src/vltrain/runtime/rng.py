@@ -54,6 +54,14 @@ def restore(state: dict[str, Any]) -> None:
             torch.cuda.set_rng_state_all([_decode_bytes(s) for s in cuda])
 
 
+def seeded(seed: int) -> "RngState":
+    """Seed torch, numpy and random (a rank's generators, ``seed``); the generators a checkpoint keeps."""
+    torch.manual_seed(seed)
+    np.random.seed(seed % 2**32)
+    random.seed(seed)
+    return RngState()
+
+
 class RngState:
     """The generators as a Stateful, for the checkpointer's per-rank states."""
 

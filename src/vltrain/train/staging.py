@@ -9,6 +9,8 @@ at a stage's first step (the steps before it done) resumes into the crossing its
 
 from __future__ import annotations
 
+from typing import Callable
+
 from torch import nn
 
 from vltrain.config.job import JobConfig
@@ -24,6 +26,17 @@ def stage_objectives(cfg: JobConfig, spec, stage: Stage) -> Objectives:
                       revise(cfg.model.vision, patch_dropout=stage.patch_dropout), cfg.model.selfdist)
 
 
+def switch_loader(loader, build: Callable[[], object]):
+    """A stage changes the images: the loader ``build`` makes, at ``loader``'s data position (which
+    stops its workers): the same samples in the same steps, laid out as the stage says."""
+    state, elastic = loader.state_dict(), loader.elastic
+    loader.close()
+    new = build()
+    new.elastic = elastic
+    new.load_state_dict(state)
+    return new
+
+
 def describe(stage: Stage, before: Stage) -> str:
     """The log line of a crossing: the stage, its first step, and what changed."""
     said = [f"{k} {v:g}" for k, v in stage.loss.items() if before.loss.get(k) != v]
@@ -33,6 +46,8 @@ def describe(stage: Stage, before: Stage) -> str:
     if stage.teacher != before.teacher:
         parts.append("the EMA teacher on, started from the student's weights" if stage.teacher
                      else "the EMA teacher off")
+    if stage.data != before.data:
+        parts.append("images " + ", ".join(f"{k} {v}" for k, v in stage.data.items() if before.data.get(k) != v))
     if stage.lr_stretch != before.lr_stretch:
         parts.append(f"the learning-rate schedule {stage.lr_stretch:g}x slower")
     return f"{stage.label} from step {stage.start + 1}: {'; '.join(parts) or 'nothing changes'}"
@@ -47,6 +62,10 @@ class Stages:
         self.cfg = cfg
         self.all = resolve(tc.stages, tc.max_steps, cfg.model.vision.patch_dropout, bool(tc.ema.decay))
         self.current = self.all[0]
+
+    def with_data(self, stage: Stage) -> JobConfig:
+        """The run's config with ``stage``'s images (``data.*``), for the loaders of that stage."""
+        return revise(self.cfg, data=revise(self.cfg.data, **stage.data)) if stage.data else self.cfg
 
     def objective_names(self, spec) -> list[str]:
         """Every objective some stage trains, in a fixed order (the per-source meter's columns)."""

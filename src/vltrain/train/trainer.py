@@ -10,13 +10,11 @@ it, logs, evaluates and checkpoints.
 from __future__ import annotations
 
 import logging
-import random
 import signal
 import time
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
 from vltrain.checkpoint.manager import (
@@ -47,7 +45,7 @@ from vltrain.runtime.precision import Precision
 from vltrain.runtime.preemption import EXIT_CODE as PREEMPTED_EXIT
 from vltrain.runtime.preemption import INTERRUPTED_EXIT_CODE as INTERRUPTED_EXIT
 from vltrain.runtime.preemption import Preempted, PreemptionWatch, clear_marker, write_marker
-from vltrain.runtime.rng import RngState
+from vltrain.runtime.rng import seeded
 from vltrain.runtime.spmd import RECORDER
 from vltrain.runtime.world import setup_world
 from vltrain.train.adapters import adapt
@@ -57,7 +55,7 @@ from vltrain.train.metrics import (GpuUtilization, MetricsLogger, Throughput, me
 from vltrain.train.nonfinite import NonFiniteGuard
 from vltrain.train.optim import build_optimizer, build_scheduler, freeze_towers
 from vltrain.train.parallelize import parallelize, task_of
-from vltrain.train.staging import Stages
+from vltrain.train.staging import Stages, switch_loader
 from vltrain.train.source_metrics import SourceMeter
 from vltrain.train.step import Step, StepResult
 from vltrain.train.teacher import Teacher, describe as describe_teacher, stored_inputs
@@ -81,26 +79,24 @@ class Trainer:
 
         self.tokenizer, self.model, self.precision = self._build_model()  # the same weights on every rank
 
-        # the objectives, and the parallelized task
+        # the objectives, and the parallelized task; the stages (train.stages: stage 0 is the config as given)
         self.objectives = (task := build_task(cfg, self.model)).objectives
-        self.wrapped = parallelize(task, tc, self.device)
-        self.stages = Stages(cfg)  # train.stages: stage 0 is the config as given
+        self.wrapped, self.stages = parallelize(task, tc, self.device), Stages(cfg)
         self.teacher, self.teacher_inputs = self._build_teacher()  # distillation's, if any; replicated or sharded
 
         # optimizer, scheduler, gradient scaler, the weight EMA; the step that uses and calls them; the guard
         self.optimizer = build_optimizer(self.model, tc)
         self.scheduler = build_scheduler(self.optimizer, tc, stretches(self.stages.all))
-        self.scaler = self.precision.grad_scaler()
-        self.ema = WeightAverage(tc.ema, self.model) if tc.ema.decay else None  # of the parallelized parameters
+        self.scaler, self.ema = self.precision.grad_scaler(), WeightAverage(tc.ema, self.model) if tc.ema.decay else None
         self.stepper = self._build_step()
         self.guard = NonFiniteGuard(tc.max_nonfinite_steps)
         self.preemption, self.preempt_agreed, self.save_due = PreemptionWatch(), False, False
 
         # each rank's generators (the objectives' draws are keyed by step and sample instead)
-        self.rng = self._seed_rank(tc.seed + 1 + self.world.rank)
+        self.rng = seeded(tc.seed + 1 + self.world.rank)
         self.sources = source_specs(cfg.data.train)
-        self.source_meter = SourceMeter([s.display_name() for s in self.sources],
-                                        self.stages.objective_names(self.model.spec), self.device)
+        names = self.stages.objective_names(self.model.spec)  # every objective some stage trains
+        self.source_meter = SourceMeter([s.display_name() for s in self.sources], names, self.device)
         self.loader = build_train_loader_for(cfg, self.tokenizer, self.world, self.run_dir, self.teacher_inputs)
         self.loader.elastic = bool(cfg.data.global_batch_size)
         self.global_batch = cfg.data.batch_size * tc.accumulation * self.world.world_size
@@ -182,14 +178,6 @@ class Trainer:
         return Step(self.wrapped, self.objectives, params, self.optimizer, self.scheduler, self.scaler, self.precision,
                     self.cfg.train, self.world, teacher=self.teacher,
                     ema=self.ema if self.stages.current.teacher else None)
-
-    @staticmethod
-    def _seed_rank(seed: int) -> RngState:
-        """Seed torch, numpy and random for this rank; the generators a checkpoint keeps."""
-        torch.manual_seed(seed)
-        np.random.seed(seed % 2**32)
-        random.seed(seed)
-        return RngState()
 
     def _say_resumed(self, cost: str) -> None:
         """One line on each restart: the checkpoint and step, the world size before and after, and
@@ -320,8 +308,13 @@ class Trainer:
         return last_eval
 
     def _enter_stage(self) -> None:  # before each step (vltrain.train.staging.Stages.before_step)
+        data = self.stages.current.data
         said = self.stages.before_step(self.step, task_of(self.wrapped), self.stepper, self.ema, self.optimizer)
-        self.objectives = self.stepper.objectives
+        self.objectives, cfg = self.stepper.objectives, self.stages.with_data(self.stages.current)
+        if self.stages.current.data != data:  # the stage's images: its loaders, at the same data position
+            self.loader = self.checkpointer.states["loader"] = switch_loader(self.loader, lambda: build_train_loader_for(
+                cfg, self.tokenizer, self.world, self.run_dir, self.teacher_inputs))
+            self.evaluator = Evaluator(cfg, self.tokenizer, self.world, self.run_dir)
         if said:
             self.metrics.write(said)
 
