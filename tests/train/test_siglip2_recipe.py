@@ -33,6 +33,7 @@ def test_the_recipe_declares_siglip2s_schedule():
     assert distil.start == round(0.8 * schedule) and naflex.start == round(0.9 * schedule)
     assert distil.teacher and distil.loss == {"silc": 0.25, "tips": 0.0625}  # SigLIP 2's 1 and 0.25 x B's 0.25
     assert naflex.lr_stretch == 3.75 and naflex.teacher and naflex.loss == distil.loss
+    assert naflex.data == {"resize": "native", "max_patches": 9, "max_patches_choices": [4, 9]} and not distil.data
     assert not stages[0].teacher and stages[0].lr_stretch == 1.0
 
 
@@ -76,7 +77,8 @@ def test_the_recipe_trains_through_its_stages_on_shapes_with_regions(tmp_path, c
     assert _crossings(proc.stderr) == [
         "stage 1 (self-distillation) from step 6: loss weights silc 0.25, tips 0.0625; the EMA teacher on, started "
         "from the student's weights",
-        "stage 2 (naflex) from step 7: the learning-rate schedule 3.75x slower"], proc.stderr[-4000:]
+        "stage 2 (naflex) from step 7: images resize native, max_patches 9, max_patches_choices [4, 9]; the "
+        "learning-rate schedule 3.75x slower"], proc.stderr[-4000:]
     _assert_stage_losses(run)
 
 
