@@ -17,7 +17,7 @@ from vltrain.checkpoint.storage import read_tensors
 from vltrain.data.ids import stable_uid
 
 STAGES = ("[{at: 3, loss: {itc: 2.0, image_mim: 0.6}, patch_dropout: 0.25, name: doubled}, "
-          "{at: 6, teacher: true, loss: {silc: 1.0, tips: 0.25}, lr_stretch: 2.0, name: teacher}, "
+          "{at: 6, teacher: true, loss: {silc: 1.0, tips: 0.25}, lr_stretch: 2.0, image_size: 48, name: teacher}, "
           "{at: 8, resize: native, max_patches: 16, max_patches_choices: [4, 16], name: naflex}]")
 HEADS = {"model__selfdist__prototypes": 64, "model__selfdist__hidden": 32, "model__selfdist__bottleneck": 16,
          "model__selfdist__local_views": 3, "model__selfdist__local_size": 16}
@@ -25,7 +25,8 @@ HEADS = {"model__selfdist__prototypes": 64, "model__selfdist__hidden": 32, "mode
 STAGED = {"train__stages": STAGES, "train__ema__decay": 0.8, "model__loss__image_mim": 0.3,
           "checkpoint__save_initial": "always", "train__log_every": 1, "data__audit": "true", **HEADS}
 """ITC and MIM (a weighted mean over the step) doubled from step 4 with patch dropout; from step 7
-the EMA teacher, SILC and TIPS, with the schedule's tail stretched 2x; from step 9 the images at
+the EMA teacher, SILC and TIPS, with the schedule's tail stretched 2x, at 48 pixels (the position
+table resized from 2 x 2 patches to 3 x 3); from step 9 the images at
 their own shape, each step's sequence length drawn from 4 and 16 patches (NaFlex)."""
 G = 8
 
@@ -51,7 +52,7 @@ def test_each_crossing_is_said_once_and_takes_effect_at_its_step(staged):
     said = [line for line in proc.stderr.splitlines() if line.startswith("stage ")]
     assert said == ["stage 1 (doubled) from step 4: loss weights itc 2, image_mim 0.6; patch dropout 0.25",
                     "stage 2 (teacher) from step 7: loss weights silc 1, tips 0.25; the EMA teacher on, started from "
-                    "the student's weights; the learning-rate schedule 2x slower",
+                    "the student's weights; images image_size 48; the learning-rate schedule 2x slower",
                     "stage 3 (naflex) from step 9: images resize native, max_patches 16, max_patches_choices [4, 16]"
                     ], said
     rows = metric_rows(run_dir)
@@ -70,6 +71,8 @@ def test_each_crossing_is_said_once_and_takes_effect_at_its_step(staged):
     assert len(batches) == 2 * 10 and len({tuple(b["ids"]) for b in batches}) == 20
     native = [b for b in batches if "patches" in b]
     assert len(native) == 2 * 2 and {b["patches"] for b in native} <= {4, 16}
+    ended = final_state(run_dir)  # the table and its average at 3 x 3 patches and the class token
+    assert ended["model.vision.pos_embed"].shape[0] == ended["ema.weights.vision.pos_embed"].shape[0] == 1 + 9
 
 
 @pytest.mark.slow
@@ -115,7 +118,7 @@ def test_a_run_stopped_beside_a_boundary_resumes_bit_identical(parallelism, at, 
     shapes = session_shapes(tmp_path_factory)
     knobs = {"train__parallelism": parallelism, "train__ema__decay": 0.8, "model__loss__image_mim": 0.3, **HEADS,
              "train__stages": f"[{{at: {at}, teacher: true, loss: {{itc: 2.0, silc: 1.0, tips: 0.25}}, lr_stretch: 1.5, "
-                              "resize: native, max_patches: 16, max_patches_choices: [4, 16]}]"}
+                              "image_size: 48, resize: native, max_patches: 16, max_patches_choices: [4, 16]}]"}
     ok(train(shapes, ref := tmp_path / "ref", **knobs))
     run = from_checkpoint(ref, tmp_path / "run")
     proc = ok(train(shapes, run, **knobs))

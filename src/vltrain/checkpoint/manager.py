@@ -32,7 +32,7 @@ import time
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Callable, Protocol
 
 import torch
 import torch.distributed as dist
@@ -50,6 +50,7 @@ from vltrain.checkpoint.paths import (
     complete_checkpoints,
     find_checkpoint,
     latest_checkpoint,
+    step_of,
 )
 from vltrain.checkpoint.space import disk_full, no_space, space_warning
 from vltrain.checkpoint.storage import (
@@ -405,9 +406,9 @@ class Checkpointer:
         """``train.resume``: auto (the newest complete checkpoint, if any) | never | a path."""
         return resume_target(resume, self.folder)
 
-    def resume(self, resume: str) -> Restored | None:
-        """Resolve on rank 0 (so every rank loads the same one) and load; None if nothing to resume.
-        Only then, the run accepted, are the temporary folders of a save a crash cut short removed."""
+    def resume(self, resume: str, before_load: Callable[[int], None] | None = None) -> Restored | None:
+        """Resolve on rank 0 (so every rank loads the same one), call ``before_load`` with its step, load;
+        None if nothing to resume. Then, the run accepted, a crashed save's temporary folders go."""
         chosen: list[Any] = [None]
         if self.rank == 0:
             try:
@@ -418,6 +419,9 @@ class Checkpointer:
         chosen = [broadcast_object(chosen[0])]
         if isinstance(chosen[0], UserError):
             raise chosen[0]
+        step = step_of(Path(chosen[0])) if chosen[0] is not None else None
+        if before_load is not None and step is not None:
+            before_load(step)
         restored = self.load(Path(chosen[0])) if chosen[0] is not None else None
         if self.rank == 0:
             self._remove_partial()

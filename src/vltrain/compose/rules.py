@@ -61,6 +61,11 @@ def _decide_selfdist(cfg: JobConfig) -> None:
     if "tips" in turned_on and cfg.model.architecture().vision.pooling == "attn_pool":
         raise ConfigError("model.loss.tips predicts the teacher's patch tokens, and an attentional pooler's tokens "
                           "are not patches: leave tips off in train.stages (silc works)")
+    patch = cfg.model.architecture().vision.patch_size
+    for i, s in enumerate(cfg.train.stages, 1):
+        if s.image_size is not None and s.image_size % patch:
+            raise ConfigError(f"train.stages {s.label(i)}: image_size {s.image_size} is not a whole number of the "
+                              f"model's {patch}-pixel patches; give a multiple of {patch}")
 
 
 HEADS = {"caption": "decoder", "itm": "fusion", "mlm": "fusion", "referring": "locca", "grounded_caption": "locca"}

@@ -11,6 +11,9 @@ set:
 - ``teacher``: the EMA of the student as a teacher (``train.ema``), on or off. Where it comes on,
   the average starts again from the student's weights of that step (SigLIP 2: "initialized from
   the student at that point"); it averages only in the stages where it is on;
+- ``image_size``: square images of another size (``data.image_size``; SigLIP 2's fixed-resolution
+  variants at 95%): the vision tower's position table is resized to it at the crossing (bilinear,
+  as images at their own shape resize it), and the loaders are built again as below;
 - ``resize``, ``max_patches``, ``max_patches_choices``: the images' layout (``data.*``), e.g. SigLIP 2's
   NaFlex stage: ``resize: native`` with a sequence length drawn per step. The loader (and the
   evaluation's) is built again at the crossing and goes on from the same data position; the
@@ -65,6 +68,8 @@ class StageSettings(Settings):
     lr_stretch: Optional[float] = None
     """From here on the learning-rate schedule advances 1 / lr_stretch of a step per step (1: as
     declared; unset: carried over)."""
+    image_size: Optional[int] = None
+    """data.image_size from here on: the position table resized to it at the crossing (unset: carried over)."""
     resize: Optional[Literal["crop", "squash", "native"]] = None
     """data.resize from here on: crop | squash | native (unset: carried over)."""
     max_patches: Optional[int] = None
@@ -97,7 +102,7 @@ class Stage:
     """Every data setting that a stage has set so far (``resize``, ``max_patches``, ``max_patches_choices``)."""
 
 
-DATA_KEYS = ("resize", "max_patches", "max_patches_choices")
+DATA_KEYS = ("image_size", "resize", "max_patches", "max_patches_choices")
 """What of ``data`` a stage may set: the images' layout."""
 
 

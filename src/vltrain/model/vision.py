@@ -337,6 +337,15 @@ def axis_weights(cells: torch.Tensor, grid: int, index: torch.Tensor,
     return w / w.sum(dim=-1, keepdim=True)
 
 
+def resized_table(table: torch.Tensor, prefix: int, grid: int, new_grid: int) -> torch.Tensor:
+    """A square position table [prefix + grid², W] for a ``new_grid`` x ``new_grid`` image: the
+    prefix rows (the class token's) kept, the patch rows resized as images at their own shape resize
+    them (:func:`resize_positions`), in the table's dtype."""
+    grids = torch.tensor([[new_grid, new_grid]], device=table.device)
+    patches = resize_positions(table[prefix:], grid, grids, new_grid * new_grid)[0]
+    return torch.cat([table[:prefix], patches.to(table.dtype)])
+
+
 def resize_positions(table: torch.Tensor, grid: int, grids: torch.Tensor, length: int) -> torch.Tensor:
     """A square ``grid`` x ``grid`` position table [grid², W], resized to each image's grid [B, 2]
     (bilinear, antialiased) and laid out row by row: [B, length, W], padding positions taking the

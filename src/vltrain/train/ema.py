@@ -70,6 +70,14 @@ class WeightAverage:
             w.copy_(_local(p))
         self.updates = 0
 
+    @torch.no_grad()
+    def swap(self, old: torch.Tensor, new: torch.Tensor, resize) -> None:
+        """Average ``new`` where ``old`` was (a parameter replaced by another shape of it), the average
+        so far carried over by ``resize``."""
+        i = next(k for k, p in enumerate(self.params) if p is old)
+        self.params[i], self.weights[i] = new, resize(self.weights[i])
+        self.shards[i] = _local(self.weights[i])
+
     @contextmanager
     def applied(self) -> Iterator[None]:
         """The averaged weights in the model's parameters inside the block; the trained ones again,

@@ -88,7 +88,23 @@ def build_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
     for g in groups:
         if "lr_scale" in g:
             g["lr"] = cfg.lr * g["lr_scale"]
+    groups = whole_apart(groups)
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, **implementation(groups))
+
+
+def whole_apart(groups: list[dict]) -> list[dict]:
+    """Under FSDP2, a whole parameter of more than one dimension (a position table a stage resizes,
+    kept outside the sharding) in a group of its own beside its group: DTensor's fused update does
+    not mix it with the shards (0-dim ones mix). Elsewhere the groups as they are."""
+    if not any(hasattr(p, "full_tensor") for g in groups for p in g["params"]):
+        return groups
+    out = []
+    for g in groups:
+        whole = [p for p in g["params"] if p.ndim > 0 and not hasattr(p, "full_tensor")]
+        out.append({**g, "params": [p for p in g["params"] if not any(p is w for w in whole)]})
+        if whole:
+            out.append({**g, "params": whole})
+    return [g for g in out if g["params"]]
 
 
 def implementation(groups: list[dict]) -> dict[str, bool]:

@@ -67,19 +67,35 @@ def parallelize(task: Task, cfg: TrainConfig, device: torch.device) -> nn.Module
             mesh = init_device_mesh(device.type, (dist.get_world_size(),))
             # FSDP2 cannot shard 0-dim parameters (the temperature): they stay replicated,
             # and reduce_replicated_grads averages their gradients
-            scalars = {p for p in model.parameters() if p.ndim == 0}
+            replicated = _replicated(model, cfg)
             for block in model.blocks_for_sharding():
                 fully_shard(block, mesh=mesh)
-            fully_shard(wrapped, mesh=mesh, ignored_params=scalars)
-            wrapped.replicated_params = [p for p in scalars if p.requires_grad]
+            fully_shard(wrapped, mesh=mesh, ignored_params=set(replicated))
+            wrapped.replicated_params = [p for p in replicated if p.requires_grad]
             wrapped.device_mesh = mesh
         return wrapped
     if distributed:
         ids = [device.index] if device.type == "cuda" else None
+        replicated = _replicated(model, cfg, scalars=False)
+        if replicated:
+            names = {id(p): f"model.{n}" for n, p in model.named_parameters()}
+            DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(wrapped, [names[id(p)] for p in replicated])
         # every rank runs every parameter on every step (the model's contract), so the
         # expensive unused-parameter search stays off
-        return DistributedDataParallel(wrapped, device_ids=ids, find_unused_parameters=False)
+        ddp = DistributedDataParallel(wrapped, device_ids=ids, find_unused_parameters=False)
+        ddp.replicated_params = [p for p in replicated if p.requires_grad]
+        return ddp
     return wrapped
+
+
+def _replicated(model: nn.Module, cfg: TrainConfig, scalars: bool = True) -> list[nn.Parameter]:
+    """The parameters kept whole on every rank, outside DDP's and FSDP2's reduction, in the model's
+    order (the same on every rank): FSDP2 cannot shard the 0-dim ones (the temperature); and the
+    vision tower's position table where a stage changes the image size, which resizes it
+    (:mod:`vltrain.train.resizing`). :func:`reduce_replicated_grads` averages their gradients."""
+    resized = any(s.image_size is not None for s in cfg.stages)
+    table = getattr(getattr(model, "vision", None), "pos_embed", None) if resized else None
+    return [p for p in model.parameters() if (scalars and p.ndim == 0) or p is table]
 
 
 def task_of(wrapped: nn.Module) -> Task:
@@ -104,25 +120,36 @@ def gradient_sync(wrapped: nn.Module, enabled: bool):
 
 
 def reduce_replicated_grads(wrapped: nn.Module) -> None:
-    """Average over ranks the gradients of parameters FSDP2 left unsharded (after the backward)."""
+    """Average over ranks the gradients of the parameters kept outside DDP's and FSDP2's reduction
+    (:func:`_replicated`; after the backward)."""
     params = list(getattr(wrapped, "replicated_params", []))
     if not params or not dist.is_initialized():
         return
-    # the same list on every rank: a parameter without a gradient here sends a zero
-    flat = torch.stack([p.grad.reshape(()) if p.grad is not None else p.new_zeros(()) for p in params])
+    # the same list on every rank: a parameter without a gradient here sends zeros
+    flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params])
     flat = all_reduce_sum(flat) / dist.get_world_size()
-    for p, g in zip(params, flat):
+    for p, g in zip(params, flat.split([p.numel() for p in params])):
         if p.grad is not None:
             p.grad.copy_(g.reshape(p.grad.shape))
 
 
 def clip_grad_norm(params: list[torch.Tensor], max_norm: float) -> torch.Tensor:
-    """Total gradient norm (a plain tensor, also under FSDP2), clipped if ``max_norm`` > 0."""
+    """Total gradient norm (a plain tensor, also under FSDP2), clipped if ``max_norm`` > 0.
+
+    Under FSDP2 a whole parameter of more than one dimension (a position table a stage resizes:
+    :func:`_replicated`) is normed and clipped apart from the sharded ones, which DTensor's
+    operators do not mix with it; 0-dim ones mix (DTensor replicates them implicitly)."""
     grads = [p for p in params if p.grad is not None]
-    norm = torch.nn.utils.get_total_norm([p.grad for p in grads], foreach=True)
-    full = getattr(norm, "full_tensor", None)  # FSDP2: a partial DTensor until reduced
-    if callable(full):
-        norm = full()
+    sharded = any(hasattr(p.grad, "full_tensor") for p in grads)
+    whole = [p for p in grads if sharded and p.grad.ndim > 0 and not hasattr(p.grad, "full_tensor")]
+    groups = [[p for p in grads if not any(p is w for w in whole)], whole] if whole else [grads]
+    norms = []
+    for group in groups:
+        norm = torch.nn.utils.get_total_norm([p.grad for p in group], foreach=True)
+        full = getattr(norm, "full_tensor", None)  # FSDP2: a partial DTensor until reduced
+        norms.append(full() if callable(full) else norm)
+    norm = norms[0] if len(norms) == 1 else torch.linalg.vector_norm(torch.stack(norms))
     if max_norm > 0:
-        torch.nn.utils.clip_grads_with_norm_(grads, max_norm, norm, foreach=True)
+        for group in groups:
+            torch.nn.utils.clip_grads_with_norm_(group, max_norm, norm, foreach=True)
     return norm

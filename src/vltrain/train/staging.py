@@ -16,6 +16,8 @@ from torch import nn
 from vltrain.config.job import JobConfig
 from vltrain.config.stages import TEACHER_LOSSES, Stage, resolve, stage_at
 from vltrain.objectives.scoring import Objectives
+from vltrain.train.parallelize import task_of
+from vltrain.train.resizing import fit_table
 from vltrain.types import revise
 
 
@@ -79,7 +81,13 @@ class Stages:
         stage = stage_at(self.all, step)
         return stage, stage.number > 0 and stage.start == step
 
-    def before_step(self, step: int, task: nn.Module, step_fn, ema, optimizer) -> str | None:
+    def fit(self, step: int, wrapped: nn.Module, step_fn, ema, optimizer) -> None:
+        """The position table at the image size of step ``step``'s stage (a resumed run, before its
+        checkpoint is read: the stage its last step trained in), :func:`vltrain.train.resizing.fit_table`."""
+        stage = self.at(max(step, 0))[0]
+        fit_table(wrapped, task_of(wrapped).model, self.with_data(stage).data.image_size, optimizer, ema, step_fn)
+
+    def before_step(self, step: int, wrapped: nn.Module, step_fn, ema, optimizer) -> str | None:
         """Before step ``step``: where the stage changes, its objectives in ``task`` and ``step_fn``, and
         the weight average ``ema`` updated by the step only where the teacher is on; at a stage's
         first step, the EMA restarted from the student where the stage turns the teacher on, the
@@ -87,7 +95,9 @@ class Stages:
         (the heads waited at a zero gradient), and the line that says the crossing (returned; None
         elsewhere)."""
         stage, crossing = self.at(step)
-        if stage is not self.current:
+        if stage is not self.current:  # the table first: the stage's objectives read the model's patches
+            self.fit(step, wrapped, step_fn, ema, optimizer)
+            task = task_of(wrapped)
             self.enter(stage, task, step_fn)
             step_fn.ema = ema if stage.teacher else None
         if not crossing:

@@ -54,7 +54,7 @@ from vltrain.train.metrics import (GpuUtilization, MetricsLogger, Throughput, me
                                    peak_memory_bytes, plot_curves, restart_cost)
 from vltrain.train.nonfinite import NonFiniteGuard
 from vltrain.train.optim import build_optimizer, build_scheduler, freeze_towers
-from vltrain.train.parallelize import parallelize, task_of
+from vltrain.train.parallelize import parallelize
 from vltrain.train.staging import Stages, switch_loader
 from vltrain.train.source_metrics import SourceMeter
 from vltrain.train.step import Step, StepResult
@@ -127,7 +127,8 @@ class Trainer:
     def _resume(self) -> tuple[Restored | None, str]:
         """Restore the checkpoint ``train.resume`` names, if any; it, and what the restart cost, read
         from ``metrics.jsonl`` before the metrics logger drops the records past the checkpoint."""
-        restored = self.checkpointer.resume(self.cfg.train.resume)
+        restored = self.checkpointer.resume(self.cfg.train.resume, before_load=lambda step: self.stages.fit(
+            step - 1, self.wrapped, self.stepper, self.ema, self.optimizer))  # its last step's image size
         said = describe_itm(self.objectives, bool(self.cfg.data.global_batch_size), self.itm_source)
         if said and self.world.is_main:  # what ITM does, the checkpoint's group size included
             log.info(said)
@@ -309,7 +310,7 @@ class Trainer:
 
     def _enter_stage(self) -> None:  # before each step (vltrain.train.staging.Stages.before_step)
         data = self.stages.current.data
-        said = self.stages.before_step(self.step, task_of(self.wrapped), self.stepper, self.ema, self.optimizer)
+        said = self.stages.before_step(self.step, self.wrapped, self.stepper, self.ema, self.optimizer)
         self.objectives, cfg = self.stepper.objectives, self.stages.with_data(self.stages.current)
         if self.stages.current.data != data:  # the stage's images: its loaders, at the same data position
             self.loader = self.checkpointer.states["loader"] = switch_loader(self.loader, lambda: build_train_loader_for(
