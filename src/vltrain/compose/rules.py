@@ -47,6 +47,7 @@ def decide_objectives(cfg: JobConfig) -> None:
         raise ConfigError("train.contrastive_accumulation: gradcache caches the contrastive loss's gradient, and no "
                           "contrastive objective is on (model.loss itc, siglip, distill); set it to none")
     _decide_selfdist(cfg)
+    _check_stage_sizes(cfg)
     if loss.itm_negatives == "auto":  # groups need micro-batches of one size: fixed batching
         loss.itm_negatives = "group" if cfg.data.global_batch_size and cfg.data.batching == "fixed" else "local"
     if loss.itm_negatives == "group" and cfg.data.batching == "budget":
@@ -61,6 +62,10 @@ def _decide_selfdist(cfg: JobConfig) -> None:
     if "tips" in turned_on and cfg.model.architecture().vision.pooling == "attn_pool":
         raise ConfigError("model.loss.tips predicts the teacher's patch tokens, and an attentional pooler's tokens "
                           "are not patches: leave tips off in train.stages (silc works)")
+
+
+def _check_stage_sizes(cfg: JobConfig) -> None:
+    """A stage's square image size is a whole number of the model's patches."""
     patch = cfg.model.architecture().vision.patch_size
     for i, s in enumerate(cfg.train.stages, 1):
         if s.image_size is not None and s.image_size % patch:

@@ -311,8 +311,9 @@ class Trainer:
     def _enter_stage(self) -> None:  # before each step (vltrain.train.staging.Stages.before_step)
         data = self.stages.current.data
         said = self.stages.before_step(self.step, self.wrapped, self.stepper, self.ema, self.optimizer)
-        self.objectives, cfg = self.stepper.objectives, self.stages.with_data(self.stages.current)
+        self.objectives = self.stepper.objectives
         if self.stages.current.data != data:  # the stage's images: its loaders, at the same data position
+            cfg = self.stages.with_data(self.stages.current)
             self.loader = self.checkpointer.states["loader"] = switch_loader(self.loader, lambda: build_train_loader_for(
                 cfg, self.tokenizer, self.world, self.run_dir, self.teacher_inputs))
             self.evaluator = Evaluator(cfg, self.tokenizer, self.world, self.run_dir)
