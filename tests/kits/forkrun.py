@@ -17,11 +17,13 @@ from __future__ import annotations
 import atexit
 import multiprocessing
 import os
+import shutil
 import signal
 import subprocess
 import sys
 import tempfile
 import time
+import weakref
 from multiprocessing import connection
 from pathlib import Path
 
@@ -72,6 +74,7 @@ class Forked:
     def __init__(self, argv: list[str], *, cwd: Path | str | None = None, env: dict[str, str] | None = None):
         self.args = [sys.executable, "-m", "vltrain", *argv]
         self._dir = tempfile.mkdtemp(prefix="vltrain-forked-")
+        weakref.finalize(self, shutil.rmtree, self._dir, True)  # also when the output is never read
         self._out, self._err = os.path.join(self._dir, "stdout"), os.path.join(self._dir, "stderr")
         self._proc = context().Process(target=_main, args=(list(argv), str(cwd or os.getcwd()),
                                                               dict(os.environ if env is None else env),
@@ -106,9 +109,7 @@ class Forked:
         self.wait(timeout)
         out, err = (Path(p).read_text(errors="backslashreplace") for p in (self._out, self._err))
         self._proc.close()
-        for p in (self._out, self._err):
-            os.unlink(p)
-        os.rmdir(self._dir)
+        shutil.rmtree(self._dir, ignore_errors=True)
         return out, err
 
 

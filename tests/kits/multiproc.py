@@ -67,9 +67,12 @@ def _worker(rank: int, world: int, port: int, fn, args, out_dir: str) -> None:
 
 def run_world(fn, args: tuple = (), world: int = 2, timeout: float = 60.0, tmp_dir: str | None = None) -> list:
     """``fn(rank, world, *args)`` on ``world`` processes; returns the per-rank results in rank order."""
-    import tempfile
+    if tmp_dir is None:  # each rank's result file, removed with the directory once read
+        import tempfile
 
-    out_dir = tmp_dir or tempfile.mkdtemp(prefix="vltrain-mp-")
+        with tempfile.TemporaryDirectory(prefix="vltrain-mp-") as scratch:
+            return run_world(fn, args, world, timeout, scratch)
+    out_dir = tmp_dir
     ctx = forkrun.context()  # a fresh process per rank, without importing torch and vltrain again
     port = free_port()
     procs = [ctx.Process(target=_worker, args=(r, world, port, fn, args, out_dir)) for r in range(world)]
