@@ -5,6 +5,8 @@ and writes only that copy, before it is frozen; the describing functions say wha
 
 from __future__ import annotations
 
+import dataclasses
+
 import math
 
 from vltrain.config.job import JobConfig
@@ -21,7 +23,8 @@ def fit_native(cfg: JobConfig) -> None:
     ``model.init`` may give, are checked here and nowhere else; those the data alone decides, when
     the config is read (``DataConfig.validate``)."""
     data = cfg.data
-    if not data.at_own_shape() and not any(s.resize == "native" for s in cfg.train.stages):
+    staged = [dataclasses.replace(data, **settings) for _, settings in cfg.staged_data()]
+    if not any(d.at_own_shape() for d in (data, *staged)):
         return  # (a stage that turns to native images cuts them at the same side)
     arch = cfg.model.architecture()
     patch = arch.vision.patch_size

@@ -389,18 +389,24 @@ class JobConfig(Settings):
                               "student, and train.ema.decay is 0; set it (SigLIP 2 and DINO: 0.996 to 0.9999)")
         self._validate_stage_data()
 
+    def staged_data(self) -> list[tuple[str, dict]]:
+        """``(label, settings)`` of each stage that changes the images: every ``data.*`` setting that
+        stages have set up to it, which ``dataclasses.replace(cfg.data, **settings)`` reads from there on."""
+        data: dict = {}
+        out = []
+        for i, s in enumerate(self.train.stages, 1):
+            if s.data():
+                data.update(s.data())
+                out.append((f"train.stages {s.label(i)}", dict(data)))
+        return out
+
     def _validate_stage_data(self) -> None:
         """Each stage's images as data.* would be checked, on fixed batching (whose steps do not depend
         on the layout, so the data position carries over a crossing)."""
-        data: dict = {}
-        for i, s in enumerate(self.train.stages, 1):
-            if not s.data():
-                continue
-            label = f"train.stages {s.label(i)}"
+        for label, data in self.staged_data():
             if self.data.batching != "fixed":
                 raise ConfigError(f"{label}: a stage that changes the images needs data.batching fixed (budget "
                                   "batches are planned by the images' sizes); set it, or move the change to stage 0")
-            data.update(s.data())
             try:
                 staged = dataclasses.replace(self.data, **data)
                 staged.validate()

@@ -325,15 +325,13 @@ def resize_pixels(hwc: torch.Tensor, size: int, resize: str = "crop", interpolat
 def shown_window(width: int, height: int, resize: str) -> tuple[float, float, float, float]:
     """The window (x0, y0, x1, y1, in pixels) of a ``width`` x ``height`` image as shown that a decoder
     keeps under ``data.resize``: the crop's centered square, or the whole image (squash, native)."""
-    if resize == "native":
-        return 0.0, 0.0, float(width), float(height)
     return _Frame(width, height, 1.0).seen(height, width, resize).window
 
 
 def _kept(height: int, width: int, resize: str) -> tuple[int, int, int, int]:
     """(top, left, height, width) of the pixels ``resize_pixels`` keeps: the centered square of the
-    shorter side ("crop"), or all of them ("squash")."""
-    if resize == "squash":
+    shorter side ("crop"), or all of them ("squash"; "native" resizes the whole image to its own grid)."""
+    if resize != "crop":
         return 0, 0, height, width
     side = min(width, height)
     return (height - side) // 2, (width - side) // 2, side, side

@@ -137,7 +137,7 @@ def patch_features(encoder: Encoder, model, images: list[str], *, rank: int, wor
         raise ConfigError("eval.dense reads the vision tower's patch tokens, which this model's attn_pool "
                           "pooling replaces with its queries; use a preset that pools with cls, mean or map")
     cfg = encoder.data_cfg
-    if cfg.resize == "native":
+    if cfg.at_own_shape():
         raise ConfigError("eval.dense takes square-resized images: set data.resize to crop or squash")
     prefix = getattr(vision, "num_prefix", 0)
     loader = build_eval_loader(cfg, ImageListDataset(images, cfg), rank=rank, world_size=world_size,

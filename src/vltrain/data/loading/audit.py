@@ -49,7 +49,7 @@ class AuditLog:
         patch budget, drawn with ``data.max_patches_choices``)."""
         row = {"kind": "batch", "epoch": epoch, "step": step, "ids": batch.ids.tolist(),
                "repeat": np.flatnonzero(repeats).tolist(), "replaced": len(batch.errors)}
-        if batch.images.grids is not None:
+        if batch.images.layout != "square":
             row["patches"] = int(batch.images.pixels.shape[1])
         self._write(row)
 
