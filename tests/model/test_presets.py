@@ -77,3 +77,19 @@ def test_bad_image_size_and_unknown_preset():
     with pytest.raises(UserError, match="unknown preset"):
         build_model(ModelConfig(preset="nope"), vocab_size=10, pad_id=0, mask_id=None, image_size=32,
                     max_text_length=8)
+
+
+def test_a_written_out_architecture_reads_its_numbers_as_numbers():
+    """model.arch as YAML 1.1 reads it: ``1e-05`` (no dot) arrives as a string; a word is refused by key."""
+    arch = presets.tiny_siglip2().to_dict()
+    arch["vision"]["norm_eps"], arch["text"]["width"] = "1e-05", 128.0
+    read = presets.Architecture.from_dict(arch)
+    assert read.vision.norm_eps == 1e-05 and isinstance(read.vision.norm_eps, float)
+    assert read.text.width == 128 and isinstance(read.text.width, int)
+    assert read == presets.tiny_siglip2()
+    arch["decoder"]["heads"] = "four"
+    with pytest.raises(UserError, match=r"model\.arch\.decoder\.heads expects int, got 'four'"):
+        presets.Architecture.from_dict(arch)
+    arch["decoder"]["heads"] = 4.5
+    with pytest.raises(UserError, match=r"model\.arch\.decoder\.heads expects int, got 4\.5"):
+        presets.Architecture.from_dict(arch)

@@ -41,6 +41,7 @@ output map (:mod:`vltrain.model.locca`). Train them with ``model.loss.siglip`` >
 
 from __future__ import annotations
 
+import typing
 from dataclasses import asdict, dataclass, fields, replace
 from typing import Any, Callable
 
@@ -71,13 +72,34 @@ class Architecture:
         """The inverse of ``to_dict`` (``model.arch``, which ``model.init`` fills in)."""
         parts = {"vision": VisionConfig, "text": TextTowerConfig, "fusion": FusionConfig, "decoder": DecoderConfig}
         try:
-            kw = {k: (parts[k](**v) if k in parts and v is not None else v) for k, v in d.items()}
+            kw = {k: (parts[k](**_numbers(parts[k], v, k)) if k in parts and v is not None else v)
+                  for k, v in d.items()}
             arch = cls(**kw)
         except TypeError as e:
             known = ", ".join(f.name for f in fields(cls))
             raise UserError(f"model.arch is not an architecture ({e}); it holds {known}, and model.init fills it "
                             "in: leave it out of configs") from None
         return arch
+
+
+def _numbers(part: type, values: dict[str, Any], where: str) -> dict[str, Any]:
+    """``values`` of ``model.arch.WHERE`` with each number read as its field's type: YAML 1.1 reads
+    ``1e-05`` (no dot) as a string, which a layer would only refuse deep in its first forward."""
+    hints = typing.get_type_hints(part)
+    out = dict(values)
+    for key, value in values.items():
+        want = hints.get(key)
+        if want not in (int, float) or (isinstance(value, want) and not isinstance(value, bool)):
+            continue
+        try:
+            number = float(value) if isinstance(value, (str, int, float)) and not isinstance(value, bool) else None
+        except ValueError:
+            number = None
+        if number is None or (want is int and not number.is_integer()):
+            raise UserError(f"model.arch.{where}.{key} expects {want.__name__}, got {value!r}; model.init fills "
+                            "model.arch in: leave it out of configs")
+        out[key] = want(number)
+    return out
 
 
 def tiny_clip() -> Architecture:
