@@ -186,12 +186,12 @@ def load_model_weights(ckpt: Path, model: torch.nn.Module, ema: bool = False, tr
     _read_fitting(ckpt, {k: params[k] for k in saved if k in params}, saved, no_dist=True)
 
 
-def save_initial_weights(run_dir: Path, model: torch.nn.Module) -> None:
-    """RUN_DIR/init.safetensors: the full weights a run starts from, for ``vltrain export
-    --interpolate``. Written once: a resumed run keeps its first start's. Called on one rank,
-    before any sharding, while the model is whole."""
-    path = Path(run_dir) / INITIAL_FILE
+def write_whole_once(path: Path, model: torch.nn.Module) -> None:
+    """``model``'s whole state at ``path`` (safetensors), unless a file is there already: the weights a
+    run started from (``INITIAL_FILE``, a LoRA run's base), which its resumes leave as the first start
+    wrote them. Called on one rank, before any sharding, while the model is whole."""
     if not path.is_file():
+        path.parent.mkdir(parents=True, exist_ok=True)
         write_weights(path, model.state_dict(), {"format": "pt"})
 
 

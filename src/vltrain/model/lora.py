@@ -95,7 +95,6 @@ class SplitQKV(nn.Module):
                 part.weight.copy_(weight)
                 if bias is not None:
                     part.bias.copy_(bias)
-            part.weight.requires_grad_(fused.weight.requires_grad)
             setattr(self, name, part)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -188,10 +187,6 @@ def add_adapters(model: nn.Module, settings: LoraSettings) -> list[str]:
     for name, p in model.named_parameters():
         p.requires_grad_(".lora_" in name)
     return names
-
-
-def is_adapted(model: nn.Module) -> bool:
-    return any(".lora_" in name for name, _ in model.named_parameters())
 
 
 @torch.no_grad()

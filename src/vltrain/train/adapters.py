@@ -8,8 +8,8 @@ from pathlib import Path
 
 import torch
 
+from vltrain.checkpoint.manager import write_whole_once
 from vltrain.checkpoint.paths import LORA_BASE_FILE
-from vltrain.checkpoint.storage import write_weights
 from vltrain.config.job import JobConfig
 from vltrain.model.lora import add_adapters
 
@@ -23,10 +23,7 @@ def adapt(model: torch.nn.Module, cfg: JobConfig, run_dir: Path, is_main: bool) 
     rest."""
     lora = cfg.train.lora
     if is_main:
-        base = run_dir / cfg.checkpoint.folder / LORA_BASE_FILE
-        if not base.is_file():
-            base.parent.mkdir(parents=True, exist_ok=True)
-            write_weights(base, model.state_dict(), {"format": "pt"})
+        write_whole_once(run_dir / cfg.checkpoint.folder / LORA_BASE_FILE, model)
     names = add_adapters(model, lora)
     if lora.adapters:
         from vltrain.model.interop.peft_adapters import read_adapters  # peft's folder, only when named

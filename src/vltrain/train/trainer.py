@@ -18,11 +18,12 @@ from typing import Any
 import torch
 
 from vltrain.checkpoint.manager import (
+    INITIAL_FILE,
     Checkpointer,
     ModelState,
     OptimizerState,
     Restored,
-    save_initial_weights,
+    write_whole_once,
 )
 from vltrain.checkpoint.paths import latest_checkpoint
 from vltrain.checkpoint.space import QuietWrites, check_writable
@@ -199,7 +200,7 @@ class Trainer:
         parallelize shards them: ``vltrain export --interpolate`` blends them with the trained ones."""
         when = self.cfg.checkpoint.save_initial
         if self.world.is_main and (when == "always" or (when == "auto" and self.decided.weights is not None)):
-            save_initial_weights(self.run_dir, model)
+            write_whole_once(self.run_dir / INITIAL_FILE, model)
 
     def _say_init(self) -> None:
         """What ``model.init`` gave the run (rank 0): a vltrain run, checkpoint or export its model
