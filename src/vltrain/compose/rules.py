@@ -6,7 +6,6 @@ and writes only that copy, before it is frozen; the describing functions say wha
 from __future__ import annotations
 
 import dataclasses
-
 import math
 
 from vltrain.config.job import JobConfig

@@ -16,6 +16,7 @@ from torch import nn
 from vltrain.config.job import TrainConfig
 from vltrain.errors import ConfigError
 from vltrain.model.weight_decay import default_no_weight_decay
+from vltrain.train.parallelize import apart_from_shards
 from vltrain.types import TrainableModel
 
 log = logging.getLogger(__name__)
@@ -93,18 +94,10 @@ def build_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
 
 
 def whole_apart(groups: list[dict]) -> list[dict]:
-    """Under FSDP2, a whole parameter of more than one dimension (a position table a stage resizes,
-    kept outside the sharding) in a group of its own beside its group: DTensor's fused update does
-    not mix it with the shards (0-dim ones mix). Elsewhere the groups as they are."""
-    if not any(hasattr(p, "full_tensor") for g in groups for p in g["params"]):
-        return groups
-    out = []
-    for g in groups:
-        whole = [p for p in g["params"] if p.ndim > 0 and not hasattr(p, "full_tensor")]
-        out.append({**g, "params": [p for p in g["params"] if not any(p is w for w in whole)]})
-        if whole:
-            out.append({**g, "params": whole})
-    return [g for g in out if g["params"]]
+    """Each group split as :func:`~vltrain.train.parallelize.apart_from_shards` splits it: under
+    FSDP2, a whole parameter of more than one dimension (a position table a stage resizes) in a group
+    of its own beside its group, which DTensor's fused update does not mix with the shards."""
+    return [{**g, "params": part} for g in groups for part in apart_from_shards(g["params"]) if part]
 
 
 def implementation(groups: list[dict]) -> dict[str, bool]:

@@ -133,16 +133,22 @@ def reduce_replicated_grads(wrapped: nn.Module) -> None:
             p.grad.copy_(g.reshape(p.grad.shape))
 
 
-def clip_grad_norm(params: list[torch.Tensor], max_norm: float) -> torch.Tensor:
-    """Total gradient norm (a plain tensor, also under FSDP2), clipped if ``max_norm`` > 0.
+def apart_from_shards(params: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+    """``params`` as DTensor's operators take them: where some are FSDP2's shards, the whole ones of
+    more than one dimension (a position table a stage resizes: :func:`_replicated`) in a list of their
+    own after the rest, which DTensor's operators do not mix with them (0-dim ones mix: DTensor
+    replicates them implicitly); elsewhere one list."""
+    if not any(hasattr(p, "full_tensor") for p in params):
+        return [params]
+    rest = [p for p in params if p.ndim == 0 or hasattr(p, "full_tensor")]
+    whole = [p for p in params if p.ndim > 0 and not hasattr(p, "full_tensor")]
+    return [part for part in (rest, whole) if part]
 
-    Under FSDP2 a whole parameter of more than one dimension (a position table a stage resizes:
-    :func:`_replicated`) is normed and clipped apart from the sharded ones, which DTensor's
-    operators do not mix with it; 0-dim ones mix (DTensor replicates them implicitly)."""
-    grads = [p for p in params if p.grad is not None]
-    sharded = any(hasattr(p.grad, "full_tensor") for p in grads)
-    whole = [p for p in grads if sharded and p.grad.ndim > 0 and not hasattr(p.grad, "full_tensor")]
-    groups = [[p for p in grads if not any(p is w for w in whole)], whole] if whole else [grads]
+
+def clip_grad_norm(params: list[torch.Tensor], max_norm: float) -> torch.Tensor:
+    """Total gradient norm (a plain tensor, also under FSDP2), clipped if ``max_norm`` > 0; whole
+    parameters beside FSDP2's shards normed and clipped apart (:func:`apart_from_shards`)."""
+    groups = apart_from_shards([p for p in params if p.grad is not None])
     norms = []
     for group in groups:
         norm = torch.nn.utils.get_total_norm([p.grad for p in group], foreach=True)
