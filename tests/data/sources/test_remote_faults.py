@@ -280,7 +280,7 @@ def _train_through_an_outage(tmp_path_factory, tmp_path, monkeypatch, **extra):
     """A 2-rank run from 4 shards on a moto server, with room for 2.5 of them in the cache; the
     server is stopped at the run's first log line (step 5), so it soon needs a shard that is not
     on the disk. Bounded: refused connections fail in seconds, then at once (DOWN_S)."""
-    from kits.runkit import finish, session_shapes, start, train_command
+    from kits.runkit import finish, launch, overrides, session_shapes
     from kits.s3kit import upload_shards
 
     shapes = session_shapes(tmp_path_factory)
@@ -289,9 +289,10 @@ def _train_through_an_outage(tmp_path_factory, tmp_path, monkeypatch, **extra):
     server.reset()  # moto keeps its buckets per process: another test's bkt may be there
     pattern, largest = upload_shards(server, shapes, tmp_path)
     run_dir = tmp_path / "run"
-    launch = ["--nproc-per-node", "2", "--master-addr", "127.0.0.1", "--master-port", str(free_port())]
-    proc = start(train_command(shapes, run_dir, launch, data__train=pattern, data__cache_dir=tmp_path / "cache",
-                               data__cache_limit_gb=2.5 * largest / 2**30, checkpoint__every=0, **extra))
+    proc = launch(["train", shapes / "base.yaml", *overrides(shapes, run_dir, data__train=pattern,
+                                                           data__cache_dir=tmp_path / "cache",
+                                                           data__cache_limit_gb=2.5 * largest / 2**30,
+                                                           checkpoint__every=0, **extra)], 2)
     deadline = time.monotonic() + 120
     while not (run_dir / "metrics.jsonl").exists():
         assert time.monotonic() < deadline and proc.poll() is None, "the run never logged a step"
