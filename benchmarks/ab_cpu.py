@@ -24,7 +24,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from ab_ops import LAYOUTS, vltrain
+from ab_ops import LAYOUTS, shapes, trainer_overrides
 from ab_step import side_by_side
 
 CHILD = """
@@ -51,11 +51,8 @@ print(json.dumps(statistics.median(times[skip:])))
 
 def cpu_seconds(tree: Path, data: Path, run: Path, batch: int, steps: int, skip: int, layout: str) -> float:
     env = dict(os.environ, PYTHONPATH=str(tree / "src"), OMP_NUM_THREADS="1")
-    overrides = [f"run.dir={run}", f"data.train={data / 'train.jsonl'}", "data.val=''",
-                 f"data.tokenizer={data / 'tokenizer.json'}", f"data.batch_size={batch}", "data.num_workers=0",
-                 f"train.max_steps={steps}", "train.precision=fp32", "train.progress=false", "train.threads=1",
-                 "eval.every=0", "checkpoint.every=0", "metrics.curves=false", *LAYOUTS[layout]]
-    out = subprocess.run([sys.executable, "-c", CHILD, str(tree / "configs" / "demo.yaml"), str(skip), *overrides],
+    out = subprocess.run([sys.executable, "-c", CHILD, str(tree / "configs" / "demo.yaml"), str(skip),
+                          *trainer_overrides(run, data, batch, steps, layout)],
                          check=True, capture_output=True, text=True, env=env, cwd=tree)
     return float(json.loads(out.stdout.strip().splitlines()[-1]))
 
@@ -72,11 +69,7 @@ def main() -> None:
     args = p.parse_args()
     sides = {"before": args.before.resolve(), "after": args.after.resolve()}
     with tempfile.TemporaryDirectory() as tmp:
-        data = Path(tmp) / "shapes"
-        vltrain(sides["after"], "data", "synth", "--out", str(data), "--num", str(args.batch * 8), "--val", "0",
-                "--workers", "1")
-        vltrain(sides["after"], "tokenizer", "train", str(data / "train.jsonl"), "--out", str(data / "tokenizer.json"),
-                "--vocab-size", "512")
+        data = shapes(sides["after"], Path(tmp) / "shapes", args.batch * 8)
         print(f"batch {args.batch}, 1 thread, median CPU time of steps {args.skip + 1}-{args.steps} per process, "
               f"{args.rounds} rounds; load average {os.getloadavg()[0]:.1f} at the start")
         print("| layout | before samples/CPU-s | after samples/CPU-s | after / before (median of rounds) | range |")

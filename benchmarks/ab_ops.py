@@ -61,13 +61,19 @@ LAYOUTS = {
 }
 
 
+def trainer_overrides(run: Path, data: Path, batch: int, steps: int, layout: str) -> list[str]:
+    """The demo config's overrides of a timed or logged trainer: ``data`` (written by :func:`shapes`),
+    in-process loading, fp32 on one thread, nothing saved or evaluated, the layout's settings."""
+    return [f"run.dir={run}", f"data.train={data / 'train.jsonl'}", "data.val=''",
+            f"data.tokenizer={data / 'tokenizer.json'}", f"data.batch_size={batch}", "data.num_workers=0",
+            f"train.max_steps={steps}", "train.precision=fp32", "train.progress=false", "train.threads=1",
+            "eval.every=0", "checkpoint.every=0", "metrics.curves=false", *LAYOUTS[layout]]
+
+
 def ops(tree: Path, data: Path, run: Path, batch: int, layout: str) -> list[str]:
     env = dict(os.environ, PYTHONPATH=str(tree / "src"))
-    overrides = [f"run.dir={run}", f"data.train={data / 'train.jsonl'}", "data.val=''",
-                 f"data.tokenizer={data / 'tokenizer.json'}", f"data.batch_size={batch}", "data.num_workers=0",
-                 "train.max_steps=3", "train.precision=fp32", "train.progress=false", "train.threads=1",
-                 "eval.every=0", "checkpoint.every=0", "metrics.curves=false", *LAYOUTS[layout]]
-    out = subprocess.run([sys.executable, "-c", CHILD, str(tree / "configs" / "demo.yaml"), *overrides],
+    out = subprocess.run([sys.executable, "-c", CHILD, str(tree / "configs" / "demo.yaml"),
+                          *trainer_overrides(run, data, batch, 3, layout)],
                          check=True, capture_output=True, text=True, env=env, cwd=tree)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
@@ -77,6 +83,14 @@ def vltrain(tree: Path, *argv: str) -> None:
                    env=dict(os.environ, PYTHONPATH=str(tree / "src")), cwd=tree)
 
 
+def shapes(tree: Path, out: Path, num: int) -> Path:
+    """``num`` synthetic shapes and a tokenizer trained on them, written by ``tree``'s vltrain into ``out``."""
+    vltrain(tree, "data", "synth", "--out", str(out), "--num", str(num), "--val", "0", "--workers", "1")
+    vltrain(tree, "tokenizer", "train", str(out / "train.jsonl"), "--out", str(out / "tokenizer.json"),
+            "--vocab-size", "512")
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--before", type=Path, required=True)
@@ -84,11 +98,7 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=16)
     args = p.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
-        data = Path(tmp) / "shapes"
-        vltrain(args.after.resolve(), "data", "synth", "--out", str(data), "--num", str(args.batch * 4), "--val", "0",
-                "--workers", "1")
-        vltrain(args.after.resolve(), "tokenizer", "train", str(data / "train.jsonl"), "--out",
-                str(data / "tokenizer.json"), "--vocab-size", "512")
+        data = shapes(args.after.resolve(), Path(tmp) / "shapes", args.batch * 4)
         print("| layout | ops before | ops after | same ops, any order | same sequence | first difference |")
         print("|---|---:|---:|---|---|---|")
         for layout in LAYOUTS:

@@ -27,7 +27,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from ab_ops import LAYOUTS, vltrain
+from ab_ops import LAYOUTS, shapes, trainer_overrides
 
 CHILD = """
 import json, os, sys, time
@@ -57,13 +57,10 @@ class Side:
 
     def __init__(self, tree: Path, data: Path, run: Path, batch: int, steps: int, layout: str, log: Path):
         env = dict(os.environ, PYTHONPATH=str(tree / "src"), OMP_NUM_THREADS="1")
-        overrides = [f"run.dir={run}", f"data.train={data / 'train.jsonl'}", "data.val=''",
-                     f"data.tokenizer={data / 'tokenizer.json'}", f"data.batch_size={batch}", "data.num_workers=0",
-                     f"train.max_steps={steps}", "train.precision=fp32", "train.progress=false", "train.threads=1",
-                     "eval.every=0", "checkpoint.every=0", "metrics.curves=false", *LAYOUTS[layout]]
         self.log = log
         self.proc = subprocess.Popen(
-            [sys.executable, "-c", CHILD, str(tree / "configs" / "demo.yaml"), *overrides],
+            [sys.executable, "-c", CHILD, str(tree / "configs" / "demo.yaml"),
+             *trainer_overrides(run, data, batch, steps, layout)],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log.open("w"), text=True, env=env, cwd=tree)
 
     def _read(self) -> str:
@@ -132,11 +129,7 @@ def main() -> None:
     trees = {"before": args.before.resolve(), "after": args.after.resolve()}
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
-        data = tmp / "shapes"
-        vltrain(trees["after"], "data", "synth", "--out", str(data), "--num", str(args.batch * 8), "--val", "0",
-                "--workers", "1")
-        vltrain(trees["after"], "tokenizer", "train", str(data / "train.jsonl"), "--out", str(data / "tokenizer.json"),
-                "--vocab-size", "512")
+        data = shapes(trees["after"], tmp / "shapes", args.batch * 8)
         print(f"batch {args.batch}, fp32, 1 thread per side, {args.pairs} pairs of steps in turns, the first "
               f"{args.skip} left out; load average {os.getloadavg()[0]:.1f} at the start")
         print("| layout | before samples/s | after samples/s | after / before (median of pairs) | 95% interval "
