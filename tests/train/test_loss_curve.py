@@ -147,7 +147,6 @@ def run_case(name: str, data: Path, out: Path, precision: str = "fp32", change: 
     }
     overrides["data.train"] = data / str(overrides["data.train"])
     argv = ["train", str(REPO / "configs" / "demo.yaml"), *(f"{k}={v}" for k, v in overrides.items())]
-    run_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
     if change is None and env is None:  # forked from a process that has imported vltrain (kits.forkrun)
         proc = finish(launch(argv, nproc, cwd=REPO), 300)
     else:  # another program, or an environment read as torch loads: a process of its own
@@ -155,7 +154,8 @@ def run_case(name: str, data: Path, out: Path, precision: str = "fp32", change: 
         cmd = [sys.executable, *program] if nproc == 1 else [
             sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-addr",
             "127.0.0.1", "--master-port", str(free_port()), *program]
-        proc = subprocess.run(cmd + argv, capture_output=True, text=True, timeout=300, cwd=REPO, env=run_env)
+        proc = subprocess.run(cmd + argv, capture_output=True, text=True, timeout=300, cwd=REPO,
+                              env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     rows = [json.loads(line) for line in (out / name / "metrics.jsonl").read_text().splitlines()]
     keep = ("loss", "grad_norm", "logit_scale")
