@@ -28,7 +28,7 @@ SIZES = [(64, 16), (16, 64), (32, 32), (48, 24), (24, 48), (40, 8), (8, 40), (96
 KEEP_RATIO = Path(__file__).parents[1] / "data" / "fixtures" / "img2dataset-keep-ratio"
 """Shards img2dataset wrote with resize_mode keep_ratio (tests/data/fixtures/make_img2dataset.py)."""
 NATIVE = {"data__resize": "native", "data__max_patches": 8, "data__global_batch_size": 8, "data__audit": "true",
-          "train__debug_spmd": "true", "train__max_steps": 12, "train__log_every": 1, "checkpoint__every": 4}
+          "train__debug_spmd": "true", "train__max_steps": 12, "train__log_every": 1}
 
 
 def native_shapes(tmp_path_factory) -> Path:
@@ -57,15 +57,18 @@ def different_grids_on_the_ranks(shapes: Path, run_dir: Path) -> bool:
     return any({size[i] for i in a["ids"]} != {size[i] for i in b["ids"]} for a, b in steps)
 
 
-def run(shapes: Path, run_dir: Path, nproc: int, **extra):
-    return train(shapes, run_dir, nproc=nproc, timeout=240, **{"data__train": shapes / "native.jsonl", **NATIVE, **extra})
+def run(shapes: Path, run_dir: Path, nproc: int, every: int = 0, **extra):
+    """A run of ``NATIVE``; ``every``: its checkpoints' interval (a run resumed from, or resumed, saves step 4),
+    else its last step alone."""
+    return train(shapes, run_dir, nproc=nproc, timeout=240,
+                 **{"data__train": shapes / "native.jsonl", **NATIVE, "checkpoint__every": every, **extra})
 
 
 @pytest.mark.timeout(900)
 def test_two_ranks_of_mixed_grids_train_as_one_and_resume_exactly(tmp_path_factory, tmp_path):
     shapes = native_shapes(tmp_path_factory)
     two = tmp_path / "two"
-    ok(run(shapes, two, 2))  # the SPMD check compares every collective's shapes across the ranks
+    ok(run(shapes, two, 2, every=4))  # the SPMD check compares every collective's shapes across the ranks
     assert different_grids_on_the_ranks(shapes, two)
     one = tmp_path / "one"  # packed, class tokens included (tiny-clip has them)
     ok(run(shapes, one, 1, data__micro_batch_size=4, data__pack_images="true"))
@@ -73,7 +76,7 @@ def test_two_ranks_of_mixed_grids_train_as_one_and_resume_exactly(tmp_path_facto
     assert model_distance(final_state(one), final_state(two)) < 1e-5
 
     stopped = from_checkpoint(two, tmp_path / "stopped")
-    assert_resumed_exactly(ok(run(shapes, stopped, 2)), stopped, 4)
+    assert_resumed_exactly(ok(run(shapes, stopped, 2, every=4)), stopped, 4)
     assert_identical(final_state(stopped), final_state(two))
 
 
@@ -134,7 +137,7 @@ def test_packed_images_on_two_ranks_train_as_padded_ones_on_one(tmp_path_factory
             "model__preset": "''", "train__max_steps": 8, "data__train": f"'{KEEP_RATIO}/{{00000..00001}}.tar'",
             "data__batching": "budget", "data__patch_budget": 64, "data__token_budget": 128}
     packed = tmp_path / "packed"
-    ok(run(shapes, packed, 2, data__pack_images="true", **init))
+    ok(run(shapes, packed, 2, every=4, data__pack_images="true", **init))
     patches = step_patches(packed, 16)
     # every step within the budget, and full to within one image but for the epoch's last, short one
     assert max(patches) <= 64 and sum(p > 64 - 16 for p in patches) >= len(patches) - 1
@@ -144,7 +147,7 @@ def test_packed_images_on_two_ranks_train_as_padded_ones_on_one(tmp_path_factory
     assert model_distance(final_state(packed), final_state(padded)) < 1e-5
 
     stopped = from_checkpoint(packed, tmp_path / "stopped")
-    assert_resumed_exactly(ok(run(shapes, stopped, 2, data__pack_images="true", **init)), stopped, 4)
+    assert_resumed_exactly(ok(run(shapes, stopped, 2, every=4, data__pack_images="true", **init)), stopped, 4)
     assert_identical(final_state(stopped), final_state(packed))
 
     # patch dropout: a packed sequence holds only its images' kept patches, and trains as padded ones
