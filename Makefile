@@ -30,11 +30,15 @@ demo: $(STAMP)
 # -n auto: one pytest-xdist worker per core; --dist loadfile keeps a file's tests (and the runs its
 # module fixtures share) on one worker; --no-loadscope-reorder hands out the files in the order
 # tests/conftest.py gives them, longest first. A single test still runs with plain `pytest`.
+# Bytecode is cached (in the gitignored __pycache__ folders) even where the environment sets
+# PYTHONDONTWRITEBYTECODE: the suite starts about eighty fresh interpreters (torchrun's workers, the
+# launch tests), and each would compile vltrain's sources again (0.6 CPU-s), as each pytest worker
+# would its test modules' rewritten asserts.
 test: $(STAMP)
-	$(PY) -m pytest -q -n auto --dist loadfile --no-loadscope-reorder
+	env -u PYTHONDONTWRITEBYTECODE $(PY) -m pytest -q -n auto --dist loadfile --no-loadscope-reorder
 
 test-fast: $(STAMP)
-	$(PY) -m pytest -q -n auto --dist loadfile --no-loadscope-reorder -m 'not slow'
+	env -u PYTHONDONTWRITEBYTECODE $(PY) -m pytest -q -n auto --dist loadfile --no-loadscope-reorder -m 'not slow'
 
 clean:
 	rm -rf $(VENV) build src/*.egg-info .pytest_cache

@@ -134,6 +134,13 @@ def _referenced(code: types.CodeType, namespace: dict, enclosing: dict | None = 
             yield from _referenced(const, namespace, local)
 
 
+_REFERENCES: dict = {}
+"""What each function read so far refers to (:func:`_referenced`): the kits' helpers are read once
+per session, not once per test that reaches them."""
+_VERDICTS: dict = {}
+""":func:`starts_processes`'s answer for each test function, class and fixture read so far."""
+
+
 def _starts_processes(obj, launchers: set, seen: set) -> bool:
     """Whether ``obj`` (a function or class of tests/) reaches a launcher."""
     if id(obj) in seen:
@@ -142,7 +149,9 @@ def _starts_processes(obj, launchers: set, seen: set) -> bool:
     if isinstance(obj, type):
         return any(_starts_processes(v, launchers, seen) for v in vars(obj).values() if _ours(v))
     fn = inspect.unwrap(obj.__func__ if isinstance(obj, types.MethodType) else obj)
-    for ref in _referenced(fn.__code__, fn.__globals__):
+    if fn not in _REFERENCES:
+        _REFERENCES[fn] = list(_referenced(fn.__code__, fn.__globals__))
+    for ref in _REFERENCES[fn]:
         try:
             if ref in launchers:
                 return True
@@ -155,11 +164,14 @@ def _starts_processes(obj, launchers: set, seen: set) -> bool:
 
 def starts_processes(item: pytest.Function) -> bool:
     """Whether the test, its class or a fixture it uses starts a process (see the module docstring)."""
-    launchers, seen = _launchers(), set()
+    launchers = _launchers()
     parts = [item.cls] if item.cls is not None else [item.obj]
     for name in item.fixturenames:
         parts += [d.func for d in item._fixtureinfo.name2fixturedefs.get(name, ())]
-    return any(_ours(p) and _starts_processes(p, launchers, seen) for p in parts)
+    for part in parts:
+        if part not in _VERDICTS:  # each read from itself: a verdict reached inside a cycle is not kept
+            _VERDICTS[part] = _ours(part) and _starts_processes(part, launchers, set())
+    return any(_VERDICTS[p] for p in parts)
 
 
 PROCESS_WEIGHT = 100
