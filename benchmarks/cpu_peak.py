@@ -5,7 +5,12 @@ threads got, and keeps the higher rate. This prints both readings, quiet and wit
 processes spinning on the cores (a loader worker starting, another rank, a test suite), so the
 error of each is seen against the quiet figure.
 
-    PYTHONPATH=src python benchmarks/cpu_peak.py [--threads 2] [--dtype fp32]
+``--cost``: instead, what timing the peak costs a run's start in each dtype (as a first run on a
+machine pays it, ``measure_cpu_peak``'s five 0.1 s windows), with the products sized to the
+windows (what vltrain does) and at a fixed 1024 x 1024 (as it did: one product alone outlasts a
+window where the CPU emulates the dtype), side by side, with the peak each reads.
+
+    PYTHONPATH=src python benchmarks/cpu_peak.py [--threads 2] [--dtype fp32] [--cost]
 """
 
 from __future__ import annotations
@@ -32,12 +37,49 @@ def readings(dtype: torch.dtype) -> tuple[float, float]:
     return max(w[0] for w in windows), max(max(w) for w in windows)
 
 
+def fixed_size_peak(dtype: torch.dtype, n: int = 1024, seconds: float = 0.1, windows: int = 5) -> float:
+    """The peak as it was timed before the products were sized: a warm-up and ``windows`` windows of
+    n x n products, each window at least one product."""
+    draw = torch.Generator().manual_seed(0)
+    a, b = (torch.randn(n, n, generator=draw).to(dtype) for _ in range(2))
+    a @ b
+    best, threads = 0.0, torch.get_num_threads()
+    for _ in range(windows):
+        reps, start, cpu = 0, time.perf_counter(), time.process_time()
+        while reps == 0 or time.perf_counter() - start < seconds:
+            a @ b
+            reps += 1
+        wall, cpu = time.perf_counter() - start, time.process_time() - cpu
+        best = max(best, 2 * n**3 * reps / wall, 2 * n**3 * reps / max(cpu / threads, 1e-9))
+    return best
+
+
+def cost() -> None:
+    """Seconds to time the peak, sized against fixed, in each dtype."""
+    print("| dtype | sized: seconds | sized: GFLOP/s | fixed 1024: seconds | fixed 1024: GFLOP/s | fixed / sized (time) |")
+    print("|---|---:|---:|---:|---:|---:|")
+    for name in ("fp32", "bf16", "fp16"):
+        dtype = DTYPES[name]
+        start = time.perf_counter()
+        sized = max(max(w) for w in matmul_windows(dtype, 1024, 0.1, 5))
+        t_sized = time.perf_counter() - start
+        start = time.perf_counter()
+        fixed = fixed_size_peak(dtype)
+        t_fixed = time.perf_counter() - start
+        print(f"| {name} | {t_sized:.2f} | {sized / 1e9:.1f} | {t_fixed:.2f} | {fixed / 1e9:.1f} | {t_fixed / t_sized:.1f} |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--dtype", default="fp32", choices=list(DTYPES))
+    parser.add_argument("--cost", action="store_true", help="time the peak's timing in each dtype instead")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    if args.cost:
+        print(f"{cpu_name()}, {args.threads} threads, torch {torch.__version__}\n")
+        cost()
+        return
     dtype = DTYPES[args.dtype]
     print(f"{cpu_name()}, {args.threads} threads, {args.dtype}, torch {torch.__version__}\n")
     print("| other busy processes | clock (GFLOP/s) | clock / quiet | CPU time (GFLOP/s) | CPU time / quiet |")

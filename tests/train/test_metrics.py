@@ -275,6 +275,33 @@ def test_the_peak_counts_the_cpu_time_its_threads_got(monkeypatch):
     assert rate > 1.5 * 2 * n**3 * 10 / 0.1  # the clock alone reads half
 
 
+def test_a_product_too_slow_for_a_window_is_timed_smaller(monkeypatch):
+    """Where one product of the asked size would not fit in a window (bf16 or fp16 on a CPU that
+    emulates them: 2.8 s for 1024 x 1024), the windows time smaller ones, as a first product of
+    PROBE_N foretells; where it fits, the size asked for is kept. The clock is made up: each read
+    of it is ``step`` seconds later, so the rate by the clock shows the size that was timed."""
+    from vltrain.train import metrics
+
+    class Clock:
+        def __init__(self, step):
+            self.step, self.wall = step, 0.0
+
+        def perf_counter(self):
+            self.wall += self.step
+            return self.wall
+
+        def process_time(self):
+            return self.wall * torch.get_num_threads()
+
+    assert metrics.PROBE_N == 256
+    monkeypatch.setattr(metrics, "time", Clock(1.0))  # the probe took 1 s: 1024 and 512 cannot fit in 0.1 s
+    (by_clock, _), = metrics.matmul_windows(torch.float32, 1024, 0.1, 1)
+    assert 2 * 256**3 / 3 <= by_clock <= 2 * 256**3  # one product of 256 in each 1-3 s
+    monkeypatch.setattr(metrics, "time", Clock(0.001))  # 512 fits in 10 ms: 8 ms foretold
+    (by_clock, _), = metrics.matmul_windows(torch.float32, 512, 0.01, 1)
+    assert by_clock > 2 * 512**3 / (4 * 0.001)  # products of 512, about one per read of the clock
+
+
 def test_cpu_memory_is_the_peak_not_the_current_size():
     import psutil
 

@@ -53,13 +53,28 @@ def measure_cpu_peak(dtype: torch.dtype = torch.bfloat16, n: int = 1024, seconds
     return best
 
 
+PROBE_N = 256
+"""The size of the first, timed product, from which :func:`matmul_windows` sizes the others."""
+
+
 def matmul_windows(dtype: torch.dtype, n: int, seconds: float, windows: int) -> list[tuple[float, float]]:
     """(by the clock, by the CPU time its threads got) FLOP/s of n x n matmuls in ``dtype``, for each
-    of ``windows`` windows of ``seconds``."""
+    of ``windows`` windows of ``seconds``. Where one n x n product would not fit in a window (a CPU
+    that emulates ``dtype``: 2.8 s for n = 1024 in bf16 or fp16 on an AVX2-only EPYC, against 30 ms
+    in fp32), n is halved until it does, as a first timed product of ``PROBE_N`` foretells: else
+    the warm-up and the five windows' single products took 17 s."""
     draw = torch.Generator().manual_seed(0)  # the run's own generators are left as they are
+    probe = min(n, PROBE_N)
+    a = torch.randn(probe, probe, generator=draw).to(dtype)
+    a @ a  # warm-up (oneDNN picks its kernel on first use)
+    start = time.perf_counter()
+    a @ a
+    rate = 2 * probe**3 / max(time.perf_counter() - start, 1e-9)
+    while n > probe and 2 * n**3 / rate > seconds:
+        n //= 2
     a = torch.randn(n, n, generator=draw).to(dtype)
     b = torch.randn(n, n, generator=draw).to(dtype)
-    a @ b  # warm-up (oneDNN picks its kernel on first use)
+    a @ b  # warm-up at this size
     threads, out = torch.get_num_threads(), []
     for _ in range(windows):
         reps, start, cpu = 0, time.perf_counter(), time.process_time()
@@ -104,8 +119,8 @@ def cpu_key(dtype: torch.dtype) -> str:
 
 def cached_cpu_peak(dtype: torch.dtype) -> float:
     """:func:`measure_cpu_peak`, measured once per machine rather than once per run: the first run
-    on a CPU (by :func:`cpu_key`) times it and keeps it in the user cache, later ones read it (half
-    a second per process, two on a CPU that emulates bf16). A run whose steps beat it raises the
+    on a CPU (by :func:`cpu_key`) times it and keeps it in the user cache, later ones read it (the
+    timing takes 0.6 s, where the CPU emulates the dtype too). A run whose steps beat it raises the
     kept value (:func:`raise_cpu_peak`), so a peak first timed on a busy machine heals. A cache that
     cannot be read or written only means measuring again."""
     key = cpu_key(dtype)
