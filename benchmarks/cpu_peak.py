@@ -23,7 +23,7 @@ import torch
 from ema_demo import cpu_name
 
 from vltrain.runtime.precision import DTYPES
-from vltrain.train.metrics import matmul_windows
+from vltrain.train.metrics import matmul_windows, time_products
 
 
 def spin(stop: float) -> None:
@@ -43,15 +43,7 @@ def fixed_size_peak(dtype: torch.dtype, n: int = 1024, seconds: float = 0.1, win
     draw = torch.Generator().manual_seed(0)
     a, b = (torch.randn(n, n, generator=draw).to(dtype) for _ in range(2))
     a @ b
-    best, threads = 0.0, torch.get_num_threads()
-    for _ in range(windows):
-        reps, start, cpu = 0, time.perf_counter(), time.process_time()
-        while reps == 0 or time.perf_counter() - start < seconds:
-            a @ b
-            reps += 1
-        wall, cpu = time.perf_counter() - start, time.process_time() - cpu
-        best = max(best, 2 * n**3 * reps / wall, 2 * n**3 * reps / max(cpu / threads, 1e-9))
-    return best
+    return max(max(w) for w in time_products(a, b, seconds, windows))
 
 
 def cost() -> None:

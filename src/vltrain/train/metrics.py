@@ -75,7 +75,13 @@ def matmul_windows(dtype: torch.dtype, n: int, seconds: float, windows: int) -> 
     a = torch.randn(n, n, generator=draw).to(dtype)
     b = torch.randn(n, n, generator=draw).to(dtype)
     a @ b  # warm-up at this size
-    threads, out = torch.get_num_threads(), []
+    return time_products(a, b, seconds, windows)
+
+
+def time_products(a: torch.Tensor, b: torch.Tensor, seconds: float, windows: int) -> list[tuple[float, float]]:
+    """(by the clock, by the CPU time its threads got) FLOP/s of ``a @ b`` (square), for each of
+    ``windows`` windows of ``seconds``; a window holds at least one product."""
+    n, threads, out = a.shape[0], torch.get_num_threads(), []
     for _ in range(windows):
         reps, start, cpu = 0, time.perf_counter(), time.process_time()
         while reps == 0 or time.perf_counter() - start < seconds:
