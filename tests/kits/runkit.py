@@ -22,12 +22,13 @@ from kits.multiproc import free_port
 
 from vltrain.checkpoint.manager import find_checkpoint
 from vltrain.checkpoint.storage import read_tensors
+from vltrain.runtime.faults import Fault
 
 STEPS = 10
 EVERY = 4
 """Checkpoints at steps 4 and 8 and at the end; a stop at step 6 resumes mid-epoch from step 4."""
-IN_STEP_FAULTS = ("overflow:",)
-"""Faults that stop no rank (an inf in one rank's gradients): their runs fork as any other."""
+IN_STEP_FAULTS = ("overflow",)
+"""Fault actions that stop no rank (an inf in one rank's gradients): their runs fork as any other."""
 
 
 def make_shapes(root: Path) -> Path:
@@ -82,7 +83,7 @@ def train(shapes: Path, run_dir: Path, *, nproc: int = 2, max_restarts: int = 0,
     the five CPU-seconds of imports per process or torchrun's agent. Restarts and faults on several
     ranks that stop one need the agent, and run under torchrun, as does a test of torchrun's own part
     (``torchrun``)."""
-    if not (torchrun or max_restarts) and (nproc == 1 or not fault or fault.startswith(IN_STEP_FAULTS)):
+    if not (torchrun or max_restarts) and (nproc == 1 or not fault or Fault.parse(fault).action in IN_STEP_FAULTS):
         return finish(launch(["train", str(shapes / "base.yaml"), *overrides(shapes, run_dir, **extra)], nproc,
                              fault=fault), timeout)
     agent = ["--nproc-per-node", str(nproc), "--max-restarts", str(max_restarts),
